@@ -1,0 +1,350 @@
+"""`fast` backend: our own LLaMA forward over a preallocated static KV cache.
+
+Why it exists: for a small base (SmolLM2-135M) one decode step is ~30 layers of tiny matmuls, so
+per-step overhead (Python, dynamic cache concatenation, per-head K/V repeats, mask building) is a
+large share of the time. This backend reads the weights of a transformers `LlamaForCausalLM` once,
+fuses q/k/v and gate/up into single matmuls, keeps K/V in one preallocated buffer
+`[layers, kv_heads, capacity, head_dim]` (commit = one gather + index_copy inside it, never a new
+cache), and uses precomputed RoPE tables.
+
+Two execution modes:
+- eager (CPU default): shapes follow the step exactly (attend over `cache_len + N` slots).
+- static (CUDA default, or `compile=True`): the tree is padded to a power-of-two bucket and
+  attention runs over the whole buffer with a mask, so every step of a bucket has the same shapes
+  and `torch.compile` (CUDA graphs via mode "reduce-overhead" on GPU) can replay it. Prefill
+  always runs eager (prompt lengths vary).
+
+The slow reference twin is the `hf` backend; `tests/test_eval_fast_backend.py` checks logits parity.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eval.backends.base import BaseBackend
+
+# RoPE variants whose frequencies change with the sequence length; a static cos/sin table cannot
+# reproduce them.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+# Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases may be None).
+_LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, in] @ w_t [in, out] (+ bias [out]) (+ residual [N, out]), in as few kernels as possible."""
+    if residual is None:
+        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+    out = torch.addmm(residual, x, w_t)  # residual add fused into the GEMM
+    return out if bias is None else out.add_(bias)
+
+
+# Spare slots after max_len for static-mode padding: enough for any tree of up to 65 nodes (the
+# 63-node Medusa tree pads to 64) wherever the cache stands.
+_STATIC_PAD_ROOM = 64
+
+
+def _bucket(n: int) -> int:
+    """Smallest power of two >= n: the padded tree size of the static (compiled) mode."""
+    return 1 << (n - 1).bit_length()
+
+
+class _LlamaCore(nn.Module):
+    """Weights, RoPE tables and the KV cache as buffers (so torch.compile / CUDA graphs treat them
+    as static addresses), plus one forward over N new tokens."""
+
+    def __init__(self, hf_model: nn.Module, capacity: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        cfg = hf_model.config
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.groups = self.n_heads // self.n_kv  # query heads per K/V head (GQA)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.eps = float(cfg.rms_norm_eps)
+        base = hf_model.model
+
+        def t(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.detach().to(device=device, dtype=dtype)
+
+        # Matmul weights are stored transposed, [in, out], and applied as `x @ W_t`: on CPU the
+        # row-vector x K-major product runs ~2x faster than F.linear's [out, in] gemv for N=1 (the
+        # decode case), and it is no slower for larger N or on CUDA.
+        def tt(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else t(x).t().contiguous()
+
+        self.register_buffer("embed", t(base.embed_tokens.weight), persistent=False)  # [V, d]
+        # [d, V]; with tied embeddings this is the one extra copy of the embedding we keep.
+        self.register_buffer("lm_head_t", tt(hf_model.lm_head.weight), persistent=False)
+        self.register_buffer("final_norm", t(base.norm.weight), persistent=False)
+
+        # Per-layer fused weights. Stored as separately named buffers (layer count is small and
+        # fixed); `self.layers` keeps plain tuples of them for a cheap Python loop.
+        self.layers: list[tuple] = []
+        for i, layer in enumerate(base.layers):
+            att, mlp = layer.self_attn, layer.mlp
+            # [(H + 2*Hkv) * hd, d] (stored transposed): one matmul gives q, k and v of every head.
+            wqkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], 0)
+            bqkv = None
+            if att.q_proj.bias is not None:
+                bqkv = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias], 0)
+            # [2 * I, d] (stored transposed): gate rows first, then up rows.
+            wgu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], 0)
+            bgu = None
+            if mlp.gate_proj.bias is not None:
+                bgu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias], 0)
+            tensors = (t(layer.input_layernorm.weight), tt(wqkv), t(bqkv), tt(att.o_proj.weight),
+                       t(att.o_proj.bias), t(layer.post_attention_layernorm.weight), tt(wgu), t(bgu),
+                       tt(mlp.down_proj.weight), t(mlp.down_proj.bias))
+            for name, x in zip(_LAYER_TENSORS, tensors):
+                self.register_buffer(f"l{i}_{name}", x, persistent=False)
+        self._bind_layers()
+
+        # RoPE: the model's own inverse frequencies (this already applies linear / llama3 / yarn
+        # scaling from the config) and its attention scaling, tabulated for every slot.
+        rot = base.rotary_emb
+        rope_type = getattr(rot, "rope_type", "default")
+        if rope_type in _DYNAMIC_ROPE_TYPES:
+            raise NotImplementedError(
+                f"fast backend: rope_type={rope_type!r} rescales frequencies with the sequence length, "
+                "which a static cos/sin table cannot follow; use backend=hf for this model")
+        inv_freq = rot.inv_freq.detach().float().to(device)  # [hd/2]
+        if inv_freq.numel() * 2 != self.head_dim:
+            raise NotImplementedError(
+                f"fast backend: RoPE covers {inv_freq.numel() * 2} of {self.head_dim} head dims "
+                "(partial rotary); only full-head RoPE is implemented, use backend=hf")
+        self.attn_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        self.inv_freq = inv_freq
+        self.dtype, self.device = dtype, device
+        self.capacity = 0
+        self.allocate(capacity)
+
+    def _layer_tensors(self) -> list[tuple]:
+        return [tuple(getattr(self, f"l{i}_{n}") for n in _LAYER_TENSORS) for i in range(self.n_layers)]
+
+    def _bind_layers(self) -> None:
+        # Eager fast path: a plain list of tuples avoids ~300 nn.Module attribute lookups per step.
+        self.layers = self._layer_tensors()
+
+    def allocate(self, capacity: int) -> None:
+        """(Re)build the KV buffers and RoPE tables for `capacity` slots. Called at construction
+        and only when a longer sequence is requested, never per step."""
+        # zeros, not empty: stale slots are masked out, but 0 * NaN garbage would still be NaN.
+        shape = (self.n_layers, self.n_kv, capacity, self.head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=self.dtype, device=self.device),
+                             persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=self.dtype, device=self.device),
+                             persistent=False)
+        # Same arithmetic as transformers (fp32 angles, cast last), so fp32 parity is exact.
+        freqs = torch.arange(capacity, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], -1)  # [capacity, hd]
+        cos = emb.cos() * self.attn_scaling
+        sin = emb.sin() * self.attn_scaling
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, hd/2) * cat(-sin1, sin2): saves the negation per call.
+        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], -1)
+        self.register_buffer("cos", cos.to(self.dtype), persistent=False)
+        self.register_buffer("sin", sin_signed.to(self.dtype), persistent=False)
+        self.capacity = capacity
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                mask: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, positions, slots [N] long; mask [G*N, kv_len] bool (rows ordered group-major,
+        see `group_mask`) or None for "see every slot"; new K/V are written at `slots`, then every
+        query attends over slots [0, kv_len). Returns (logits [N, V] fp32, hidden [N, d])."""
+        n = tokens.shape[0]
+        H, Hkv, G, hd = self.n_heads, self.n_kv, self.groups, self.head_dim
+        cos = self.cos[positions].unsqueeze(1)  # [N, 1, hd], broadcast over heads
+        sin = self.sin[positions].unsqueeze(1)
+        x = F.embedding(tokens, self.embed)  # [N, d]
+        layers = self.layers
+        if torch.compiler.is_compiling():
+            # Read the registered buffers by name so the compiler sees them as module state (static
+            # addresses for CUDA graphs), not as loose tensors it would copy in on every replay.
+            layers = self._layer_tensors()
+        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(layers):
+            h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
+            qkv = _mm(h, wqkv, bqkv).view(n, H + 2 * Hkv, hd)
+            # RoPE on q and k together (they are adjacent heads in the fused output).
+            qk = qkv[:, : H + Hkv]
+            qk = qk * cos + torch.roll(qk, hd // 2, -1) * sin  # [N, H + Hkv, hd]
+            k = qk[:, H:].transpose(0, 1)  # [Hkv, N, hd]
+            v = qkv[:, H + Hkv:].transpose(0, 1)
+            kc, vc = self.k_cache[i], self.v_cache[i]  # [Hkv, capacity, hd] views
+            kc.index_copy_(1, slots, k)
+            vc.index_copy_(1, slots, v)
+            # GQA without repeating K/V: query head j*G+g uses K/V head j, so [H, N, hd] viewed as
+            # [Hkv, G*N, hd] puts all queries of one K/V head in one row block (order g, n).
+            q = qk[:, :H].transpose(0, 1).reshape(1, Hkv, G * n, hd)
+            o = F.scaled_dot_product_attention(q, kc[None, :, :kv_len], vc[None, :, :kv_len],
+                                               attn_mask=mask)  # [1, Hkv, G*N, hd]
+            o = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
+            x = _mm(o, wo, bo, residual=x)
+            h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps)
+            gate, up = _mm(h, wgu, bgu).chunk(2, -1)  # [N, I] each
+            x = _mm(F.silu(gate) * up, wd, bd, residual=x)
+        hidden = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)
+        logits = torch.mm(hidden, self.lm_head_t).float()  # full vocab for every node: [N, V]
+        return logits, hidden
+
+    def group_mask(self, mask: torch.Tensor) -> torch.Tensor:
+        """[N, S] per-node mask -> [G*N, S] rows for the grouped GQA query layout."""
+        return mask.repeat(self.groups, 1) if self.groups > 1 else mask
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move K/V of slots `src` [m] to slots `dst` [m], all layers at once."""
+        self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
+        self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+
+
+class FastLlamaBackend(BaseBackend):
+    """LLaMA-family base with a static KV cache; see the module docstring.
+
+    hf_model: a transformers `LlamaForCausalLM` (read once; this backend keeps its own fused copy of
+    the layer weights, sharing the embedding when dtype/device match). max_len: slots reserved for
+    prompt + generated tokens + one tree (reset() with a larger value reallocates). dtype / device:
+    default to the model's. compile: torch.compile the tree step (default: on for CUDA, off on CPU,
+    where eager with exact shapes is faster for a small model). static: pad trees to power-of-two
+    buckets and attend over the whole buffer (default: same as compile).
+    """
+
+    def __init__(self, hf_model: nn.Module, max_len: int = 2048, dtype: torch.dtype | None = None,
+                 compile: bool | None = None, device: torch.device | str | None = None,
+                 static: bool | None = None):
+        cfg = hf_model.config
+        if getattr(cfg, "model_type", None) != "llama":
+            raise ValueError(
+                f"fast backend supports the LLaMA family only, got model_type="
+                f"{getattr(cfg, 'model_type', None)!r}; use backend=hf for this model")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"fast backend: hidden_act={act!r} is not implemented (only 'silu')")
+        ref = hf_model.get_input_embeddings().weight
+        self.device = torch.device(device) if device is not None else ref.device
+        self.dtype = dtype or ref.dtype
+        self.vocab_size = cfg.vocab_size
+        self.hidden_size = cfg.hidden_size
+        self.compile = (self.device.type == "cuda") if compile is None else bool(compile)
+        # Static shapes go with compilation: that is what lets one graph serve every step. (Tests
+        # force static=True without compiling to check the padding logic on CPU.)
+        self.static = self.compile if static is None else bool(static)
+        self._core = _LlamaCore(hf_model, self._capacity_for(max_len), self.dtype, self.device).eval()
+        self._step = self._core.forward
+        if self.compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._step = torch.compile(self._core.forward, mode=mode, dynamic=False, fullgraph=True)
+        self._max_len = max_len
+        self._len = 0
+        self._last_n = 0  # nodes of the last forward_tree, awaiting commit
+
+    def _capacity_for(self, max_len: int) -> int:
+        # Static mode pads a tree up to a power of two; the padding's K/V land in spare slots past
+        # max_len. A step whose padding does not fit runs eager instead (see forward_tree).
+        return max_len + _STATIC_PAD_ROOM if self.static else max_len
+
+    # -- contract -----------------------------------------------------------------------------
+
+    @property
+    def cache_len(self) -> int:
+        return self._len
+
+    def reset(self, max_len: int) -> None:
+        if max_len < 1:
+            raise ValueError(f"reset(max_len={max_len}): max_len must be >= 1")
+        need = self._capacity_for(max_len)
+        if need > self._core.capacity:  # grow once; later resets reuse the buffer
+            self._core.allocate(need)
+        self._max_len = max_len
+        self._len = 0
+        self._last_n = 0
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"prefill expects a non-empty 1-D token tensor [T], got shape "
+                             f"{tuple(input_ids.shape)}; drop the batch dim (batch size is 1)")
+        if self._len != 0:
+            raise RuntimeError(f"prefill needs an empty cache but cache_len={self._len}; call reset() first")
+        t = input_ids.numel()
+        self._check_room(t, "prefill")
+        ids = input_ids.to(self.device)
+        pos = torch.arange(t, device=self.device)
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
+        # Eager even in static mode: prompt lengths vary, a graph per length would not pay off.
+        logits, hidden = self._core(ids, pos, pos, self._core.group_mask(causal), t)
+        self._len = t
+        self._last_n = 0
+        return logits, hidden
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = tokens.numel()
+        if tokens.dim() != 1 or n == 0 or depths.shape != tokens.shape or tree_mask.shape != (n, n):
+            raise ValueError(
+                f"forward_tree expects tokens [N], depths [N], tree_mask [N, N]; got "
+                f"{tuple(tokens.shape)}, {tuple(depths.shape)}, {tuple(tree_mask.shape)}")
+        self._check_room(n, "forward_tree")
+        c, dev = self._len, self.device
+        tokens, depths = tokens.to(dev), depths.to(dev)
+        tree_mask = tree_mask.to(device=dev, dtype=torch.bool)
+        if self.static and c + _bucket(n) <= self._core.capacity:
+            logits, hidden = self._static_step(tokens, depths, tree_mask)
+        else:
+            kv_len = c + n
+            slots = torch.arange(c, kv_len, device=dev)
+            if n == 1:
+                mask = None  # a lone root sees the prefix and itself: everything in [0, c+1)
+            else:
+                mask = torch.ones(n, kv_len, dtype=torch.bool, device=dev)
+                mask[:, c:] = True
+                mask = self._core.group_mask(mask)
+            # Not self._step: a compiled step is specialised to the static shapes.
+            logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len)
+        self._last_n = n
+        return logits, hidden
+
+    def _static_step(self, tokens, depths, tree_mask):
+        """Pad to a bucket of B nodes and attend over the whole buffer: shapes depend on B only."""
+        n, c, dev, cap = tokens.numel(), self._len, self.device, self._core.capacity
+        b = _bucket(n)
+        pad = b - n
+        tok = F.pad(tokens, (0, pad))
+        pos = F.pad(c + depths, (0, pad), value=c)
+        slots = torch.arange(c, c + b, device=dev)  # padding lands in the reserved spare slots
+        mask = torch.zeros(b, cap, dtype=torch.bool, device=dev)
+        mask[:, :c] = True
+        mask[:n, c:c + n] = tree_mask
+        # Padding rows see only themselves, so they stay finite and never touch real nodes.
+        idx = torch.arange(n, b, device=dev)
+        mask[idx, c + idx] = True
+        logits, hidden = self._step(tok, pos, slots, self._core.group_mask(mask), cap)
+        # Copy out of CUDA-graph-owned memory before the next replay overwrites it.
+        return logits[:n].clone(), hidden[:n].clone()
+
+    @torch.inference_mode()
+    def commit(self, keep: torch.Tensor) -> None:
+        keep_list = [int(i) for i in keep.reshape(-1).tolist()]
+        m, n = len(keep_list), self._last_n
+        if n == 0:
+            raise RuntimeError("commit() without a pending forward_tree(); call forward_tree first")
+        if m == 0 or m > n or min(keep_list) < 0 or max(keep_list) >= n:
+            raise ValueError(f"commit(keep={keep_list}): need 1..{n} node indices in [0, {n}) "
+                             f"from the last forward_tree")
+        c = self._len
+        # Nodes already in place (AR steps, or a path made of the first m nodes) need no copy.
+        if keep_list != list(range(m)):
+            src = torch.tensor(keep_list, device=self.device) + c
+            self._core.compact(src, torch.arange(c, c + m, device=self.device))
+        self._len = c + m
+        self._last_n = 0
+
+    def _check_room(self, n: int, what: str) -> None:
+        if self._len + n > self._max_len:
+            raise ValueError(
+                f"{what}: {n} new tokens after cache_len={self._len} exceed max_len={self._max_len}; "
+                f"call reset(max_len) with room for prompt + new tokens + the largest tree")

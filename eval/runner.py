@@ -1,0 +1,179 @@
+"""`specdraft eval`: one draft (or learning-free method) on one prompt set, with both baselines in the
+same run, written as report.json / report.md / samples.jsonl / plots (DESIGN.md §3, §8).
+
+Per prompt, in this order and on the same engine: speculative decoding, own AR decoding (the speed
+baseline and the losslessness reference), transformers `generate` (greedy). Every method gets one
+untimed warm-up generation first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eval.config import EvalConfig, load_eval_config
+from eval.decoder import autoregressive_generate, speculative_generate
+from eval.hf_baseline import hf_generate_timed
+from eval.prompts import load_eval_prompts
+from eval.report import PromptResult, build_report, write_report
+
+log = logging.getLogger("specdraft.eval")
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "eval"
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def make_backend(kind: str, model):
+    if kind == "fast":
+        from eval.backends.fast import FastLlamaBackend
+
+        return FastLlamaBackend(model)
+    from eval.backends.hf import HFBackend
+
+    return HFBackend(model)
+
+
+def _result(prompt, gen, tokenizer, matches: bool | None) -> PromptResult:
+    n_new = len(gen.tokens) - 1  # the prefill's token is not a decode-step token (see eval/decoder.py)
+    return PromptResult(
+        id=prompt.id, new_tokens=n_new, base_steps=gen.base_steps, decode_time=gen.decode_time,
+        prefill_time=gen.prefill_time, draft_time=gen.draft_time, accept_lengths=list(gen.accepted_lengths),
+        accepted_per_depth=list(gen.accept_counts), proposed_per_depth=list(gen.proposed_counts),
+        matches_greedy=matches, category=prompt.category, prompt=prompt.text,
+        output=tokenizer.decode(gen.tokens), tokens=list(gen.tokens))
+
+
+def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: dict | None = None) -> dict:
+    """Run `drafter` on cfg's prompts with `base` (a models.base.LoadedBase); write and return the report."""
+    model, tok = base.model, base.tokenizer
+    device = next(model.parameters()).device
+    backend = make_backend(cfg.backend, model)
+    eos = _eos_ids(model, tok)
+    prompts = load_eval_prompts(cfg.dataset, tok, num_prompts=cfg.num_prompts, both_turns=cfg.both_turns,
+                                seed=cfg.seed, heldout_skip=cfg.heldout_skip, max_prompt_tokens=cfg.max_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"no prompts left from dataset={cfg.dataset!r} (max_prompt_tokens={cfg.max_prompt_tokens})")
+    greedy = cfg.temperature == 0
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, generator=gen)
+
+    def spec(ids, n):
+        return speculative_generate(backend, drafter, ids, max_new_tokens=n, eos_ids=eos, acceptance=cfg.acceptance,
+                                    typical_eps=cfg.typical_eps, typical_delta=cfg.typical_delta, **sampling)
+
+    def ar(ids, n):
+        return autoregressive_generate(backend, ids, max_new_tokens=n, eos_ids=eos, **sampling)
+
+    if cfg.warmup_tokens > 0:  # one-off costs (allocator, oneDNN kernels, compile) stay out of the timings
+        w = prompts[0].input_ids
+        spec(w, cfg.warmup_tokens)
+        if cfg.ar_baseline:
+            ar(w, cfg.warmup_tokens)
+        if cfg.hf_baseline:
+            hf_generate_timed(model, w, cfg.warmup_tokens, eos)
+
+    results, ar_tokens, ar_time, hf_tokens, hf_time, hf_match = [], 0, 0.0, 0, 0.0, []
+    t_start = time.perf_counter()
+    for p in tqdm(prompts, desc=f"eval {method} on {cfg.dataset}", unit="prompt", dynamic_ncols=True):
+        s = spec(p.input_ids, cfg.max_new_tokens)
+        matches = None
+        if cfg.ar_baseline:
+            a = ar(p.input_ids, cfg.max_new_tokens)
+            ar_tokens += len(a.tokens) - 1
+            ar_time += a.decode_time
+            matches = (s.tokens == a.tokens) if greedy else None
+        if cfg.hf_baseline and greedy:
+            h = hf_generate_timed(model, p.input_ids, cfg.max_new_tokens, eos)
+            hf_tokens += len(h.tokens) - 1
+            hf_time += h.seconds
+            hf_match.append(list(h.tokens) == s.tokens)
+        results.append(_result(p, s, tok, matches))
+
+    ar_tps = ar_tokens / ar_time if ar_time > 0 else None
+    hf_tps = hf_tokens / hf_time if hf_time > 0 else None
+    extra = {"backend": cfg.backend, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+             "acceptance": cfg.acceptance, "temperature": cfg.temperature, "top_p": cfg.top_p,
+             "max_new_tokens": cfg.max_new_tokens, "threads": torch.get_num_threads(),
+             "base_fingerprint": base.fingerprint, "wall_seconds": time.perf_counter() - t_start,
+             "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
+             **(info or {})}
+    report = build_report(results, method=method, base_model=base.name, device=_device_name(device),
+                          dataset=cfg.dataset, ar_tokens_per_second=ar_tps, hf_tokens_per_second=hf_tps,
+                          extra=extra)
+    steps = [n for r in results for n in r.accept_lengths]
+    write_report(out_dir, report, [r.to_sample() for r in results], steps, report["accept_rate_per_position"])
+    return report
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
+    """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
+    from eval.drafters.registry import build_drafter
+    from models.base import load_base
+    from models.draft import BaseView
+    from train.export import load_draft, read_export_config
+
+    export_dir = Path(export_dir)
+    export_cfg = read_export_config(export_dir)
+    device = _device(cfg.device)
+    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
+    draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
+    draft = draft.to(device=device, dtype=next(base.model.parameters()).dtype)
+    drafter, info = build_drafter(draft, export_cfg, cfg)
+    out_dir = export_dir.parent / "eval" / cfg.name
+    report = evaluate(cfg, base, drafter, export_cfg["family"], out_dir, {"export": str(export_dir), **info})
+    return report, out_dir
+
+
+def format_summary(report: dict, out_dir: Path) -> str:
+    def f(x, spec=".2f"):
+        return "n/a" if x is None else format(x, spec)
+
+    return (f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}):\n"
+            f"  acceptance length {f(report['acceptance_length'])} | {f(report['tokens_per_second'], '.1f')} tok/s"
+            f" | own AR {f(report['ar_tokens_per_second'], '.1f')} tok/s | HF generate "
+            f"{f(report['hf_tokens_per_second'], '.1f')} tok/s\n"
+            f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate | "
+            f"lossless {report['lossless']} ({f(report['lossless_fraction'])})\n"
+            f"  report: {out_dir / 'report.md'}")
+
+
+def run_eval_cli(args) -> int:
+    configs = args.config or [str(CONFIGS / "mtbench.yaml")]
+    cfg = load_eval_config(configs, args.overrides)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.method:
+        raise ValueError(f"--method {args.method}: learning-free methods are not built yet (N-gram issue); "
+                         "evaluate a trained export with --draft runs/<run>/export")
+    if not args.draft:
+        raise ValueError("pass --draft runs/<run>/export (a trained export) or --method NAME")
+    report, out_dir = eval_export(Path(args.draft), cfg)
+    print(format_summary(report, out_dir))
+    return 0

@@ -1,0 +1,28 @@
+"""Pure loss functions (no deepspeed, no torch.distributed): sums + counts, shapes in docstrings.
+
+- ``weighted_ce``: hard CE reference and the Medusa weighting ``Σ_k λ_k · CE_k``.
+- ``soft_ce``: soft CE to a frozen teacher distribution.
+- ``fused_linear_ce``: chunked fused ``Linear → CE (+ soft CE)`` fast path and its slow twin.
+"""
+
+from losses.fused_linear_ce import LossStats, fused_linear_cross_entropy, linear_cross_entropy_reference
+from losses.soft_ce import soft_cross_entropy_sum
+from losses.weighted_ce import (
+    IGNORE_INDEX,
+    cross_entropy_sum,
+    head_weights,
+    weighted_head_means,
+    weighted_multi_head_ce,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LossStats",
+    "cross_entropy_sum",
+    "fused_linear_cross_entropy",
+    "head_weights",
+    "linear_cross_entropy_reference",
+    "soft_cross_entropy_sum",
+    "weighted_head_means",
+    "weighted_multi_head_ce",
+]

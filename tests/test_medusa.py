@@ -1,0 +1,98 @@
+"""Medusa heads: distinct modules, offsets (head k learns x_{t+1+k}), share_lm_head."""
+
+import torch
+
+from data.targets import offset_labels
+from models.draft import BaseView, DraftBatch
+from models.medusa import MedusaDraft
+from models.tiny import tiny_llama
+from train.config import LossSection
+
+
+def _view(seed=0):
+    return BaseView.from_model(tiny_llama(seed))
+
+
+def test_parameters_are_distinct_modules():
+    view = _view()
+    d, v = view.hidden_size, view.vocab_size
+    draft = MedusaDraft(num_heads=3, num_layers=2, base=view)
+    unique = {id(p) for p in draft.parameters()}
+    assert len(unique) == len(list(draft.parameters()))
+    expected = 3 * (2 * (d * d + d) + v * d)  # per head: 2 ResBlocks (W, b) + own LM head
+    assert sum(p.numel() for p in draft.parameters()) == expected
+    # Own LM heads start as copies of the base lm_head but are separate tensors.
+    w0, w1 = draft.head_weight(1), draft.head_weight(2)
+    assert torch.equal(w0, view.lm_head_weight) and w0.data_ptr() != w1.data_ptr()
+
+
+def test_share_lm_head_trains_only_resblocks_and_exports_no_lm_head():
+    view = _view()
+    draft = MedusaDraft(num_heads=2, num_layers=1, base=view, share_lm_head=True)
+    d = view.hidden_size
+    assert sum(p.numel() for p in draft.parameters()) == 2 * (d * d + d)
+    assert all("shared_lm_head" not in k for k in draft.state_dict())
+    assert draft.head_weight(1) is view.lm_head_weight
+
+
+def test_fresh_head_predicts_what_the_base_predicts():
+    # Zero-initialised ResBlock weights: a new head = base lm_head on h_t plus a constant SiLU(b) shift.
+    view = _view()
+    draft = MedusaDraft(num_heads=2, num_layers=1, base=view)
+    for blk in [draft.heads[0][0], draft.heads[1][0]]:
+        torch.nn.init.zeros_(blk.linear.bias)
+    h = torch.randn(5, view.hidden_size)
+    logits = draft(h)
+    assert logits.shape == (2, 5, view.vocab_size)
+    torch.testing.assert_close(logits[0], h @ view.lm_head_weight.T)
+
+
+def test_head_k_learns_the_token_at_offset_1_plus_k():
+    """Memorisation: with h_t carrying the identity of position t, head k can fit x_{t+1+k}."""
+    torch.manual_seed(0)
+    view = _view()
+    T, K = 24, 3
+    ids = torch.randint(3, view.vocab_size, (1, T))
+    mask = torch.ones(1, T, dtype=torch.long)
+    hidden = torch.randn(1, T, view.hidden_size)  # distinct random state per position
+    draft = MedusaDraft(num_heads=K, num_layers=1, base=view)
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-2)
+    cfg = LossSection(chunk_size=7)
+    for _ in range(150):
+        out = draft.loss(DraftBatch(hidden, ids, mask), view, cfg)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert out.loss.item() < 0.05
+    with torch.no_grad():
+        logits = draft(hidden[0])  # [K, T, V]
+    for k in range(1, K + 1):
+        labels = offset_labels(ids, mask, 1 + k)[0]
+        valid = labels != -100
+        assert valid.sum() == T - 1 - k
+        assert torch.equal(logits[k - 1][valid].argmax(-1), labels[valid])
+        # ... and not the token one position earlier (the offset rule is exact, not off by one).
+        earlier = ids[0, k:T - 1][: int(valid.sum())]  # x_{t+k} for the same positions t
+        assert (logits[k - 1][valid].argmax(-1) == earlier).float().mean() < 0.5
+
+
+def test_chunked_and_plain_loss_agree_on_medusa():
+    torch.manual_seed(1)
+    view = _view()
+    ids = torch.randint(3, view.vocab_size, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[:, :4] = 0  # a user turn
+    hidden = torch.randn(2, 16, view.hidden_size)
+    draft = MedusaDraft(num_heads=3, num_layers=1, base=view)
+    batch = DraftBatch(hidden, ids, mask)
+    results = []
+    for chunked in (True, False):
+        draft.zero_grad()
+        out = draft.loss(batch, view, LossSection(chunked=chunked, chunk_size=5, teacher_weight=0.3))
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in draft.parameters()], out.per_depth))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for g1, g2 in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+    # 2 rows x (13 - (1+k)) valid targets per head
+    assert [s.count for s in results[0][2]] == [s.count for s in results[1][2]] == [22, 20, 18]

@@ -1,0 +1,170 @@
+"""End-to-end training on the smoke config (tiny random LLaMA, ShareGPT fixture), in this process and
+in subprocesses (crash + resume, SIGTERM, 2 DeepSpeed CPU ranks)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.base import load_base
+from models.draft import BaseView
+from train.config import load_train_config
+from train.export import load_draft, read_tensors
+
+RECIPE = ["configs/medusa.yaml", "configs/smoke.yaml"]
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+# An in-process run (the smoke_run fixture) leaves its 1-rank process-group variables in os.environ; a
+# child must not inherit them (it would try to bind the parent's MASTER_PORT).
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+def _cli(args: list[str], env_extra: dict | None = None, **kw) -> subprocess.Popen:
+    env = _env(env_extra)
+    return subprocess.Popen([sys.executable, "-m", "train.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    from train.loop import train
+
+    run_dir = tmp_path_factory.mktemp("runs") / "smoke"
+    base_before = {k: v.clone() for k, v in load_base("tiny").model.state_dict().items()}
+    cfg = load_train_config(RECIPE, [f"run_dir={run_dir}", "train.max_steps=16", "train.lr=5e-3",
+                                     "train.log_every=4"])
+    train(cfg)
+    return run_dir, base_before
+
+
+def test_smoke_run_writes_the_contract_files(smoke_run):
+    run_dir, _ = smoke_run
+    for rel in ("config.yaml", "metrics.jsonl", "checkpoints/latest", "export/model.safetensors",
+                "export/config.json", "heldout.json"):
+        assert (run_dir / rel).exists(), rel
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows if "loss" in r] == [4, 8, 12, 16]
+    for key in ("loss", "loss/head1", "top1/head1", "top5/head4", "lr", "grad_norm", "tokens_per_s"):
+        assert key in rows[0], key
+
+
+def test_loss_decreases(smoke_run):
+    rows = [r for r in _metrics(smoke_run[0]) if "loss" in r]
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+
+
+def test_base_weights_unchanged_by_training(smoke_run):
+    _, before = smoke_run
+    after = load_base("tiny").model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+
+
+def test_export_holds_only_draft_tensors_and_round_trips(smoke_run):
+    run_dir, _ = smoke_run
+    export = run_dir / "export"
+    config = json.loads((export / "config.json").read_text())
+    assert config["family"] == "medusa" and config["base_model"] == "tiny" and config["base_fingerprint"]
+    tensors = read_tensors(export / "model.safetensors")
+    assert all(k.startswith("heads.") for k in tensors)  # no base weights
+    base = load_base("tiny")
+    draft, _ = load_draft(export, BaseView.from_model(base.model), base.fingerprint)
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, tensors[k])
+    with pytest.raises(ValueError, match="fingerprint"):
+        load_draft(export, BaseView.from_model(base.model), "not-this-base")
+
+
+def test_medusa_format_export(smoke_run, tmp_path):
+    run_dir, _ = smoke_run
+    proc = _cli(["export", "--run", str(run_dir), "--format", "medusa", "--out", str(tmp_path / "m")])
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["medusa_num_heads"] == 4 and cfg["medusa_num_layers"] == 1 and cfg["base_model_name_or_path"] == "tiny"
+    tensors = read_tensors(tmp_path / "m" / "medusa_lm_head.safetensors")
+    ours = read_tensors(run_dir / "export" / "model.safetensors")
+    assert set(tensors) == {k.removeprefix("heads.") for k in ours}
+    assert torch.equal(tensors["2.1.weight"], ours["heads.2.1.weight"])  # head 3's LM head
+    assert "0.0.linear.weight" in tensors
+
+
+def test_crash_then_resume_matches_uninterrupted(tmp_path):
+    common = RECIPE + ["train.max_steps=6", "train.save_every=2", "train.val_batches=0"]
+    full = tmp_path / "full"
+    crashed = tmp_path / "crashed"
+    args = lambda d, extra=(): ["train", "--config", RECIPE[0], "--config", RECIPE[1], *common[2:],  # noqa: E731
+                                f"run_dir={d}", *extra]
+    p = _cli(args(full))
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    # Crash hard after step 5 (checkpoints exist for steps 2 and 4 only).
+    p = _cli(args(crashed), {"SPECDRAFT_TEST_KILL_AT_STEP": "5"})
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == -signal.SIGKILL, out
+    assert (crashed / "checkpoints" / "latest").read_text().strip() == "step00000004"
+    assert not (crashed / "export").exists()
+    p = _cli(args(crashed, ["resume=auto"]))
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    assert "at step 4" in out
+    a = read_tensors(full / "export" / "model.safetensors")
+    b = read_tensors(crashed / "export" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    # metrics.jsonl has each step once: the replayed steps replaced the crashed run's lines.
+    steps = [r["step"] for r in _metrics(crashed)]
+    assert steps == sorted(set(steps))
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    run_dir = tmp_path / "term"
+    p = _cli(["train", "--config", RECIPE[0], "--config", RECIPE[1], f"run_dir={run_dir}",
+              "train.max_steps=100000", "train.log_every=1"])
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+        assert p.poll() is None and time.time() < deadline, p.stdout.read() if p.poll() is not None else "timeout"
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 143, out  # interrupted, not finished: a scheduler must not think it is done
+    assert "SIGTERM" in out and "resume=auto" in out
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest).is_dir()
+
+
+@pytest.mark.distributed
+def test_two_cpu_ranks_match_one_rank(tmp_path):
+    overrides = ["train.max_steps=4", "train.log_every=1", "train.val_batches=0", "train.global_batch_size=4",
+                 "train.micro_batch_size=2"]
+    one = tmp_path / "one"
+    p = _cli(["train", "--config", RECIPE[0], "--config", RECIPE[1], f"run_dir={one}", *overrides])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    two = tmp_path / "two"
+    deepspeed = Path(sys.executable).parent / "deepspeed"
+    env = _env()
+    proc = subprocess.run([str(deepspeed), "--num_gpus", "2", "--master_port", "29561", "launch/train_draft.py",
+                           "--config", RECIPE[0], "--config", RECIPE[1], f"run_dir={two}", *overrides],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    l1 = [r["loss"] for r in _metrics(one)]
+    l2 = [r["loss"] for r in _metrics(two)]
+    assert len(l1) == len(l2) == 4
+    for a, b in zip(l1, l2):
+        assert a == pytest.approx(b, rel=1e-4)

@@ -1,0 +1,117 @@
+"""`specdraft` command line: train, eval, export, demo (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from train.config_loader import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = REPO_ROOT / "configs"
+
+
+def _add_config_args(p: argparse.ArgumentParser, default_help: str) -> None:
+    p.add_argument("--config", action="append", default=[], metavar="YAML",
+                   help=f"YAML delta over the typed defaults; repeat to stack ({default_help})")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. train.lr=3e-4 run_name=x")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a draft (1 process; use launch/train_draft.py under deepspeed for N)")
+    _add_config_args(p, "e.g. --config configs/medusa.yaml --config configs/smoke.yaml")
+
+    p = sub.add_parser("eval", help="measure a draft (or --method ngram) with the speculative decoder")
+    p.add_argument("--draft", help="an export directory (runs/<run>/export)")
+    p.add_argument("--method", default=None, help="learning-free method instead of --draft (e.g. ngram)")
+    _add_config_args(p, "default configs/eval/mtbench.yaml")
+
+    p = sub.add_parser("export", help="convert a run's export to another format")
+    p.add_argument("--run", required=True, help="the run directory (runs/<run>)")
+    p.add_argument("--format", required=True, choices=["specdraft", "medusa"])
+    p.add_argument("--out", required=True, help="output directory")
+
+    p = sub.add_parser("demo", help="the main job: train Medusa on SmolLM2 + ShareGPT on this machine, evaluate")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the training recipe")
+    return parser
+
+
+def _strip_launcher_args(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N; the rank comes from the environment instead."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.startswith("--local_rank") or a.startswith("--local-rank"):
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def cmd_train(args) -> int:
+    from train.config import load_train_config
+    from train.loop import TrainingInterrupted, train
+
+    cfg = load_train_config(args.config, args.overrides)
+    try:
+        run_dir = train(cfg)
+    except TrainingInterrupted as exc:
+        print(f"specdraft train: {exc}", file=sys.stderr)
+        return 143
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from models.base import load_base
+    from models.draft import BaseView
+    from train.export import export_medusa, export_specdraft, load_draft, read_export_config
+
+    src = Path(args.run) / "export"
+    config = read_export_config(src)
+    base = load_base(config["base_model"])
+    view = BaseView.from_model(base.model)
+    draft, config = load_draft(src, view, base.fingerprint)
+    if args.format == "medusa":
+        out = export_medusa(draft, Path(args.out), config["base_model"], view)
+    else:
+        extra = {k: v for k, v in config.items() if k not in draft.export_config()}
+        out = export_specdraft(draft, Path(args.out), config["base_model"], base.fingerprint, extra=extra)
+    print(f"wrote {args.format} export to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from eval.runner import run_eval_cli
+
+    return run_eval_cli(args)
+
+
+def cmd_demo(args) -> int:
+    from train.demo import run_demo
+
+    return run_demo(args.overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo}[args.command]
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"specdraft {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"specdraft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

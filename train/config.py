@@ -1,0 +1,181 @@
+"""Typed training config: every default lives here; YAML recipes in configs/ are deltas over it.
+
+    cfg = load_train_config(["configs/medusa.yaml", "configs/smoke.yaml"], ["train.lr=3e-4"])
+
+Each component receives only its own section (cfg.data, cfg.draft, ...). `validate` runs at load and
+fails with the key and the fix, so a bad value never reaches a half-finished run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from train.config_loader import ConfigError, load_typed
+
+
+@dataclass
+class BaseSection:
+    path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" (random, tests), or an HF model directory
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16
+
+
+@dataclass
+class DataSection:
+    source: str = "sharegpt"  # "sharegpt" (the PyPI package) or a ShareGPT .json/.jsonl path
+    max_records: int | None = None  # read at most this many valid conversations (None = all)
+    max_length: int = 1024  # tokens per conversation after the chat template (truncated)
+    val_fraction: float = 0.05
+    min_assistant_tokens: int = 8  # drop conversations with fewer supervised tokens
+    seed: int = 0  # train/val split seed
+    cache_dir: str = ""  # "" = $SPECDRAFT_CACHE or ~/.cache/specdraft, subdir data/
+    num_proc: int = 1
+
+
+@dataclass
+class DraftSection:
+    family: str = "medusa"
+    num_heads: int = 4  # K: depths 1..K predict x_{t+2} .. x_{t+1+K}
+    num_layers: int = 1  # ResBlocks per head
+    share_lm_head: bool = False  # True: every head uses the frozen base lm_head (far fewer parameters)
+    dropout: float = 0.0
+
+
+@dataclass
+class LossSection:
+    lambda0: float = 1.0  # head k weight = lambda0 * decay**k (k = 1..K)
+    decay: float = 0.8
+    teacher_weight: float = 0.0  # alpha: loss = (1-alpha)*hard CE + alpha*soft CE to the base at t+k
+    chunked: bool = True  # fused chunked CE (never holds K*T*V logits); False = plain reference
+    chunk_size: int = 1024  # tokens per chunk in the fused loss
+
+
+@dataclass
+class OptimSection:
+    epochs: float = 1.0
+    max_steps: int = 0  # > 0 overrides epochs
+    max_minutes: float = 0.0  # > 0: stop (and save) after this much training wall time
+    global_batch_size: int = 16  # conversations per optimizer step, over all ranks
+    micro_batch_size: int = 4  # conversations per forward on one rank
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_ratio: float = 0.05
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto = bf16 on CUDA with bf16 support, else fp32; or fp32 | bf16
+    log_every: int = 10
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end (and on SIGTERM)
+    keep_checkpoints: int = 2
+    val_batches: int = 16  # held-out micro-batches for the per-head accuracy table (0 = skip)
+    seed: int = 0
+    num_threads: int = 0  # CPU threads for torch; 0 = torch's default
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: int = 0  # 0-3 (3 shards the draft's parameters; works, rarely worth it for heads)
+    offload_optimizer: str = "none"  # none | cpu
+    overlap_comm: bool = False
+    bucket_size: int = 50_000_000  # reduce/allgather bucket (elements)
+    extra: dict[str, Any] = field(default_factory=dict)  # merged verbatim into the DeepSpeed JSON
+
+
+@dataclass
+class WandbSection:
+    enabled: bool = True
+    project: str = "specdraft"
+    mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins
+    entity: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    run_name: str = "medusa"
+    run_dir: str = ""  # "" = runs/<run_name>
+    resume: str = "none"  # none | auto (latest checkpoint in run_dir) | path to a checkpoint dir
+    base: BaseSection = field(default_factory=BaseSection)
+    data: DataSection = field(default_factory=DataSection)
+    draft: DraftSection = field(default_factory=DraftSection)
+    loss: LossSection = field(default_factory=LossSection)
+    train: OptimSection = field(default_factory=OptimSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.run_name
+
+
+def _fail(key: str, value, fix: str) -> None:
+    raise ConfigError(f"invalid value {key}={value!r}: {fix}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check values that types alone cannot; raise ConfigError naming the key and the fix."""
+    from models.registry import DRAFTERS  # late import: models/ imports torch
+
+    t, d = cfg.train, cfg.draft
+    if cfg.base.dtype not in ("auto", "fp32", "bf16", "fp16"):
+        _fail("base.dtype", cfg.base.dtype, "use one of auto, fp32, bf16, fp16")
+    if d.family not in DRAFTERS:
+        _fail("draft.family", d.family, f"use one of {', '.join(sorted(DRAFTERS))}")
+    if d.num_heads < 1:
+        _fail("draft.num_heads", d.num_heads, "a draft needs at least one head (Medusa default 4)")
+    if d.num_layers < 0:
+        _fail("draft.num_layers", d.num_layers, "use 0 or more ResBlocks per head")
+    if not 0.0 <= d.dropout < 1.0:
+        _fail("draft.dropout", d.dropout, "use a probability in [0, 1)")
+    if t.lr <= 0:
+        _fail("train.lr", t.lr, "the learning rate must be > 0 (Medusa uses 1e-3)")
+    if t.micro_batch_size < 1:
+        _fail("train.micro_batch_size", t.micro_batch_size, "use 1 or more")
+    if t.global_batch_size < t.micro_batch_size or t.global_batch_size % t.micro_batch_size:
+        _fail("train.global_batch_size", t.global_batch_size,
+              f"must be a multiple of train.micro_batch_size={t.micro_batch_size} "
+              f"(e.g. {max(1, t.global_batch_size // t.micro_batch_size) * t.micro_batch_size})")
+    if t.epochs <= 0 and t.max_steps <= 0:
+        _fail("train.epochs", t.epochs, "set epochs > 0 or train.max_steps > 0")
+    if t.max_steps < 0:
+        _fail("train.max_steps", t.max_steps, "use 0 (derive from epochs) or a positive step count")
+    if not 0.0 <= t.warmup_ratio < 1.0:
+        _fail("train.warmup_ratio", t.warmup_ratio, "use a fraction of the steps in [0, 1)")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        _fail("train.min_lr_ratio", t.min_lr_ratio, "use a fraction in [0, 1]")
+    if t.grad_clip < 0:
+        _fail("train.grad_clip", t.grad_clip, "use 0 (off) or a positive norm")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        _fail("train.betas", t.betas, "give two Adam betas in [0, 1), e.g. [0.9, 0.999]")
+    if t.precision not in ("auto", "fp32", "bf16"):
+        _fail("train.precision", t.precision, "use auto, fp32 or bf16")
+    if t.log_every < 1:
+        _fail("train.log_every", t.log_every, "use 1 or more steps")
+    if t.keep_checkpoints < 1:
+        _fail("train.keep_checkpoints", t.keep_checkpoints, "keep at least 1 checkpoint")
+    if cfg.data.max_length < 8:
+        _fail("data.max_length", cfg.data.max_length, "use at least 8 tokens (1024 is typical)")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        _fail("data.val_fraction", cfg.data.val_fraction, "use a fraction in (0, 1), e.g. 0.05")
+    if cfg.data.max_records is not None and cfg.data.max_records < 2:
+        _fail("data.max_records", cfg.data.max_records, "use None (all) or at least 2 (train + val)")
+    if not 0.0 <= cfg.loss.teacher_weight <= 1.0:
+        _fail("loss.teacher_weight", cfg.loss.teacher_weight, "use a weight in [0, 1]")
+    if cfg.loss.lambda0 <= 0 or cfg.loss.decay <= 0:
+        _fail("loss.lambda0/decay", (cfg.loss.lambda0, cfg.loss.decay), "head weights must be > 0")
+    if cfg.loss.chunk_size < 1:
+        _fail("loss.chunk_size", cfg.loss.chunk_size, "use a positive number of tokens, e.g. 1024")
+    if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
+        _fail("deepspeed.zero_stage", cfg.deepspeed.zero_stage, "ZeRO stages are 0, 1, 2 or 3")
+    if cfg.deepspeed.offload_optimizer not in ("none", "cpu"):
+        _fail("deepspeed.offload_optimizer", cfg.deepspeed.offload_optimizer, "use none or cpu")
+    if cfg.wandb.mode not in ("offline", "online", "disabled"):
+        _fail("wandb.mode", cfg.wandb.mode, "use offline, online or disabled")
+    if cfg.resume not in ("none", "auto") and not Path(cfg.resume).exists():
+        _fail("resume", cfg.resume, "use none, auto, or the path of an existing checkpoint directory")
+    return cfg
+
+
+def load_train_config(config_paths: list[str] | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    return validate(load_typed(TrainConfig, config_paths, overrides))

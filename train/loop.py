@@ -1,0 +1,264 @@
+"""The training loop: frozen base outside DeepSpeed, the draft inside it.
+
+Per optimizer step, for each of this rank's micro-batches:
+    h = base(input_ids)            no grad, [B, T, d]
+    loss = draft.loss(h, ...)      weighted per-depth losses
+    engine.backward(loss)          the one backward() of the project
+    engine.step()                  DeepSpeed steps the optimizer at the accumulation boundary
+The data order is a function of (seed, step) (train/data_order.py), so resume needs only the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from data.dataset import build_datasets, collate
+from models.base import default_cache_dir, load_base
+from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
+from models.registry import DRAFTERS
+from train import checkpoint
+from train.config import TrainConfig
+from train.config_loader import to_dict, to_yaml
+from train.data_order import DataOrder
+from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_distributed
+from train.ds_config import build_deepspeed_config, resolve_precision
+from train.export import export_specdraft
+from train.heldout import evaluate_heldout, format_heldout_table
+from train.schedule import warmup_cosine
+from train.tracking import Tracker
+
+log = logging.getLogger("specdraft.train")
+
+
+class LossStep(nn.Module):
+    """What the DeepSpeed engine wraps: the draft, with its training loss as forward.
+
+    The base's frozen lm_head / embeddings reach the loss through `view` (not registered here), so
+    DeepSpeed never sees, shards or checkpoints base weights.
+    """
+
+    def __init__(self, draft: nn.Module, view: BaseView, loss_cfg):
+        super().__init__()
+        self.draft = draft
+        self.view, self.loss_cfg = view, loss_cfg
+
+    def forward(self, hidden, input_ids, loss_mask):
+        return self.draft.loss(DraftBatch(hidden, input_ids, loss_mask), self.view, self.loss_cfg)
+
+
+def _setup_logging(info: DistInfo) -> None:
+    level = logging.INFO if info.is_main else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    for noisy in ("DeepSpeed", "deepspeed", "datasets", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _base_hidden(model, input_ids, attention_mask) -> torch.Tensor:
+    """Last hidden state after the final norm, [B, T, d], without computing [B, T, V] logits."""
+    with torch.no_grad():
+        return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+class TrainingInterrupted(RuntimeError):
+    """Raised after a SIGTERM-triggered checkpoint, so the process exits non-zero (143) and a scheduler
+    knows the run is not finished; `resume=auto` continues it."""
+
+
+class _StopRequest:
+    """SIGTERM (e.g. a cluster pre-emption) sets a flag; the loop saves at the next step and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self._prev = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._prev)
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run (or resume) a training run; returns its run directory."""
+    info = init_distributed()
+    _setup_logging(info)
+    run_dir = cfg.resolved_run_dir
+    ckpt_root = run_dir / "checkpoints"
+    if info.is_main:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    elif info.device.type == "cpu" and info.world_size > 1:
+        # N CPU ranks on one box: split the cores instead of oversubscribing them.
+        torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // info.world_size))
+    precision = resolve_precision(cfg.train.precision, info.device)
+    base_dtype = {"auto": None, "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[cfg.base.dtype] or precision
+
+    # Rank 0 first: it may have to convert the GGUF or tokenize the data into the shared cache.
+    for turn in (0, 1):
+        if (turn == 0) == info.is_main:
+            base = load_base(cfg.base.path, dtype=base_dtype, device=info.device)
+            d = cfg.data
+            train_ds, val_ds = build_datasets(
+                base.tokenizer, d.source, max_records=d.max_records, max_length=d.max_length,
+                val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
+                min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
+        barrier()
+    view = BaseView.from_model(base.model)
+    pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
+
+    torch.manual_seed(cfg.train.seed)  # same initial draft on every rank
+    draft = DRAFTERS[cfg.draft.family].from_config(cfg.draft, view)
+    n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                      info.rank, info.world_size, cfg.train.seed)
+    total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * order.steps_per_epoch))
+    warmup = int(cfg.train.warmup_ratio * total_steps)
+    log.info("base %s (%s) | %s draft, %.2fM trainable params | %d train / %d val conversations | "
+             "%d steps x %d conversations | %d rank(s) on %s, %s", base.name, base.fingerprint, cfg.draft.family,
+             n_params / 1e6, len(train_ds), len(val_ds), total_steps, cfg.train.global_batch_size,
+             info.world_size, info.device, precision)
+
+    import deepspeed
+
+    step_module = LossStep(draft, view, cfg.loss)
+    if cfg.deepspeed.zero_stage == 3:
+        # The loss reads LM-head weights directly (fused chunked CE), outside their Linear's forward.
+        for p in draft.parameters():
+            deepspeed.zero.register_external_parameter(step_module, p)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.train.lr,
+                                  betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: warmup_cosine(s, total_steps, warmup, cfg.train.min_lr_ratio))
+    ds_config = build_deepspeed_config(cfg, info.world_size, precision)
+    engine, _, _, scheduler = deepspeed.initialize(model=step_module, optimizer=optimizer, lr_scheduler=scheduler,
+                                                   config=ds_config)
+    compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    start_step = 0
+    resume_from = checkpoint.latest_checkpoint(ckpt_root) if cfg.resume == "auto" else (
+        Path(cfg.resume) if cfg.resume != "none" else None)
+    if resume_from is not None:
+        state = checkpoint.load(engine, resume_from)
+        start_step = int(state["step"])
+        log.info("resumed from %s at step %d", resume_from, start_step)
+    elif cfg.resume == "auto":
+        log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_root)
+
+    tracker = Tracker(run_dir, to_dict(cfg), cfg.wandb, cfg.run_name, info.is_main, resume_step=start_step)
+    stop = _StopRequest()
+    pbar = tqdm(total=total_steps, initial=start_step, disable=not info.is_main, unit="step", dynamic_ncols=True)
+    window = [DepthStats() for _ in range(cfg.draft.num_heads)]
+    window_loss, window_micro, window_tokens, window_t0 = 0.0, 0, 0, time.perf_counter()
+    train_t0 = time.perf_counter()
+    step = start_step
+    try:
+        while step < total_steps:
+            torch.manual_seed(cfg.train.seed + 1_000_003 * step + info.rank)  # dropout RNG depends on step only
+            for rows in order.micro_batches(step):
+                batch = collate([train_ds[i] for i in rows], pad_id)
+                ids = batch["input_ids"].to(info.device)
+                attn = batch["attention_mask"].to(info.device)
+                mask = batch["loss_mask"].to(info.device)
+                hidden = _base_hidden(base.model, ids, attn).to(compute_dtype)
+                out = engine(hidden, ids, mask)
+                engine.backward(out.loss)
+                engine.step()
+                for acc, s in zip(window, out.per_depth):
+                    acc.add(s)
+                window_loss += float(out.loss.detach())
+                window_micro += 1
+                window_tokens += int(attn.sum())
+            step += 1
+            pbar.update(1)
+            out_of_time = cfg.train.max_minutes > 0 and time.perf_counter() - train_t0 > 60 * cfg.train.max_minutes
+            must_stop = any_rank(stop.requested or out_of_time, info.device)
+            if step % cfg.train.log_every == 0 or step == total_steps or must_stop:
+                metrics = _window_metrics(window, window_loss, window_micro, window_tokens,
+                                          time.perf_counter() - window_t0, info)
+                metrics.update(lr=scheduler.get_last_lr()[0], grad_norm=_grad_norm(engine))
+                tracker.log(metrics, step)
+                pbar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['top1/head1']:.3f}",
+                                 tok_s=f"{metrics['tokens_per_s']:.0f}")
+                window = [DepthStats() for _ in range(cfg.draft.num_heads)]
+                window_loss, window_micro, window_tokens, window_t0 = 0.0, 0, 0, time.perf_counter()
+            if must_stop or (cfg.train.save_every and step % cfg.train.save_every == 0 and step < total_steps):
+                checkpoint.save(engine, ckpt_root, step, {"step": step}, cfg.train.keep_checkpoints, info.rank)
+            _test_crash_hook(step)
+            if must_stop:
+                why = "SIGTERM" if stop.requested else f"time budget train.max_minutes={cfg.train.max_minutes}"
+                log.warning("stopping at step %d/%d (%s); checkpoint saved, resume with resume=auto",
+                            step, total_steps, why)
+                break
+        else:
+            checkpoint.save(engine, ckpt_root, step, {"step": step}, cfg.train.keep_checkpoints, info.rank)
+    finally:
+        pbar.close()
+        stop.restore()
+
+    if not stop.requested:  # finished, or out of its time budget: export what we have
+        _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step)
+    tracker.close()
+    barrier()
+    if stop.requested:
+        raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
+                                  f"{ckpt_root}; continue with resume=auto")
+    return run_dir
+
+
+def _test_crash_hook(step: int) -> None:
+    """Tests simulate a hard crash (no chance to save) after a given step: SPECDRAFT_TEST_KILL_AT_STEP=N."""
+    if os.environ.get("SPECDRAFT_TEST_KILL_AT_STEP") == str(step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _grad_norm(engine) -> float:
+    norm = engine.get_global_grad_norm()
+    return float(norm) if norm is not None else float("nan")
+
+
+def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tokens: int, seconds: float,
+                    info: DistInfo) -> dict:
+    """Per-depth loss / top-1 / top-5 over the log window, summed over ranks."""
+    table = torch.tensor([[s.loss_sum, s.count, s.top1, s.topk] for s in window] +
+                         [[loss_sum, n_micro, tokens, 0.0]], dtype=torch.float64, device=info.device)
+    table = all_reduce_sum(table).cpu()
+    metrics = {"loss": float(table[-1, 0] / max(1.0, table[-1, 1])),
+               "tokens_per_s": float(table[-1, 2] / max(seconds, 1e-9))}
+    top1 = []
+    for k, (ls, cnt, t1, tk) in enumerate(table[:-1].tolist(), start=1):
+        cnt = max(cnt, 1.0)
+        metrics[f"loss/head{k}"] = ls / cnt
+        metrics[f"top1/head{k}"] = t1 / cnt
+        metrics[f"top5/head{k}"] = tk / cnt
+        top1.append(t1 / cnt)
+    metrics["est_accept_len"] = estimated_acceptance_length(top1)
+    return metrics
+
+
+def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step) -> None:
+    """Export the draft's weights and measure held-out per-depth accuracy (rank 0)."""
+    import deepspeed
+
+    params = list(draft.parameters()) if cfg.deepspeed.zero_stage == 3 else []
+    with deepspeed.zero.GatheredParameters(params, enabled=bool(params)):
+        if info.is_main:
+            export_specdraft(draft, run_dir / "export", base.name, base.fingerprint,
+                             extra={"trained_steps": step, "train_dtype": str(compute_dtype).removeprefix("torch.")})
+            log.info("exported the draft to %s", run_dir / "export")
+            if cfg.train.val_batches > 0:
+                result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)
+                (run_dir / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
+                tracker.log({f"val/{k}": v for k, v in result["summary"].items()}, step)
+                print(format_heldout_table(result), flush=True)
