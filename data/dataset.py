@@ -46,8 +46,12 @@ def build_datasets(tokenizer, source: str, *, max_records: int | None, max_lengt
     Rows with fewer than `min_assistant_tokens` supervised tokens after truncation are dropped, as are
     conversations the chat template cannot render with an exact mask (counted per reason in the log).
     val gets ceil(val_fraction * n) rows (at least 1), train the rest; the split is fixed by `seed`.
+    With several ranks, call it on rank 0 first and barrier, so the others only load the cache.
     """
     _check_args(tokenizer, max_length, val_fraction, min_assistant_tokens, num_proc)
+    if not str(cache_dir):
+        raise ValueError("build_datasets: cache_dir is empty; resolve data.cache_dir first (e.g. "
+                         "$SPECDRAFT_CACHE/data) so the rendered dataset is not written to the working directory")
     cache_dir = Path(cache_dir).expanduser()
     cache_dir.mkdir(parents=True, exist_ok=True)
     key = cache_key(tokenizer, source, max_records=max_records, max_length=max_length)

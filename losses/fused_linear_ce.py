@@ -73,8 +73,8 @@ def fused_linear_cross_entropy(
         chunk_size: rows per chunk; peak extra memory ≈ ``chunk_size × V`` compute-dtype floats
             (×2 with a teacher, ×3 with a teacher and ``temperature != 1``). Fixed on top of that:
             the fp32 ``grad_weight`` stash ``[V, d]`` (trainable head only, held until backward,
-            plus one scaled copy during backward) and, for bf16/fp16 weights, an fp32 copy of the
-            weight for the duration of the call.
+            plus one scaled copy during backward). bf16/fp16 inputs run the matmuls in their own
+            dtype (logits upcast to fp32 per chunk); fp32 inputs with a bf16 weight upcast the weight.
         teacher_hidden: ``[N, d_t]`` frozen teacher features, or None. Never receives a grad.
         teacher_weight: ``[V, d_t]`` frozen teacher LM head, required iff ``teacher_hidden`` is given.
         soft_weight: α in [0, 1]; loss = (1 − α)·hard CE + α·soft CE. With α = 0 the teacher is unused.
@@ -86,9 +86,7 @@ def fused_linear_cross_entropy(
         valid rows, differentiable w.r.t. ``hidden`` and ``weight``; ``stats`` a :class:`LossStats`.
         Gradients come back in each input's own dtype.
     """
-    _validate(
-        hidden, weight, labels, chunk_size, teacher_hidden, teacher_weight, soft_weight, topk, temperature
-    )
+    _validate(hidden, weight, labels, chunk_size, teacher_hidden, teacher_weight, soft_weight, topk, temperature)
     grad_on = torch.is_grad_enabled()
     need_grad_hidden = grad_on and hidden.requires_grad
     need_grad_weight = grad_on and weight.requires_grad
@@ -128,10 +126,10 @@ class _FusedLinearCE(torch.autograd.Function):
         need_grad_weight: bool,
     ):
         n = hidden.shape[0]
-        cdtype = _compute_dtype(hidden)
-        # Upcast the head once per call, not per chunk ([V, d]; a no-op when already in cdtype).
-        w = weight.to(cdtype)
-        tw = teacher_weight.to(cdtype) if teacher_weight is not None else None
+        cdtype, mdtype = _compute_dtype(hidden), _matmul_dtype(hidden)
+        # Cast the head once per call, not per chunk ([V, d]; a no-op when already in mdtype).
+        w = weight.to(mdtype)
+        tw = teacher_weight.to(mdtype) if teacher_weight is not None else None
         valid = labels != IGNORE_INDEX  # [N] bool
         targets = labels.masked_fill(~valid, 0)  # [N] safe gather index; invalid rows are zeroed later
         k = min(topk, w.shape[0])
@@ -140,12 +138,12 @@ class _FusedLinearCE(torch.autograd.Function):
         top1 = torch.zeros((), dtype=torch.long, device=hidden.device)
         topk_hits = torch.zeros((), dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None  # [N, d], input dtype
-        grad_w = torch.zeros_like(w) if need_grad_weight else None  # [V, d], accumulated in cdtype
+        grad_w = torch.zeros_like(w, dtype=cdtype) if need_grad_weight else None  # [V, d], accumulated in cdtype
 
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            x = hidden[start:end].to(cdtype)  # [c, d]
-            tx = teacher_hidden[start:end].to(cdtype) if tw is not None else None
+            x = hidden[start:end].to(mdtype)  # [c, d]
+            tx = teacher_hidden[start:end].to(mdtype) if tw is not None else None
             chunk_loss, chunk_top1, chunk_topk, g = _chunk_forward_backward(
                 x, w, targets[start:end], valid[start:end], tx, tw, alpha, temperature, k
             )
@@ -153,9 +151,12 @@ class _FusedLinearCE(torch.autograd.Function):
             top1 += chunk_top1
             topk_hits += chunk_topk
             if grad_hidden is not None:
-                grad_hidden[start:end] = g @ w  # [c, V] @ [V, d] -> [c, d], cast to input dtype
+                grad_hidden[start:end] = g.to(mdtype) @ w  # [c, V] @ [V, d] -> [c, d], cast to input dtype
             if grad_w is not None:
-                grad_w.addmm_(g.T, x)  # [V, c] @ [c, d] -> [V, d]
+                if mdtype == cdtype:
+                    grad_w.addmm_(g.T, x)  # [V, c] @ [c, d] -> [V, d]
+                else:  # low-precision matmul, fp32 accumulation across chunks
+                    grad_w.add_(g.T.to(mdtype) @ x)
             del g  # free the [c, V] buffer before the next chunk allocates its own
 
         # save_for_backward (not ctx attributes) so autograd frees the stash right after backward.
@@ -192,7 +193,7 @@ def _chunk_forward_backward(
 
     Buffers are reused in place so a hard-CE chunk holds a single ``[c, V]`` tensor.
     """
-    z = x @ w.T  # [c, V] student logits
+    z = (x @ w.T).to(_compute_dtype(x))  # [c, V] student logits; matmul in x's dtype, softmax in fp32
 
     # Stats and the target logit first, while z still holds raw logits.
     z_target = z.gather(1, targets[:, None]).squeeze(1)  # [c]
@@ -202,7 +203,7 @@ def _chunk_forward_backward(
 
     soft_row = q_t = p_teacher = None
     if tw is not None:
-        p_teacher = tx @ tw.T  # [c, V] teacher logits -> probs in place
+        p_teacher = (tx @ tw.T).to(z.dtype)  # [c, V] teacher logits -> probs in place
         if temperature != 1.0:
             p_teacher.div_(temperature)
         _softmax_(p_teacher)
@@ -263,14 +264,12 @@ def linear_cross_entropy_reference(
 
     Plain autograd; ``chunk_size`` is accepted (and validated) only so the two are drop-in swappable.
     """
-    _validate(
-        hidden, weight, labels, chunk_size, teacher_hidden, teacher_weight, soft_weight, topk, temperature
-    )
-    cdtype = _compute_dtype(hidden)
-    logits = F.linear(hidden.to(cdtype), weight.to(cdtype))  # [N, V]
+    _validate(hidden, weight, labels, chunk_size, teacher_hidden, teacher_weight, soft_weight, topk, temperature)
+    cdtype, mdtype = _compute_dtype(hidden), _matmul_dtype(hidden)
+    logits = F.linear(hidden.to(mdtype), weight.to(mdtype)).to(cdtype)  # [N, V]
     loss_sum, count = cross_entropy_sum(logits, labels)
     if soft_weight > 0:
-        teacher_logits = F.linear(teacher_hidden.detach().to(cdtype), teacher_weight.detach().to(cdtype))
+        teacher_logits = F.linear(teacher_hidden.detach().to(mdtype), teacher_weight.detach().to(mdtype)).to(cdtype)
         soft_sum, _ = soft_cross_entropy_sum(logits, teacher_logits, labels != IGNORE_INDEX, temperature)
         loss_sum = (1.0 - soft_weight) * loss_sum + soft_weight * soft_sum
     with torch.no_grad():
@@ -287,8 +286,15 @@ def linear_cross_entropy_reference(
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    # fp64 stays fp64 (gradcheck); bf16/fp16/fp32 are computed in fp32.
+    # Softmax / loss dtype: fp64 stays fp64 (gradcheck); bf16/fp16/fp32 are computed in fp32.
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
+    # The LM-head matmuls run in the input's dtype: bf16/fp16 inputs use the fast low-precision units
+    # (tensor cores, AVX512-BF16), whose matmuls accumulate in fp32 anyway; the [c, V] logits are then
+    # upcast so softmax, loss and dLoss/dlogits are fp32.
+    return hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else _compute_dtype(hidden)
 
 
 def _validate(
@@ -311,9 +317,7 @@ def _validate(
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     if not 0.0 <= soft_weight <= 1.0:
-        raise ValueError(
-            f"soft_weight must be in [0, 1], got {soft_weight}; 0 = hard CE only, 1 = teacher only"
-        )
+        raise ValueError(f"soft_weight must be in [0, 1], got {soft_weight}; 0 = hard CE only, 1 = teacher only")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if (teacher_hidden is None) != (teacher_weight is None):

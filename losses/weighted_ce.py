@@ -113,12 +113,8 @@ def weighted_multi_head_ce(
 
 def _check_logits_labels(logits: torch.Tensor, labels: torch.Tensor) -> None:
     if logits.dim() != 2:
-        raise ValueError(
-            f"logits must be [N, V], got shape {tuple(logits.shape)}; flatten batch and time first"
-        )
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}; flatten batch and time first")
     if labels.shape != logits.shape[:1]:
-        raise ValueError(
-            f"labels must be [N]={tuple(logits.shape[:1])} to match logits, got {tuple(labels.shape)}"
-        )
+        raise ValueError(f"labels must be [N]={tuple(logits.shape[:1])} to match logits, got {tuple(labels.shape)}")
     if labels.dtype != torch.long:
         raise TypeError(f"labels must be int64 (torch.long), got {labels.dtype}; use labels.long()")

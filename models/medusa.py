@@ -72,7 +72,13 @@ class MedusaDraft(DraftModel):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Inference: hidden [..., d] -> logits [K, ..., V] (head k at index k-1)."""
-        return torch.stack([self.head_trunk(k, hidden) @ self.head_weight(k).T for k in range(1, self.num_heads + 1)])
+        ks = range(1, self.num_heads + 1)
+        if self.share_lm_head:
+            # One [K*n, d] @ [d, V] matmul: the shared 49152 x d matrix is read once per step, not K times
+            # (decoding on a CPU is memory-bound, so this is most of the drafting cost).
+            trunks = torch.stack([self.head_trunk(k, hidden) for k in ks])  # [K, ..., d]
+            return trunks @ self.shared_lm_head.T
+        return torch.stack([self.head_trunk(k, hidden) @ self.head_weight(k).T for k in ks])
 
     def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
         """Weighted CE over heads on a batch of base hidden states.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -222,7 +223,8 @@ def smollm2_cache(tmp_path_factory):
     t0 = time.perf_counter()
     base = load_base("smollm2", cache_dir=cache)
     seconds = time.perf_counter() - t0
-    return cache, seconds, base
+    yield cache, seconds, base
+    shutil.rmtree(cache, ignore_errors=True)  # 540 MB of fp32 weights: do not leave it in /tmp
 
 
 @pytest.mark.slow

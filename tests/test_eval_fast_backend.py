@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from eval.backends.fast import FastLlamaBackend
+from eval.backends.hf import HFBackend
 from models.tiny import tiny_llama, tiny_llama_config
 
 ATOL = 1e-5
@@ -181,14 +182,46 @@ def test_max_len_overflow_raises():
     assert backend.cache_len == 90
 
 
-def test_commit_rejects_bad_keep():
+def test_fast_matches_hf_backend_step_by_step():
+    """Same calls on both backends: same logits / hidden, same committed K/V (post-RoPE)."""
+    model = tiny_llama(3)
+    gen = torch.Generator().manual_seed(3)
+    fast, hf = FastLlamaBackend(model, max_len=40), HFBackend(model)
+    for b in (fast, hf):
+        b.reset(40)
+    prompt = torch.randint(3, 320, (7,), generator=gen)
+    outs = [b.prefill(prompt) for b in (fast, hf)]
+    for n in (6, 1, 4):
+        tokens = torch.randint(3, 320, (n,), generator=gen)
+        parents, depths, mask = _random_tree(n, gen)
+        outs += [b.forward_tree(tokens, depths, mask) for b in (fast, hf)]
+        keep = torch.tensor(_deepest_path(parents))
+        for b in (fast, hf):
+            b.commit(keep)
+    for (f_logits, f_hidden), (h_logits, h_hidden) in zip(outs[::2], outs[1::2]):
+        torch.testing.assert_close(f_logits, h_logits, atol=ATOL, rtol=0)
+        torch.testing.assert_close(f_hidden, h_hidden, atol=ATOL, rtol=0)
+    length = fast.cache_len
+    assert length == hf.cache_len
+    for layer, (k, v) in enumerate(hf.committed_kv()):
+        torch.testing.assert_close(fast._core.k_cache[layer, :, :length], k, atol=ATOL, rtol=0)
+        torch.testing.assert_close(fast._core.v_cache[layer, :, :length], v, atol=ATOL, rtol=0)
+
+
+def test_commit_and_call_order_errors():
     backend = FastLlamaBackend(tiny_llama(0), max_len=16)
     backend.prefill(torch.tensor([4, 5, 6]))
     with pytest.raises(RuntimeError, match="forward_tree first"):
         backend.commit(torch.tensor([0]))
-    backend.forward_tree(torch.tensor([7, 8]), torch.tensor([0, 1]), torch.ones(2, 2).tril().bool())
+    chain = (torch.tensor([7, 8]), torch.tensor([0, 1]), torch.ones(2, 2).tril().bool())
+    backend.forward_tree(*chain)
+    with pytest.raises(RuntimeError, match="without commit"):
+        backend.forward_tree(*chain)
     with pytest.raises(ValueError, match="node indices"):
         backend.commit(torch.tensor([0, 2]))
+    backend.commit(torch.tensor([], dtype=torch.long))  # reject the whole tree
+    assert backend.cache_len == 3
+    backend.forward_tree(*chain)  # allowed again after a commit
 
 
 def test_unsupported_models_fail_clearly():
@@ -200,3 +233,48 @@ def test_unsupported_models_fail_clearly():
     model.config.model_type = "gpt2"
     with pytest.raises(ValueError, match="LLaMA family"):
         FastLlamaBackend(model)
+
+
+def test_cpu_threads_is_scoped_to_the_call():
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        backend = FastLlamaBackend(tiny_llama(0), max_len=16, cpu_threads=1)
+        seen = []
+        real = backend._core.forward
+        backend._core.forward = lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1]
+        backend.prefill(torch.tensor([4, 5, 6]))
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
+    with pytest.raises(ValueError, match="cpu_threads=0"):
+        FastLlamaBackend(tiny_llama(0), cpu_threads=0)
+
+
+@pytest.mark.slow
+def test_compiled_static_step_matches_full_forward():
+    """compile=True (inductor on CPU; CUDA graphs on GPU) runs the same padded static step: ~40 s
+    of compilation on a 2-core CPU, hence `slow`."""
+    model = tiny_llama(0)
+    gen = torch.Generator().manual_seed(4)
+    backend = FastLlamaBackend(model, max_len=32, compile=True)
+    prompt = torch.randint(3, 320, (5,), generator=gen).tolist()
+    backend.prefill(torch.tensor(prompt))
+    tokens, parents = _check_tree_step(model, backend, prompt, 3, gen)
+    keep = _deepest_path(parents)
+    backend.commit(torch.tensor(keep))
+    _check_tree_step(model, backend, prompt + tokens[keep].tolist(), 4, gen)  # same bucket: no recompile
+
+
+def test_bf16_dtype_runs_close_to_fp32():
+    """dtype=bf16 (the GPU setting) on an fp32 model: same code path, fp32 logits, bf16 hidden.
+    Tiny logits have std ~0.16; bf16 rounding moves them by ~3e-3, a real bug by far more."""
+    model = tiny_llama(0)
+    prompt = torch.randint(3, 320, (7,), generator=torch.Generator().manual_seed(5))
+    backend = FastLlamaBackend(model, max_len=16, dtype=torch.bfloat16)
+    logits, hidden = backend.prefill(prompt)
+    assert logits.dtype == torch.float32 and hidden.dtype == torch.bfloat16
+    ref_logits, _ = _reference(model, prompt.tolist())
+    torch.testing.assert_close(logits, ref_logits, atol=0.02, rtol=0)
+    step, _ = backend.forward_tree(torch.tensor([9, 10]), torch.tensor([0, 1]), torch.ones(2, 2).tril().bool())
+    torch.testing.assert_close(step, _reference(model, prompt.tolist() + [9, 10])[0][-2:], atol=0.02, rtol=0)

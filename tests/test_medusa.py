@@ -96,3 +96,15 @@ def test_chunked_and_plain_loss_agree_on_medusa():
         torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
     # 2 rows x (13 - (1+k)) valid targets per head
     assert [s.count for s in results[0][2]] == [s.count for s in results[1][2]] == [22, 20, 18]
+
+
+def test_inference_forward_equals_per_head_logits():
+    """The batched shared-head forward (decode fast path) against its per-head twin."""
+    view = _view()
+    for share in (True, False):
+        draft = MedusaDraft(num_heads=3, num_layers=2, base=view, share_lm_head=share)
+        for p in draft.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        h = torch.randn(4, view.hidden_size)
+        expected = torch.stack([draft.head_trunk(k, h) @ draft.head_weight(k).T for k in (1, 2, 3)])
+        torch.testing.assert_close(draft(h), expected)

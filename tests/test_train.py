@@ -2,7 +2,6 @@
 in subprocesses (crash + resume, SIGTERM, 2 DeepSpeed CPU ranks)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,45 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMOKE_RECIPE as RECIPE
+from conftest import child_env
 
 from models.base import load_base
 from models.draft import BaseView
-from train.config import load_train_config
 from train.export import load_draft, read_tensors
-
-RECIPE = ["configs/medusa.yaml", "configs/smoke.yaml"]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
-# An in-process run (the smoke_run fixture) leaves its 1-rank process-group variables in os.environ; a
-# child must not inherit them (it would try to bind the parent's MASTER_PORT).
-_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
-
-
 def _cli(args: list[str], env_extra: dict | None = None, **kw) -> subprocess.Popen:
-    env = _env(env_extra)
+    env = child_env(env_extra)
     return subprocess.Popen([sys.executable, "-m", "train.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
-    from train.loop import train
-
-    run_dir = tmp_path_factory.mktemp("runs") / "smoke"
-    base_before = {k: v.clone() for k, v in load_base("tiny").model.state_dict().items()}
-    cfg = load_train_config(RECIPE, [f"run_dir={run_dir}", "train.max_steps=16", "train.lr=5e-3",
-                                     "train.log_every=4"])
-    train(cfg)
-    return run_dir, base_before
 
 
 def test_smoke_run_writes_the_contract_files(smoke_run):
@@ -158,7 +134,7 @@ def test_two_cpu_ranks_match_one_rank(tmp_path):
     assert p.returncode == 0, out
     two = tmp_path / "two"
     deepspeed = Path(sys.executable).parent / "deepspeed"
-    env = _env()
+    env = child_env()
     proc = subprocess.run([str(deepspeed), "--num_gpus", "2", "--master_port", "29561", "launch/train_draft.py",
                            "--config", RECIPE[0], "--config", RECIPE[1], f"run_dir={two}", *overrides],
                           env=env, capture_output=True, text=True, timeout=900)

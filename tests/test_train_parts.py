@@ -43,3 +43,18 @@ def test_no_launch_script_shadows_a_package():
     packages = {"train", "models", "data", "losses", "eval"}
     scripts = {p.stem for p in Path("launch").glob("*.py")}
     assert scripts and not scripts & packages, f"launch/ scripts shadow packages: {scripts & packages}"
+
+
+def test_time_budgeted_schedule_anneals_by_the_deadline():
+    from train.schedule import TimeBudgetedSchedule
+
+    plain = TimeBudgetedSchedule(100, 10, 0.1)  # no budget: exactly warmup_cosine
+    assert [plain(s) for s in range(101)] == [warmup_cosine(s, 100, 10, 0.1) for s in range(101)]
+    budgeted = TimeBudgetedSchedule(100, 10, 0.1, budget_s=60.0)
+    budgeted.start(now=1000.0)
+    # Few steps done but half the time used: the LR is where step 50 of 100 would put it.
+    assert budgeted(5, now=1030.0) == pytest.approx(warmup_cosine(50, 100, 10, 0.1))
+    # Past the deadline: the floor, not a high LR.
+    assert budgeted(7, now=1100.0) == pytest.approx(0.1)
+    # Faster than the clock: steps lead.
+    assert budgeted(80, now=1001.0) == pytest.approx(warmup_cosine(80, 100, 10, 0.1))

@@ -34,7 +34,7 @@ from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_
 from train.ds_config import build_deepspeed_config, resolve_precision
 from train.export import export_specdraft
 from train.heldout import evaluate_heldout, format_heldout_table
-from train.schedule import warmup_cosine
+from train.schedule import TimeBudgetedSchedule
 from train.tracking import Tracker
 
 log = logging.getLogger("specdraft.train")
@@ -139,8 +139,8 @@ def train(cfg: TrainConfig) -> Path:
             deepspeed.zero.register_external_parameter(step_module, p)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.train.lr,
                                   betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, total_steps, warmup, cfg.train.min_lr_ratio))
+    lr_multiplier = TimeBudgetedSchedule(total_steps, warmup, cfg.train.min_lr_ratio, 60 * cfg.train.max_minutes)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier)
     ds_config = build_deepspeed_config(cfg, info.world_size, precision)
     engine, _, _, scheduler = deepspeed.initialize(model=step_module, optimizer=optimizer, lr_scheduler=scheduler,
                                                    config=ds_config)
@@ -162,6 +162,7 @@ def train(cfg: TrainConfig) -> Path:
     window = [DepthStats() for _ in range(cfg.draft.num_heads)]
     window_loss, window_micro, window_tokens, window_t0 = 0.0, 0, 0, time.perf_counter()
     train_t0 = time.perf_counter()
+    lr_multiplier.start(train_t0)
     step = start_step
     try:
         while step < total_steps:

@@ -1,23 +1,29 @@
 """`fast` backend: our own LLaMA forward over a preallocated static KV cache.
 
-Why it exists: for a small base (SmolLM2-135M) one decode step is ~30 layers of tiny matmuls, so
-per-step overhead (Python, dynamic cache concatenation, per-head K/V repeats, mask building) is a
-large share of the time. This backend reads the weights of a transformers `LlamaForCausalLM` once,
-fuses q/k/v and gate/up into single matmuls, keeps K/V in one preallocated buffer
+Why it exists: for a small base (SmolLM2-135M) a decode step streams ~0.5 GB of fp32 weights
+through ~150 skinny matmuls, so both the matmul kernel and the per-step overhead (Python, dynamic
+cache concatenation, mask building, thread fork/join) matter. This backend reads the weights of a
+transformers `LlamaForCausalLM` once, fuses q/k/v and gate/up into single matmuls stored transposed
+(the faster CPU kernel for one-row inputs), keeps K/V in one preallocated buffer
 `[layers, kv_heads, capacity, head_dim]` (commit = one gather + index_copy inside it, never a new
-cache), and uses precomputed RoPE tables.
+cache), and uses precomputed RoPE tables. On CPU, `cpu_threads` can pin its intra-op thread count.
 
 Two execution modes:
 - eager (CPU default): shapes follow the step exactly (attend over `cache_len + N` slots).
 - static (CUDA default, or `compile=True`): the tree is padded to a power-of-two bucket and
   attention runs over the whole buffer with a mask, so every step of a bucket has the same shapes
   and `torch.compile` (CUDA graphs via mode "reduce-overhead" on GPU) can replay it. Prefill
-  always runs eager (prompt lengths vary).
+  always runs eager (prompt lengths vary). On CPU, inductor was measured slower than eager for
+  SmolLM2 (41 vs 34 ms per decode step; the matmuls dominate), hence eager by default there.
 
 The slow reference twin is the `hf` backend; `tests/test_eval_fast_backend.py` checks logits parity.
 """
 
 from __future__ import annotations
+
+import ctypes
+import sys
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +54,37 @@ def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
 _STATIC_PAD_ROOM = 64
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def _huge_page_copy(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous copy of `x`; on Linux CPU placed in memory advised for 2 MiB transparent huge
+    pages (where THP is in "madvise" mode, as on the CI boxes, nothing else gets them).
+
+    Why: a decode step streams every weight once (~0.5 GB for SmolLM2 in fp32), i.e. ~130k 4 KiB
+    pages; huge pages cut the TLB misses (measured 2-6% faster decode steps on the 2-core box).
+    Best effort: any failure falls back to an ordinary copy, which is only slower.
+    """
+    if x.device.type != "cpu" or not sys.platform.startswith("linux") or x.nbytes < _HUGE_PAGE:
+        return x.contiguous()
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        per_page = _HUGE_PAGE // x.element_size()
+        # Over-allocate by two huge pages: room for an aligned start and for advising whole pages.
+        # Pages are not touched (so not backed) until the copy below faults them in, as huge pages.
+        raw = torch.empty(x.numel() + 2 * per_page, dtype=x.dtype)
+        skip = (-raw.data_ptr() % _HUGE_PAGE) // x.element_size()
+        out = raw[skip:skip + x.numel()]
+        length = -(-x.nbytes // _HUGE_PAGE) * _HUGE_PAGE
+        if madvise(out.data_ptr(), length, _MADV_HUGEPAGE) != 0:
+            return x.contiguous()
+        return out.view(x.shape).copy_(x)
+    except (OSError, AttributeError):
+        return x.contiguous()
+
+
 def _bucket(n: int) -> int:
     """Smallest power of two >= n: the padded tree size of the static (compiled) mode."""
     return 1 << (n - 1).bit_length()
@@ -66,16 +103,25 @@ class _LlamaCore(nn.Module):
         self.groups = self.n_heads // self.n_kv  # query heads per K/V head (GQA)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = float(cfg.rms_norm_eps)
+        self.dims = (cfg.hidden_size,)  # normalized_shape for F.rms_norm
         base = hf_model.model
 
         def t(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.detach().to(device=device, dtype=dtype)
 
-        # Matmul weights are stored transposed, [in, out], and applied as `x @ W_t`: on CPU the
-        # row-vector x K-major product runs ~2x faster than F.linear's [out, in] gemv for N=1 (the
-        # decode case), and it is no slower for larger N or on CUDA.
+        # Matmul weights are stored transposed, [in, out], and applied as `x @ W_t`: on CPU (MKL)
+        # that runs 1.3-2x faster than F.linear's [out, in] layout for N=1 (SmolLM2's lm_head:
+        # 4.3 vs 7.4 ms), the decode case. For prompt-sized N it is ~20% slower, which only touches
+        # prefill. On CUDA both layouts are plain cuBLAS GEMMs.
+        # bf16/fp16 are the other way round: oneDNN's fast low-precision GEMV wants the [out, in] rows
+        # (lm_head 1.9 ms as x @ W.T vs 4.4 ms from a transposed copy), so they keep F.linear's layout
+        # and hand the matmul a transposed *view* (same `x @ W_t` call sites, no copy).
+        low_precision = dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
+
         def tt(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else t(x).t().contiguous()
+            if x is None:
+                return None
+            return _huge_page_copy(t(x)).t() if low_precision else _huge_page_copy(t(x).t())
 
         self.register_buffer("embed", t(base.embed_tokens.weight), persistent=False)  # [V, d]
         # [d, V]; with tied embeddings this is the one extra copy of the embedding we keep.
@@ -150,44 +196,47 @@ class _LlamaCore(nn.Module):
         self.register_buffer("cos", cos.to(self.dtype), persistent=False)
         self.register_buffer("sin", sin_signed.to(self.dtype), persistent=False)
         self.capacity = capacity
+        # Per-layer [Hkv, capacity, hd] views, made once here instead of two selects per layer-step.
+        self.cache_views = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions, slots [N] long; mask [G*N, kv_len] bool (rows ordered group-major,
         see `group_mask`) or None for "see every slot"; new K/V are written at `slots`, then every
         query attends over slots [0, kv_len). Returns (logits [N, V] fp32, hidden [N, d])."""
+        # Every aten call costs a few microseconds of dispatch, ~35 of them per layer: the loop
+        # below is written to keep that count low (fused matmuls, views over copies, no K/V repeat).
         n = tokens.shape[0]
-        H, Hkv, G, hd = self.n_heads, self.n_kv, self.groups, self.head_dim
+        H, Hkv, G, hd, eps, dims = self.n_heads, self.n_kv, self.groups, self.head_dim, self.eps, self.dims
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, hd], broadcast over heads
         sin = self.sin[positions].unsqueeze(1)
         x = F.embedding(tokens, self.embed)  # [N, d]
-        layers = self.layers
+        layers, caches = self.layers, self.cache_views
         if torch.compiler.is_compiling():
             # Read the registered buffers by name so the compiler sees them as module state (static
             # addresses for CUDA graphs), not as loose tensors it would copy in on every replay.
             layers = self._layer_tensors()
-        for i, (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd) in enumerate(layers):
-            h = F.rms_norm(x, (x.shape[-1],), ln1, self.eps)
+            caches = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
+        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd), (kc, vc) in zip(layers, caches):
+            h = F.rms_norm(x, dims, ln1, eps)
             qkv = _mm(h, wqkv, bqkv).view(n, H + 2 * Hkv, hd)
-            # RoPE on q and k together (they are adjacent heads in the fused output).
+            # RoPE on q and k together (adjacent heads of the fused output): x*cos + rot(x)*sin.
             qk = qkv[:, : H + Hkv]
-            qk = qk * cos + torch.roll(qk, hd // 2, -1) * sin  # [N, H + Hkv, hd]
-            k = qk[:, H:].transpose(0, 1)  # [Hkv, N, hd]
-            v = qkv[:, H + Hkv:].transpose(0, 1)
-            kc, vc = self.k_cache[i], self.v_cache[i]  # [Hkv, capacity, hd] views
-            kc.index_copy_(1, slots, k)
-            vc.index_copy_(1, slots, v)
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # [N, H + Hkv, hd]
+            kc.index_copy_(1, slots, qk[:, H:].transpose(0, 1))  # cache [Hkv, capacity, hd]
+            vc.index_copy_(1, slots, qkv[:, H + Hkv:].transpose(0, 1))
             # GQA without repeating K/V: query head j*G+g uses K/V head j, so [H, N, hd] viewed as
             # [Hkv, G*N, hd] puts all queries of one K/V head in one row block (order g, n).
             q = qk[:, :H].transpose(0, 1).reshape(1, Hkv, G * n, hd)
-            o = F.scaled_dot_product_attention(q, kc[None, :, :kv_len], vc[None, :, :kv_len],
+            o = F.scaled_dot_product_attention(q, kc.narrow(1, 0, kv_len).unsqueeze(0),
+                                               vc.narrow(1, 0, kv_len).unsqueeze(0),
                                                attn_mask=mask)  # [1, Hkv, G*N, hd]
             o = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
             x = _mm(o, wo, bo, residual=x)
-            h = F.rms_norm(x, (x.shape[-1],), ln2, self.eps)
+            h = F.rms_norm(x, dims, ln2, eps)
             gate, up = _mm(h, wgu, bgu).chunk(2, -1)  # [N, I] each
-            x = _mm(F.silu(gate) * up, wd, bd, residual=x)
-        hidden = F.rms_norm(x, (x.shape[-1],), self.final_norm, self.eps)
+            x = _mm(F.silu(gate).mul_(up), wd, bd, residual=x)
+        hidden = F.rms_norm(x, dims, self.final_norm, eps)
         logits = torch.mm(hidden, self.lm_head_t).float()  # full vocab for every node: [N, V]
         return logits, hidden
 
@@ -204,17 +253,23 @@ class _LlamaCore(nn.Module):
 class FastLlamaBackend(BaseBackend):
     """LLaMA-family base with a static KV cache; see the module docstring.
 
-    hf_model: a transformers `LlamaForCausalLM` (read once; this backend keeps its own fused copy of
-    the layer weights, sharing the embedding when dtype/device match). max_len: slots reserved for
+    hf_model: a transformers `LlamaForCausalLM` (read once; this backend keeps its own fused,
+    transposed copy of the matmul weights, ~0.5 GB for SmolLM2 in fp32, and shares the input
+    embedding when dtype/device match). max_len: slots reserved for
     prompt + generated tokens + one tree (reset() with a larger value reallocates). dtype / device:
     default to the model's. compile: torch.compile the tree step (default: on for CUDA, off on CPU,
     where eager with exact shapes is faster for a small model). static: pad trees to power-of-two
     buckets and attend over the whole buffer (default: same as compile).
+    cpu_threads: torch intra-op threads while this backend computes on CPU (restored afterwards);
+    None (default) = torch's global setting, the same the `generate` baseline gets. On an idle 2-core
+    box 2 threads decode SmolLM2 as fast as 1 in fp32 (memory-bound) and 1.5x faster in bf16; on a box
+    shared with other busy processes every fork waits for a descheduled thread (measured: 250 ms vs
+    35 ms per step), where cpu_threads=1 is the robust choice.
     """
 
     def __init__(self, hf_model: nn.Module, max_len: int = 2048, dtype: torch.dtype | None = None,
                  compile: bool | None = None, device: torch.device | str | None = None,
-                 static: bool | None = None):
+                 static: bool | None = None, cpu_threads: int | None = None):
         cfg = hf_model.config
         if getattr(cfg, "model_type", None) != "llama":
             raise ValueError(
@@ -232,11 +287,16 @@ class FastLlamaBackend(BaseBackend):
         # Static shapes go with compilation: that is what lets one graph serve every step. (Tests
         # force static=True without compiling to check the padding logic on CPU.)
         self.static = self.compile if static is None else bool(static)
-        self._core = _LlamaCore(hf_model, self._capacity_for(max_len), self.dtype, self.device).eval()
+        with torch.no_grad():  # the fused copies must not record autograd history
+            self._core = _LlamaCore(hf_model, self._capacity_for(max_len), self.dtype, self.device).eval()
         self._step = self._core.forward
         if self.compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             self._step = torch.compile(self._core.forward, mode=mode, dynamic=False, fullgraph=True)
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ValueError(f"cpu_threads={cpu_threads}: pass a positive thread count, or None to use "
+                             "torch's global setting")
+        self.cpu_threads = cpu_threads if self.device.type == "cpu" else None
         self._max_len = max_len
         self._len = 0
         self._last_n = 0  # nodes of the last forward_tree, awaiting commit
@@ -262,8 +322,36 @@ class FastLlamaBackend(BaseBackend):
         self._len = 0
         self._last_n = 0
 
-    @torch.inference_mode()
+    @contextmanager
+    def _compute(self):
+        """No autograd, and cpu_threads intra-op threads for the duration of one call."""
+        saved = torch.get_num_threads()
+        change = self.cpu_threads is not None and self.cpu_threads != saved
+        if change:
+            torch.set_num_threads(self.cpu_threads)
+        try:
+            with torch.inference_mode():
+                yield
+        finally:
+            if change:
+                torch.set_num_threads(saved)
+
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._compute():
+            return self._prefill(input_ids)
+
+    def forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._compute():
+            return self._forward_tree(tokens, depths, tree_mask)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        with self._compute():
+            self._commit(keep)
+
+    # -- implementation -------------------------------------------------------------------------
+
+    def _prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"prefill expects a non-empty 1-D token tensor [T], got shape "
                              f"{tuple(input_ids.shape)}; drop the batch dim (batch size is 1)")
@@ -280,14 +368,16 @@ class FastLlamaBackend(BaseBackend):
         self._last_n = 0
         return logits, hidden
 
-    @torch.inference_mode()
-    def forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_tree(self, tokens: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         n = tokens.numel()
         if tokens.dim() != 1 or n == 0 or depths.shape != tokens.shape or tree_mask.shape != (n, n):
             raise ValueError(
                 f"forward_tree expects tokens [N], depths [N], tree_mask [N, N]; got "
                 f"{tuple(tokens.shape)}, {tuple(depths.shape)}, {tuple(tree_mask.shape)}")
+        if self._last_n:
+            raise RuntimeError("forward_tree called twice without commit(); commit the accepted path "
+                               "first (commit(torch.tensor([], dtype=torch.long)) drops the whole tree)")
         self._check_room(n, "forward_tree")
         c, dev = self._len, self.device
         tokens, depths = tokens.to(dev), depths.to(dev)
@@ -301,7 +391,7 @@ class FastLlamaBackend(BaseBackend):
                 mask = None  # a lone root sees the prefix and itself: everything in [0, c+1)
             else:
                 mask = torch.ones(n, kv_len, dtype=torch.bool, device=dev)
-                mask[:, c:] = True
+                mask[:, c:] = tree_mask
                 mask = self._core.group_mask(mask)
             # Not self._step: a compiled step is specialised to the static shapes.
             logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len)
@@ -326,14 +416,13 @@ class FastLlamaBackend(BaseBackend):
         # Copy out of CUDA-graph-owned memory before the next replay overwrites it.
         return logits[:n].clone(), hidden[:n].clone()
 
-    @torch.inference_mode()
-    def commit(self, keep: torch.Tensor) -> None:
+    def _commit(self, keep: torch.Tensor) -> None:
         keep_list = [int(i) for i in keep.reshape(-1).tolist()]
         m, n = len(keep_list), self._last_n
         if n == 0:
             raise RuntimeError("commit() without a pending forward_tree(); call forward_tree first")
-        if m == 0 or m > n or min(keep_list) < 0 or max(keep_list) >= n:
-            raise ValueError(f"commit(keep={keep_list}): need 1..{n} node indices in [0, {n}) "
+        if m > n or (m and (min(keep_list) < 0 or max(keep_list) >= n)):
+            raise ValueError(f"commit(keep={keep_list}): need at most {n} node indices in [0, {n}) "
                              f"from the last forward_tree")
         c = self._len
         # Nodes already in place (AR steps, or a path made of the first m nodes) need no copy.

@@ -6,9 +6,10 @@ from eval.drafters.medusa import MedusaDrafter
 from eval.tree import STATIC_TREES, StaticTree
 
 # The static tree each tree-based family uses when neither the eval config nor the export names one.
-# chain4 on CPU: verifying a 64-node tree costs ~64 token-forwards of compute, which a CPU does not
-# hide; on a GPU medusa63 is the better default (see docs/benchmarks.md).
-DEFAULT_TREE = {"medusa": "chain4"}
+# tree16: on this project's 2-core CPU a bf16 base verifies up to ~16 tree tokens for about the price of
+# one (oneDNN's small-N GEMMs are memory-bound), while 64 nodes cost ~2x; on a GPU medusa63 is the usual
+# choice (docs/benchmarks.md). The Hydra issue's tree search will pick sizes by measured throughput.
+DEFAULT_TREE = {"medusa": "tree16"}
 
 
 def resolve_tree(family: str, export_cfg: dict, eval_cfg) -> tuple[str, StaticTree]:

@@ -1,0 +1,39 @@
+"""Shared fixtures: one smoke training run per test session (tiny random base, ShareGPT fixture)."""
+
+import os
+
+import pytest
+
+from models.base import load_base
+from train.config import load_train_config
+
+SMOKE_RECIPE = ["configs/medusa.yaml", "configs/smoke.yaml"]
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """(run_dir, base weights before training) of a 16-step smoke run, trained in this process."""
+    from train.loop import train
+
+    run_dir = tmp_path_factory.mktemp("runs") / "smoke"
+    base_before = {k: v.clone() for k, v in load_base("tiny").model.state_dict().items()}
+    cfg = load_train_config(SMOKE_RECIPE, [f"run_dir={run_dir}", "train.max_steps=16", "train.lr=5e-3",
+                                           "train.log_every=4"])
+    train(cfg)
+    return run_dir, base_before
+
+
+# An in-process run (smoke_run) leaves its 1-rank process-group variables in os.environ; a child process
+# must not inherit them (it would try to bind the parent's MASTER_PORT).
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
+    return {**env, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+@pytest.fixture
+def clean_env():
+    """Environment for `specdraft` subprocesses: this one's, minus process-group variables."""
+    return child_env

@@ -1,0 +1,46 @@
+"""`specdraft demo`: the main job on this machine, end to end, on the real small base.
+
+1. train Medusa heads on SmolLM2-135M-Instruct + a ShareGPT subset (configs/medusa.yaml + configs/demo.yaml,
+   with a wall-time budget so it fits a laptop CPU);
+2. print the held-out per-head accuracy table (written by training to runs/demo/heldout.json);
+3. evaluate the export with the bundled speculative decoder on MT-bench prompts (configs/eval/demo.yaml),
+   with own-AR and transformers-generate baselines in the same run, and print acceptance length and speedups.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from train.cli import CONFIGS
+
+
+def run_demo(overrides: list[str]) -> int:
+    from eval.config import load_eval_config
+    from eval.runner import eval_export, format_summary
+    from train.config import load_train_config
+    from train.heldout import format_heldout_table
+    from train.loop import train
+
+    cfg = load_train_config([str(CONFIGS / "medusa.yaml"), str(CONFIGS / "demo.yaml")], overrides)
+    t0 = time.perf_counter()
+    print(f"[demo 1/2] training {cfg.draft.num_heads} Medusa heads on {cfg.base.path} with "
+          f"{cfg.data.max_records} ShareGPT conversations (budget {cfg.train.max_minutes:g} min of training)",
+          flush=True)
+    run_dir = train(cfg)
+    t_train = time.perf_counter() - t0
+
+    eval_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")])
+    print(f"[demo 2/2] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
+          f"({eval_cfg.max_new_tokens} new tokens each), own AR and HF generate in the same run", flush=True)
+    report, out_dir = eval_export(run_dir / "export", eval_cfg)
+    t_all = time.perf_counter() - t0
+
+    print("\n" + "=" * 100)
+    heldout = run_dir / "heldout.json"
+    if heldout.exists():
+        print(format_heldout_table(json.loads(heldout.read_text())))
+    print(format_summary(report, out_dir))
+    print(f"demo finished in {t_all / 60:.1f} min (training incl. set-up {t_train / 60:.1f} min); "
+          f"run directory {run_dir}")
+    return 0
