@@ -17,6 +17,10 @@ class Tracker:
         self._wandb = None
         if not active:
             return
+        if not resume_step and self.path.exists():
+            log.warning("%s exists from an earlier run in this directory; starting it afresh "
+                        "(use resume=auto to continue that run instead)", self.path)
+            self.path.unlink()
         if resume_step and self.path.exists():
             # Steps after the checkpoint we resume from are replayed: drop their old lines.
             kept = [ln for ln in self.path.read_text().splitlines()
