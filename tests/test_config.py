@@ -27,6 +27,8 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
 def test_shipped_recipes_load():
     cfg = load_train_config(["configs/medusa.yaml", "configs/smoke.yaml", "configs/deepspeed/zero2.yaml"])
     assert cfg.base.path == "tiny" and cfg.deepspeed.zero_stage == 2 and cfg.draft.family == "medusa"
+    cfg = load_train_config(["configs/medusa.yaml", "configs/demo.yaml", "configs/deepspeed/zero3.yaml"])
+    assert cfg.deepspeed.zero_stage == 3 and cfg.draft.share_lm_head  # ZeRO-3 works with the shared head
 
 
 @pytest.mark.parametrize("text, key, suggestion", [
@@ -55,6 +57,7 @@ def test_unknown_override_key_rejected():
     ("draft.family=eagle", "draft.family"),
     ("train.precision=fp8", "train.precision"),
     ("deepspeed.zero_stage=4", "deepspeed.zero_stage"),
+    ("deepspeed.zero_stage=3", "deepspeed.zero_stage"),  # own LM heads: not with ZeRO-3 (see validate)
     ("data.val_fraction=1.5", "data.val_fraction"),
     ("resume=/no/such/checkpoint", "resume"),
 ])

@@ -168,6 +168,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("loss.chunk_size", cfg.loss.chunk_size, "use a positive number of tokens, e.g. 1024")
     if cfg.deepspeed.zero_stage not in (0, 1, 2, 3):
         _fail("deepspeed.zero_stage", cfg.deepspeed.zero_stage, "ZeRO stages are 0, 1, 2 or 3")
+    if cfg.deepspeed.zero_stage == 3 and not d.share_lm_head:
+        _fail("deepspeed.zero_stage", 3,
+              "ZeRO-3 partitions parameters, and the fused loss reads each head's own LM-head weight directly "
+              "(outside its Linear's forward), which ZeRO-3 cannot re-gather for backward; use stage 2 (a "
+              "draft's parameters are small, stage 3 would only shard them) or draft.share_lm_head=true")
     if cfg.deepspeed.offload_optimizer not in ("none", "cpu"):
         _fail("deepspeed.offload_optimizer", cfg.deepspeed.offload_optimizer, "use none or cpu")
     if cfg.wandb.mode not in ("offline", "online", "disabled"):
