@@ -11,27 +11,36 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 from train.cli import CONFIGS
 
 
 def run_demo(overrides: list[str]) -> int:
-    from eval.config import load_eval_config
-    from eval.runner import eval_export, format_summary
     from train.config import load_train_config
-    from train.heldout import format_heldout_table
     from train.loop import train
 
     cfg = load_train_config([str(CONFIGS / "medusa.yaml"), str(CONFIGS / "demo.yaml")], overrides)
     t0 = time.perf_counter()
-    print(f"[demo 1/2] training {cfg.draft.num_heads} Medusa heads on {cfg.base.path} with "
+    print(f"[demo 1/3] training {cfg.draft.num_heads} Medusa heads on {cfg.base.path} with "
           f"{cfg.data.max_records} ShareGPT conversations (budget {cfg.train.max_minutes:g} min of training)",
           flush=True)
     run_dir = train(cfg)
     t_train = time.perf_counter() - t0
+    evaluate_demo_run(run_dir)
+    print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min (training incl. set-up "
+          f"{t_train / 60:.1f} min); run directory {run_dir}")
+    return 0
+
+
+def evaluate_demo_run(run_dir: Path) -> None:
+    """Steps 2-3 of the demo on a finished run: decode MT-bench prompts, check exactness, print the tables."""
+    from eval.config import load_eval_config
+    from eval.runner import eval_export, format_summary
+    from train.heldout import format_heldout_table
 
     eval_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")])
-    print(f"[demo 2/2] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
+    print(f"[demo 2/3] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
           f"({eval_cfg.max_new_tokens} new tokens each), own AR and HF generate in the same run", flush=True)
     report, out_dir = eval_export(run_dir / "export", eval_cfg)
     exact = None
@@ -40,9 +49,8 @@ def run_demo(overrides: list[str]) -> int:
         # flip and outputs drift apart; that is precision, not the algorithm. Check exactness in fp32.
         check_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [
             "dtype=fp32", "num_prompts=3", "max_new_tokens=48", "hf_baseline=false", "name=mtbench-demo-fp32-check"])
-        print(f"[demo 2/2] losslessness check in fp32 on {check_cfg.num_prompts} prompts", flush=True)
+        print(f"[demo 3/3] losslessness check in fp32 on {check_cfg.num_prompts} prompts", flush=True)
         exact, _ = eval_export(run_dir / "export", check_cfg)
-    t_all = time.perf_counter() - t0
 
     print("\n" + "=" * 100)
     heldout = run_dir / "heldout.json"
@@ -53,6 +61,3 @@ def run_demo(overrides: list[str]) -> int:
         print(f"  ({eval_cfg.dtype}: tree and single-token forwards round differently, so greedy near-ties can flip; "
               f"in fp32 the speculative output equals plain greedy decoding on "
               f"{round(exact['lossless_fraction'] * exact['num_prompts'])}/{exact['num_prompts']} prompts)")
-    print(f"demo finished in {t_all / 60:.1f} min (training incl. set-up {t_train / 60:.1f} min); "
-          f"run directory {run_dir}")
-    return 0
