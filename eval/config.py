@@ -15,7 +15,7 @@ class EvalConfig:
     dataset: str = "mtbench"  # mtbench | sharegpt (held-out) | a .jsonl of prompts
     num_prompts: int | None = None  # None = all (MT-bench: 80)
     both_turns: bool = False  # MT-bench: the second turn too (its history holds our own turn-1 answer)
-    heldout_skip: int = 0  # sharegpt: skip the first N conversations (the ones training read)
+    heldout_skip: int | None = None  # sharegpt: skip the first N conversations; None = what the draft trained on
     max_prompt_tokens: int | None = 1024  # longer prompts are skipped
     max_new_tokens: int = 256
     backend: str = "fast"  # fast (static KV LLaMA) | hf (any transformers causal LM)
@@ -58,6 +58,8 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
         fail("num_prompts", cfg.num_prompts, "use None (all) or at least 1")
     if cfg.tree not in ("auto", *STATIC_TREES):
         fail("tree", cfg.tree, f"use auto or one of {', '.join(STATIC_TREES)}")
+    if cfg.heldout_skip is not None and cfg.heldout_skip < 0:
+        fail("heldout_skip", cfg.heldout_skip, "use None (from the export) or a count of conversations >= 0")
     if cfg.dtype not in ("fp32", "bf16", "fp16", "auto"):
         fail("dtype", cfg.dtype, "use fp32, bf16, fp16 or auto")
     return cfg

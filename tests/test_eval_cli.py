@@ -35,3 +35,21 @@ def test_eval_cli_errors_are_clear(tmp_path, clean_env):
     proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--draft", str(tmp_path), "tree=nope"],
                           capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 2 and "tree" in proc.stderr
+
+
+def test_sharegpt_eval_skips_exactly_the_training_conversations():
+    import pytest
+
+    from eval.config import load_eval_config
+    from eval.runner import resolve_heldout_skip
+
+    cfg = load_eval_config(["configs/eval/sharegpt.yaml"])
+    trained = {"train_data": {"source": "sharegpt", "max_records": 1500}}
+    assert resolve_heldout_skip(cfg, trained).heldout_skip == 1500
+    with pytest.raises(ValueError, match="heldout_skip=100 would evaluate on conversations"):
+        resolve_heldout_skip(load_eval_config(["configs/eval/sharegpt.yaml"], ["heldout_skip=100"]), trained)
+    with pytest.raises(ValueError, match="every ShareGPT conversation"):
+        resolve_heldout_skip(cfg, {"train_data": {"source": "sharegpt", "max_records": None}})
+    other = {"train_data": {"source": "my_chats.jsonl", "max_records": None}}
+    assert resolve_heldout_skip(cfg, other).heldout_skip == 0
+    assert resolve_heldout_skip(load_eval_config([], ["dataset=mtbench"]), trained).heldout_skip is None

@@ -58,3 +58,26 @@ def test_time_budgeted_schedule_anneals_by_the_deadline():
     assert budgeted(7, now=1100.0) == pytest.approx(0.1)
     # Faster than the clock: steps lead.
     assert budgeted(80, now=1001.0) == pytest.approx(warmup_cosine(80, 100, 10, 0.1))
+
+
+def test_latest_checkpoint_falls_back_to_newest_finished_step(tmp_path):
+    from train.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "step00000002").mkdir()
+    (tmp_path / "step00000004").mkdir()
+    (tmp_path / ".partial" / "step00000006").mkdir(parents=True)  # half-written: never chosen
+    assert latest_checkpoint(tmp_path).name == "step00000004"
+    (tmp_path / "latest").write_text("step00000002")
+    assert latest_checkpoint(tmp_path).name == "step00000002"  # the pointer wins while its target exists
+    (tmp_path / "latest").write_text("step00000009")  # dangling pointer (killed mid re-save)
+    assert latest_checkpoint(tmp_path).name == "step00000004"
+
+
+def test_schedule_configure_replaces_restored_fields():
+    from train.schedule import TimeBudgetedSchedule
+
+    sched = TimeBudgetedSchedule(100, 5, 0.1, budget_s=540)
+    sched.__dict__.update({"total": 50, "warmup": 1, "budget_s": 10})  # what LambdaLR.load_state_dict does
+    sched.configure(200, 10, 0.1, 0.0)
+    assert sched(150) == pytest.approx(warmup_cosine(150, 200, 10, 0.1))

@@ -26,12 +26,15 @@ def step_tag(step: int) -> str:
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The directory `latest` points at, or None when there is no finished checkpoint."""
+    """The directory `latest` points at; else the newest finished step directory (every `step*` directory
+    got there by an atomic rename, so each is complete); None when there is none."""
     pointer = ckpt_root / "latest"
-    if not pointer.is_file():
-        return None
-    target = ckpt_root / pointer.read_text().strip()
-    return target if target.is_dir() else None
+    if pointer.is_file():
+        target = ckpt_root / pointer.read_text().strip()
+        if target.is_dir():
+            return target
+    finished = sorted(p for p in ckpt_root.glob("step*") if p.is_dir())
+    return finished[-1] if finished else None
 
 
 def save(engine, ckpt_root: Path, step: int, client_state: dict, keep: int, rank: int) -> Path:
@@ -45,8 +48,14 @@ def save(engine, ckpt_root: Path, step: int, client_state: dict, keep: int, rank
     _barrier()
     final = ckpt_root / tag
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        # Re-saving an existing tag (e.g. resuming a run that had finished): move the old one aside first,
+        # so a kill at any moment leaves a complete directory under the name `latest` may point at.
+        aside = ckpt_root / PARTIAL / f"{tag}.old"
+        shutil.rmtree(aside, ignore_errors=True)
+        if final.exists():
+            os.replace(final, aside)
         os.replace(partial / tag, final)
+        shutil.rmtree(aside, ignore_errors=True)
         tmp = ckpt_root / "latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, ckpt_root / "latest")

@@ -95,8 +95,13 @@ def cmd_eval(args) -> int:
 
 def cmd_demo(args) -> int:
     from train.demo import run_demo
+    from train.loop import TrainingInterrupted
 
-    return run_demo(args.overrides)
+    try:
+        return run_demo(args.overrides)
+    except TrainingInterrupted as exc:
+        print(f"specdraft demo: {exc}", file=sys.stderr)
+        return 143
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,13 +146,18 @@ def train(cfg: TrainConfig) -> Path:
                                                    config=ds_config)
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    start_step = 0
+    start_step, seconds_before = 0, 0.0
     resume_from = checkpoint.latest_checkpoint(ckpt_root) if cfg.resume == "auto" else (
         Path(cfg.resume) if cfg.resume != "none" else None)
     if resume_from is not None:
         state = checkpoint.load(engine, resume_from)
-        start_step = int(state["step"])
-        log.info("resumed from %s at step %d", resume_from, start_step)
+        start_step, seconds_before = int(state["step"]), float(state.get("train_seconds", 0.0))
+        # LambdaLR's state_dict carries the multiplier object's fields and the base LRs of the saved run;
+        # the schedule of *this* config wins (e.g. a run extended with a larger train.max_steps).
+        lr_multiplier.configure(total_steps, warmup, cfg.train.min_lr_ratio, 60 * cfg.train.max_minutes)
+        scheduler.base_lrs = [cfg.train.lr for _ in scheduler.base_lrs]
+        log.info("resumed from %s at step %d (%.1f min of training before)", resume_from, start_step,
+                 seconds_before / 60)
     elif cfg.resume == "auto":
         log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_root)
 
@@ -161,9 +166,12 @@ def train(cfg: TrainConfig) -> Path:
     pbar = tqdm(total=total_steps, initial=start_step, disable=not info.is_main, unit="step", dynamic_ncols=True)
     window = [DepthStats() for _ in range(cfg.draft.num_heads)]
     window_loss, window_micro, window_tokens, window_t0 = 0.0, 0, 0, time.perf_counter()
-    train_t0 = time.perf_counter()
+    # The time budget covers the whole run, across resumes: the clock starts where the checkpoint left it.
+    train_t0 = time.perf_counter() - seconds_before
     lr_multiplier.start(train_t0)
     step = start_step
+    sigterm = False  # agreed across ranks: did any rank get SIGTERM?
+    grad_norm = None
     try:
         while step < total_steps:
             torch.manual_seed(cfg.train.seed + 1_000_003 * step + info.rank)  # dropout RNG depends on step only
@@ -175,6 +183,8 @@ def train(cfg: TrainConfig) -> Path:
                 hidden = _base_hidden(base.model, ids, attn).to(compute_dtype)
                 out = engine(hidden, ids, mask)
                 engine.backward(out.loss)
+                if engine.is_gradient_accumulation_boundary():
+                    grad_norm = _grad_norm(engine, draft)
                 engine.step()
                 for acc, s in zip(window, out.per_depth):
                     acc.add(s)
@@ -188,31 +198,36 @@ def train(cfg: TrainConfig) -> Path:
             if step % cfg.train.log_every == 0 or step == total_steps or must_stop:
                 metrics = _window_metrics(window, window_loss, window_micro, window_tokens,
                                           time.perf_counter() - window_t0, info)
-                metrics.update(lr=scheduler.get_last_lr()[0], grad_norm=_grad_norm(engine))
+                metrics.update(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
                 tracker.log(metrics, step)
                 pbar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['top1/head1']:.3f}",
                                  tok_s=f"{metrics['tokens_per_s']:.0f}")
                 window = [DepthStats() for _ in range(cfg.draft.num_heads)]
                 window_loss, window_micro, window_tokens, window_t0 = 0.0, 0, 0, time.perf_counter()
             if must_stop or (cfg.train.save_every and step % cfg.train.save_every == 0 and step < total_steps):
-                checkpoint.save(engine, ckpt_root, step, {"step": step}, cfg.train.keep_checkpoints, info.rank)
+                checkpoint.save(engine, ckpt_root, step, _client_state(step, train_t0), cfg.train.keep_checkpoints,
+                                info.rank)
             _test_crash_hook(step)
             if must_stop:
-                why = "SIGTERM" if stop.requested else f"time budget train.max_minutes={cfg.train.max_minutes}"
+                # Ranks may get SIGTERM seconds apart (the launcher signals them in turn): agree on it, so all
+                # of them skip the export and exit 143 together instead of some entering collectives alone.
+                sigterm = any_rank(stop.requested, info.device)
+                why = "SIGTERM" if sigterm else f"time budget train.max_minutes={cfg.train.max_minutes}"
                 log.warning("stopping at step %d/%d (%s); checkpoint saved, resume with resume=auto",
                             step, total_steps, why)
                 break
         else:
-            checkpoint.save(engine, ckpt_root, step, {"step": step}, cfg.train.keep_checkpoints, info.rank)
+            checkpoint.save(engine, ckpt_root, step, _client_state(step, train_t0), cfg.train.keep_checkpoints,
+                            info.rank)
     finally:
         pbar.close()
         stop.restore()
 
-    if not stop.requested:  # finished, or out of its time budget: export what we have
+    if not sigterm:  # finished, or out of its time budget: export what we have
         _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step)
     tracker.close()
     barrier()
-    if stop.requested:
+    if sigterm:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
@@ -224,9 +239,22 @@ def _test_crash_hook(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _grad_norm(engine) -> float:
+def _client_state(step: int, train_t0: float) -> dict:
+    """What a checkpoint needs besides DeepSpeed's own state: the data position is a function of the step."""
+    return {"step": step, "train_seconds": time.perf_counter() - train_t0}
+
+
+def _grad_norm(engine, draft) -> float | None:
+    """Global gradient norm before clipping, read at the accumulation boundary before engine.step().
+
+    ZeRO-1/2 and bf16 optimizers report it; with fp32 and ZeRO-0 DeepSpeed discards it while clipping,
+    so it is computed from the (already all-reduced) .grad tensors. None (logged as null) if unavailable.
+    """
     norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
+    if norm is not None:
+        return float(norm)
+    grads = [p.grad for p in draft.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else None
 
 
 def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tokens: int, seconds: float,
@@ -255,8 +283,10 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
     params = list(draft.parameters()) if cfg.deepspeed.zero_stage == 3 else []
     with deepspeed.zero.GatheredParameters(params, enabled=bool(params)):
         if info.is_main:
+            # train_data lets `specdraft eval dataset=sharegpt` pick prompts this draft never saw.
             export_specdraft(draft, run_dir / "export", base.name, base.fingerprint,
-                             extra={"trained_steps": step, "train_dtype": str(compute_dtype).removeprefix("torch.")})
+                             extra={"trained_steps": step, "train_dtype": str(compute_dtype).removeprefix("torch."),
+                                    "train_data": {"source": cfg.data.source, "max_records": cfg.data.max_records}})
             log.info("exported the draft to %s", run_dir / "export")
             if cfg.train.val_batches > 0:
                 result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)

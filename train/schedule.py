@@ -24,8 +24,11 @@ class TimeBudgetedSchedule:
     """
 
     def __init__(self, total_steps: int, warmup_steps: int, min_ratio: float, budget_s: float = 0.0):
-        self.total, self.warmup, self.min_ratio, self.budget_s = total_steps, warmup_steps, min_ratio, budget_s
+        self.configure(total_steps, warmup_steps, min_ratio, budget_s)
         self._t0: float | None = None
+
+    def configure(self, total_steps: int, warmup_steps: int, min_ratio: float, budget_s: float = 0.0) -> None:
+        self.total, self.warmup, self.min_ratio, self.budget_s = total_steps, warmup_steps, min_ratio, budget_s
 
     def start(self, now: float) -> None:
         self._t0 = now

@@ -44,7 +44,7 @@ class Tracker:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
     def close(self) -> None:
         if not self.active:
