@@ -90,7 +90,8 @@ def build_steps(args: argparse.Namespace):
     # Per head: hidden [N, d] (the ResBlock output), lm_head [V, d] (own trainable or shared frozen).
     hiddens = [make(args.n, args.d, grad=True) for _ in range(args.heads)]
     if args.frozen_head:
-        weights = [make(args.vocab, args.d, scale=args.d**-0.5)] * args.heads  # one shared tensor
+        shared = make(args.vocab, args.d, scale=args.d**-0.5)
+        weights = [shared for _ in range(args.heads)]  # one frozen tensor read by every head
     else:
         weights = [make(args.vocab, args.d, scale=args.d**-0.5, grad=True) for _ in range(args.heads)]
     labels = []

@@ -8,6 +8,7 @@ untimed warm-up generation first.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -68,7 +69,8 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
     backend = make_backend(cfg.backend, model)
     eos = _eos_ids(model, tok)
     prompts = load_eval_prompts(cfg.dataset, tok, num_prompts=cfg.num_prompts, both_turns=cfg.both_turns,
-                                seed=cfg.seed, heldout_skip=cfg.heldout_skip, max_prompt_tokens=cfg.max_prompt_tokens)
+                                seed=cfg.seed, heldout_skip=cfg.heldout_skip or 0,
+                                max_prompt_tokens=cfg.max_prompt_tokens)
     if not prompts:
         raise ValueError(f"no prompts left from dataset={cfg.dataset!r} (max_prompt_tokens={cfg.max_prompt_tokens})")
     greedy = cfg.temperature == 0
@@ -131,6 +133,26 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
+    """For dataset=sharegpt, skip exactly the conversations the draft was trained on (DESIGN §8: held-out
+    prompts), and refuse a skip that would evaluate on training data."""
+    if cfg.dataset != "sharegpt":
+        return cfg
+    trained = export_cfg.get("train_data") or {}
+    if trained.get("source") != "sharegpt":
+        return cfg if cfg.heldout_skip is not None else dataclasses.replace(cfg, heldout_skip=0)
+    used = trained.get("max_records")
+    if used is None:
+        raise ValueError("this draft was trained on every ShareGPT conversation (data.max_records=None), so none "
+                         "is held out; evaluate on dataset=mtbench, or train with data.max_records=N")
+    if cfg.heldout_skip is None:
+        return dataclasses.replace(cfg, heldout_skip=used)
+    if cfg.heldout_skip < used:
+        raise ValueError(f"heldout_skip={cfg.heldout_skip} would evaluate on conversations the draft was trained on "
+                         f"(data.max_records={used}); use heldout_skip>={used} or leave it unset")
+    return cfg
+
+
 def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
     from eval.drafters.registry import build_drafter
@@ -140,6 +162,7 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
 
     export_dir = Path(export_dir)
     export_cfg = read_export_config(export_dir)
+    cfg = resolve_heldout_skip(cfg, export_cfg)
     device = _device(cfg.device)
     base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
     draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
@@ -148,6 +171,49 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     out_dir = export_dir.parent / "eval" / cfg.name
     report = evaluate(cfg, base, drafter, export_cfg["family"], out_dir, {"export": str(export_dir), **info})
     return report, out_dir
+
+
+LEARNING_FREE_METHODS = ("ngram",)
+
+
+def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
+    """A learning-free method (no export): load the base (cfg.base_path, default smollm2), build the
+    drafter from cfg.extra, evaluate; writes under <run_dir or runs/<method>>/eval/<name>/."""
+    from eval.drafters.ngram import build_ngram_drafter, ngram_options
+    from models.base import load_base
+
+    if method not in LEARNING_FREE_METHODS:
+        raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
+                         " (trained drafts: --draft runs/<run>/export)")
+    opts = ngram_options(cfg.extra)  # fail on a typo before loading anything
+    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=_device(cfg.device))
+    drafter, info = build_ngram_drafter(base, cfg.extra)
+    if cfg.extra.get("prompt_lookup"):  # transformers' prompt lookup drafting w tokens per step
+        info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))
+    out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name
+    return evaluate(cfg, base, drafter, method, out_dir, info), out_dir
+
+
+def prompt_lookup_peer(cfg: EvalConfig, base, num_tokens: int) -> dict:
+    """transformers' prompt lookup decoding (greedy) on the same prompts: the off-the-shelf n-gram peer.
+    Returns its decode tokens/s (prefill excluded, as for every other number in the report)."""
+    from eval.hf_baseline import prompt_lookup_generate_timed
+
+    model, tok = base.model, base.tokenizer
+    eos = _eos_ids(model, tok)
+    prompts = load_eval_prompts(cfg.dataset, tok, num_prompts=cfg.num_prompts, both_turns=cfg.both_turns,
+                                seed=cfg.seed, heldout_skip=cfg.heldout_skip or 0,
+                                max_prompt_tokens=cfg.max_prompt_tokens)
+    if cfg.warmup_tokens > 0 and prompts:
+        prompt_lookup_generate_timed(model, prompts[0].input_ids, cfg.warmup_tokens, eos,
+                                     prompt_lookup_num_tokens=num_tokens)
+    n_tok, secs = 0, 0.0
+    for p in tqdm(prompts, desc="prompt lookup peer", unit="prompt", dynamic_ncols=True):
+        g = prompt_lookup_generate_timed(model, p.input_ids, cfg.max_new_tokens, eos,
+                                         prompt_lookup_num_tokens=num_tokens)
+        n_tok += len(g.tokens) - 1  # same counting as the other methods: the prefill's token is excluded
+        secs += g.seconds
+    return {"prompt_lookup_num_tokens": num_tokens, "tokens_per_second": n_tok / secs if secs > 0 else None}
 
 
 def format_summary(report: dict, out_dir: Path) -> str:
@@ -170,8 +236,9 @@ def run_eval_cli(args) -> int:
         torch.set_num_threads(cfg.num_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.method:
-        raise ValueError(f"--method {args.method}: learning-free methods are not built yet (N-gram issue); "
-                         "evaluate a trained export with --draft runs/<run>/export")
+        report, out_dir = eval_method(args.method, cfg)
+        print(format_summary(report, out_dir))
+        return 0
     if not args.draft:
         raise ValueError("pass --draft runs/<run>/export (a trained export) or --method NAME")
     report, out_dir = eval_export(Path(args.draft), cfg)

@@ -73,3 +73,16 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.eval()
+
+
+def diverse_tiny_llama(seed: int = 0, std: float = 0.2) -> LlamaForCausalLM:
+    """tiny_llama with every matrix redrawn at `std`: the default init's greedy output repeats one token
+    forever (tied embeddings echo the input), which would make losslessness checks trivial; these
+    weights give varied continuations with clear top-k gaps."""
+    model = tiny_llama(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model

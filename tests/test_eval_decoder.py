@@ -12,27 +12,16 @@ from eval.decoder import autoregressive_generate, speculative_generate
 from eval.drafters.base import DecodeState, Drafter
 from eval.drafters.medusa import MedusaDrafter
 from eval.tree import STATIC_TREES, StaticTree, Tree, chain_tree, tree_from_paths
-from models.tiny import tiny_llama
+from models.tiny import diverse_tiny_llama
 
 VOCAB = 320
 NEW = 24
 
 
-def _diverse_llama(seed: int = 0):
-    """tiny_llama with larger weights: the default init's greedy output repeats one token forever, which
-    would make every losslessness check trivial."""
-    model = tiny_llama(seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return model
-
 
 @pytest.fixture(scope="module")
 def model():
-    return _diverse_llama(0)
+    return diverse_tiny_llama(0)
 
 
 @pytest.fixture(scope="module")

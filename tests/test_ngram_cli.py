@@ -1,0 +1,42 @@
+"""`specdraft eval --method ngram` end to end on the tiny base: report contract, cached table, errors."""
+
+import json
+import subprocess
+import sys
+
+from eval.report import REPORT_KEYS
+
+
+def _eval(args, env):
+    return subprocess.run([sys.executable, "-m", "train.cli", "eval", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_ngram_method_writes_the_contract_report(tmp_path, clean_env):
+    env = clean_env({"SPECDRAFT_CACHE": str(tmp_path / "cache")})
+    args = ["--method", "ngram", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path / 'run'}"]
+    proc = _eval(args + ["extra.prompt_lookup=true"], env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "eval" / "ngram-smoke" / "report.json").read_text())
+    assert set(report) - {"extra"} == set(REPORT_KEYS)
+    assert report["method"] == "ngram" and report["base_model"] == "tiny" and report["num_prompts"] == 3
+    assert report["lossless"] is True  # greedy, fp32
+    assert len(report["accept_rate_per_position"]) == 3  # w = 3
+    extra = report["extra"]
+    assert (extra["k"], extra["w"], extra["strategy"], extra["max_nodes"]) == (4, 3, "mixed", 13)
+    assert extra["bigram_table_cached"] is False and extra["prompt_lookup"]["tokens_per_second"] > 0
+    assert "speedup" in proc.stdout
+    # Second run: the table comes from the disk cache; overrides reach the drafter.
+    proc = _eval(args + ["extra.k=2", "extra.w=5"], env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    extra = json.loads((tmp_path / "run" / "eval" / "ngram-smoke" / "report.json").read_text())["extra"]
+    assert extra["bigram_table_cached"] is True and (extra["k"], extra["w"]) == (2, 5)
+
+
+def test_ngram_method_errors_are_clear(tmp_path, clean_env):
+    env = clean_env({"SPECDRAFT_CACHE": str(tmp_path / "cache")})
+    proc = _eval(["--method", "nope", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path}"], env)
+    assert proc.returncode != 0 and "unknown --method 'nope'" in proc.stderr
+    proc = _eval(["--method", "ngram", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path}",
+                  "extra.kk=3"], env)
+    assert proc.returncode != 0 and "unknown ngram option" in proc.stderr
