@@ -43,7 +43,7 @@ def _reset_hwm() -> bool:
 def run_variant(args) -> dict:
     import torch
 
-    from models.base import load_base
+    from models.base import last_hidden_and_logits, load_base
     from models.draft import BaseView, DraftBatch
     from models.medusa import MedusaDraft
     from train.config import LossSection
@@ -65,8 +65,7 @@ def run_variant(args) -> dict:
         opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def step(marks: list | None = None):
-        with torch.no_grad():
-            h = base.model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+        h, _ = last_hidden_and_logits(base.model, ids, attn)
         out = draft.loss(DraftBatch(h, ids, mask), view, loss_cfg)
         out.loss.backward()
         if marks is not None:

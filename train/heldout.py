@@ -8,6 +8,7 @@ import torch
 
 from data.dataset import collate
 from data.targets import offset_labels
+from models.base import last_hidden_and_logits
 from models.draft import DepthStats, DraftBatch, estimated_acceptance_length
 
 
@@ -28,7 +29,7 @@ def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype
     for start in range(0, n_rows, mb):
         batch = collate([val_ds[i] for i in range(start, min(start + mb, n_rows))], pad_id)
         ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
-        hidden = base_model.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state.to(dtype)
+        hidden = last_hidden_and_logits(base_model, ids, attn)[0].to(dtype)
         out = draft.loss(DraftBatch(hidden, ids, mask), view, cfg.loss)
         for k in range(K):
             totals[k].add(out.per_depth[k])

@@ -23,7 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from data.dataset import build_datasets, collate
-from models.base import default_cache_dir, load_base
+from models.base import default_cache_dir, last_hidden_and_logits, load_base
 from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
 from models.registry import DRAFTERS
 from train import checkpoint
@@ -63,12 +63,6 @@ def _setup_logging(info: DistInfo) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _base_hidden(model, input_ids, attention_mask) -> torch.Tensor:
-    """Last hidden state after the final norm, [B, T, d], without computing [B, T, V] logits."""
-    with torch.no_grad():
-        return model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-
 class TrainingInterrupted(RuntimeError):
     """Raised after a SIGTERM-triggered checkpoint, so the process exits non-zero (143) and a scheduler
     knows the run is not finished; `resume=auto` continues it."""
@@ -103,7 +97,7 @@ def train(cfg: TrainConfig) -> Path:
         # N CPU ranks on one box: split the cores instead of oversubscribing them.
         torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // info.world_size))
     precision = resolve_precision(cfg.train.precision, info.device)
-    base_dtype = {"auto": None, "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[cfg.base.dtype] or precision
+    base_dtype = precision if cfg.base.dtype == "auto" else cfg.base.dtype
 
     # Rank 0 first: it may have to convert the GGUF or tokenize the data into the shared cache.
     for turn in (0, 1):
@@ -180,7 +174,8 @@ def train(cfg: TrainConfig) -> Path:
                 ids = batch["input_ids"].to(info.device)
                 attn = batch["attention_mask"].to(info.device)
                 mask = batch["loss_mask"].to(info.device)
-                hidden = _base_hidden(base.model, ids, attn).to(compute_dtype)
+                hidden, _ = last_hidden_and_logits(base.model, ids, attn)  # [B, T, d], no [B, T, V] logits
+                hidden = hidden.to(compute_dtype)
                 out = engine(hidden, ids, mask)
                 engine.backward(out.loss)
                 if engine.is_gradient_accumulation_boundary():
