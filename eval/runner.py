@@ -194,6 +194,22 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
     return evaluate(cfg, base, drafter, method, out_dir, info), out_dir
 
 
+def sweep_method(method: str, cfg: EvalConfig) -> Path:
+    """The (k, w) grid of a learning-free method (extra.sweep_k / extra.sweep_w lists): table + heat map
+    under <run_dir or runs/<method>>/eval/<name>/sweep/."""
+    from eval.drafters.ngram import ngram_options
+    from eval.ngram_sweep import sweep, write
+
+    if method != "ngram":
+        raise ValueError(f"a (k, w) sweep exists for --method ngram only, not {method!r}")
+    opts = ngram_options(cfg.extra)
+    ks = [int(k) for k in cfg.extra.get("sweep_k", [opts["k"]])]
+    ws = [int(w) for w in cfg.extra.get("sweep_w", [opts["w"]])]
+    out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name / "sweep"
+    write(sweep(cfg, ks, ws), ks, ws, out_dir)
+    return out_dir
+
+
 def prompt_lookup_peer(cfg: EvalConfig, base, num_tokens: int) -> dict:
     """transformers' prompt lookup decoding (greedy) on the same prompts: the off-the-shelf n-gram peer.
     Returns its decode tokens/s (prefill excluded, as for every other number in the report)."""
@@ -235,6 +251,10 @@ def run_eval_cli(args) -> int:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.method and ("sweep_k" in cfg.extra or "sweep_w" in cfg.extra):
+        out_dir = sweep_method(args.method, cfg)
+        print((out_dir / "sweep.md").read_text() + f"\nwrote {out_dir}/sweep.md, sweep.json, sweep_heatmap.png")
+        return 0
     if args.method:
         report, out_dir = eval_method(args.method, cfg)
         print(format_summary(report, out_dir))

@@ -40,3 +40,16 @@ def test_ngram_method_errors_are_clear(tmp_path, clean_env):
     proc = _eval(["--method", "ngram", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path}",
                   "extra.kk=3"], env)
     assert proc.returncode != 0 and "unknown ngram option" in proc.stderr
+
+
+def test_ngram_sweep_mode_writes_grid_table_and_heatmap(tmp_path, clean_env):
+    env = clean_env({"SPECDRAFT_CACHE": str(tmp_path / "cache")})
+    proc = _eval(["--method", "ngram", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path / 'run'}",
+                  "extra.sweep_k=[1,2]", "extra.sweep_w=[1,3]"], env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = tmp_path / "run" / "eval" / "ngram-smoke" / "sweep"
+    result = json.loads((out / "sweep.json").read_text())
+    assert [(c["k"], c["w"]) for c in result["cells"]] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(c["acceptance_length"] >= 1.0 and c["lossless"] for c in result["cells"])  # fp32 greedy
+    assert (out / "sweep_heatmap.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| k \\ w | 1 | 3 |" in (out / "sweep.md").read_text()

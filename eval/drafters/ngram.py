@@ -146,7 +146,7 @@ NGRAM_OPTIONS = {"k": 10, "w": 10, "q": 1, "strategy": "mixed", "table_k": 32, "
 
 def ngram_options(extra: dict) -> dict:
     """EvalConfig.extra -> the N-gram options, defaults filled; unknown keys are an error (typos)."""
-    allowed = set(NGRAM_OPTIONS) | {"prompt_lookup"}  # the (k, w) sweep is bench/ngram_sweep.py
+    allowed = set(NGRAM_OPTIONS) | {"prompt_lookup", "sweep_k", "sweep_w"}  # sweep: eval/ngram_sweep.py
     unknown = set(extra) - allowed
     if unknown:
         raise ValueError(f"unknown ngram option(s) {sorted(unknown)} in extra; known: {sorted(allowed)}")
