@@ -25,5 +25,5 @@ class ResBlock(nn.Module):
 
 
 def stack_resblocks(num: int, hidden_size: int, dropout: float = 0.0) -> list[nn.Module]:
-    """`num` DISTINCT ResBlocks. (`[ResBlock(d)] * num` would share one block's weights `num` times.)"""
+    """`num` DISTINCT ResBlocks. (Multiplying a one-block list by `num` would reuse one block's weights.)"""
     return [ResBlock(hidden_size, dropout) for _ in range(num)]
