@@ -14,8 +14,7 @@ import torch
 
 from eval.decoder import autoregressive_generate, speculative_generate
 from eval.drafters.ngram import NgramDrafter, ngram_options
-from eval.prompts import load_eval_prompts
-from eval.runner import _device, _eos_ids, make_backend
+from eval.runner import config_prompts, eos_ids, make_backend, resolve_device
 from models.base import load_base
 from models.ngram import bigram_table_for
 
@@ -33,12 +32,11 @@ def _run(gen_fn, prompts):
 
 def sweep(cfg, ks: list[int], ws: list[int]) -> dict:
     opts = ngram_options(cfg.extra)
-    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=_device(cfg.device))
+    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device))
     table, _, _ = bigram_table_for(base, max(max(ks), int(opts["table_k"]))) if opts["strategy"] != "context" \
         else (None, None, None)
-    backend, eos = make_backend(cfg.backend, base.model), _eos_ids(base.model, base.tokenizer)
-    prompts = load_eval_prompts(cfg.dataset, base.tokenizer, num_prompts=cfg.num_prompts, seed=cfg.seed,
-                                max_prompt_tokens=cfg.max_prompt_tokens)
+    backend, eos = make_backend(cfg.backend, base.model), eos_ids(base.model, base.tokenizer)
+    prompts = config_prompts(cfg, base.tokenizer)
     new = cfg.max_new_tokens
     autoregressive_generate(backend, prompts[0].input_ids, max_new_tokens=8, eos_ids=eos)  # warm-up
     ar_n, ar_s, _, ar_out = _run(lambda ids: autoregressive_generate(backend, ids, max_new_tokens=new,

@@ -26,13 +26,13 @@ log = logging.getLogger("specdraft.eval")
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "eval"
 
 
-def _device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def eos_ids(model, tokenizer) -> list[int]:
     ids = set()
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None)
@@ -40,6 +40,17 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def config_prompts(cfg: EvalConfig, tokenizer) -> list:
+    """The eval config's prompt set, rendered with `tokenizer`'s chat template (one place, so the report,
+    the prompt-lookup peer and the N-gram sweep always measure the same prompts)."""
+    prompts = load_eval_prompts(cfg.dataset, tokenizer, num_prompts=cfg.num_prompts, both_turns=cfg.both_turns,
+                                seed=cfg.seed, heldout_skip=cfg.heldout_skip or 0,
+                                max_prompt_tokens=cfg.max_prompt_tokens)
+    if not prompts:
+        raise ValueError(f"no prompts left from dataset={cfg.dataset!r} (max_prompt_tokens={cfg.max_prompt_tokens})")
+    return prompts
 
 
 def make_backend(kind: str, model):
@@ -67,12 +78,8 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
     model, tok = base.model, base.tokenizer
     device = next(model.parameters()).device
     backend = make_backend(cfg.backend, model)
-    eos = _eos_ids(model, tok)
-    prompts = load_eval_prompts(cfg.dataset, tok, num_prompts=cfg.num_prompts, both_turns=cfg.both_turns,
-                                seed=cfg.seed, heldout_skip=cfg.heldout_skip or 0,
-                                max_prompt_tokens=cfg.max_prompt_tokens)
-    if not prompts:
-        raise ValueError(f"no prompts left from dataset={cfg.dataset!r} (max_prompt_tokens={cfg.max_prompt_tokens})")
+    eos = eos_ids(model, tok)
+    prompts = config_prompts(cfg, tok)
     greedy = cfg.temperature == 0
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
     sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, generator=gen)
@@ -163,7 +170,7 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     export_dir = Path(export_dir)
     export_cfg = read_export_config(export_dir)
     cfg = resolve_heldout_skip(cfg, export_cfg)
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
     draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
     draft = draft.to(device=device, dtype=next(base.model.parameters()).dtype)
@@ -186,7 +193,7 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
         raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
                          " (trained drafts: --draft runs/<run>/export)")
     opts = ngram_options(cfg.extra)  # fail on a typo before loading anything
-    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=_device(cfg.device))
+    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device))
     drafter, info = build_ngram_drafter(base, cfg.extra)
     if cfg.extra.get("prompt_lookup"):  # transformers' prompt lookup drafting w tokens per step
         info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))
@@ -216,11 +223,9 @@ def prompt_lookup_peer(cfg: EvalConfig, base, num_tokens: int) -> dict:
     from eval.hf_baseline import prompt_lookup_generate_timed
 
     model, tok = base.model, base.tokenizer
-    eos = _eos_ids(model, tok)
-    prompts = load_eval_prompts(cfg.dataset, tok, num_prompts=cfg.num_prompts, both_turns=cfg.both_turns,
-                                seed=cfg.seed, heldout_skip=cfg.heldout_skip or 0,
-                                max_prompt_tokens=cfg.max_prompt_tokens)
-    if cfg.warmup_tokens > 0 and prompts:
+    eos = eos_ids(model, tok)
+    prompts = config_prompts(cfg, tok)
+    if cfg.warmup_tokens > 0:
         prompt_lookup_generate_timed(model, prompts[0].input_ids, cfg.warmup_tokens, eos,
                                      prompt_lookup_num_tokens=num_tokens)
     n_tok, secs = 0, 0.0

@@ -99,10 +99,9 @@ class MedusaDraft(DraftModel):
             teacher = {}
             if alpha > 0:
                 # The base's distribution at t+k predicts x_{t+1+k}: its hidden state at t+k, frozen lm_head.
-                # A valid label at t implies t+1+k < T, so the shifted slice covers every selected t.
-                shifted = torch.zeros_like(hidden)
-                shifted[:, : hidden.shape[1] - k] = hidden[:, k:]
-                teacher = {"teacher_hidden": shifted[sel], "teacher_weight": base.lm_head_weight,
+                # A valid label at t implies t+1+k < T, so t+k is always in range. [n, d], rows as hidden[sel].
+                rows, cols = sel.nonzero(as_tuple=True)
+                teacher = {"teacher_hidden": hidden[rows, cols + k], "teacher_weight": base.lm_head_weight,
                            "soft_weight": alpha}
             loss_sum, stats = ce(z, self.head_weight(k), labels[sel], chunk_size=loss_cfg.chunk_size, **teacher)
             count = int(stats.count)

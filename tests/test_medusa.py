@@ -1,5 +1,6 @@
 """Medusa heads: distinct modules, offsets (head k learns x_{t+1+k}), share_lm_head."""
 
+import pytest
 import torch
 
 from data.targets import offset_labels
@@ -108,3 +109,25 @@ def test_inference_forward_equals_per_head_logits():
         h = torch.randn(4, view.hidden_size)
         expected = torch.stack([draft.head_trunk(k, h) @ draft.head_weight(k).T for k in (1, 2, 3)])
         torch.testing.assert_close(draft(h), expected)
+
+
+def test_teacher_loss_targets_the_base_distribution_at_t_plus_k():
+    """alpha=1: head k's loss is the soft CE to softmax(lm_head(h_{t+k})), the base's own prediction of
+    x_{t+1+k}, summed over positions with a valid depth-k target (computed here by hand)."""
+    torch.manual_seed(3)
+    view = _view()
+    ids = torch.randint(3, view.vocab_size, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3] = 0
+    hidden = torch.randn(2, 12, view.hidden_size)
+    draft = MedusaDraft(num_heads=2, num_layers=1, base=view)
+    out = draft.loss(DraftBatch(hidden, ids, mask), view, LossSection(teacher_weight=1.0, chunk_size=4))
+    W = view.lm_head_weight
+    for k in (1, 2):
+        valid = offset_labels(ids, mask, 1 + k) != -100
+        total = 0.0
+        for b, t in valid.nonzero().tolist():
+            p_teacher = torch.softmax(hidden[b, t + k] @ W.T, -1)
+            log_q = torch.log_softmax(draft.head_trunk(k, hidden[b, t][None])[0] @ draft.head_weight(k).T, -1)
+            total += float(-(p_teacher * log_q).sum())
+        assert out.per_depth[k - 1].loss_sum == pytest.approx(total, rel=1e-5)
