@@ -17,12 +17,16 @@ class BaseView:
     embed_weight: torch.Tensor  # [V, d] input embeddings
     hidden_size: int
     vocab_size: int
+    # The frozen base itself, for families that build a layer of the base's architecture (Hydra++ prefix
+    # layer, CTC attention module: read model.config / copy a decoder layer's weights). Never register it
+    # as a submodule of a draft (deep-copy what you need), or the base would be trained and exported.
+    model: nn.Module | None = None
 
     @classmethod
     def from_model(cls, model) -> BaseView:
         head = model.get_output_embeddings().weight
         emb = model.get_input_embeddings().weight
-        return cls(head.detach(), emb.detach(), head.shape[1], head.shape[0])
+        return cls(head.detach(), emb.detach(), head.shape[1], head.shape[0], model)
 
 
 @dataclass

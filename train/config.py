@@ -31,6 +31,8 @@ class DataSection:
     seed: int = 0  # train/val split seed
     cache_dir: str = ""  # "" = $SPECDRAFT_CACHE or ~/.cache/specdraft, subdir data/
     num_proc: int = 1
+    hidden_cache: str = ""  # "" = run the base every step; "auto" = cache h under cache_dir; or a directory
+    hidden_cache_dtype: str = "bf16"  # storage dtype of the cached h: bf16 (half the disk) | fp32 (exact)
 
 
 @dataclass
@@ -40,6 +42,9 @@ class DraftSection:
     num_layers: int = 1  # ResBlocks per head
     share_lm_head: bool = False  # True: every head uses the frozen base lm_head (far fewer parameters)
     dropout: float = 0.0
+    prefix_layer: bool = False  # Hydra++: a trainable decoder layer over the base hidden states feeds all heads
+    rnn: bool = True  # ReDrafter: False = the no-RNN ablation s_i = s_{i-1} + e(x_{t+i})
+    num_frames: int = 6  # CTC drafter: M frames, each over V+1 classes (the extra one is the blank)
 
 
 @dataclass
@@ -49,6 +54,7 @@ class LossSection:
     teacher_weight: float = 0.0  # alpha: loss = (1-alpha)*hard CE + alpha*soft CE to the base at t+k
     chunked: bool = True  # fused chunked CE (never holds K*T*V logits); False = plain reference
     chunk_size: int = 1024  # tokens per chunk in the fused loss
+    token_weight: float = 0.0  # CTC drafter: weight of an extra token-level CE term next to the CTC loss
 
 
 @dataclass
@@ -128,6 +134,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("draft.num_layers", d.num_layers, "use 0 or more ResBlocks per head")
     if not 0.0 <= d.dropout < 1.0:
         _fail("draft.dropout", d.dropout, "use a probability in [0, 1)")
+    if d.family == "ctc":
+        if d.num_frames < 1 or d.num_heads > d.num_frames:
+            _fail("draft.num_frames", d.num_frames, f"the CTC drafter needs num_frames M >= 1 and the label length "
+                  f"draft.num_heads={d.num_heads} <= M (the paper uses N=3-4 with M=6)")
+        if cfg.loss.token_weight < 0:
+            _fail("loss.token_weight", cfg.loss.token_weight, "use 0 (CTC only) or a positive weight, e.g. 0.1")
+    if d.family == "redrafter" and d.prefix_layer:
+        # ReDrafter's only context is h_t; share_lm_head there means input_proj(2d->d) + the frozen base head.
+        _fail("draft.prefix_layer", d.prefix_layer, "ReDrafter has no prefix-attention layer (a Hydra++ "
+              "option); set draft.prefix_layer=false")
     if t.lr <= 0:
         _fail("train.lr", t.lr, "the learning rate must be > 0 (Medusa uses 1e-3)")
     if t.micro_batch_size < 1:
@@ -160,6 +176,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("data.val_fraction", cfg.data.val_fraction, "use a fraction in (0, 1), e.g. 0.05")
     if cfg.data.max_records is not None and cfg.data.max_records < 2:
         _fail("data.max_records", cfg.data.max_records, "use None (all) or at least 2 (train + val)")
+    if cfg.data.hidden_cache_dtype not in ("bf16", "fp32", "fp16"):
+        _fail("data.hidden_cache_dtype", cfg.data.hidden_cache_dtype, "use bf16, fp32 or fp16")
     if not 0.0 <= cfg.loss.teacher_weight <= 1.0:
         _fail("loss.teacher_weight", cfg.loss.teacher_weight, "use a weight in [0, 1]")
     if cfg.loss.lambda0 <= 0 or cfg.loss.decay <= 0:

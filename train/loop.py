@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from data.dataset import build_datasets, collate
+from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
 from models.base import default_cache_dir, last_hidden_and_logits, load_base
 from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
 from models.registry import DRAFTERS
@@ -108,6 +109,7 @@ def train(cfg: TrainConfig) -> Path:
                 base.tokenizer, d.source, max_records=d.max_records, max_length=d.max_length,
                 val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
                 min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
+            hidden_cache = _hidden_cache(cfg, base, train_ds, info) if d.hidden_cache else None
         barrier()
     view = BaseView.from_model(base.model)
     pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
@@ -170,12 +172,18 @@ def train(cfg: TrainConfig) -> Path:
         while step < total_steps:
             torch.manual_seed(cfg.train.seed + 1_000_003 * step + info.rank)  # dropout RNG depends on step only
             for rows in order.micro_batches(step):
-                batch = collate([train_ds[i] for i in rows], pad_id)
+                if hidden_cache is not None:  # h read from disk: no base forward
+                    batch = collate_cached([hidden_cache[i] for i in rows], pad_id, compute_dtype)
+                else:
+                    batch = collate([train_ds[i] for i in rows], pad_id)
                 ids = batch["input_ids"].to(info.device)
                 attn = batch["attention_mask"].to(info.device)
                 mask = batch["loss_mask"].to(info.device)
-                hidden, _ = last_hidden_and_logits(base.model, ids, attn)  # [B, T, d], no [B, T, V] logits
-                hidden = hidden.to(compute_dtype)
+                if hidden_cache is not None:
+                    hidden = batch["hidden"].to(info.device)
+                else:
+                    hidden, _ = last_hidden_and_logits(base.model, ids, attn)  # [B, T, d], no [B, T, V] logits
+                    hidden = hidden.to(compute_dtype)
                 out = engine(hidden, ids, mask)
                 engine.backward(out.loss)
                 if engine.is_gradient_accumulation_boundary():
@@ -226,6 +234,25 @@ def train(cfg: TrainConfig) -> Path:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
+
+
+def _hidden_cache(cfg, base, train_ds, info) -> HiddenCache:
+    """Build (rank 0; resumable) or open the hidden-state cache of this run's train rows (DESIGN.md §6)."""
+    key = cache_key(base.fingerprint, base.model.dtype, train_ds, cfg.data.hidden_cache_dtype)
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    directory = resolve_cache_dir(cfg.data.hidden_cache, root, key)
+    if info.is_main:
+        pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
+        build_hidden_cache(base.model, train_ds, directory, pad_id=pad_id, device=info.device,
+                           micro_batch_size=cfg.train.micro_batch_size, cache_dtype=cfg.data.hidden_cache_dtype,
+                           info={"key": key, "base": base.name, "base_fingerprint": base.fingerprint,
+                                 "base_dtype": str(base.model.dtype)})
+    cache = HiddenCache(directory)
+    if cache.manifest.get("key") != key or len(cache) != len(train_ds):
+        raise ValueError(f"hidden-state cache {directory} does not match this run's train set or base (key "
+                         f"{cache.manifest.get('key')} vs {key}); delete it or use data.hidden_cache=auto")
+    log.info("training from the hidden-state cache %s (%d rows, base forward skipped)", directory, len(cache))
+    return cache
 
 
 def _test_crash_hook(step: int) -> None:

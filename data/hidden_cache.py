@@ -1,0 +1,195 @@
+"""Hidden-state cache: run the frozen base once over the tokenized train set, train many epochs from disk.
+
+Every draft family reads only h_t (the base's last hidden state after the final norm) plus the token ids
+and the loss mask; the base's teacher distribution is lm_head(h), recomputed from the cached h by the
+family's loss through the frozen lm_head. So caching h removes the base forward, usually the largest cost
+of a training step on a CPU, from every epoch after the first.
+
+Layout of a cache directory (one per (base fingerprint, base dtype, train rows), see `cache_key`):
+    shard-00000.safetensors ...  rows [i*S, (i+1)*S) packed without padding:
+        hidden    [sum_T, d] (bf16 by default)   h_t of every real token of those rows
+        input_ids [sum_T] int32, loss_mask [sum_T] int8
+        offsets   [S'+1] int64                   row r's tokens are [offsets[r], offsets[r+1])
+    manifest.json                               written last: marks the cache complete
+
+The writer is resumable: shards are written atomically (temp file + rename) and a restarted build skips
+the shards already on disk, so a killed build loses at most one shard of work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from data.dataset import collate
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def cache_key(base_fingerprint: str, base_dtype: torch.dtype, dataset, cache_dtype: str) -> str:
+    """Hash of everything the cached tensors depend on: the base (weights fingerprint and the dtype it ran
+    in, since bf16 and fp32 forwards give different h), the exact token rows in order, the storage dtype."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps([CACHE_VERSION, base_fingerprint, str(base_dtype), cache_dtype, len(dataset)]).encode())
+    for row in dataset:
+        digest.update(np.asarray(row["input_ids"], dtype=np.int32).tobytes())
+        digest.update(np.asarray(row["loss_mask"], dtype=np.int8).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def estimate_bytes(dataset, hidden_size: int, cache_dtype: str = "bf16") -> int:
+    """Bytes on disk: per token d hidden values + an int32 id + an int8 mask (offsets are negligible)."""
+    tokens = sum(len(r["input_ids"]) for r in dataset)
+    return tokens * (hidden_size * _DTYPES[cache_dtype].itemsize + 5)
+
+
+def _shard_path(directory: Path, index: int) -> Path:
+    return directory / f"shard-{index:05d}.safetensors"
+
+
+@torch.no_grad()
+def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: int, device: torch.device,
+                       micro_batch_size: int = 4, shard_rows: int = 256, cache_dtype: str = "bf16",
+                       info: dict | None = None) -> Path:
+    """Write the cache for `dataset` (rows with input_ids / loss_mask) into `directory`; return it.
+
+    Runs `model` (frozen) over micro-batches of `micro_batch_size` right-padded rows; padding never
+    changes a real token's h (causal attention, padding at the end), and only real tokens are stored.
+    Skips work already done: a complete cache returns at once, finished shards of a killed build are kept.
+    """
+    from models.base import last_hidden_and_logits  # late: data/ stays importable without the model code
+
+    if cache_dtype not in _DTYPES:
+        raise ValueError(f"hidden cache dtype {cache_dtype!r}: use one of {', '.join(_DTYPES)}")
+    directory = Path(directory)
+    key = (info or {}).get("key")
+    _check_key(directory, key)
+    if (directory / "manifest.json").is_file():
+        return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "key.json").write_text(json.dumps({"key": key}) + "\n")  # claims the dir for this data
+    n_rows = len(dataset)
+    n_shards = (n_rows + shard_rows - 1) // shard_rows
+    hidden_size = model.get_output_embeddings().weight.shape[1]
+    done = [i for i in range(n_shards) if _shard_path(directory, i).is_file()]
+    size = estimate_bytes(dataset, hidden_size, cache_dtype)
+    tokens = sum(len(r["input_ids"]) for r in dataset)
+    # Printed (not only logged) so a user sees the disk cost before the long part starts.
+    print(f"hidden-state cache: {n_rows} conversations, {tokens:,} tokens x d={hidden_size} in {cache_dtype} "
+          f"= {size / 2**30:.2f} GiB in {n_shards} shard(s) under {directory}"
+          + (f" ({len(done)} already written, resuming)" if done else ""), flush=True)
+    dtype = _DTYPES[cache_dtype]
+    bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="hidden-state cache", dynamic_ncols=True)
+    for shard in range(n_shards):
+        lo, hi = shard * shard_rows, min(n_rows, (shard + 1) * shard_rows)
+        rows = [dataset[i] for i in range(lo, hi)]
+        n_tok = sum(len(r["input_ids"]) for r in rows)
+        if shard in done:
+            bar.update(n_tok)
+            continue
+        hidden_parts, lengths = [], []
+        for start in range(0, len(rows), micro_batch_size):
+            chunk = rows[start:start + micro_batch_size]
+            batch = collate(chunk, pad_id)
+            ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            h, _ = last_hidden_and_logits(model, ids, attn)  # [b, T, d]
+            for b, r in enumerate(chunk):
+                n = len(r["input_ids"])
+                hidden_parts.append(h[b, :n].to("cpu", dtype))
+                lengths.append(n)
+            bar.update(int(attn.sum()))
+        offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+        offsets[1:] = torch.tensor(lengths).cumsum(0)
+        tensors = {
+            "hidden": torch.cat(hidden_parts).contiguous(),
+            "input_ids": torch.tensor([t for r in rows for t in r["input_ids"]], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for r in rows for m in r["loss_mask"]], dtype=torch.int8),
+            "offsets": offsets,
+        }
+        final = _shard_path(directory, shard)
+        tmp = final.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, final)
+    bar.close()
+    manifest = {"version": CACHE_VERSION, "rows": n_rows, "tokens": tokens, "hidden_size": hidden_size,
+                "shard_rows": shard_rows, "shards": n_shards, "dtype": cache_dtype, **(info or {})}
+    tmp = directory / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, directory / "manifest.json")
+    return directory
+
+
+def _check_key(directory: Path, key: str | None) -> None:
+    """A cache directory belongs to one (base, data) key: refuse to resume or reuse another run's."""
+    path = directory / "key.json"
+    if key is None or not path.is_file():
+        return
+    found = json.loads(path.read_text()).get("key")
+    if found != key:
+        raise ValueError(f"hidden-state cache {directory} was built for other data or another base (key {found}, "
+                         f"this run needs {key}); delete it, or set data.hidden_cache=auto to get a directory "
+                         "per key")
+
+
+class HiddenCache:
+    """Read side: `cache[i]` -> {"hidden" [T_i, d], "input_ids" [T_i], "loss_mask" [T_i]} of train row i.
+
+    Shards are memory-mapped by safetensors; one shard's offsets are read once and kept.
+    """
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        path = self.directory / "manifest.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.directory} is not a finished hidden-state cache (no manifest.json); "
+                                    "build it with data.hidden_cache=auto (the build resumes where it stopped)")
+        self.manifest = json.loads(path.read_text())
+        self.shard_rows = int(self.manifest["shard_rows"])
+        self._handles: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return int(self.manifest["rows"])
+
+    def _shard(self, index: int):
+        if index not in self._handles:
+            f = safe_open(str(_shard_path(self.directory, index)), framework="pt")
+            self._handles[index] = (f, f.get_tensor("offsets").tolist())
+        return self._handles[index]
+
+    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
+        if not 0 <= row < len(self):
+            raise IndexError(f"row {row} out of range for a hidden cache of {len(self)} rows")
+        f, offsets = self._shard(row // self.shard_rows)
+        r = row % self.shard_rows
+        lo, hi = offsets[r], offsets[r + 1]
+        return {"hidden": f.get_slice("hidden")[lo:hi], "input_ids": f.get_slice("input_ids")[lo:hi],
+                "loss_mask": f.get_slice("loss_mask")[lo:hi]}
+
+
+def collate_cached(rows: list[dict[str, torch.Tensor]], pad_id: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Right-pad cached rows like data.dataset.collate, plus hidden [B, T, d] in `dtype` (zeros on padding)."""
+    batch = collate([{"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in rows],
+                    pad_id)
+    b, t = batch["input_ids"].shape
+    hidden = torch.zeros(b, t, rows[0]["hidden"].shape[-1], dtype=dtype)
+    for i, r in enumerate(rows):
+        hidden[i, : r["hidden"].shape[0]] = r["hidden"].to(dtype)
+    batch["hidden"] = hidden
+    return batch
+
+
+def resolve_cache_dir(setting: str, cache_root: Path, key: str) -> Path:
+    """data.hidden_cache: "auto" -> <cache_root>/hidden/<key>; any other non-empty value is a directory."""
+    return cache_root / "hidden" / key if setting == "auto" else Path(setting).expanduser()

@@ -1,0 +1,118 @@
+"""Hidden-state cache: exact rows, resumable writer, key checks, and cached training == online training."""
+
+import json
+
+import pytest
+import torch
+from conftest import SMOKE_RECIPE
+
+from data.dataset import build_datasets, collate
+from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, estimate_bytes
+from models.base import last_hidden_and_logits, load_base
+from models.draft import BaseView, DraftBatch
+from models.medusa import MedusaDraft
+from train.config import LossSection, load_train_config
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    base = load_base("tiny")
+    train_ds, _ = build_datasets(base.tokenizer, "tests/fixtures/sharegpt_tiny.json", max_records=None,
+                                 max_length=128, val_fraction=0.2, seed=0,
+                                 cache_dir=tmp_path_factory.mktemp("data"), min_assistant_tokens=1)
+    return base, train_ds
+
+
+def _build(base, ds, directory, **kw):
+    return build_hidden_cache(base.model, ds, directory, pad_id=0, device=torch.device("cpu"),
+                              micro_batch_size=3, shard_rows=4, cache_dtype="fp32", **kw)
+
+
+def test_cached_rows_equal_the_base_forward(tiny_data, tmp_path, capsys):
+    base, ds = tiny_data
+    cache = HiddenCache(_build(base, ds, tmp_path / "c"))
+    assert "hidden-state cache" in capsys.readouterr().out  # the size estimate is printed first
+    assert len(cache) == len(ds) and cache.manifest["shards"] == (len(ds) + 3) // 4
+    for i in (0, 3, 4, len(ds) - 1):  # first/last row of a shard, across shard boundaries
+        ids = torch.tensor(ds[i]["input_ids"])[None]
+        h, _ = last_hidden_and_logits(base.model, ids)
+        row = cache[i]
+        assert torch.equal(row["input_ids"].long(), ids[0])
+        assert torch.equal(row["loss_mask"].long(), torch.tensor(ds[i]["loss_mask"]))
+        torch.testing.assert_close(row["hidden"], h[0], rtol=1e-5, atol=1e-5)  # padding never leaks into h
+
+
+def test_size_estimate_matches_the_files(tiny_data, tmp_path):
+    base, ds = tiny_data
+    directory = _build(base, ds, tmp_path / "c")
+    on_disk = sum(p.stat().st_size for p in directory.glob("shard-*.safetensors"))
+    estimate = estimate_bytes(ds, base.model.config.hidden_size, "fp32")
+    assert 0.9 * on_disk < estimate <= on_disk  # headers and offsets are the only extra
+
+
+def test_a_killed_build_resumes_without_redoing_finished_shards(tiny_data, tmp_path, monkeypatch):
+    base, ds = tiny_data
+    directory = _build(base, ds, tmp_path / "c", info={"key": "k1"})
+    first = HiddenCache(directory)[5]["hidden"].clone()
+    (directory / "manifest.json").unlink()  # as if killed before the end...
+    (directory / "shard-00001.safetensors").unlink()  # ...while writing shard 1
+    calls = []
+    real_forward = base.model.model.forward
+    monkeypatch.setattr(base.model.model, "forward", lambda *a, **k: calls.append(1) or real_forward(*a, **k))
+    _build(base, ds, directory, info={"key": "k1"})
+    assert len(calls) == 2  # shard 1 only: 4 rows in micro-batches of 3
+    torch.testing.assert_close(HiddenCache(directory)[5]["hidden"], first)
+
+
+def test_another_runs_cache_directory_is_refused(tiny_data, tmp_path):
+    base, ds = tiny_data
+    _build(base, ds, tmp_path / "c", info={"key": "k1"})
+    with pytest.raises(ValueError, match="other data or another base"):
+        _build(base, ds, tmp_path / "c", info={"key": "k2"})
+    with pytest.raises(FileNotFoundError, match="manifest"):
+        HiddenCache(tmp_path / "nothing")
+
+
+def test_key_depends_on_rows_base_and_dtype(tiny_data):
+    base, ds = tiny_data
+    k = cache_key(base.fingerprint, torch.float32, ds, "bf16")
+    assert k == cache_key(base.fingerprint, torch.float32, ds, "bf16")
+    assert k != cache_key(base.fingerprint, torch.bfloat16, ds, "bf16")
+    assert k != cache_key("other", torch.float32, ds, "bf16")
+    assert k != cache_key(base.fingerprint, torch.float32, ds.select(range(len(ds) - 1)), "bf16")
+
+
+def test_cached_and_online_give_the_same_loss_on_the_same_batch(tiny_data, tmp_path):
+    base, ds = tiny_data
+    cache = HiddenCache(_build(base, ds, tmp_path / "c"))
+    view = BaseView.from_model(base.model)
+    torch.manual_seed(0)
+    draft = MedusaDraft(3, 1, view)
+    loss_cfg = LossSection(teacher_weight=0.5)  # teacher rows come from h as well
+    rows = [2, 7, 5]
+    online = collate([ds[i] for i in rows], 0)
+    h, _ = last_hidden_and_logits(base.model, online["input_ids"], online["attention_mask"])
+    cached = collate_cached([cache[i] for i in rows], 0, torch.float32)
+    assert torch.equal(cached["input_ids"], online["input_ids"])
+    a = draft.loss(DraftBatch(h, online["input_ids"], online["loss_mask"]), view, loss_cfg)
+    b = draft.loss(DraftBatch(cached["hidden"], cached["input_ids"], cached["loss_mask"]), view, loss_cfg)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    assert [s.top1 for s in a.per_depth] == [s.top1 for s in b.per_depth]
+
+
+def test_training_from_the_cache_matches_online_training(tmp_path):
+    from train.loop import train
+
+    common = ["train.max_steps=6", "train.log_every=2", "train.val_batches=0", f"data.cache_dir={tmp_path / 'd'}"]
+    train(load_train_config(SMOKE_RECIPE, [f"run_dir={tmp_path / 'online'}", *common]))
+    train(load_train_config(SMOKE_RECIPE, [f"run_dir={tmp_path / 'cached'}", "data.hidden_cache=auto",
+                                           "data.hidden_cache_dtype=fp32", *common]))
+    assert len(list((tmp_path / "d" / "hidden").glob("*/manifest.json"))) == 1
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    online, cached = losses("online"), losses("cached")
+    assert len(online) == 3
+    assert cached == pytest.approx(online, rel=1e-4)
