@@ -3,8 +3,10 @@
 - ``weighted_ce``: hard CE reference and the Medusa weighting ``Σ_k λ_k · CE_k``.
 - ``soft_ce``: soft CE to a frozen teacher distribution.
 - ``fused_linear_ce``: chunked fused ``Linear → CE (+ soft CE)`` fast path and its slow twin.
+- ``ctc``: CTC loss of the CTC drafter (torch DP, brute-force twin) and chunked fused ``Linear → CTC``.
 """
 
+from losses.ctc import CTCStats, ctc_draft_loss, fused_linear_ctc, linear_ctc_reference
 from losses.fused_linear_ce import LossStats, fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.soft_ce import soft_cross_entropy_sum
 from losses.weighted_ce import (
@@ -16,11 +18,15 @@ from losses.weighted_ce import (
 )
 
 __all__ = [
+    "CTCStats",
     "IGNORE_INDEX",
     "LossStats",
     "cross_entropy_sum",
+    "ctc_draft_loss",
+    "fused_linear_ctc",
     "fused_linear_cross_entropy",
     "head_weights",
+    "linear_ctc_reference",
     "linear_cross_entropy_reference",
     "soft_cross_entropy_sum",
     "weighted_head_means",

@@ -1,4 +1,4 @@
-"""`specdraft` command line: train, eval, export, demo (DESIGN.md §3)."""
+"""`specdraft` command line: train, eval, tree-search, export, demo (DESIGN.md §3)."""
 
 from __future__ import annotations
 
@@ -30,9 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default=None, help="learning-free method instead of --draft (e.g. ngram)")
     _add_config_args(p, "default configs/eval/mtbench.yaml")
 
+    p = sub.add_parser("tree-search", help="data-driven static tree for a draft (Hydra §4), stored in its export")
+    p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export)")
+    _add_config_args(p, "default configs/eval/tree_search.yaml")
+
     p = sub.add_parser("export", help="convert a run's export to another format")
     p.add_argument("--run", required=True, help="the run directory (runs/<run>)")
-    p.add_argument("--format", required=True, choices=["specdraft", "medusa"])
+    p.add_argument("--format", required=True, choices=["specdraft", "medusa", "redrafter-trtllm"])
     p.add_argument("--out", required=True, help="output directory")
 
     p = sub.add_parser("demo", help="the main job: train Medusa on SmolLM2 + ShareGPT on this machine, evaluate")
@@ -80,6 +84,10 @@ def cmd_export(args) -> int:
     draft, config = load_draft(src, view, base.fingerprint)
     if args.format == "medusa":
         out = export_medusa(draft, Path(args.out), config["base_model"], view)
+    elif args.format == "redrafter-trtllm":
+        from train.export_redrafter import export_redrafter_trtllm
+
+        out = export_redrafter_trtllm(draft, Path(args.out), config["base_model"], view)
     else:
         extra = {k: v for k, v in config.items() if k not in draft.export_config()}
         out = export_specdraft(draft, Path(args.out), config["base_model"], base.fingerprint, extra=extra)
@@ -91,6 +99,12 @@ def cmd_eval(args) -> int:
     from eval.runner import run_eval_cli
 
     return run_eval_cli(args)
+
+
+def cmd_tree_search(args) -> int:
+    from eval.tree_search_cli import run_tree_search_cli
+
+    return run_tree_search_cli(args)
 
 
 def cmd_demo(args) -> int:
@@ -107,7 +121,8 @@ def cmd_demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo}[args.command]
+    handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
+               "tree-search": cmd_tree_search}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

@@ -144,6 +144,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         # ReDrafter's only context is h_t; share_lm_head there means input_proj(2d->d) + the frozen base head.
         _fail("draft.prefix_layer", d.prefix_layer, "ReDrafter has no prefix-attention layer (a Hydra++ "
               "option); set draft.prefix_layer=false")
+    if d.family == "hydra" and d.num_layers < 1:
+        _fail("draft.num_layers", d.num_layers, "a Hydra head needs its first block (it maps the (k+1)·d input "
+              "to d); use 1 (Hydra) or 4 (Hydra++)")
     if t.lr <= 0:
         _fail("train.lr", t.lr, "the learning rate must be > 0 (Medusa uses 1e-3)")
     if t.micro_batch_size < 1:

@@ -43,3 +43,41 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"heads returned {logits.shape[0]} heads, the tree needs {self.tree.depth}")
         topk = logits[: self.tree.depth].topk(self.tree.topk, dim=-1).indices  # [D, k], rank order
         return self.tree.fill(state.root, topk)
+
+    @torch.inference_mode()
+    def true_path_ranks(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int, max_rank: int,
+                        chunk_size: int = 32) -> torch.Tensor:
+        """Rank statistics for the data-driven tree search (eval/tree_search.py).
+
+        hidden [T, d]: the base's h_t along one sequence; ids [T] long: that sequence.
+        Returns ranks [T, max_depth] long: entry [t, k-1] = rank (0 = best) of ids[t+1+k] among head k's
+        logits at h_t (what `propose` at that step would put at depth k), clipped to max_rank; -1 where
+        t+1+k >= T. Heads are independent, so the true path does not change a Medusa rank.
+
+        rank = number of tokens with a strictly larger logit: with ties this is the best place the
+        token can take in topk's output (CPU topk orders tied values neither by index nor stably across
+        k), so a tied token may be counted as a hit where propose put it one slot later. Rows go
+        through the heads `chunk_size` at a time: [K, chunk, V] logits, never [K, T, V] at once.
+        """
+        num_heads = getattr(self.heads, "num_heads", max_depth)
+        if max_depth > num_heads:
+            raise ValueError(f"max_depth={max_depth} but the Medusa module has only {num_heads} heads; "
+                             f"ask for at most {num_heads} depths")
+        ids = ids.reshape(-1).to(hidden.device)
+        n = ids.shape[0]
+        ranks = torch.full((n, max_depth), -1, dtype=torch.long)
+        if self._dtype is not None:
+            hidden = hidden.to(self._dtype)
+        for start in range(0, n, chunk_size):
+            rows = torch.arange(start, min(start + chunk_size, n), device=hidden.device)  # [c]
+            logits = self.heads(hidden[rows])  # [K, c, V], same dtype and math as propose
+            for k in range(1, max_depth + 1):
+                ok = rows + 1 + k < n  # the true token x_{t+1+k} exists
+                if not bool(ok.any()):
+                    break
+                lk = logits[k - 1][ok]  # [c', V]
+                target = ids[rows[ok] + 1 + k]  # [c']
+                true_logit = lk.gather(1, target[:, None])  # [c', 1]
+                rank = (lk > true_logit).sum(dim=1).clamp(max=max_rank)  # [c']
+                ranks[rows[ok].cpu(), k - 1] = rank.cpu()
+        return ranks

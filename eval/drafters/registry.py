@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from eval.drafters.ctc import CTCDrafter
+from eval.drafters.hydra import HydraDrafter
 from eval.drafters.medusa import MedusaDrafter
+from eval.drafters.redrafter import ReDrafterDrafter
 from eval.tree import STATIC_TREES, StaticTree
 
 # The static tree each tree-based family uses when neither the eval config nor the export names one.
 # tree16: on this project's 2-core CPU a bf16 base verifies up to ~16 tree tokens for about the price of
 # one (oneDNN's small-N GEMMs are memory-bound), while 64 nodes cost ~2x; on a GPU medusa63 is the usual
 # choice (docs/benchmarks.md). The Hydra issue's tree search will pick sizes by measured throughput.
-DEFAULT_TREE = {"medusa": "tree16"}
+DEFAULT_TREE = {"medusa": "tree16", "hydra": "tree16"}
 
 
 def resolve_tree(family: str, export_cfg: dict, eval_cfg) -> tuple[str, StaticTree]:
@@ -33,7 +36,40 @@ def _medusa(draft, export_cfg: dict, eval_cfg):
     return MedusaDrafter(draft, tree), {"tree": tree_name, "tree_nodes": tree.num_nodes}
 
 
-DRAFTER_BUILDERS = {"medusa": _medusa}
+def _hydra(draft, export_cfg: dict, eval_cfg):
+    """Same tree resolution as Medusa (the tree search stores its pick as the export's `tree`)."""
+    tree_name, tree = resolve_tree("hydra", export_cfg, eval_cfg)
+    if tree.depth > draft.num_heads:
+        raise ValueError(f"tree {tree_name!r} is {tree.depth} deep but the draft has {draft.num_heads} heads; "
+                         f"pick a shallower tree (tree=...)")
+    return HydraDrafter(draft, tree), {"tree": tree_name, "tree_nodes": tree.num_nodes}
+
+
+def _redrafter(draft, export_cfg: dict, eval_cfg):
+    """Beam shape from eval extra.beam_width / extra.beam_length, else the export's defaults. The tree is
+    built per step from the beams, so eval's `tree` / `tree_choices` do not apply (and are ignored)."""
+    width = int(eval_cfg.extra.get("beam_width", export_cfg.get("beam_width", draft.beam_width)))
+    length = int(eval_cfg.extra.get("beam_length", export_cfg.get("beam_length", draft.beam_length)))
+    drafter = ReDrafterDrafter(draft, width, length)
+    return drafter, {"beam_width": width, "beam_length": length, "max_nodes": drafter.max_nodes}
+
+
+def _ctc(draft, export_cfg: dict, eval_cfg):
+    """Raw candidates from eval extra (ctc_search static|joint, ctc_paths = rank tuples over the frames,
+    ctc_num_paths, ctc_topk), else the export's, else 24 static paths over the top-4 per frame. The tree
+    is built per step from the collapsed candidates, so eval's `tree` / `tree_choices` do not apply."""
+    def opt(key, default):
+        return eval_cfg.extra.get(key, export_cfg.get(key, default))
+
+    search = str(opt("ctc_search", "static"))
+    paths = opt("ctc_paths", None)
+    drafter = CTCDrafter(draft, [tuple(c) for c in paths] if paths else None, search=search,
+                         num_paths=int(opt("ctc_num_paths", 24)), topk=int(opt("ctc_topk", 4)))
+    return drafter, {"ctc_search": search, "ctc_num_paths": drafter.num_paths, "ctc_topk": drafter.topk,
+                     "max_nodes": drafter.max_nodes}
+
+
+DRAFTER_BUILDERS = {"medusa": _medusa, "redrafter": _redrafter, "ctc": _ctc, "hydra": _hydra}
 
 
 def build_drafter(draft, export_cfg: dict, eval_cfg):
