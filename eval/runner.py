@@ -100,6 +100,8 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
             hf_generate_timed(model, w, cfg.warmup_tokens, eos)
 
     results, ar_tokens, ar_time, hf_tokens, hf_time, hf_match = [], 0, 0.0, 0, 0.0, []
+    # Dynamic-tree drafters (ReDrafter) count tokens before/after prefix sharing; only the timed prompts count.
+    packed0, unpacked0 = (getattr(drafter, k, 0) for k in ("total_tokens_packed", "total_tokens_unpacked"))
     t_start = time.perf_counter()
     for p in tqdm(prompts, desc=f"eval {method} on {cfg.dataset}", unit="prompt", dynamic_ncols=True):
         s = spec(p.input_ids, cfg.max_new_tokens)
@@ -124,6 +126,11 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
              "base_fingerprint": base.fingerprint, "wall_seconds": time.perf_counter() - t_start,
              "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
              **(info or {})}
+    if hasattr(drafter, "total_tokens_unpacked"):
+        packed = drafter.total_tokens_packed - packed0
+        unpacked = drafter.total_tokens_unpacked - unpacked0
+        extra.update(tokens_verified=packed, tokens_without_prefix_sharing=unpacked,
+                     compression_ratio=unpacked / packed if packed else None)
     report = build_report(results, method=method, base_model=base.name, device=_device_name(device),
                           dataset=cfg.dataset, ar_tokens_per_second=ar_tps, hf_tokens_per_second=hf_tps,
                           extra=extra)

@@ -104,6 +104,7 @@ def distilled_labels_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
 
 class CTCDraft(DraftModel):
     family = "ctc"
+    prefix_accuracy = True  # per-depth top1 = prefix accuracy of the collapsed greedy draft
 
     def __init__(self, num_frames: int, label_length: int, num_layers: int, base: BaseView,
                  share_lm_head: bool = False, dropout: float = 0.0):

@@ -58,10 +58,15 @@ class DraftLossOutput:
     per_depth: list[DepthStats] = field(default_factory=list)  # index 0 = depth 1
 
 
-def estimated_acceptance_length(top1_acc: list[float]) -> float:
+def estimated_acceptance_length(top1_acc: list[float], prefix: bool = False) -> float:
     """Teacher-forced estimate 1 + sum_k prod_{j<=k} a_j: depth k is accepted only if depths 1..k all
     are. It assumes the depths' errors are independent, so it is a guide, not a measurement (the
-    decoder in eval/ measures the real thing)."""
+    decoder in eval/ measures the real thing).
+
+    prefix=True: a_k is already "depths 1..k all right" (the CTC drafter reports prefix accuracy of its
+    collapsed greedy draft), so the estimate is exactly 1 + sum_k a_k, no independence assumption."""
+    if prefix:
+        return 1.0 + sum(top1_acc)
     total, run = 1.0, 1.0
     for a in top1_acc:
         run *= a
@@ -73,6 +78,9 @@ class DraftModel(nn.Module):
     """Interface of a draft family (see models/medusa.py for the reference implementation)."""
 
     family: str = "?"
+    # True when DepthStats.top1 of depth k counts "depths 1..k all right" (CTC's collapsed draft), not
+    # depth k alone: the acceptance estimate then sums them instead of multiplying.
+    prefix_accuracy: bool = False
 
     def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
         raise NotImplementedError

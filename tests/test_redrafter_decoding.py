@@ -285,3 +285,23 @@ def _wrong_accept_one(r, x, q, generator):
 def test_the_same_check_catches_a_wrong_residual(monkeypatch):
     monkeypatch.setattr(acc, "_accept_one", _wrong_accept_one)
     assert _tv_of_redrafter_sampling(400, seed=0) > TV_BOUND  # measured ~0.25: a large bias
+
+
+def test_eval_report_records_the_prefix_sharing_compression(tmp_path):
+    from eval.config import load_eval_config
+    from eval.runner import evaluate
+    from models.base import load_base
+
+    base = load_base("tiny")
+    view = BaseView.from_model(base.model)
+    torch.manual_seed(0)
+    drafter = ReDrafterDrafter(ReDrafterDraft(3, 1, view), 4, 3)
+    cfg = load_eval_config(["configs/eval/smoke.yaml"], ["num_prompts=2", "hf_baseline=false"])
+    report = evaluate(cfg, base, drafter, "redrafter", tmp_path)
+    extra = report["extra"]
+    # Timed prompts only (the warm-up generation is excluded), and sharing never adds tokens.
+    assert report["base_steps"] <= extra["tokens_verified"] <= extra["tokens_without_prefix_sharing"]
+    assert extra["tokens_without_prefix_sharing"] == report["base_steps"] * (1 + 4 * 2)
+    assert extra["compression_ratio"] == pytest.approx(extra["tokens_without_prefix_sharing"] /
+                                                       extra["tokens_verified"])
+    assert extra["compression_ratio"] >= 1.0

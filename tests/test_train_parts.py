@@ -81,3 +81,12 @@ def test_schedule_configure_replaces_restored_fields():
     sched.__dict__.update({"total": 50, "warmup": 1, "budget_s": 10})  # what LambdaLR.load_state_dict does
     sched.configure(200, 10, 0.1, 0.0)
     assert sched(150) == pytest.approx(warmup_cosine(150, 200, 10, 0.1))
+
+
+def test_estimated_acceptance_length_independent_and_prefix_modes():
+    from models.draft import estimated_acceptance_length
+
+    # Independent depths: 1 + a1 + a1*a2 + a1*a2*a3.
+    assert estimated_acceptance_length([0.5, 0.4, 0.5]) == pytest.approx(1 + 0.5 + 0.2 + 0.1)
+    # Prefix accuracies (CTC): already "all depths up to k right", so they add.
+    assert estimated_acceptance_length([0.5, 0.2, 0.1], prefix=True) == pytest.approx(1.8)

@@ -45,7 +45,7 @@ def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype
     top1 = [d["top1"] for d in depths]
     summary = {f"top1/head{d['depth']}": d["top1"] for d in depths}
     summary.update({f"top5/head{d['depth']}": d["top5"] for d in depths})
-    summary["est_accept_len"] = estimated_acceptance_length(top1)
+    summary["est_accept_len"] = estimated_acceptance_length(top1, getattr(draft, "prefix_accuracy", False))
     return {"conversations": n_rows, "depths": depths, "summary": summary}
 
 

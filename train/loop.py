@@ -200,7 +200,7 @@ def train(cfg: TrainConfig) -> Path:
             must_stop = any_rank(stop.requested or out_of_time, info.device)
             if step % cfg.train.log_every == 0 or step == total_steps or must_stop:
                 metrics = _window_metrics(window, window_loss, window_micro, window_tokens,
-                                          time.perf_counter() - window_t0, info)
+                                          time.perf_counter() - window_t0, info, draft.prefix_accuracy)
                 metrics.update(lr=scheduler.get_last_lr()[0], grad_norm=grad_norm)
                 tracker.log(metrics, step)
                 pbar.set_postfix(loss=f"{metrics['loss']:.3f}", acc1=f"{metrics['top1/head1']:.3f}",
@@ -280,7 +280,7 @@ def _grad_norm(engine, draft) -> float | None:
 
 
 def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tokens: int, seconds: float,
-                    info: DistInfo) -> dict:
+                    info: DistInfo, prefix_accuracy: bool = False) -> dict:
     """Per-depth loss / top-1 / top-5 over the log window, summed over ranks."""
     table = torch.tensor([[s.loss_sum, s.count, s.top1, s.topk] for s in window] +
                          [[loss_sum, n_micro, tokens, 0.0]], dtype=torch.float64, device=info.device)
@@ -294,7 +294,7 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
         metrics[f"top1/head{k}"] = t1 / cnt
         metrics[f"top5/head{k}"] = tk / cnt
         top1.append(t1 / cnt)
-    metrics["est_accept_len"] = estimated_acceptance_length(top1)
+    metrics["est_accept_len"] = estimated_acceptance_length(top1, prefix_accuracy)
     return metrics
 
 
