@@ -227,7 +227,8 @@ def train(cfg: TrainConfig) -> Path:
         stop.restore()
 
     if not sigterm:  # finished, or out of its time budget: export what we have
-        _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step)
+        _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
+                time.perf_counter() - train_t0)
     tracker.close()
     barrier()
     if sigterm:
@@ -298,7 +299,8 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
     return metrics
 
 
-def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step) -> None:
+def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
+            train_seconds: float) -> None:
     """Export the draft's weights and measure held-out per-depth accuracy (rank 0)."""
     import deepspeed
 
@@ -307,7 +309,9 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
         if info.is_main:
             # train_data lets `specdraft eval dataset=sharegpt` pick prompts this draft never saw.
             export_specdraft(draft, run_dir / "export", base.name, base.fingerprint,
-                             extra={"trained_steps": step, "train_dtype": str(compute_dtype).removeprefix("torch."),
+                             extra={"trained_steps": step, "train_seconds": round(train_seconds, 1),
+                                    "hidden_cache": bool(cfg.data.hidden_cache),
+                                    "train_dtype": str(compute_dtype).removeprefix("torch."),
                                     "train_data": {"source": cfg.data.source, "max_records": cfg.data.max_records}})
             log.info("exported the draft to %s", run_dir / "export")
             if cfg.train.val_batches > 0:
