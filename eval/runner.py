@@ -103,8 +103,10 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
     # Dynamic-tree drafters (ReDrafter) count tokens before/after prefix sharing; only the timed prompts count.
     packed0, unpacked0 = (getattr(drafter, k, 0) for k in ("total_tokens_packed", "total_tokens_unpacked"))
     t_start = time.perf_counter()
+    tree_nodes = 0  # nodes verified over all timed steps (root included): the verification cost side
     for p in tqdm(prompts, desc=f"eval {method} on {cfg.dataset}", unit="prompt", dynamic_ncols=True):
         s = spec(p.input_ids, cfg.max_new_tokens)
+        tree_nodes += s.tree_nodes
         matches = None
         if cfg.ar_baseline:
             a = ar(p.input_ids, cfg.max_new_tokens)
@@ -125,6 +127,7 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
              "max_new_tokens": cfg.max_new_tokens, "threads": torch.get_num_threads(),
              "base_fingerprint": base.fingerprint, "wall_seconds": time.perf_counter() - t_start,
              "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
+             "tree_nodes_per_step": tree_nodes / max(1, sum(r.base_steps for r in results)),
              **(info or {})}
     if hasattr(drafter, "total_tokens_unpacked"):
         packed = drafter.total_tokens_packed - packed0

@@ -305,3 +305,4 @@ def test_eval_report_records_the_prefix_sharing_compression(tmp_path):
     assert extra["compression_ratio"] == pytest.approx(extra["tokens_without_prefix_sharing"] /
                                                        extra["tokens_verified"])
     assert extra["compression_ratio"] >= 1.0
+    assert extra["tree_nodes_per_step"] == pytest.approx(extra["tokens_verified"] / report["base_steps"])
