@@ -58,6 +58,16 @@ class DraftLossOutput:
     per_depth: list[DepthStats] = field(default_factory=list)  # index 0 = depth 1
 
 
+def add_depth_loss(total: torch.Tensor, weight: float, loss_sum: torch.Tensor, stats, per_depth: list) -> torch.Tensor:
+    """One depth's share of a weighted multi-depth loss: total + weight * mean loss of this depth; appends its
+    DepthStats (from a losses.fused_linear_ce.LossStats) to per_depth. A depth without targets in this
+    batch adds 0 * loss_sum, which keeps its parameters in the graph (DeepSpeed expects every grad)."""
+    count = int(stats.count)
+    total = total + (weight * loss_sum / count if count else 0.0 * loss_sum)
+    per_depth.append(DepthStats(float(loss_sum.detach()), count, int(stats.top1), int(stats.topk)))
+    return total
+
+
 def estimated_acceptance_length(top1_acc: list[float], prefix: bool = False) -> float:
     """Teacher-forced estimate 1 + sum_k prod_{j<=k} a_j: depth k is accepted only if depths 1..k all
     are. It assumes the depths' errors are independent, so it is a guide, not a measurement (the

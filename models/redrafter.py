@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.weighted_ce import head_weights
-from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
+from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
 from models.layers import stack_resblocks
 
 # Beam search defaults stored in the export (eval's extra.beam_width / extra.beam_length override them).
@@ -179,10 +179,5 @@ class ReDrafterDraft(DraftModel):
                 teacher = {"teacher_hidden": hidden[rows, cols + i], "teacher_weight": base.lm_head_weight,
                            "soft_weight": alpha}
             loss_sum, stats = ce(z, self.head_weight(), labels, chunk_size=loss_cfg.chunk_size, **teacher)
-            count = int(stats.count)
-            if count:
-                total = total + weights[i - 1] * loss_sum / count
-            else:
-                total = total + 0.0 * loss_sum  # keep every parameter in the graph (DeepSpeed expects grads)
-            per_depth.append(DepthStats(float(loss_sum.detach()), count, int(stats.top1), int(stats.topk)))
+            total = add_depth_loss(total, weights[i - 1], loss_sum, stats, per_depth)
         return DraftLossOutput(total, per_depth)

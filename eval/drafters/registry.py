@@ -28,21 +28,17 @@ def resolve_tree(family: str, export_cfg: dict, eval_cfg) -> tuple[str, StaticTr
     return name, StaticTree(STATIC_TREES[name])
 
 
-def _medusa(draft, export_cfg: dict, eval_cfg):
-    tree_name, tree = resolve_tree("medusa", export_cfg, eval_cfg)
-    if tree.depth > draft.num_heads:
-        raise ValueError(f"tree {tree_name!r} is {tree.depth} deep but the draft has {draft.num_heads} heads; "
-                         f"pick a shallower tree (tree=...)")
-    return MedusaDrafter(draft, tree), {"tree": tree_name, "tree_nodes": tree.num_nodes}
+def _static_tree(family: str, drafter_cls):
+    """Builder for the static-tree families (Medusa, Hydra): the tree from resolve_tree (the tree search
+    stores its pick as the export's `tree`), checked against the number of heads."""
+    def build(draft, export_cfg: dict, eval_cfg):
+        tree_name, tree = resolve_tree(family, export_cfg, eval_cfg)
+        if tree.depth > draft.num_heads:
+            raise ValueError(f"tree {tree_name!r} is {tree.depth} deep but the draft has {draft.num_heads} heads; "
+                             f"pick a shallower tree (tree=...)")
+        return drafter_cls(draft, tree), {"tree": tree_name, "tree_nodes": tree.num_nodes}
 
-
-def _hydra(draft, export_cfg: dict, eval_cfg):
-    """Same tree resolution as Medusa (the tree search stores its pick as the export's `tree`)."""
-    tree_name, tree = resolve_tree("hydra", export_cfg, eval_cfg)
-    if tree.depth > draft.num_heads:
-        raise ValueError(f"tree {tree_name!r} is {tree.depth} deep but the draft has {draft.num_heads} heads; "
-                         f"pick a shallower tree (tree=...)")
-    return HydraDrafter(draft, tree), {"tree": tree_name, "tree_nodes": tree.num_nodes}
+    return build
 
 
 def _redrafter(draft, export_cfg: dict, eval_cfg):
@@ -69,7 +65,8 @@ def _ctc(draft, export_cfg: dict, eval_cfg):
                      "max_nodes": drafter.max_nodes}
 
 
-DRAFTER_BUILDERS = {"medusa": _medusa, "redrafter": _redrafter, "ctc": _ctc, "hydra": _hydra}
+DRAFTER_BUILDERS = {"medusa": _static_tree("medusa", MedusaDrafter), "hydra": _static_tree("hydra", HydraDrafter),
+                    "redrafter": _redrafter, "ctc": _ctc}
 
 
 def build_drafter(draft, export_cfg: dict, eval_cfg):
