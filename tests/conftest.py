@@ -3,8 +3,10 @@
 import os
 
 import pytest
+import torch
 
 from models.base import load_base
+from models.tiny import diverse_tiny_llama
 from train.config import load_train_config
 
 SMOKE_RECIPE = ["configs/medusa.yaml", "configs/smoke.yaml"]
@@ -37,3 +39,30 @@ def child_env(extra: dict | None = None) -> dict:
 def clean_env():
     """Environment for `specdraft` subprocesses: this one's, minus process-group variables."""
     return child_env
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny LLaMA whose greedy continuations vary (decoder losslessness tests; one per test module)."""
+    return diverse_tiny_llama(0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 320, (n,), generator=gen) for n in (7, 12)]
+
+
+def fit_draft(draft, batches, view, loss_cfg, *, steps: int, lr: float):
+    """Adam on draft.loss over fixed batches (the memorisation loop of the family tests).
+    Returns (first loss, last DraftLossOutput)."""
+    opt = torch.optim.Adam(draft.parameters(), lr=lr)
+    first = out = None
+    for _ in range(steps):
+        for batch in batches:
+            out = draft.loss(batch, view, loss_cfg)
+            first = float(out.loss.detach()) if first is None else first
+            opt.zero_grad()
+            out.loss.backward()
+            opt.step()
+    return first, out

@@ -24,7 +24,6 @@ from eval.drafters.registry import build_drafter
 from eval.tree import tree_from_paths
 from models.ctc import CTCDraft
 from models.draft import BaseView
-from models.tiny import diverse_tiny_llama
 
 B = 99  # blank in the hand cases
 VOCAB = 320
@@ -97,11 +96,6 @@ def test_joint_top_paths_match_enumeration():
     log_probs = torch.log_softmax(torch.randn(4, 9, generator=g), -1)
     for paths, k in ((1, 3), (10, 3), (81, 3), (7, 9)):
         assert torch.equal(joint_top_paths(log_probs, paths, k), joint_top_paths_reference(log_probs, paths, k))
-
-
-@pytest.fixture(scope="module")
-def model():
-    return diverse_tiny_llama(0)
 
 
 def _random_ctc_draft(model, seed: int, frames: int = 6) -> CTCDraft:

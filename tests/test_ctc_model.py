@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import fit_draft
 
 from models.ctc import CTCDraft, distilled_labels, distilled_labels_reference, valid_starts
 from models.draft import BaseView, DraftBatch
@@ -111,15 +112,7 @@ def test_memorises_distilled_labels_and_greedy_collapse_reads_them(view):
     torch.manual_seed(0)
     batch = _batch(2, b=1, t=24)
     draft = CTCDraft(6, 3, 1, view)
-    opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
-    cfg = LossSection(chunk_size=32)
-    first = None
-    for _ in range(30):
-        out = draft.loss(batch, view, cfg)
-        first = first if first is not None else float(out.loss.detach())
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    first, out = fit_draft(draft, [batch], view, LossSection(chunk_size=32), steps=30, lr=1e-2)
     assert float(out.loss.detach()) < 0.01 * first
     assert all(s.top1 == s.count > 0 for s in out.per_depth)
 

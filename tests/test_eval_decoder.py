@@ -12,22 +12,10 @@ from eval.decoder import autoregressive_generate, speculative_generate
 from eval.drafters.base import DecodeState, Drafter
 from eval.drafters.medusa import MedusaDrafter
 from eval.tree import STATIC_TREES, StaticTree, Tree, chain_tree, tree_from_paths
-from models.tiny import diverse_tiny_llama
 
 VOCAB = 320
 NEW = 24
 
-
-
-@pytest.fixture(scope="module")
-def model():
-    return diverse_tiny_llama(0)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in (7, 12)]
 
 
 @pytest.fixture(scope="module")

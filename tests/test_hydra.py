@@ -3,6 +3,7 @@ through the path embeddings, chunked == plain loss, prefix layer wiring, export 
 
 import pytest
 import torch
+from conftest import fit_draft
 from torch.nn import functional as F
 
 from data.targets import offset_labels
@@ -111,13 +112,7 @@ def test_heads_learn_through_the_path_embeddings(view):
     hidden = torch.zeros(1, ids.shape[1], view.hidden_size)
     K = 3
     draft = HydraDraft(num_heads=K, num_layers=1, base=view)
-    opt = torch.optim.Adam(draft.parameters(), lr=5e-2)
-    cfg = LossSection(chunk_size=7)
-    for _ in range(40):
-        out = draft.loss(DraftBatch(hidden, ids, mask), view, cfg)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    _, out = fit_draft(draft, [DraftBatch(hidden, ids, mask)], view, LossSection(chunk_size=7), steps=40, lr=5e-2)
     assert out.loss.item() < 0.05
     assert all(s.top1 == s.count for s in out.per_depth)
     assert out.per_depth[0].count == ids.shape[1] - 2

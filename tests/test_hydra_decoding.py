@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from conftest import fit_draft
 
 from eval.backends.hf import HFBackend
 from eval.config import EvalConfig
@@ -19,7 +20,6 @@ from eval.drafters.registry import build_drafter
 from eval.tree import STATIC_TREES, StaticTree
 from models.draft import BaseView, DraftBatch
 from models.hydra import HydraDraft
-from models.tiny import diverse_tiny_llama
 from train.config import LossSection
 
 NEW = 20
@@ -28,19 +28,8 @@ FULL_3x3 = tuple((a,) for a in range(3)) + tuple((a, b) for a in range(3) for b 
 
 
 @pytest.fixture(scope="module")
-def model():
-    return diverse_tiny_llama(0)
-
-
-@pytest.fixture(scope="module")
 def view(model):
     return BaseView.from_model(model)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(3, 320, (n,), generator=gen) for n in (7, 12)]
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +67,7 @@ def _trained_draft(model, view, prompts, prefix: bool, steps: int = 40) -> Hydra
     hidden = torch.zeros(len(seqs), width, view.hidden_size)
     for b, (i, h) in enumerate(seqs):  # right-padded, like data.dataset.collate
         ids[b, : i.numel()], mask[b, : i.numel()], hidden[b, : i.numel()] = i, 1, h
-    opt = torch.optim.Adam(draft.parameters(), lr=3e-2)
-    for _ in range(steps):
-        out = draft.loss(DraftBatch(hidden, ids, mask), view, LossSection(chunk_size=64))
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    fit_draft(draft, [DraftBatch(hidden, ids, mask)], view, LossSection(chunk_size=64), steps=steps, lr=3e-2)
     return draft.eval()
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import fit_draft
 
 from data.targets import offset_labels
 from models.draft import BaseView, DraftBatch
@@ -57,13 +58,7 @@ def test_head_k_learns_the_token_at_offset_1_plus_k():
     mask = torch.ones(1, T, dtype=torch.long)
     hidden = torch.randn(1, T, view.hidden_size)  # distinct random state per position
     draft = MedusaDraft(num_heads=K, num_layers=1, base=view)
-    opt = torch.optim.Adam(draft.parameters(), lr=3e-2)
-    cfg = LossSection(chunk_size=7)
-    for _ in range(150):
-        out = draft.loss(DraftBatch(hidden, ids, mask), view, cfg)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
+    _, out = fit_draft(draft, [DraftBatch(hidden, ids, mask)], view, LossSection(chunk_size=7), steps=150, lr=3e-2)
     assert out.loss.item() < 0.05
     with torch.no_grad():
         logits = draft(hidden[0])  # [K, T, V]

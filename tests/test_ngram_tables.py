@@ -17,12 +17,6 @@ from models.ngram import (
     unigram_distances,
     unigram_distances_reference,
 )
-from models.tiny import diverse_tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model():
-    return diverse_tiny_llama(0)
 
 
 def test_bigram_table_matches_per_token_reference(model):

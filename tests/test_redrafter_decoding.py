@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import fit_draft
 
 import eval.acceptance as acc
 from eval.backends.base import BaseBackend
@@ -20,7 +21,6 @@ from eval.drafters.redrafter import ReDrafterDrafter
 from eval.drafters.registry import build_drafter
 from models.draft import BaseView, DraftBatch
 from models.redrafter import ReDrafterDraft
-from models.tiny import diverse_tiny_llama
 from train.config import LossSection
 
 
@@ -146,17 +146,6 @@ def test_builder_reads_beam_shape_from_eval_extra_then_export():
 NEW = 24
 
 
-@pytest.fixture(scope="module")
-def model():
-    return diverse_tiny_llama(0)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(3, 320, (n,), generator=gen) for n in (7, 12)]
-
-
 def _self_distilled_draft(model, prompts) -> ReDrafterDraft:
     """Briefly train a ReDrafter on the base's own greedy continuations of the prompts."""
     view = BaseView.from_model(model)
@@ -170,13 +159,7 @@ def _self_distilled_draft(model, prompts) -> ReDrafterDraft:
         mask = torch.ones_like(g)
         mask[:, : p.numel()] = 0
         seqs.append(DraftBatch(hidden.clone(), g, mask))
-    opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
-    for _ in range(40):
-        for batch in seqs:
-            out = draft.loss(batch, view, LossSection(decay=1.0))
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
+    fit_draft(draft, seqs, view, LossSection(decay=1.0), steps=40, lr=1e-2)
     return draft.eval()
 
 

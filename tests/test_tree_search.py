@@ -29,15 +29,9 @@ from eval.tree_search import (
 )
 from models.draft import BaseView
 from models.medusa import MedusaDraft
-from models.tiny import diverse_tiny_llama
 from train.config_loader import ConfigError
 
 VOCAB, DEPTH, NEW = 320, 4, 40
-
-
-@pytest.fixture(scope="module")
-def model():
-    return diverse_tiny_llama(0)
 
 
 @pytest.fixture(scope="module")
