@@ -126,7 +126,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="prefix for <out>.md and <out>_families.png")
     a = ap.parse_args()
     names = a.eval or ["mtbench-cpu"]
-    rows = [describe(r, names) for r in a.runs]
+    missing = [r for r in a.runs if not (r / "export" / "config.json").is_file()]
+    for r in missing:
+        print(f"skipping {r}: no export/config.json (the run has not finished)")
+    rows = [describe(r, names) for r in a.runs if r not in missing]
     md = markdown(rows, names)
     print(md)
     if a.out:

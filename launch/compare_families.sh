@@ -2,7 +2,7 @@
 # Train every learned family on the same CPU budget (configs/cpu_budget.yaml: same data, one epoch, bf16,
 # one shared hidden-state cache), search trees for the static-tree families, evaluate on MT-bench.
 # Resumable: a stage whose output exists is skipped, so re-running after a crash continues.
-# This produced the "families on one CPU budget" section of docs/benchmarks.md (~75 min on 2 cores).
+# This produced the "families on one CPU budget" section of docs/benchmarks.md (~75 min on 2 cores, +40 min for the 3-epoch Hydra++).
 #
 #   launch/compare_families.sh            # runs under runs/cmp-<family>, logs in runs/logs/
 set -uo pipefail
@@ -56,5 +56,15 @@ done; done
 for r in cmp-medusa cmp-hydra cmp-hydra_pp cmp-redrafter cmp-ctc; do  # fp32: the exact losslessness check
   evaluate $r fp32-lossless dtype=fp32 num_prompts=4 max_new_tokens=64
 done
-$PY bench/compare_families.py runs/cmp-medusa runs/cmp-hydra runs/cmp-hydra_pp runs/cmp-redrafter runs/cmp-ctc \
+# The learning-free baseline on the same prompts (its best bf16 (k, w) from the N-gram sweep).
+if [ ! -f runs/cmp-ngram/eval/mtbench-cpu/report.json ]; then
+  echo "=== eval ngram $(date +%T)"
+  $S eval --method ngram --config configs/eval/cpu_compare.yaml name=mtbench-cpu run_dir=runs/cmp-ngram \
+    extra.k=1 extra.w=2 > runs/logs/ev-cmp-ngram.log 2>&1 || echo "!!! eval ngram failed"
+fi
+# Hydra++ for 3 epochs from the same cache: what the multi-epoch recipe buys (~37 min).
+train cmp-hydra_pp-3ep --config configs/hydra_pp.yaml $B train.lr=2e-3 draft.dropout=0.0 train.epochs=3
+search cmp-hydra_pp-3ep
+evaluate cmp-hydra_pp-3ep mtbench-cpu-searched16 "tree_choices=$(searched16 cmp-hydra_pp-3ep)"
+$PY bench/compare_families.py runs/cmp-medusa runs/cmp-hydra runs/cmp-hydra_pp runs/cmp-hydra_pp-3ep runs/cmp-redrafter runs/cmp-ctc \
   --eval mtbench-cpu --eval mtbench-cpu-searched16 --eval mtbench-cpu-tree16 --eval fp32-lossless --out docs/img/cmp
