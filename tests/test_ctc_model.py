@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import fit_draft
+from conftest import assert_chunked_matches_reference, fit_draft
 
 from models.ctc import CTCDraft, distilled_labels, distilled_labels_reference, valid_starts
 from models.draft import BaseView, DraftBatch
@@ -88,20 +88,12 @@ def test_chunked_and_reference_loss_agree_with_batch_gt_1(view, share):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    results = []
-    for chunked in (True, False):
-        draft.zero_grad()
-        out = draft.loss(batch, view, LossSection(chunked=chunked, chunk_size=11, token_weight=0.2))
-        out.loss.backward()
-        results.append((out.loss.detach(), [p.grad.clone() for p in draft.parameters()], out.per_depth))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    for g1, g2 in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+    fused, reference = assert_chunked_matches_reference(draft, batch, view, chunk_size=11, token_weight=0.2)
     expected = int(valid_starts(batch.input_ids, batch.loss_mask, 3).sum())
     per_row = valid_starts(batch.input_ids, batch.loss_mask, 3).sum(1).tolist()
     assert len(set(per_row)) == 3  # rows have different numbers of valid starts
-    assert len(results[0][2]) == 3
-    for a, b in zip(results[0][2], results[1][2]):
+    assert len(fused) == 3
+    for a, b in zip(fused, reference):
         assert a.count == b.count == expected and (a.top1, a.topk) == (b.top1, b.topk)
         assert a.loss_sum == pytest.approx(b.loss_sum, rel=1e-5)
 

@@ -3,7 +3,7 @@ through the path embeddings, chunked == plain loss, prefix layer wiring, export 
 
 import pytest
 import torch
-from conftest import fit_draft
+from conftest import assert_chunked_matches_reference, fit_draft
 from torch.nn import functional as F
 
 from data.targets import offset_labels
@@ -130,16 +130,8 @@ def test_chunked_and_plain_loss_agree(view, prefix, alpha):
     for p in draft.parameters():
         p.data.add_(torch.randn_like(p) * 0.02)
     batch = DraftBatch(hidden, ids, mask)
-    results = []
-    for chunked in (True, False):
-        draft.zero_grad()
-        out = draft.loss(batch, view, LossSection(chunked=chunked, chunk_size=5, teacher_weight=alpha))
-        out.loss.backward()
-        results.append((out.loss.detach(), [p.grad.clone() for p in draft.parameters()], out.per_depth))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    for g1, g2 in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
-    assert [s.count for s in results[0][2]] == [s.count for s in results[1][2]] == [22, 20, 18]
+    per_depth, _ = assert_chunked_matches_reference(draft, batch, view, chunk_size=5, teacher_weight=alpha)
+    assert [s.count for s in per_depth] == [22, 20, 18]
     if prefix:
         assert draft.prefix.layer.self_attn.o_proj.weight.grad.abs().sum() > 0  # the prefix layer trains
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import fit_draft
+from conftest import assert_chunked_matches_reference, fit_draft
 
 from data.targets import offset_labels
 from models.draft import BaseView, DraftBatch
@@ -81,17 +81,9 @@ def test_chunked_and_plain_loss_agree_on_medusa():
     hidden = torch.randn(2, 16, view.hidden_size)
     draft = MedusaDraft(num_heads=3, num_layers=1, base=view)
     batch = DraftBatch(hidden, ids, mask)
-    results = []
-    for chunked in (True, False):
-        draft.zero_grad()
-        out = draft.loss(batch, view, LossSection(chunked=chunked, chunk_size=5, teacher_weight=0.3))
-        out.loss.backward()
-        results.append((out.loss.detach(), [p.grad.clone() for p in draft.parameters()], out.per_depth))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    for g1, g2 in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)
+    per_depth, _ = assert_chunked_matches_reference(draft, batch, view, chunk_size=5, teacher_weight=0.3)
     # 2 rows x (13 - (1+k)) valid targets per head
-    assert [s.count for s in results[0][2]] == [s.count for s in results[1][2]] == [22, 20, 18]
+    assert [s.count for s in per_depth] == [22, 20, 18]
 
 
 def test_inference_forward_equals_per_head_logits():
