@@ -12,36 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
-from safetensors import safe_open
-
-
-def trainable_params(export_dir: Path) -> int:
-    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
-        total = 0
-        for k in f.keys():
-            n = 1
-            for s in f.get_slice(k).get_shape():
-                n *= s
-            total += n
-    return total
-
-
-def train_seconds(run: Path, export_cfg: dict) -> float | None:
-    if "train_seconds" in export_cfg:
-        return float(export_cfg["train_seconds"])
-    log = run.parent / "logs" / f"{run.name}.log"
-    if not log.is_file():
-        return None
-    # tqdm's training bar: "82/82 [05:39<00:00, ...]" (the last complete one).
-    hits = re.findall(r"(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d+)<", log.read_text(errors="replace"))
-    done = [h for h in hits if h[0] == h[1]]
-    if not done:
-        return None
-    _, _, hh, mm, ss = done[-1]
-    return int(hh or 0) * 3600 + int(mm) * 60 + int(ss)
+from eval.results_doc import train_seconds, trainable_params
 
 
 def describe(run: Path, eval_names: list[str]) -> dict:

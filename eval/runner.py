@@ -156,6 +156,8 @@ def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
     if cfg.dataset != "sharegpt":
         return cfg
     trained = export_cfg.get("train_data") or {}
+    # A self-distilled file (data/self_distill.py) holds the base's answers to the first N ShareGPT prompts.
+    trained = trained.get("derived_from") or trained
     if trained.get("source") != "sharegpt":
         return cfg if cfg.heldout_skip is not None else dataclasses.replace(cfg, heldout_skip=0)
     used = trained.get("max_records")

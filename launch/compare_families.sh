@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Train every learned family on the same CPU budget (configs/cpu_budget.yaml: same data, one epoch, bf16,
-# one shared hidden-state cache), search trees for the static-tree families, evaluate on MT-bench.
+# The first family comparison (16 MT-bench questions, per-run evals, ReDrafter beam sweep, fp32 losslessness):
+# trains through launch/compare.sh (same budget), then evaluates each export with `specdraft eval`.
+# The full comparison (80 questions + held-out ShareGPT, greedy and T=0.7, one run) is launch/compare.sh.
 # Resumable: a stage whose output exists is skipped, so re-running after a crash continues.
 # This produced the "families on one CPU budget" section of docs/benchmarks.md (~75 min on 2 cores, +40 min for the 3-epoch Hydra++).
 #
@@ -9,20 +10,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 PY=${PYTHON:-.venv/bin/python}
-B="--config configs/cpu_budget.yaml"
 mkdir -p runs/logs
 
-train() {  # train <run> <args...>
-  local run=$1; shift
-  [ -f "runs/$run/export/config.json" ] && { echo "skip train $run"; return; }
-  echo "=== train $run $(date +%T)"
-  $S train "$@" run_name="$run" > "runs/logs/$run.log" 2>&1 || echo "!!! train $run failed (runs/logs/$run.log)"
-}
-search() {  # search <run>: stores the throughput-best tree in the export
-  grep -q '"tree_search"' "runs/$1/export/config.json" 2>/dev/null && { echo "skip tree-search $1"; return; }
-  echo "=== tree-search $1 $(date +%T)"
-  $S tree-search --draft "runs/$1/export" > "runs/logs/ts-$1.log" 2>&1 || echo "!!! tree-search $1 failed"
-}
 evaluate() {  # evaluate <run> <name> [key=value ...]
   local run=$1 name=$2; shift 2
   [ -f "runs/$run/eval/$name/report.json" ] && { echo "skip eval $run $name"; return; }
@@ -35,16 +24,7 @@ searched16() {  # the first 16 nodes grown by the tree search, as tree_choices
 print(json.dumps([n['choice'] for n in d['nodes'][:16]]).replace(' ', ''))"
 }
 
-# Learning rates: the recipes' rates are for GPU runs of several epochs; one CPU epoch (82 steps) needs
-# larger steps. Medusa/Hydra/ReDrafter (zero-init MLP blocks): 5e-3, the demo's rate. Hydra++ / CTC (a
-# transformer layer inside): 2e-3. Dropout off for Hydra++ (one epoch cannot overfit).
-train cmp-medusa --config configs/medusa.yaml $B train.lr=5e-3
-train cmp-hydra --config configs/hydra.yaml $B train.lr=5e-3
-train cmp-hydra_pp --config configs/hydra_pp.yaml $B train.lr=2e-3 draft.dropout=0.0
-train cmp-redrafter --config configs/redrafter.yaml $B train.lr=5e-3
-train cmp-ctc --config configs/ctc.yaml $B train.lr=2e-3
-
-for r in cmp-medusa cmp-hydra cmp-hydra_pp; do search $r; done
+TRAIN_ONLY=1 launch/compare.sh  # trains every family + the 3-epoch Hydra++, searches trees (resumable)
 for r in cmp-medusa cmp-hydra cmp-hydra_pp cmp-redrafter cmp-ctc; do evaluate $r mtbench-cpu; done
 for r in cmp-medusa cmp-hydra cmp-hydra_pp; do
   evaluate $r mtbench-cpu-tree16 tree=tree16
@@ -62,9 +42,6 @@ if [ ! -f runs/cmp-ngram/eval/mtbench-cpu/report.json ]; then
   $S eval --method ngram --config configs/eval/cpu_compare.yaml name=mtbench-cpu run_dir=runs/cmp-ngram \
     extra.k=1 extra.w=2 > runs/logs/ev-cmp-ngram.log 2>&1 || echo "!!! eval ngram failed"
 fi
-# Hydra++ for 3 epochs from the same cache: what the multi-epoch recipe buys (~37 min).
-train cmp-hydra_pp-3ep --config configs/hydra_pp.yaml $B train.lr=2e-3 draft.dropout=0.0 train.epochs=3
-search cmp-hydra_pp-3ep
 evaluate cmp-hydra_pp-3ep mtbench-cpu-searched16 "tree_choices=$(searched16 cmp-hydra_pp-3ep)"
 $PY bench/compare_families.py runs/cmp-medusa runs/cmp-hydra runs/cmp-hydra_pp runs/cmp-hydra_pp-3ep runs/cmp-redrafter runs/cmp-ctc \
   --eval mtbench-cpu --eval mtbench-cpu-searched16 --eval mtbench-cpu-tree16 --eval fp32-lossless --out docs/img/cmp

@@ -1,4 +1,4 @@
-"""`specdraft` command line: train, eval, tree-search, export, demo (DESIGN.md §3)."""
+"""`specdraft` command line: train, eval, tree-search, export, demo, self-distill (DESIGN.md §3)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export)")
     _add_config_args(p, "default configs/eval/tree_search.yaml")
 
+    p = sub.add_parser("compare", help="all drafts of configs/compare.yaml side by side on the same prompts -> "
+                       "docs/results.md")
+    p.add_argument("--results-only", action="store_true", help="only regenerate docs/results.md from finished runs")
+    p.add_argument("--only", action="append", default=[], metavar="LABEL", help="only these drafts (repeat)")
+    _add_config_args(p, "default configs/compare.yaml")
+
     p = sub.add_parser("export", help="convert a run's export to another format")
     p.add_argument("--run", required=True, help="the run directory (runs/<run>)")
     p.add_argument("--format", required=True, choices=["specdraft", "medusa", "redrafter-trtllm"])
     p.add_argument("--out", required=True, help="output directory")
+
+    p = sub.add_parser("self-distill", help="regenerate ShareGPT answers with the base (Medusa-2 self-distillation)")
+    p.add_argument("--base", default="smollm2", help="base model: smollm2, tiny, or an HF directory")
+    p.add_argument("--source", default="sharegpt", help="sharegpt (packaged) or a ShareGPT .json/.jsonl path")
+    p.add_argument("--max-records", type=int, default=800, help="the first N valid conversations (eval skips them)")
+    p.add_argument("--out", default=None, help="output JSONL (default ~/.cache/specdraft/selfdistill/<key>.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-turns", type=int, default=1, help="user turns regenerated per conversation")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
 
     p = sub.add_parser("demo", help="the main job: train Medusa on SmolLM2 + ShareGPT on this machine, evaluate")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the training recipe")
@@ -107,6 +126,27 @@ def cmd_tree_search(args) -> int:
     return run_tree_search_cli(args)
 
 
+def cmd_compare(args) -> int:
+    from eval.compare import run_compare_cli
+
+    return run_compare_cli(args)
+
+
+def cmd_self_distill(args) -> int:
+    import torch
+
+    from data.self_distill import build_self_distilled
+    from models.base import load_base
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    base = load_base(args.base, dtype=args.dtype, device=device)
+    out = build_self_distilled(base, args.source, max_records=args.max_records, out=args.out,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               max_turns=args.max_turns, batch_size=args.batch_size, seed=args.seed)
+    print(out)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from train.demo import run_demo
     from train.loop import TrainingInterrupted
@@ -122,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
-               "tree-search": cmd_tree_search}[args.command]
+               "self-distill": cmd_self_distill,
+               "tree-search": cmd_tree_search, "compare": cmd_compare}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

@@ -33,6 +33,9 @@ class DataSection:
     num_proc: int = 1
     hidden_cache: str = ""  # "" = run the base every step; "auto" = cache h under cache_dir; or a directory
     hidden_cache_dtype: str = "bf16"  # storage dtype of the cached h: bf16 (half the disk) | fp32 (exact)
+    self_distill: bool = False  # train on the base's own answers to the first max_records prompts (Medusa-2)
+    self_distill_max_new_tokens: int = 256  # answer length cap of the regenerated turns
+    self_distill_temperature: float = 0.0  # 0 = greedy answers; > 0 samples at that temperature
 
 
 @dataclass
@@ -181,6 +184,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("data.max_records", cfg.data.max_records, "use None (all) or at least 2 (train + val)")
     if cfg.data.hidden_cache_dtype not in ("bf16", "fp32", "fp16"):
         _fail("data.hidden_cache_dtype", cfg.data.hidden_cache_dtype, "use bf16, fp32 or fp16")
+    if cfg.data.self_distill and cfg.data.max_records is None:
+        _fail("data.max_records", None, "data.self_distill regenerates every answer with the base and eval holds out "
+              "the conversations after them: set data.max_records=N (e.g. 800)")
+    if cfg.data.self_distill_max_new_tokens < 1:
+        _fail("data.self_distill_max_new_tokens", cfg.data.self_distill_max_new_tokens, "use 1 or more (256 typical)")
+    if cfg.data.self_distill_temperature < 0:
+        _fail("data.self_distill_temperature", cfg.data.self_distill_temperature, "use 0 (greedy) or a temperature > 0")
     if not 0.0 <= cfg.loss.teacher_weight <= 1.0:
         _fail("loss.teacher_weight", cfg.loss.teacher_weight, "use a weight in [0, 1]")
     if cfg.loss.lambda0 <= 0 or cfg.loss.decay <= 0:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from data.dataset import build_datasets, collate
 from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
+from data.self_distill import build_self_distilled, train_data_entry
 from models.base import default_cache_dir, last_hidden_and_logits, load_base
 from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
 from models.registry import DRAFTERS
@@ -105,8 +106,9 @@ def train(cfg: TrainConfig) -> Path:
         if (turn == 0) == info.is_main:
             base = load_base(cfg.base.path, dtype=base_dtype, device=info.device)
             d = cfg.data
+            source, max_records = _training_source(cfg, base)
             train_ds, val_ds = build_datasets(
-                base.tokenizer, d.source, max_records=d.max_records, max_length=d.max_length,
+                base.tokenizer, source, max_records=max_records, max_length=d.max_length,
                 val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
                 min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
             hidden_cache = _hidden_cache(cfg, base, train_ds, info) if d.hidden_cache else None
@@ -228,13 +230,24 @@ def train(cfg: TrainConfig) -> Path:
 
     if not sigterm:  # finished, or out of its time budget: export what we have
         _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-                time.perf_counter() - train_t0)
+                time.perf_counter() - train_t0, train_data_entry(source, max_records))
     tracker.close()
     barrier()
     if sigterm:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
+
+
+def _training_source(cfg, base) -> tuple[str, int | None]:
+    """(source, max_records) build_datasets reads: with data.self_distill, the cached file of the base's own
+    answers to the first data.max_records conversations (built once, resumable; DESIGN.md §6)."""
+    d = cfg.data
+    if not d.self_distill:
+        return d.source, d.max_records
+    path = build_self_distilled(base, d.source, max_records=d.max_records, max_new_tokens=d.self_distill_max_new_tokens,
+                                temperature=d.self_distill_temperature, seed=d.seed, cache_dir=d.cache_dir or None)
+    return str(path), None
 
 
 def _hidden_cache(cfg, base, train_ds, info) -> HiddenCache:
@@ -300,7 +313,7 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
 
 
 def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-            train_seconds: float) -> None:
+            train_seconds: float, train_data: dict) -> None:
     """Export the draft's weights and measure held-out per-depth accuracy (rank 0)."""
     import deepspeed
 
@@ -312,7 +325,7 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
                              extra={"trained_steps": step, "train_seconds": round(train_seconds, 1),
                                     "hidden_cache": bool(cfg.data.hidden_cache),
                                     "train_dtype": str(compute_dtype).removeprefix("torch."),
-                                    "train_data": {"source": cfg.data.source, "max_records": cfg.data.max_records}})
+                                    "train_data": train_data})
             log.info("exported the draft to %s", run_dir / "export")
             if cfg.train.val_batches > 0:
                 result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)

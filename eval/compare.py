@@ -1,0 +1,250 @@
+"""`specdraft compare`: every draft of configs/compare.yaml on the same prompts, side by side, one process.
+
+Per setting (dataset x acceptance rule) and per prompt, in this order on one loaded base: own AR decoding,
+transformers `generate` (greedy settings only; it has no rejection-sampling twin), then every draft. All
+methods of a prompt run back to back, so machine noise (other processes, clock changes) hits all of them
+alike, and speedups are ratios measured in the same run. Each finished (prompt, method) is appended to
+<out>/<setting>/prompts.jsonl at once: a killed run resumes at the first missing pair, nothing is redone.
+At the end every draft gets a normal report (<out>/<setting>/<label>/report.json, same keys as
+`specdraft eval`) whose baselines are the shared AR / generate numbers, then <out>/summary.json and
+docs/results.md (eval/results_doc.py) are regenerated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eval.compare_config import (
+    CompareConfig,
+    DraftEntry,
+    draft_entries,
+    load_compare_config,
+    searched_tree,
+    setting_configs,
+)
+from eval.config import EvalConfig
+from eval.decoder import autoregressive_generate, speculative_generate
+from eval.hf_baseline import hf_generate_timed
+from eval.report import build_report, write_report
+from eval.runner import _device_name, _result, config_prompts, eos_ids, make_backend, resolve_heldout_skip
+
+log = logging.getLogger("specdraft.compare")
+AR, HF = "ar", "hf"
+
+
+@dataclasses.dataclass
+class Method:
+    """One row of a setting: a built drafter and what the report says about it."""
+
+    label: str
+    family: str
+    drafter: object
+    info: dict
+
+
+def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, base) -> list[Method]:
+    """Drafters for the entries that run in `setting` (each with its own per-draft eval overrides)."""
+    from eval.drafters.ngram import build_ngram_drafter
+    from eval.drafters.registry import build_drafter
+    from models.draft import BaseView
+    from train.export import load_draft
+
+    dtype = next(base.model.parameters()).dtype
+    out = []
+    for e in entries:
+        if e.settings is not None and setting not in e.settings:
+            continue
+        cfg = dataclasses.replace(ecfg, **{k: ({**ecfg.extra, **v} if k == "extra" else v) for k, v in e.eval.items()})
+        if e.method is not None:
+            drafter, info = build_ngram_drafter(base, cfg.extra)
+            out.append(Method(e.label, e.method, drafter, info))
+            continue
+        if e.tree_nodes is not None:
+            cfg = dataclasses.replace(cfg, tree_choices=searched_tree(e.export, e.tree_nodes))
+        draft, export_cfg = load_draft(e.export, BaseView.from_model(base.model), base.fingerprint)
+        draft = draft.to(device=next(base.model.parameters()).device, dtype=dtype)
+        drafter, info = build_drafter(draft, export_cfg, cfg)
+        info = {"export": str(e.export), **info, **({"tree_search_nodes": e.tree_nodes} if e.tree_nodes else {})}
+        out.append(Method(e.label, export_cfg["family"], drafter, info))
+    return out
+
+
+def _heldout_skip(entries: list[DraftEntry], ecfg: EvalConfig) -> EvalConfig:
+    """sharegpt settings skip every conversation ANY compared draft trained on (the largest skip)."""
+    from train.export import read_export_config
+
+    if ecfg.dataset != "sharegpt":
+        return ecfg
+    skips = [resolve_heldout_skip(ecfg, read_export_config(e.export)).heldout_skip or 0
+             for e in entries if e.export is not None]
+    return dataclasses.replace(ecfg, heldout_skip=max([ecfg.heldout_skip or 0, *skips]))
+
+
+def _load_done(path: Path) -> dict[tuple[str, str], dict]:
+    """Finished (prompt, method) rows of a setting. A line cut by a kill mid-write is dropped from the file
+    too, so the next append starts on a fresh line."""
+    done = {}
+    if path.is_file():
+        text = path.read_text()
+        if text and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]
+            path.write_text(text)
+        for line in text.splitlines():
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # damaged line: redo that pair
+                    continue
+                done[(row["prompt"], row["method"])] = row
+    return done
+
+
+def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, out_dir: Path) -> dict:
+    """Run (or resume) one setting; returns {label: report} for the drafts plus the baselines' tokens/s."""
+    model, tok = base.model, base.tokenizer
+    ecfg = _heldout_skip(entries, ecfg)
+    methods = _build_methods(entries, name, ecfg, base)
+    backend, eos = make_backend(ecfg.backend, model), eos_ids(model, tok)
+    prompts = config_prompts(ecfg, tok)
+    greedy = ecfg.temperature == 0
+    sdir = out_dir / name
+    sdir.mkdir(parents=True, exist_ok=True)
+    store = sdir / "prompts.jsonl"
+    done = _load_done(store)
+    # One generator per method, seeded per prompt, so a resumed run samples what an uninterrupted one would.
+    sampling = dict(temperature=ecfg.temperature, top_p=ecfg.top_p)
+
+    def gen_for(label: str, pid: str) -> torch.Generator:
+        # zlib.crc32, not hash(): str hashes change per process (PYTHONHASHSEED), crc32 does not.
+        return torch.Generator(device="cpu").manual_seed(zlib.crc32(f"{ecfg.seed}/{label}/{pid}".encode()))
+
+    def run_one(label: str, p, n: int):
+        if label == AR:
+            return autoregressive_generate(backend, p.input_ids, max_new_tokens=n, eos_ids=eos,
+                                           generator=gen_for(label, p.id), **sampling)
+        if label == HF:
+            return hf_generate_timed(model, p.input_ids, n, eos)
+        m = next(m for m in methods if m.label == label)
+        return speculative_generate(backend, m.drafter, p.input_ids, max_new_tokens=n, eos_ids=eos,
+                                    acceptance=ecfg.acceptance, typical_eps=ecfg.typical_eps,
+                                    typical_delta=ecfg.typical_delta, generator=gen_for(label, p.id), **sampling)
+
+    labels = [AR] + ([HF] if greedy and ecfg.hf_baseline else []) + [m.label for m in methods]
+    todo = [(p, lab) for p in prompts for lab in labels if (p.id, lab) not in done]
+    if todo and ecfg.warmup_tokens > 0:  # one-off costs (allocator, oneDNN kernels) stay out of the timings
+        for lab in labels:
+            run_one(lab, prompts[0], ecfg.warmup_tokens)
+    with store.open("a") as f:
+        for p, lab in tqdm(todo, desc=f"compare {name}", unit="run", dynamic_ncols=True):
+            t0 = time.perf_counter()
+            g = run_one(lab, p, ecfg.max_new_tokens)
+            row = {"prompt": p.id, "method": lab, "wall": time.perf_counter() - t0}
+            if lab == HF:
+                row.update(tokens=list(g.tokens), decode_time=g.seconds, prefill_time=g.prefill_seconds)
+            else:
+                row.update(tokens=list(g.tokens), decode_time=g.decode_time, prefill_time=g.prefill_time,
+                           base_steps=g.base_steps, draft_time=g.draft_time, tree_nodes=g.tree_nodes,
+                           accept_lengths=list(g.accepted_lengths), accept_counts=list(g.accept_counts),
+                           proposed_counts=list(g.proposed_counts))
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            done[(p.id, lab)] = row
+    return _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy)
+
+
+def _tps(rows: list[dict]) -> float | None:
+    secs = sum(r["decode_time"] for r in rows)
+    return sum(len(r["tokens"]) - 1 for r in rows) / secs if secs > 0 else None  # prefill token excluded
+
+
+def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy) -> dict:
+    tok = base.tokenizer
+    ar_rows = [done[(p.id, AR)] for p in prompts]
+    hf_rows = [done[(p.id, HF)] for p in prompts if (p.id, HF) in done]
+    ar_tps, hf_tps = _tps(ar_rows), (_tps(hf_rows) if len(hf_rows) == len(prompts) else None)
+    out = {"setting": name, "config": dataclasses.asdict(ecfg), "num_prompts": len(prompts),
+           "ar_tokens_per_second": ar_tps, "hf_tokens_per_second": hf_tps, "reports": {}}
+    for m in methods:
+        results, tree_nodes = [], 0
+        for p in prompts:
+            r, a = done[(p.id, m.label)], done[(p.id, AR)]
+            tree_nodes += r["tree_nodes"]
+            g = _Gen(r)
+            results.append(_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None))
+        extra = {"label": m.label, "setting": name, "backend": ecfg.backend,
+                 "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch."),
+                 "acceptance": ecfg.acceptance, "temperature": ecfg.temperature, "top_p": ecfg.top_p,
+                 "max_new_tokens": ecfg.max_new_tokens, "threads": torch.get_num_threads(),
+                 "base_fingerprint": base.fingerprint, "heldout_skip": ecfg.heldout_skip,
+                 "tree_nodes_per_step": tree_nodes / max(1, sum(r.base_steps for r in results)),
+                 "hf_matches_spec_fraction": (sum(done[(p.id, HF)]["tokens"] == done[(p.id, m.label)]["tokens"]
+                                                  for p in prompts) / len(prompts)) if hf_tps else None,
+                 **m.info}
+        report = build_report(results, method=m.family, base_model=base.name,
+                              device=_device_name(next(base.model.parameters()).device), dataset=ecfg.dataset,
+                              ar_tokens_per_second=ar_tps, hf_tokens_per_second=hf_tps, extra=extra)
+        steps = [n for r in results for n in r.accept_lengths]
+        write_report(sdir / m.label, report, [r.to_sample() for r in results], steps,
+                     report["accept_rate_per_position"])
+        out["reports"][m.label] = report
+    (sdir / "setting.json").write_text(json.dumps({k: v for k, v in out.items() if k != "reports"}, indent=1))
+    return out
+
+
+class _Gen:
+    """A stored prompts.jsonl row seen through the decoder's result interface (what eval.runner._result reads)."""
+
+    def __init__(self, row: dict):
+        self.tokens = row["tokens"]
+        self.base_steps, self.decode_time = row["base_steps"], row["decode_time"]
+        self.prefill_time, self.draft_time = row["prefill_time"], row["draft_time"]
+        self.accepted_lengths = row["accept_lengths"]
+        self.accept_counts, self.proposed_counts = row["accept_counts"], row["proposed_counts"]
+
+
+def run_compare(cfg: CompareConfig) -> dict:
+    from eval.runner import resolve_device
+    from models.base import load_base
+
+    settings = setting_configs(cfg)
+    entries = draft_entries(cfg, list(settings))
+    dtypes = {(c.dtype, c.backend, c.device) for c in settings.values()}
+    if len(dtypes) != 1:
+        raise ValueError(f"every setting must use one base dtype/backend/device (loaded once), got {sorted(dtypes)}")
+    dtype, _, device = dtypes.pop()
+    base = load_base(cfg.base_path, dtype=dtype, device=resolve_device(device))
+    out_dir = Path(cfg.out_dir)
+    summary = {"base": base.name, "base_fingerprint": base.fingerprint, "settings": {}}
+    for name, ecfg in settings.items():
+        res = run_setting(name, ecfg, entries, base, out_dir)
+        summary["settings"][name] = res
+        log.info("setting %s done: %s", name, {k: round(r["acceptance_length"], 2) for k, r in res["reports"].items()})
+        # after every setting, so the tables can be regenerated (--results-only) from a partial run
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def run_compare_cli(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_compare_config(args.config or ["configs/compare.yaml"], args.overrides)
+    if args.only:  # rerun some rows: same prompts, same settings, fresh baselines in the same run
+        labels = [d.get("label") for d in [*cfg.drafts, *cfg.extra_drafts]]
+        if sorted(set(args.only) - set(labels)):
+            raise ValueError(f"--only {sorted(set(args.only) - set(labels))}: no such draft label; labels: {labels}")
+        cfg.drafts = [d for d in cfg.drafts if d.get("label") in args.only]
+        cfg.extra_drafts = [d for d in cfg.extra_drafts if d.get("label") in args.only]
+    if not args.results_only:
+        run_compare(cfg)
+    from eval.results_doc import write_results
+
+    md = write_results(Path(cfg.out_dir), Path(cfg.results_md), Path(cfg.results_img))
+    print(f"wrote {md}")
+    return 0

@@ -1,0 +1,144 @@
+"""Typed config of `specdraft compare` (configs/compare.yaml): which drafts, which eval settings.
+
+A compare run evaluates several drafts on the same prompts, side by side in ONE process: per prompt,
+own AR decoding, transformers `generate` (greedy settings) and every draft run back to back, so all
+methods share the same machine state and the speed ratios are measured in one run.
+
+    drafts:    [{label, export | method, settings?, tree_nodes?, eval?}]
+      label       row name in the tables ("Medusa", "N-gram", ...); also the report directory name
+      export      runs/<run>/export of a trained draft     | method: a learning-free method (ngram)
+      settings    only these setting names (default: all)
+      tree_nodes  use the first N nodes grown by `specdraft tree-search` (<run>/tree_search/tree_search.json)
+      eval        EvalConfig overrides for this draft only (tree, extra.beam_width, extra.k, ...)
+    settings:  [{name, <EvalConfig overrides>}]  e.g. dataset=mtbench, acceptance=rejection, temperature=0.7
+    eval:      EvalConfig overrides shared by every setting (dtype, backend, max_new_tokens, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eval.config import EvalConfig, validate_eval
+from train.config_loader import ConfigError, load_typed
+
+_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]*$")  # a directory name, no spaces or slashes
+_DRAFT_KEYS = {"label", "export", "method", "settings", "tree_nodes", "eval"}
+_PER_DRAFT_EVAL = {"tree", "tree_choices", "extra", "acceptance", "typical_eps", "typical_delta"}
+
+
+@dataclass
+class CompareConfig:
+    out_dir: str = "runs/compare"  # <out_dir>/<setting>/{prompts.jsonl, <label>/report.json}, summary.json
+    base_path: str = "smollm2"
+    results_md: str = "docs/results.md"  # regenerated between its markers after every compare run
+    results_img: str = "docs/img/results"  # prefix of the plots
+    eval: dict = field(default_factory=dict)
+    settings: list[dict] = field(default_factory=list)
+    drafts: list[dict] = field(default_factory=list)
+    extra_drafts: list[dict] = field(default_factory=list)  # appended to drafts: lets an overlay YAML add rows
+    # (a second --config's `drafts` list would replace the first's, as lists do not merge)
+
+
+@dataclass
+class DraftEntry:
+    label: str
+    export: Path | None
+    method: str | None
+    settings: list[str] | None
+    tree_nodes: int | None
+    eval: dict
+
+
+def _eval_config(where: str, *layers: dict) -> EvalConfig:
+    """EvalConfig defaults + each overrides dict in order, validated (clear error naming `where`)."""
+    merged: dict = {}
+    for layer in layers:
+        for k, v in layer.items():
+            merged[k] = {**merged.get(k, {}), **v} if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    known = {f.name for f in dataclasses.fields(EvalConfig)}
+    unknown = sorted(set(merged) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown eval key(s) {unknown}; valid keys: {', '.join(sorted(known))}")
+    try:
+        return validate_eval(EvalConfig(**merged))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def setting_configs(cfg: CompareConfig) -> dict[str, EvalConfig]:
+    """name -> EvalConfig of every setting (shared `eval` overrides, then the setting's own)."""
+    if not cfg.settings:
+        raise ConfigError("compare config: `settings` is empty; add at least one, e.g. {name: mtbench-greedy, "
+                          "dataset: mtbench}")
+    out = {}
+    for i, s in enumerate(cfg.settings):
+        s = dict(s)
+        name = s.get("name")
+        if not isinstance(name, str) or not _LABEL.match(name):
+            raise ConfigError(f"settings[{i}]: needs a `name` usable as a directory (letters, digits, _.+-), "
+                              f"got {name!r}")
+        if name in out:
+            raise ConfigError(f"settings[{i}]: duplicate setting name {name!r}")
+        out[name] = _eval_config(f"settings[{i}] ({name})", cfg.eval, s)
+    return out
+
+
+def draft_entries(cfg: CompareConfig, setting_names: list[str]) -> list[DraftEntry]:
+    """Validated draft entries; exports must exist (a typo fails here, before any model is loaded)."""
+    drafts = [*cfg.drafts, *cfg.extra_drafts]
+    if not drafts:
+        raise ConfigError("compare config: `drafts` is empty; add e.g. {label: Medusa, export: runs/x/export}")
+    out, seen = [], set()
+    for i, d in enumerate(drafts):
+        where = f"drafts[{i}]"
+        bad = sorted(set(d) - _DRAFT_KEYS)
+        if bad:
+            raise ConfigError(f"{where}: unknown key(s) {bad}; valid: {', '.join(sorted(_DRAFT_KEYS))}")
+        label = d.get("label")
+        if not isinstance(label, str) or not _LABEL.match(label) or label in ("ar", "hf"):
+            raise ConfigError(f"{where}: `label` must be a directory-safe name other than ar/hf, got {label!r}")
+        if label in seen:
+            raise ConfigError(f"{where}: duplicate label {label!r}")
+        seen.add(label)
+        if ("export" in d) == ("method" in d):
+            raise ConfigError(f"{where} ({label}): give exactly one of `export` (a trained draft) or `method` (ngram)")
+        export = Path(d["export"]) if "export" in d else None
+        if export is not None and not (export / "config.json").is_file():
+            raise ConfigError(f"{where} ({label}): {export}/config.json not found; train it first "
+                              "(launch/compare.sh trains every draft of configs/compare.yaml)")
+        only = d.get("settings")
+        if only is not None:
+            unknown = sorted(set(only) - set(setting_names))
+            if unknown:
+                raise ConfigError(f"{where} ({label}): unknown setting(s) {unknown}; defined: {setting_names}")
+        extra_eval = dict(d.get("eval") or {})
+        bad = sorted(set(extra_eval) - _PER_DRAFT_EVAL)
+        if bad:
+            raise ConfigError(f"{where} ({label}): per-draft eval keys {bad} not allowed (they would make the "
+                              f"comparison unfair); allowed: {', '.join(sorted(_PER_DRAFT_EVAL))}")
+        nodes = d.get("tree_nodes")
+        if nodes is not None and (not isinstance(nodes, int) or nodes < 1 or export is None):
+            raise ConfigError(f"{where} ({label}): tree_nodes needs a trained export and an int >= 1, got {nodes!r}")
+        out.append(DraftEntry(label, export, d.get("method"), list(only) if only else None, nodes, extra_eval))
+    return out
+
+
+def searched_tree(export: Path, nodes: int) -> list[list[int]]:
+    """The first `nodes` nodes grown by the tree search of this run (greedy growth order, so any prefix is
+    the best tree of that size found)."""
+    import json
+
+    path = export.parent / "tree_search" / "tree_search.json"
+    if not path.is_file():
+        raise ConfigError(f"tree_nodes={nodes}: {path} not found; run `specdraft tree-search --draft {export}`")
+    grown = [n["choice"] for n in json.loads(path.read_text())["nodes"]]
+    if len(grown) < nodes:
+        raise ConfigError(f"tree_nodes={nodes}: the search in {path} grew only {len(grown)} nodes")
+    return grown[:nodes]
+
+
+def load_compare_config(config_paths: list[str] | None, overrides: list[str] | None = None) -> CompareConfig:
+    return load_typed(CompareConfig, config_paths, overrides)

@@ -1,0 +1,135 @@
+"""`specdraft compare` (eval/compare.py) on the tiny base: shared baselines, losslessness, exact resume,
+config errors, and docs/results.md generation that keeps the hand-written text."""
+
+import json
+
+import pytest
+import yaml
+
+from eval.compare import run_compare
+from eval.compare_config import load_compare_config
+from eval.report import REPORT_KEYS
+from eval.results_doc import RESULTS_BEGIN, RESULTS_END, splice, target_table, write_results
+from train.config_loader import ConfigError
+
+
+def _config(tmp_path, export, **extra) -> str:
+    cfg = {"out_dir": str(tmp_path / "cmp"), "base_path": "tiny",
+           "eval": {"dataset": "tests/fixtures/eval_prompts.jsonl", "num_prompts": 3, "max_new_tokens": 10,
+                    "dtype": "fp32", "backend": "fast", "warmup_tokens": 2},
+           "settings": [{"name": "greedy", "acceptance": "greedy", "temperature": 0.0},
+                        {"name": "t0.7", "acceptance": "rejection", "temperature": 0.7, "hf_baseline": False}],
+           "drafts": [{"label": "Medusa", "export": str(export)},
+                      {"label": "N-gram", "method": "ngram",
+                       "eval": {"extra": {"k": 2, "w": 2, "strategy": "context"}}},
+                      {"label": "Medusa-chain", "export": str(export), "eval": {"tree": "chain4"},
+                       "settings": ["greedy"]}], **extra}
+    path = tmp_path / "compare.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _rows(path):
+    return [json.loads(ln) for ln in path.read_text().splitlines()]
+
+
+def test_compare_runs_every_method_on_shared_baselines_and_resumes_exactly(smoke_run, tmp_path):
+    run_dir, _ = smoke_run
+    cfg = load_compare_config([_config(tmp_path, run_dir / "export")])
+    summary = run_compare(cfg)
+    out = tmp_path / "cmp"
+    greedy, sampled = summary["settings"]["greedy"], summary["settings"]["t0.7"]
+    assert set(greedy["reports"]) == {"Medusa", "N-gram", "Medusa-chain"}
+    assert set(sampled["reports"]) == {"Medusa", "N-gram"}  # Medusa-chain is greedy-only
+    # 3 prompts x (AR + generate + 3 drafts) greedy; 3 x (AR + 2 drafts) sampled (no generate at T > 0)
+    assert len(_rows(out / "greedy" / "prompts.jsonl")) == 15
+    assert len(_rows(out / "t0.7" / "prompts.jsonl")) == 9
+    for name, st in summary["settings"].items():
+        for label, rep in st["reports"].items():
+            assert set(rep) - {"extra"} == set(REPORT_KEYS)
+            assert rep["ar_tokens_per_second"] == st["ar_tokens_per_second"]  # one shared AR baseline
+            assert rep["acceptance_length"] >= 1.0 and rep["num_prompts"] == 3
+            on_disk = json.loads((out / name / label / "report.json").read_text())
+            assert on_disk["acceptance_length"] == rep["acceptance_length"]
+    for rep in greedy["reports"].values():  # fp32 greedy: token-identical to own AR decoding
+        assert rep["lossless_fraction"] == 1.0 and rep["speedup_vs_hf"] is not None
+    for rep in sampled["reports"].values():
+        assert rep["lossless_fraction"] is None and rep["speedup_vs_hf"] is None
+
+    # Kill simulation: drop the last 4 finished runs of the sampled setting (one cut mid-line), rerun.
+    store = out / "t0.7" / "prompts.jsonl"
+    lines = store.read_text().splitlines()
+    store.write_text("\n".join(lines[:-4]) + "\n" + lines[-4][: len(lines[-4]) // 2])
+    kept = {(r["prompt"], r["method"]): r["wall"] for r in _rows_ok(store)}
+    samples = {lab: [r["tokens"] for r in _rows(out / "t0.7" / lab / "samples.jsonl")] for lab in sampled["reports"]}
+    again = run_compare(cfg)["settings"]["t0.7"]
+    rows = _rows_ok(store)
+    assert len({(r["prompt"], r["method"]) for r in rows}) == 9 and len(rows) == 9  # the cut line was dropped
+    assert all(r["wall"] == kept[(r["prompt"], r["method"])] for r in rows[:5])  # finished runs not redone
+    assert len(kept) == 5
+    # Sampling is seeded per (prompt, method), so the redone runs draw exactly what they drew before.
+    for label, rep in again["reports"].items():
+        assert [r["tokens"] for r in _rows(out / "t0.7" / label / "samples.jsonl")] == samples[label]
+        assert rep["acceptance_length"] == sampled["reports"][label]["acceptance_length"]
+
+
+def _rows_ok(path):
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            out.append(json.loads(ln))
+        except json.JSONDecodeError:
+            pass
+    return out
+
+
+def test_results_doc_keeps_hand_written_text_and_reports_targets(smoke_run, tmp_path):
+    run_dir, _ = smoke_run
+    cfg = load_compare_config([_config(tmp_path, run_dir / "export")])
+    run_compare(cfg)
+    md = tmp_path / "docs" / "results.md"
+    md.parent.mkdir()
+    md.write_text("# Results\n\nMy analysis above.\n\n" + RESULTS_BEGIN + "\nstale\n" + RESULTS_END + "\n\nBelow.\n")
+    write_results(tmp_path / "cmp", md, tmp_path / "docs" / "img" / "results")
+    text = md.read_text()
+    assert text.startswith("# Results\n\nMy analysis above.") and text.rstrip().endswith("Below.")
+    assert "stale" not in text and text.count(RESULTS_BEGIN) == 1
+    assert "### `greedy`" in text and "### `t0.7`" in text and "| Medusa-chain |" in text
+    assert "rejection sampling, T=0.7" in text
+    for png in ("results_acceptance.png", "results_speedup.png"):
+        assert (tmp_path / "docs" / "img" / png).read_bytes()[:4] == b"\x89PNG"
+        assert f"](img/{png})" in text
+
+
+def test_target_table_and_splice():
+    def rep(method, label, acc, hf=None):
+        return {"method": method, "acceptance_length": acc, "speedup_vs_hf": hf, "extra": {"label": label}}
+
+    st = {"reports": {"Medusa": rep("medusa", "Medusa", 2.1, 1.2), "Hydra++": rep("hydra", "Hydra++", 2.0, 2.5),
+                      "Hydra": rep("hydra", "Hydra", 3.0)}}
+    rows = "\n".join(target_table(st))
+    assert "| medusa | ≥ 2.0 | 2.10 (Medusa) | yes |" in rows
+    assert "| hydra++ | ≥ 2.6 | 2.00 (Hydra++) | no |" in rows  # plain Hydra's 3.0 is not Hydra++
+    assert "| ctc | ≥ 2.4 | — () | no |" in rows
+    assert "2.50× (Hydra++) | yes |" in rows
+    assert splice("", "S").startswith("# Results") and splice("x", "S") == "x\n\nS\n"
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"drafts": [{"label": "a", "export": "/nope"}]}, "config.json not found"),
+    ({"drafts": [{"label": "a b", "method": "ngram"}]}, "directory-safe"),
+    ({"drafts": [{"label": "a", "method": "ngram"}, {"label": "a", "method": "ngram"}]}, "duplicate label"),
+    ({"drafts": [{"label": "a", "method": "ngram", "eval": {"dtype": "bf16"}}]}, "unfair"),
+    ({"drafts": [{"label": "a", "method": "ngram", "settings": ["nope"]}]}, "unknown setting"),
+    ({"settings": [{"name": "g", "temperature": 0.7}]}, "greedy acceptance needs temperature=0"),
+    ({"settings": [{"name": "g", "bogus": 1}]}, "unknown eval key"),
+    ({"settings": []}, "`settings` is empty"),
+])
+def test_compare_config_errors_are_clear(tmp_path, patch, message):
+    from eval.compare_config import draft_entries, setting_configs
+
+    cfg = load_compare_config([_config(tmp_path, tmp_path / "no-export")])
+    for k, v in patch.items():
+        setattr(cfg, k, v)
+    with pytest.raises(ConfigError, match=message):
+        draft_entries(cfg, list(setting_configs(cfg)))
