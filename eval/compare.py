@@ -170,8 +170,13 @@ def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy) -> di
     ar_rows = [done[(p.id, AR)] for p in prompts]
     hf_rows = [done[(p.id, HF)] for p in prompts if (p.id, HF) in done]
     ar_tps, hf_tps = _tps(ar_rows), (_tps(hf_rows) if len(hf_rows) == len(prompts) else None)
+    # Two plain greedy decoders (own AR, generate) agreeing token for token: the ceiling of "lossless" in this
+    # dtype (in bf16 a different kernel or batch shape flips argmax at near-ties; in fp32 it is 1.0).
+    ar_hf = (sum(done[(p.id, HF)]["tokens"] == done[(p.id, AR)]["tokens"] for p in prompts) / len(prompts)
+             if hf_tps else None)
     out = {"setting": name, "config": dataclasses.asdict(ecfg), "num_prompts": len(prompts),
-           "ar_tokens_per_second": ar_tps, "hf_tokens_per_second": hf_tps, "reports": {}}
+           "ar_tokens_per_second": ar_tps, "hf_tokens_per_second": hf_tps, "ar_matches_generate_fraction": ar_hf,
+           "reports": {}}
     for m in methods:
         results, tree_nodes = [], 0
         for p in prompts:
@@ -234,7 +239,8 @@ def run_compare(cfg: CompareConfig) -> dict:
 
 def run_compare_cli(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_compare_config(args.config or ["configs/compare.yaml"], args.overrides)
+    configs = args.config or ["configs/compare.yaml"]
+    cfg = load_compare_config(configs, args.overrides)
     if args.only:  # rerun some rows: same prompts, same settings, fresh baselines in the same run
         labels = [d.get("label") for d in [*cfg.drafts, *cfg.extra_drafts]]
         if sorted(set(args.only) - set(labels)):
@@ -245,6 +251,6 @@ def run_compare_cli(args) -> int:
         run_compare(cfg)
     from eval.results_doc import write_results
 
-    md = write_results(Path(cfg.out_dir), Path(cfg.results_md), Path(cfg.results_img))
+    md = write_results(Path(cfg.out_dir), Path(cfg.results_md), Path(cfg.results_img), " --config ".join(configs))
     print(f"wrote {md}")
     return 0

@@ -118,8 +118,13 @@ def setting_table(name: str, st: dict) -> list[str]:
     where = f"held-out ShareGPT (skip {c['heldout_skip']})" if c["dataset"] == "sharegpt" else c["dataset"]
     out = [f"### `{name}`: {where}, {st['num_prompts']} prompts, {c['max_new_tokens']} new tokens, {rule}, "
            f"{c['dtype']} base", "",
-           f"Own AR decoding {_f(st['ar_tokens_per_second'], '.1f')} tok/s; transformers `generate` "
-           f"{_f(st['hf_tokens_per_second'], '.1f', 'not run (greedy only)')} tok/s (same run, same prompts).", "",
+           f"Own AR decoding {_f(st['ar_tokens_per_second'], '.1f')} tok/s; "
+           + (f"transformers `generate` {st['hf_tokens_per_second']:.1f} tok/s (same run, same prompts)."
+              if st["hf_tokens_per_second"] is not None else
+              "no `generate` baseline (it is run for greedy settings only).")
+           + (f" Own AR and `generate` give identical tokens on {st['ar_matches_generate_fraction']:.0%} of the "
+              "prompts: the lossless column's ceiling in this dtype." if st.get("ar_matches_generate_fraction")
+              is not None else ""), "",
            "| draft | acceptance length | accept rate by depth | verified tokens / step | tokens/s | speedup vs own AR "
            "| speedup vs generate | draft time share | lossless (greedy) | draft shape |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -168,11 +173,15 @@ def plot(summary: dict, img_prefix: Path) -> list[Path]:
         xs = [j + i * width for j, lab in enumerate(labels) if lab in st["reports"]]
         ys = [st["reports"][lab]["acceptance_length"] for lab in labels if lab in st["reports"]]
         ax.bar(xs, ys, width, label=name)
+    by_value: dict[float, list[str]] = {}  # one line + one label per target value (Hydra++ and ReDrafter share 2.6)
     for fam, t in TARGETS.items():
+        by_value.setdefault(t, []).append(fam)
+    for t, fams in by_value.items():
         ax.axhline(t, color="grey", lw=0.6, ls=":")
-        ax.text(len(labels) - 0.4, t, f"{fam} target", fontsize=7, va="bottom", ha="right", color="grey")
+        ax.text(len(labels) - 0.4, t, f"target: {', '.join(fams)}", fontsize=7, va="bottom", ha="right", color="grey")
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks([j + width * (len(settings) - 1) / 2 for j in range(len(labels))], labels, rotation=25, fontsize=8)
+    ax.set_xticks([j + width * (len(settings) - 1) / 2 for j in range(len(labels))], labels, rotation=30, fontsize=8,
+                  ha="right")
     ax.set(ylabel="acceptance length (tokens / base step)", title="Acceptance length per draft and setting")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -181,7 +190,7 @@ def plot(summary: dict, img_prefix: Path) -> list[Path]:
     plt.close(fig)
 
     greedy = [(n, st) for n, st in settings.items() if st["config"]["temperature"] == 0]
-    fig, axes = plt.subplots(1, len(greedy) or 1, figsize=(5.5 * max(1, len(greedy)), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(greedy) or 1, figsize=(7 * max(1, len(greedy)), 4.2), squeeze=False)
     for ax, (name, st) in zip(axes[0], greedy):
         labs = list(st["reports"])
         ar = [st["reports"][lab]["speedup"] or 0 for lab in labs]
@@ -191,7 +200,7 @@ def plot(summary: dict, img_prefix: Path) -> list[Path]:
         ax.bar([x + 0.2 for x in xs], hf, 0.4, label="vs transformers generate")
         ax.axhline(1.0, color="black", lw=0.8)
         ax.axhline(TARGET_SPEEDUP_VS_GENERATE, color="grey", lw=0.6, ls=":")
-        ax.set_xticks(list(xs), labs, rotation=30, fontsize=8)
+        ax.set_xticks(list(xs), labs, rotation=40, fontsize=8, ha="right")
         ax.set(ylabel="speedup (decode tokens/s ratio)", title=f"Speedup, {name}")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -216,6 +225,10 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
              "--only LABEL out_dir=runs/compare-rerun`.", "",
              "### Training (same data, same cache, same precision)", ""]
     lines += training_table([(", ".join(labels), describe_training(Path(exp))) for exp, labels in exports.items()])
+    lines += ["", "Train time: the training loop only (the one-off hidden-state cache build, and for self-distilled "
+              "runs the generation of the answers, are not included), on this 2-core machine under whatever else "
+              "ran at the time. Held-out top-1: each run's own validation conversations (for a self-distilled run "
+              "these hold the base's own answers, so its column is not comparable with the others)."]
     first = next(iter(settings.values()), None)
     if first is not None and first["config"]["dataset"] == "mtbench" and first["config"]["temperature"] == 0:
         lines += ["", "### Targets (issue 8; greedy, MT-bench)", ""] + target_table(first)

@@ -51,6 +51,7 @@ def test_compare_runs_every_method_on_shared_baselines_and_resumes_exactly(smoke
             assert rep["acceptance_length"] >= 1.0 and rep["num_prompts"] == 3
             on_disk = json.loads((out / name / label / "report.json").read_text())
             assert on_disk["acceptance_length"] == rep["acceptance_length"]
+    assert greedy["ar_matches_generate_fraction"] == 1.0 and sampled["ar_matches_generate_fraction"] is None
     for rep in greedy["reports"].values():  # fp32 greedy: token-identical to own AR decoding
         assert rep["lossless_fraction"] == 1.0 and rep["speedup_vs_hf"] is not None
     for rep in sampled["reports"].values():
