@@ -134,3 +134,18 @@ def test_compare_config_errors_are_clear(tmp_path, patch, message):
         setattr(cfg, k, v)
     with pytest.raises(ConfigError, match=message):
         draft_entries(cfg, list(setting_configs(cfg)))
+
+
+def test_compare_cli_errors_are_clear(tmp_path, clean_env):
+    import subprocess
+    import sys
+
+    cfg = {"out_dir": str(tmp_path / "none"), "settings": [{"name": "g"}],
+           "drafts": [{"label": "N-gram", "method": "ngram"}]}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "train.cli", "compare", "--config", str(path)]
+    proc = subprocess.run(cmd + ["--only", "Nope"], capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 2 and "no such draft label" in proc.stderr and "N-gram" in proc.stderr
+    proc = subprocess.run(cmd + ["--results-only"], capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 2 and "summary.json not found" in proc.stderr
