@@ -34,7 +34,15 @@ from eval.config import EvalConfig
 from eval.decoder import autoregressive_generate, speculative_generate
 from eval.hf_baseline import hf_generate_timed
 from eval.report import build_report, write_report
-from eval.runner import _device_name, _result, config_prompts, eos_ids, make_backend, resolve_heldout_skip
+from eval.runner import (
+    _device_name,
+    _result,
+    config_prompts,
+    eos_ids,
+    make_backend,
+    resolve_heldout_skip,
+    run_context,
+)
 
 log = logging.getLogger("specdraft.compare")
 AR, HF = "ar", "hf"
@@ -184,12 +192,8 @@ def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy) -> di
             tree_nodes += r["tree_nodes"]
             g = _Gen(r)
             results.append(_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None))
-        extra = {"label": m.label, "setting": name, "backend": ecfg.backend,
-                 "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch."),
-                 "acceptance": ecfg.acceptance, "temperature": ecfg.temperature, "top_p": ecfg.top_p,
-                 "max_new_tokens": ecfg.max_new_tokens, "threads": torch.get_num_threads(),
-                 "base_fingerprint": base.fingerprint, "heldout_skip": ecfg.heldout_skip,
-                 "tree_nodes_per_step": tree_nodes / max(1, sum(r.base_steps for r in results)),
+        extra = {"label": m.label, "setting": name, **run_context(ecfg, base, results, tree_nodes),
+                 "heldout_skip": ecfg.heldout_skip,
                  "hf_matches_spec_fraction": (sum(done[(p.id, HF)]["tokens"] == done[(p.id, m.label)]["tokens"]
                                                   for p in prompts) / len(prompts)) if hf_tps else None,
                  **m.info}

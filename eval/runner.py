@@ -122,13 +122,8 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
 
     ar_tps = ar_tokens / ar_time if ar_time > 0 else None
     hf_tps = hf_tokens / hf_time if hf_time > 0 else None
-    extra = {"backend": cfg.backend, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-             "acceptance": cfg.acceptance, "temperature": cfg.temperature, "top_p": cfg.top_p,
-             "max_new_tokens": cfg.max_new_tokens, "threads": torch.get_num_threads(),
-             "base_fingerprint": base.fingerprint, "wall_seconds": time.perf_counter() - t_start,
-             "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
-             "tree_nodes_per_step": tree_nodes / max(1, sum(r.base_steps for r in results)),
-             **(info or {})}
+    extra = {**run_context(cfg, base, results, tree_nodes), "wall_seconds": time.perf_counter() - t_start,
+             "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None, **(info or {})}
     if hasattr(drafter, "total_tokens_unpacked"):
         packed = drafter.total_tokens_packed - packed0
         unpacked = drafter.total_tokens_unpacked - unpacked0
@@ -140,6 +135,16 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
     steps = [n for r in results for n in r.accept_lengths]
     write_report(out_dir, report, [r.to_sample() for r in results], steps, report["accept_rate_per_position"])
     return report
+
+
+def run_context(cfg: EvalConfig, base, results: list[PromptResult], tree_nodes: int) -> dict:
+    """The report's `extra` keys that describe how a run decoded (shared by `specdraft eval` and `compare`):
+    engine, dtype, sampling rule, thread count, base fingerprint, and verified nodes per base step."""
+    return {"backend": cfg.backend, "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch."),
+            "acceptance": cfg.acceptance, "temperature": cfg.temperature, "top_p": cfg.top_p,
+            "max_new_tokens": cfg.max_new_tokens, "threads": torch.get_num_threads(),
+            "base_fingerprint": base.fingerprint,
+            "tree_nodes_per_step": tree_nodes / max(1, sum(r.base_steps for r in results))}
 
 
 def _device_name(device: torch.device) -> str:

@@ -133,13 +133,11 @@ def cmd_compare(args) -> int:
 
 
 def cmd_self_distill(args) -> int:
-    import torch
-
     from data.self_distill import build_self_distilled
+    from eval.runner import resolve_device
     from models.base import load_base
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    base = load_base(args.base, dtype=args.dtype, device=device)
+    base = load_base(args.base, dtype=args.dtype, device=resolve_device(args.device))
     out = build_self_distilled(base, args.source, max_records=args.max_records, out=args.out,
                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                max_turns=args.max_turns, batch_size=args.batch_size, seed=args.seed)
