@@ -21,6 +21,9 @@ class BaseView:
     # layer, CTC attention module: read model.config / copy a decoder layer's weights). Never register it
     # as a submodule of a draft (deep-copy what you need), or the base would be trained and exported.
     model: nn.Module | None = None
+    # Draft vocabulary d2t [N] int64 base ids (models/vocab_map.py), or None for the full vocabulary. Set by the
+    # training loop from draft.vocab_size; families size their LM heads from it and keep it as a buffer.
+    draft_vocab: torch.Tensor | None = None
 
     @classmethod
     def from_model(cls, model) -> BaseView:
