@@ -44,8 +44,8 @@ def beam_search(draft, hidden: torch.Tensor, root: int, width: int, length: int)
         vocab = logp.shape[1]
         cand = (scores[:, None] + logp).reshape(-1)  # [n*V]: beam-major, so index // V = parent beam
         top, idx = cand.topk(min(width, cand.numel()))  # sorted, best first
-        parent, tok = idx // vocab, idx % vocab
-        beams = torch.cat([beams[parent], tok[:, None]], dim=1)
+        parent, tok = idx // vocab, idx % vocab  # tok: draft ids (= base ids without a draft vocabulary)
+        beams = torch.cat([beams[parent], draft.to_base(tok)[:, None]], dim=1)  # beams hold base ids
         token_lp = torch.cat([token_lp[parent], logp[parent, tok][:, None]], dim=1)
         state, scores = state[parent], top
     return BeamResult(beams.cpu(), scores.cpu(), token_lp.cpu())
@@ -64,7 +64,8 @@ def beam_search_reference(draft, hidden: torch.Tensor, root: int, width: int, le
             for tok in toks:  # s_j from the beam's own tokens
                 s = draft.rnn_step(s, draft.embed_tokens(torch.tensor([tok], device=h.device)))
             logp = draft.logits(h, s).float().log_softmax(dim=-1)[0].tolist()
-            cands.extend((toks + [v], score + lp, lps + [lp]) for v, lp in enumerate(logp))
+            base_ids = draft.to_base(torch.arange(len(logp))).tolist()  # draft id v -> base id
+            cands.extend((toks + [base_ids[v]], score + lp, lps + [lp]) for v, lp in enumerate(logp))
         cands.sort(key=lambda c: -c[1])  # stable: ties keep (beam, token) order
         live = cands[:width]
     return BeamResult(torch.tensor([c[0] for c in live], dtype=torch.long),

@@ -41,18 +41,29 @@ class DraftBatch:
 
 @dataclass
 class DepthStats:
-    """One depth's numbers for one batch (sums, so they add across micro-batches and ranks)."""
+    """One depth's numbers for one batch (sums, so they add across micro-batches and ranks).
+
+    count = every target of this depth, scored against base ids (top1 / count is the accuracy). With a
+    draft vocabulary, `oov` of them lie outside the map: they are misses (no draft can propose them) and
+    carry no loss, so loss_sum / (count - oov) is the mean loss over the in-map targets."""
 
     loss_sum: float = 0.0
     count: int = 0
     top1: int = 0
     topk: int = 0
+    oov: int = 0
 
     def add(self, other: DepthStats) -> None:
         self.loss_sum += other.loss_sum
         self.count += other.count
         self.top1 += other.top1
         self.topk += other.topk
+        self.oov += other.oov
+
+    @property
+    def loss_count(self) -> int:
+        """Targets that carry a loss (inside the draft vocabulary)."""
+        return self.count - self.oov
 
 
 @dataclass
@@ -61,13 +72,16 @@ class DraftLossOutput:
     per_depth: list[DepthStats] = field(default_factory=list)  # index 0 = depth 1
 
 
-def add_depth_loss(total: torch.Tensor, weight: float, loss_sum: torch.Tensor, stats, per_depth: list) -> torch.Tensor:
+def add_depth_loss(total: torch.Tensor, weight: float, loss_sum: torch.Tensor, stats, per_depth: list,
+                   oov: int = 0) -> torch.Tensor:
     """One depth's share of a weighted multi-depth loss: total + weight * mean loss of this depth; appends its
     DepthStats (from a losses.fused_linear_ce.LossStats) to per_depth. A depth without targets in this
-    batch adds 0 * loss_sum, which keeps its parameters in the graph (DeepSpeed expects every grad)."""
+    batch adds 0 * loss_sum, which keeps its parameters in the graph (DeepSpeed expects every grad).
+    oov: targets outside the draft vocabulary (ignored by the loss, so not in stats.count): they are added
+    to the scored count as misses."""
     count = int(stats.count)
     total = total + (weight * loss_sum / count if count else 0.0 * loss_sum)
-    per_depth.append(DepthStats(float(loss_sum.detach()), count, int(stats.top1), int(stats.topk)))
+    per_depth.append(DepthStats(float(loss_sum.detach()), count + oov, int(stats.top1), int(stats.topk), oov))
     return total
 
 

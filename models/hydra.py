@@ -25,6 +25,11 @@ decoder layer run causally over h_1..h_t (models/prefix_attention.py).
 Loss per head: hard CE to x_{t+1+k}, or with loss.teacher_weight = α > 0 mixed with the soft CE to the
 base's distribution at t+k (its own prediction of x_{t+1+k} on the same text; Hydra++ uses α = 1),
 weighted λ_k = λ0·decay^k over heads; the fused chunked CE by default, the plain one as its twin.
+
+Draft vocabulary (draft.vocab_size = N > 0, models/vocab_map.py): LM heads over N rows W[d2t], teacher
+restricted to the map, out-of-map targets ignored by the loss and scored as misses (oov). Path
+embeddings stay base ids (the tree holds base ids): head_logits returns draft ids' logits, drafting maps
+the picks back with `to_base` before they become a child's path.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from losses.weighted_ce import head_weights
 from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
 from models.layers import stack_resblocks
 from models.prefix_attention import PrefixAttention
+from models.vocab_map import DraftVocabMixin, placeholder_map
 
 
 class HydraInputBlock(nn.Module):
@@ -61,9 +67,13 @@ class HydraInputBlock(nn.Module):
 class HydraHead(nn.Module):
     """One head: input block, `num_layers - 1` ResBlocks, optional own LM head (None = shared base head)."""
 
-    def __init__(self, depth: int, num_layers: int, base: BaseView, own_lm_head: bool, dropout: float):
+    def __init__(self, depth: int, num_layers: int, base: BaseView, own_lm_head: bool, dropout: float,
+                 init_rows: torch.Tensor | None = None):
+        """init_rows: [N or V, d] the base LM-head rows of the draft vocabulary (own heads copy them)."""
         super().__init__()
-        d, v = base.hidden_size, base.vocab_size
+        d = base.hidden_size
+        init_rows = base.lm_head_weight if init_rows is None else init_rows
+        v = init_rows.shape[0]
         self.inp = HydraInputBlock((depth + 1) * d, d)
         self.blocks = nn.ModuleList(stack_resblocks(num_layers - 1, d))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # no weights: one module is fine
@@ -71,7 +81,7 @@ class HydraHead(nn.Module):
         if own_lm_head:
             self.lm_head = nn.Linear(d, v, bias=False)
             with torch.no_grad():
-                self.lm_head.weight.copy_(base.lm_head_weight)
+                self.lm_head.weight.copy_(init_rows)
 
     def trunk(self, x: torch.Tensor) -> torch.Tensor:
         """[n, (k+1)d] -> [n, d], the LM head's input (dropout on every block's input and on the output)."""
@@ -81,11 +91,11 @@ class HydraHead(nn.Module):
         return self.dropout(x)
 
 
-class HydraDraft(DraftModel):
+class HydraDraft(DraftVocabMixin, DraftModel):
     family = "hydra"
 
     def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
-                 dropout: float = 0.0, prefix_layer: bool = False):
+                 dropout: float = 0.0, prefix_layer: bool = False, d2t: torch.Tensor | None = None):
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"num_heads={num_heads}: a Hydra draft needs at least one head (default 4)")
@@ -95,7 +105,8 @@ class HydraDraft(DraftModel):
         self.num_heads, self.num_layers = num_heads, num_layers
         self.hidden_size, self.vocab_size = base.hidden_size, base.vocab_size
         self.share_lm_head, self.has_prefix_layer = share_lm_head, prefix_layer
-        self.heads = nn.ModuleList(HydraHead(k, num_layers, base, not share_lm_head, dropout)
+        self._init_vocab(base, d2t)  # d2t / t2d / vocab_rows = W[d2t] buffers
+        self.heads = nn.ModuleList(HydraHead(k, num_layers, base, not share_lm_head, dropout, self.base_rows())
                                    for k in range(1, num_heads + 1))
         self.prefix = None
         if prefix_layer:
@@ -105,7 +116,11 @@ class HydraDraft(DraftModel):
             self.prefix = PrefixAttention(base.model)
         # Frozen base tensors, non-persistent: never trained, never exported. e = input embedding [V, d].
         self.register_buffer("embed", base.embed_weight, persistent=False)
-        self.register_buffer("shared_lm_head", base.lm_head_weight if share_lm_head else None, persistent=False)
+
+    @property
+    def shared_lm_head(self) -> torch.Tensor | None:
+        """The frozen base rows (W[d2t], or W) every head uses when shared; never exported."""
+        return self.base_rows() if self.share_lm_head else None
 
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> HydraDraft:
@@ -118,12 +133,13 @@ class HydraDraft(DraftModel):
             raise ValueError(f"the Hydra export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
                              f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
         return cls(cfg["num_heads"], cfg["num_layers"], base, cfg.get("share_lm_head", False),
-                   prefix_layer=cfg.get("prefix_layer", False))
+                   prefix_layer=cfg.get("prefix_layer", False), d2t=placeholder_map(cfg, base))
 
     def export_config(self) -> dict:
         return {"family": self.family, "num_heads": self.num_heads, "num_layers": self.num_layers,
                 "share_lm_head": self.share_lm_head, "prefix_layer": self.has_prefix_layer,
-                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "draft_vocab_size": self.draft_vocab_size}
 
     # -- pieces shared by training and inference -------------------------------------------------------
 
@@ -144,11 +160,12 @@ class HydraDraft(DraftModel):
         return self.heads[k - 1].trunk(x)
 
     def head_weight(self, k: int) -> torch.Tensor:
-        """LM head weight [V, d] of head k (1-based)."""
+        """LM head weight [N or V, d] of head k (1-based)."""
         return self.shared_lm_head if self.share_lm_head else self.heads[k - 1].lm_head.weight
 
     def head_logits(self, k: int, z: torch.Tensor, path_emb: torch.Tensor) -> torch.Tensor:
-        """Inference: head k on n nodes at once. z [n, d], path_emb [n, k, d] -> logits [n, V]."""
+        """Inference: head k on n nodes at once. z [n, d], path_emb [n, k, d] -> logits [n, N or V] over draft
+        ids (map picks to base ids with `to_base`)."""
         if path_emb.shape[1] != k:
             raise ValueError(f"head {k} reads the root and its k-1 ancestors ({k} embeddings), got path_emb "
                              f"{tuple(path_emb.shape)}; pass [n, {k}, d]")
@@ -177,12 +194,14 @@ class HydraDraft(DraftModel):
             path = ids[rows[:, None], cols[:, None] + steps]  # [n, k]: x_{t+1} .. x_{t+k}
             x = self.head_input(z_all[rows, cols], self.embed_tokens(path))  # [n, (k+1)d]
             trunk = self.head_trunk(k, x)  # [n, d]
+            draft_labels, oov = self.draft_labels(labels[rows, cols])  # draft ids; outside the map -> -100
             teacher = {}
             if alpha > 0:
-                # The base at t+k predicts x_{t+1+k}: its hidden state there through the frozen lm_head. [n, d]
-                teacher = {"teacher_hidden": hidden[rows, cols + k], "teacher_weight": base.lm_head_weight,
+                # The base at t+k predicts x_{t+1+k}: its hidden state there through the frozen lm_head rows of
+                # the draft vocabulary (W[d2t]: restricted and renormalised). [n, d]
+                teacher = {"teacher_hidden": hidden[rows, cols + k], "teacher_weight": self.base_rows(),
                            "soft_weight": alpha}
-            loss_sum, stats = ce(trunk, self.head_weight(k), labels[rows, cols], chunk_size=loss_cfg.chunk_size,
+            loss_sum, stats = ce(trunk, self.head_weight(k), draft_labels, chunk_size=loss_cfg.chunk_size,
                                  **teacher)
-            total = add_depth_loss(total, weights[k - 1], loss_sum, stats, per_depth)
+            total = add_depth_loss(total, weights[k - 1], loss_sum, stats, per_depth, oov)
         return DraftLossOutput(total, per_depth)

@@ -18,6 +18,10 @@ Layout (Apple's reference drafter, which TensorRT-LLM's converter reads; see doc
   (initialised to pick h_t) comes first and the ResBlocks run at width d: exactly the reference's
   `exit_dim != 2d` layout, so it exports to TensorRT-LLM too.
 One parameter set serves every depth: the number of parameters does not grow with K.
+
+Draft vocabulary (draft.vocab_size = N > 0, models/vocab_map.py): the LM head has N rows (own head: the
+h_t half initialised from W[d2t]; shared: the frozen rows W[d2t]); logits are over draft ids, beam search
+maps its picks to base ids (the RNN embeds base ids); out-of-map targets are ignored and scored as misses.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entr
 from losses.weighted_ce import head_weights
 from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
 from models.layers import stack_resblocks
+from models.vocab_map import DraftVocabMixin, placeholder_map
 
 # Beam search defaults stored in the export (eval's extra.beam_width / extra.beam_length override them).
 # CPU-sized: 4 beams of 4 drafts = at most 17 tree nodes before prefix sharing (fewer after), about
@@ -40,12 +45,12 @@ DEFAULT_BEAM_WIDTH = 4
 DEFAULT_BEAM_LENGTH = 5  # counts the root: 4 draft tokens per beam
 
 
-class ReDrafterDraft(DraftModel):
+class ReDrafterDraft(DraftVocabMixin, DraftModel):
     family = "redrafter"
 
     def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
                  dropout: float = 0.0, rnn: bool = True, beam_width: int = DEFAULT_BEAM_WIDTH,
-                 beam_length: int = DEFAULT_BEAM_LENGTH):
+                 beam_length: int = DEFAULT_BEAM_LENGTH, d2t: torch.Tensor | None = None):
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"ReDrafter needs num_heads >= 1 draft depths to train on, got {num_heads}")
@@ -58,6 +63,7 @@ class ReDrafterDraft(DraftModel):
         self.share_lm_head, self.rnn = share_lm_head, rnn
         self.beam_width, self.beam_length = beam_width, beam_length
         self.exit_dim = d if share_lm_head else 2 * d
+        v = self._init_vocab(base, d2t)  # LM-head rows: N draft tokens (or V); buffers d2t / t2d / vocab_rows
         if rnn:
             self.rnn_w = nn.Linear(d, d, bias=False)  # W (the paper's b lives in rnn_u, as in the reference)
             self.rnn_u = nn.Linear(d, d, bias=True)  # U and b
@@ -72,10 +78,14 @@ class ReDrafterDraft(DraftModel):
             self.lm_head = nn.Linear(self.exit_dim, v, bias=False)
             with torch.no_grad():
                 self.lm_head.weight.zero_()
-                self.lm_head.weight[:, :d].copy_(base.lm_head_weight)
+                self.lm_head.weight[:, :d].copy_(self.base_rows())
         # Frozen base tensors, never trained or exported (non-persistent buffers follow .to() for eval).
         self.register_buffer("embed", base.embed_weight, persistent=False)  # [V, d]
-        self.register_buffer("shared_lm_head", base.lm_head_weight if share_lm_head else None, persistent=False)
+
+    @property
+    def shared_lm_head(self) -> torch.Tensor | None:
+        """The frozen base rows (W[d2t], or W) of the shared head; never exported."""
+        return self.base_rows() if self.share_lm_head else None
 
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> ReDrafterDraft:
@@ -90,13 +100,13 @@ class ReDrafterDraft(DraftModel):
                                  "the base it was trained on")
         return cls(cfg["num_heads"], cfg["num_layers"], base, cfg.get("share_lm_head", False),
                    rnn=cfg.get("rnn", True), beam_width=cfg.get("beam_width", DEFAULT_BEAM_WIDTH),
-                   beam_length=cfg.get("beam_length", DEFAULT_BEAM_LENGTH))
+                   beam_length=cfg.get("beam_length", DEFAULT_BEAM_LENGTH), d2t=placeholder_map(cfg, base))
 
     def export_config(self) -> dict:
         return {"family": self.family, "num_heads": self.num_heads, "num_layers": self.num_layers,
                 "share_lm_head": self.share_lm_head, "rnn": self.rnn, "hidden_size": self.hidden_size,
                 "vocab_size": self.vocab_size, "exit_dim": self.exit_dim, "beam_width": self.beam_width,
-                "beam_length": self.beam_length}
+                "beam_length": self.beam_length, "draft_vocab_size": self.draft_vocab_size}
 
     # -- building blocks (shared by training, the slow twin and beam search) --------------------------
 
@@ -125,11 +135,11 @@ class ReDrafterDraft(DraftModel):
         return x
 
     def head_weight(self) -> torch.Tensor:
-        """LM head weight [V, exit_dim] (the frozen base lm_head when shared)."""
+        """LM head weight [N or V, exit_dim] (the frozen base rows when shared)."""
         return self.shared_lm_head if self.share_lm_head else self.lm_head.weight
 
     def logits(self, h: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """h_t [n, d], s_i [n, d] -> logits [n, V] for x_{t+1+i}."""
+        """h_t [n, d], s_i [n, d] -> logits [n, N or V] over draft ids for x_{t+1+i}."""
         return self.trunk(h, s) @ self.head_weight().to(s.dtype).T
 
     def teacher_forced_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -173,11 +183,12 @@ class ReDrafterDraft(DraftModel):
             emb = self.embed_tokens(ids[rows, cols + i])  # [n, d] = e(x_{t+i})
             s = self.rnn_step(emb.new_zeros(emb.shape) if s is None else s[keep], emb)
             z = self.trunk(hidden[rows, cols], s)  # [n, exit_dim]
+            draft_labels, oov = self.draft_labels(labels)  # draft ids; outside the map -> -100 (a miss)
             teacher = {}
             if alpha > 0:
-                # The base at t+i predicts x_{t+1+i}: its hidden state there, frozen lm_head. [n, d]
-                teacher = {"teacher_hidden": hidden[rows, cols + i], "teacher_weight": base.lm_head_weight,
+                # The base at t+i predicts x_{t+1+i}: its hidden state there, frozen rows W[d2t]. [n, d]
+                teacher = {"teacher_hidden": hidden[rows, cols + i], "teacher_weight": self.base_rows(),
                            "soft_weight": alpha}
-            loss_sum, stats = ce(z, self.head_weight(), labels, chunk_size=loss_cfg.chunk_size, **teacher)
-            total = add_depth_loss(total, weights[i - 1], loss_sum, stats, per_depth)
+            loss_sum, stats = ce(z, self.head_weight(), draft_labels, chunk_size=loss_cfg.chunk_size, **teacher)
+            total = add_depth_loss(total, weights[i - 1], loss_sum, stats, per_depth, oov)
         return DraftLossOutput(total, per_depth)

@@ -71,3 +71,77 @@ def restrict_logits(logits: torch.Tensor, d2t: torch.Tensor | None) -> torch.Ten
     """[..., V] base logits -> [..., N] over the map; a softmax over them is the base's distribution
     restricted to the draft vocabulary and renormalised (the teacher of soft losses)."""
     return logits if d2t is None else logits.index_select(-1, d2t)
+
+
+class DraftVocabMixin:
+    """What every family with a draft vocabulary shares (mix into an nn.Module before DraftModel).
+
+    Buffers:
+        d2t            [N] int64, persistent (travels in model.safetensors), or None = full vocabulary
+        t2d            [V] int64, non-persistent (derived from d2t)
+        vocab_rows     [N, d] the frozen base LM-head rows W[d2t] ([V, d] = W itself for the full
+                       vocabulary), non-persistent (a buffer so it follows .to()): the shared LM head of
+                       share_lm_head drafts and the teacher weight of soft losses (softmax over these
+                       logits = the base distribution restricted to the map and renormalised)
+    A load_state_dict post-hook rebuilds t2d and vocab_rows from the loaded d2t, so a draft built with a
+    placeholder map (from_export_config before load_state_dict) is exact after loading.
+    """
+
+    def _init_vocab(self, base, d2t: torch.Tensor | None = None) -> int:
+        """Register the buffers from `d2t` (default base.draft_vocab); returns the LM-head rows (N or V)."""
+        d2t = base.draft_vocab if d2t is None else d2t
+        self.vocab_size = base.vocab_size
+        self._base_lm_head = base.lm_head_weight  # plain attribute: never registered, never exported
+        if d2t is not None:
+            check_fits(d2t, base.vocab_size)
+            d2t = d2t.to(device=base.lm_head_weight.device, dtype=torch.long).clone()
+        self.register_buffer("d2t", d2t, persistent=True)
+        self.register_buffer("t2d", None, persistent=False)
+        self.register_buffer("vocab_rows", None, persistent=False)
+        self._refresh_vocab()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_vocab())
+        return self.draft_vocab_size or base.vocab_size
+
+    def _refresh_vocab(self) -> None:
+        if self.d2t is None:
+            self.t2d, self.vocab_rows = None, self._base_lm_head
+            return
+        check_fits(self.d2t, self.vocab_size, f"{type(self).__name__}.d2t")
+        self.t2d = inverse_map(self.d2t, self.vocab_size)
+        full = self._base_lm_head
+        self.vocab_rows = restrict_rows(full, self.d2t.to(full.device)).to(self.d2t.device)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """N, or 0 for the full vocabulary (the export_config key `draft_vocab_size`)."""
+        return 0 if self.d2t is None else int(self.d2t.numel())
+
+    def base_rows(self) -> torch.Tensor:
+        """[N or V, d] frozen base LM-head rows over the draft vocabulary."""
+        return self.vocab_rows
+
+    def draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Base-id labels (IGNORE_INDEX = none) -> (draft-id labels, number of targets outside the map)."""
+        mapped, outside = to_draft_labels(labels, self.t2d)
+        return mapped, int(outside.sum())
+
+    def to_base(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return to_base_ids(draft_ids, None if self.d2t is None else self.d2t.to(draft_ids.device))
+
+
+def placeholder_map(cfg: dict, base) -> torch.Tensor | None:
+    """For from_export_config: the map a draft is built with before load_state_dict overwrites it.
+    base.draft_vocab when the loader already read it (train/export.load_draft does), else arange(N) of
+    the export's `draft_vocab_size` (N = 0 or absent: the full vocabulary)."""
+    n = int(cfg.get("draft_vocab_size", 0) or 0)
+    if n == 0:
+        return None
+    if base.draft_vocab is not None:
+        if base.draft_vocab.numel() != n:
+            raise ValueError(f"the export says draft_vocab_size={n} but its d2t has {base.draft_vocab.numel()} "
+                             "entries; the export is inconsistent (re-export the run)")
+        return base.draft_vocab
+    if n > base.vocab_size:
+        raise ValueError(f"the export's draft_vocab_size={n} exceeds the base's {base.vocab_size} tokens; load "
+                         "the base this draft was trained on")
+    return torch.arange(n, dtype=torch.long)

@@ -48,6 +48,7 @@ class DraftSection:
     prefix_layer: bool = False  # Hydra++: a trainable decoder layer over the base hidden states feeds all heads
     rnn: bool = True  # ReDrafter: False = the no-RNN ablation s_i = s_{i-1} + e(x_{t+i})
     num_frames: int = 6  # CTC drafter: M frames, each over V+1 classes (the extra one is the blank)
+    vocab_size: int = 0  # draft vocabulary: N most frequent target tokens (data/draft_vocab.py); 0 = all V
 
 
 @dataclass
@@ -135,6 +136,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("draft.num_heads", d.num_heads, "a draft needs at least one head (Medusa default 4)")
     if d.num_layers < 0:
         _fail("draft.num_layers", d.num_layers, "use 0 or more ResBlocks per head")
+    if d.vocab_size < 0:
+        _fail("draft.vocab_size", d.vocab_size, "use 0 (the full vocabulary) or 1..V draft tokens (e.g. 16384); "
+              "the upper bound V is checked against the base when the map is built")
     if not 0.0 <= d.dropout < 1.0:
         _fail("draft.dropout", d.dropout, "use a probability in [0, 1)")
     if d.family == "ctc":

@@ -1,12 +1,15 @@
 """Export trained drafts and load them back. Safetensors only: loading never unpickles.
 
 specdraft format (runs/<run>/export/):
-    model.safetensors   the draft's trainable tensors only (no base weights)
-    config.json         {"family", dims, "base_model", "base_fingerprint", "tree", ...}
+    model.safetensors   the draft's trainable tensors only (no base weights), plus `d2t` [N] int64 when the
+                        draft has a draft vocabulary (models/vocab_map.py)
+    config.json         {"family", dims, "draft_vocab_size" (0 = full), "base_model", "base_fingerprint", ...}
 
 medusa format (for Medusa-compatible serving stacks):
     medusa_lm_head.safetensors  keys "{head}.{layer}.linear.{weight,bias}" and "{head}.{L}.weight"
     config.json                 medusa_num_heads, medusa_num_layers, base_model_name_or_path, ...
+    A draft with a draft vocabulary is refused: the original layout has no token map, and scattering its
+    N rows into a V-row head would leave the other rows' logits undefined (zero rows would compete).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ from safetensors.torch import save_file
 
 from models.draft import BaseView
 from models.registry import DRAFTERS
+from models.vocab_map import check_fits
 
 FORMAT_VERSION = 1
 
@@ -92,8 +97,9 @@ def load_draft(export_dir: Path, base: BaseView, base_fingerprint: str | None = 
     family = config.get("family")
     if family not in DRAFTERS:
         raise ValueError(f"{export_dir}: unknown draft family {family!r}; known: {sorted(DRAFTERS)}")
-    draft = DRAFTERS[family].from_export_config(config, base)
     tensors = read_tensors(Path(export_dir) / "model.safetensors")
+    base = _with_export_map(export_dir, config, tensors, base)
+    draft = DRAFTERS[family].from_export_config(config, base)
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{export_dir}: tensors do not match a {family} draft with this config "
@@ -101,11 +107,34 @@ def load_draft(export_dir: Path, base: BaseView, base_fingerprint: str | None = 
     return draft.eval(), config
 
 
+def _with_export_map(export_dir, config: dict, tensors: dict, base: BaseView) -> BaseView:
+    """The base view the export's draft is built on: with a draft vocabulary, its d2t (checked against the
+    base's vocabulary: a map for another tokenizer is a clear error) in view.draft_vocab."""
+    n = int(config.get("draft_vocab_size", 0) or 0)
+    if n == 0:
+        return base
+    if "d2t" not in tensors:
+        raise ValueError(f"{export_dir}: config.json says draft_vocab_size={n} but model.safetensors has no `d2t` "
+                         "tensor; the export is incomplete (re-export the run)")
+    d2t = tensors["d2t"].to(torch.long)
+    check_fits(d2t, base.vocab_size, f"{export_dir} (d2t, draft_vocab_size={n})")
+    if d2t.numel() != n:
+        raise ValueError(f"{export_dir}: d2t has {d2t.numel()} entries but config.json says draft_vocab_size={n}; "
+                         "the export is inconsistent (re-export the run)")
+    return replace(base, draft_vocab=d2t)
+
+
 def export_medusa(draft, out_dir: Path, base_name: str, base: BaseView) -> Path:
     """Original Medusa layout. With share_lm_head the frozen base lm_head is copied into every head,
-    since Medusa checkpoints always carry one LM head per head."""
+    since Medusa checkpoints always carry one LM head per head. A draft vocabulary is refused (no token
+    map in this layout)."""
     if draft.family != "medusa":
         raise ValueError(f"--format medusa needs a Medusa draft, this run is {draft.family!r}")
+    if getattr(draft, "draft_vocab_size", 0):
+        raise ValueError(f"--format medusa: this draft predicts over a draft vocabulary of {draft.draft_vocab_size} "
+                         "tokens (draft.vocab_size) and the original Medusa layout has no token map (every head "
+                         "must have the base's V rows); retrain with draft.vocab_size=0, or use a format that "
+                         "carries the map (the specdraft export)")
     tensors = {}
     for name, value in draft_tensors(draft).items():
         tensors[name.removeprefix("heads.")] = value

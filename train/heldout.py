@@ -40,8 +40,9 @@ def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype
     for k, s in enumerate(totals, start=1):
         n = max(s.count, 1)
         trivial = freq[k - 1].most_common(1)[0][1] / n if freq[k - 1] else 0.0
-        depths.append({"depth": k, "tokens": s.count, "loss": s.loss_sum / n, "top1": s.top1 / n,
-                       "top5": s.topk / n, "trivial_top1": trivial})
+        # top1/top5 against base ids (out-of-map targets are misses); loss over the in-map targets.
+        depths.append({"depth": k, "tokens": s.count, "loss": s.loss_sum / max(s.loss_count, 1), "top1": s.top1 / n,
+                       "top5": s.topk / n, "trivial_top1": trivial, "oov": s.oov})
     top1 = [d["top1"] for d in depths]
     summary = {f"top1/head{d['depth']}": d["top1"] for d in depths}
     summary.update({f"top5/head{d['depth']}": d["top5"] for d in depths})

@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from data.dataset import build_datasets, collate
+from data.draft_vocab import build_draft_vocab, vocab_report
 from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
 from data.self_distill import build_self_distilled, train_data_entry
 from models.base import default_cache_dir, last_hidden_and_logits, load_base
@@ -112,8 +113,15 @@ def train(cfg: TrainConfig) -> Path:
                 val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
                 min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
             hidden_cache = _hidden_cache(cfg, base, train_ds, info) if d.hidden_cache else None
+            d2t = _draft_vocab(cfg, base, train_ds)  # rank 0 builds and caches it; the others read the cache
         barrier()
     view = BaseView.from_model(base.model)
+    view.draft_vocab = d2t.to(info.device) if d2t is not None else None
+    vocab_info = vocab_report(d2t, train_ds, val_ds, view.vocab_size) if info.is_main else {}
+    if d2t is not None and info.is_main:
+        log.info("draft vocabulary: N=%d of V=%d tokens; target coverage %.4f train / %.4f held-out",
+                 d2t.numel(), view.vocab_size, vocab_info["draft_vocab_coverage_train"],
+                 vocab_info["draft_vocab_coverage_heldout"])
     pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
 
     torch.manual_seed(cfg.train.seed)  # same initial draft on every rank
@@ -160,6 +168,8 @@ def train(cfg: TrainConfig) -> Path:
         log.info("resume=auto: no checkpoint in %s, starting from step 0", ckpt_root)
 
     tracker = Tracker(run_dir, to_dict(cfg), cfg.wandb, cfg.run_name, info.is_main, resume_step=start_step)
+    if d2t is not None and info.is_main:
+        tracker.log(dict(vocab_info), start_step)
     stop = _StopRequest()
     pbar = tqdm(total=total_steps, initial=start_step, disable=not info.is_main, unit="step", dynamic_ncols=True)
     window = [DepthStats() for _ in range(cfg.draft.num_heads)]
@@ -230,7 +240,7 @@ def train(cfg: TrainConfig) -> Path:
 
     if not sigterm:  # finished, or out of its time budget: export what we have
         _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-                time.perf_counter() - train_t0, train_data_entry(source, max_records))
+                time.perf_counter() - train_t0, train_data_entry(source, max_records), vocab_info)
     tracker.close()
     barrier()
     if sigterm:
@@ -248,6 +258,22 @@ def _training_source(cfg, base) -> tuple[str, int | None]:
     path = build_self_distilled(base, d.source, max_records=d.max_records, max_new_tokens=d.self_distill_max_new_tokens,
                                 temperature=d.self_distill_temperature, seed=d.seed, cache_dir=d.cache_dir or None)
     return str(path), None
+
+
+def _draft_vocab(cfg, base, train_ds) -> torch.Tensor | None:
+    """d2t [N] of draft.vocab_size > 0 (None = the full vocabulary), built from the train rows' assistant
+    targets and cached under <cache>/draft_vocab/ (data/draft_vocab.py)."""
+    n = cfg.draft.vocab_size
+    if n == 0:
+        return None
+    vocab = base.model.get_output_embeddings().weight.shape[0]
+    if n > vocab:
+        raise ValueError(f"draft.vocab_size={n} exceeds this base's vocabulary of {vocab} tokens; use 0 (the full "
+                         f"vocabulary) or 1..{vocab}")
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    d2t, hit = build_draft_vocab(train_ds, n, vocab, base_fingerprint=base.fingerprint, cache_dir=root / "draft_vocab")
+    log.info("draft vocabulary of %d tokens %s", n, "read from the cache" if hit else "built from the train targets")
+    return d2t
 
 
 def _hidden_cache(cfg, base, train_ds, info) -> HiddenCache:
@@ -296,15 +322,17 @@ def _grad_norm(engine, draft) -> float | None:
 def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tokens: int, seconds: float,
                     info: DistInfo, prefix_accuracy: bool = False) -> dict:
     """Per-depth loss / top-1 / top-5 over the log window, summed over ranks."""
-    table = torch.tensor([[s.loss_sum, s.count, s.top1, s.topk] for s in window] +
-                         [[loss_sum, n_micro, tokens, 0.0]], dtype=torch.float64, device=info.device)
+    table = torch.tensor([[s.loss_sum, s.count, s.top1, s.topk, s.oov] for s in window] +
+                         [[loss_sum, n_micro, tokens, 0.0, 0.0]], dtype=torch.float64, device=info.device)
     table = all_reduce_sum(table).cpu()
     metrics = {"loss": float(table[-1, 0] / max(1.0, table[-1, 1])),
                "tokens_per_s": float(table[-1, 2] / max(seconds, 1e-9))}
     top1 = []
-    for k, (ls, cnt, t1, tk) in enumerate(table[:-1].tolist(), start=1):
+    for k, (ls, cnt, t1, tk, oov) in enumerate(table[:-1].tolist(), start=1):
+        metrics[f"loss/head{k}"] = ls / max(cnt - oov, 1.0)  # mean over the targets that carry a loss
+        if oov:  # draft vocabulary: targets outside the map (scored as misses), as a fraction
+            metrics[f"oov/head{k}"] = oov / cnt
         cnt = max(cnt, 1.0)
-        metrics[f"loss/head{k}"] = ls / cnt
         metrics[f"top1/head{k}"] = t1 / cnt
         metrics[f"top5/head{k}"] = tk / cnt
         top1.append(t1 / cnt)
@@ -313,7 +341,7 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
 
 
 def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-            train_seconds: float, train_data: dict) -> None:
+            train_seconds: float, train_data: dict, vocab_info: dict | None = None) -> None:
     """Export the draft's weights and measure held-out per-depth accuracy (rank 0)."""
     import deepspeed
 
@@ -325,7 +353,7 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
                              extra={"trained_steps": step, "train_seconds": round(train_seconds, 1),
                                     "hidden_cache": bool(cfg.data.hidden_cache),
                                     "train_dtype": str(compute_dtype).removeprefix("torch."),
-                                    "train_data": train_data})
+                                    "train_data": train_data, **(vocab_info or {})})
             log.info("exported the draft to %s", run_dir / "export")
             if cfg.train.val_batches > 0:
                 result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)

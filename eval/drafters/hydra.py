@@ -22,6 +22,7 @@ import torch
 
 from eval.drafters.base import DecodeState, Drafter
 from eval.tree import StaticTree, Tree
+from models.vocab_map import to_draft_labels
 
 
 @dataclass
@@ -89,8 +90,8 @@ class HydraDrafter(Drafter):
             path_tokens = tokens[lvl.path_nodes]  # [P, k]: root + ancestors of each expanded node
             p = path_tokens.shape[0]
             logits = self.draft.head_logits(lvl.depth, z.expand(p, -1), self.draft.embed_tokens(path_tokens))
-            top = logits.topk(lvl.width, dim=-1).indices  # [P, width], rank order
-            tokens[lvl.child_nodes] = top[lvl.child_slot, lvl.child_rank]
+            top = logits.topk(lvl.width, dim=-1).indices  # [P, width] draft ids, rank order
+            tokens[lvl.child_nodes] = self.draft.to_base(top[lvl.child_slot, lvl.child_rank])  # base ids
         return Tree(tokens.cpu(), tree.parents, tree.depths, mask=tree.mask, paths=tree.paths)
 
     @torch.inference_mode()
@@ -103,7 +104,7 @@ class HydraDrafter(Drafter):
         head k's candidates when the root is ids[t+1] and the path is ids[t+1 .. t+k] (what propose() ranks
         after ids[..t] are committed), clipped to max_rank R (R = "not in a tree of width R"); -1 where
         t+1+k >= T. Rank = number of tokens with a strictly larger logit (ties, likely only in bf16, count
-        in the node's favour). With the prefix layer z comes from its full causal forward over hidden
+        in the node's favour; a token outside the draft vocabulary gets max_rank). With the prefix layer z comes from its full causal forward over hidden
         (row t sees rows <= t, as in decoding). Batched over t, chunked so a chunk's logits stay ~64 MB.
         """
         if hidden.dim() != 2 or ids.dim() != 1 or hidden.shape[0] != ids.shape[0]:
@@ -116,13 +117,15 @@ class HydraDrafter(Drafter):
         ids = ids.to(self._device).long()
         z = self.draft.context(hidden.to(self._device, self._dtype)[None])[0]  # [T, d]
         out = torch.full((t_len, max_depth), -1, dtype=torch.long, device=self._device)
-        chunk = max(1, (1 << 24) // self.draft.vocab_size)  # rows per chunk: chunk x V fp32 logits ~ 64 MB
+        chunk = max(1, (1 << 24) // self.draft.vocab_size)  # rows per chunk: chunk x V fp32 logits <= 64 MB
         for k in range(1, max_depth + 1):
             steps = torch.arange(1, k + 1, device=self._device)
             for start in range(0, max(0, t_len - 1 - k), chunk):  # valid t: t + 1 + k < T
                 t = torch.arange(start, min(t_len - 1 - k, start + chunk), device=self._device)  # [c]
                 path = ids[t[:, None] + steps]  # [c, k]: ids[t+1 .. t+k]
-                logits = self.draft.head_logits(k, z[t], self.draft.embed_tokens(path)).float()  # [c, V]
-                target = logits.gather(1, ids[t + 1 + k][:, None])  # [c, 1]
-                out[t, k - 1] = (logits > target).sum(dim=-1).clamp(max=max_rank)
+                logits = self.draft.head_logits(k, z[t], self.draft.embed_tokens(path)).float()  # [c, N or V]
+                want, outside = to_draft_labels(ids[t + 1 + k], self.draft.t2d)  # [c] draft ids, -100 outside
+                target = logits.gather(1, want.clamp(min=0)[:, None])  # [c, 1]
+                rank = (logits > target).sum(dim=-1).clamp(max=max_rank)
+                out[t, k - 1] = rank.masked_fill(outside, max_rank)
         return out.cpu()

@@ -13,6 +13,7 @@ from torch import nn
 
 from eval.drafters.base import DecodeState, Drafter
 from eval.tree import StaticTree, Tree
+from models.vocab_map import to_base_ids, to_draft_labels
 
 
 class MedusaDrafter(Drafter):
@@ -41,8 +42,8 @@ class MedusaDrafter(Drafter):
         logits = logits.reshape(logits.shape[0], -1, logits.shape[-1])[:, -1]  # [K, V]
         if logits.shape[0] < self.tree.depth:
             raise ValueError(f"heads returned {logits.shape[0]} heads, the tree needs {self.tree.depth}")
-        topk = logits[: self.tree.depth].topk(self.tree.topk, dim=-1).indices  # [D, k], rank order
-        return self.tree.fill(state.root, topk)
+        topk = logits[: self.tree.depth].topk(self.tree.topk, dim=-1).indices  # [D, k] draft ids, rank order
+        return self.tree.fill(state.root, to_base_ids(topk, getattr(self.heads, "d2t", None)))  # base ids
 
     @torch.inference_mode()
     def true_path_ranks(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int, max_rank: int,
@@ -56,7 +57,8 @@ class MedusaDrafter(Drafter):
 
         rank = number of tokens with a strictly larger logit: with ties this is the best place the
         token can take in topk's output (CPU topk orders tied values neither by index nor stably across
-        k), so a tied token may be counted as a hit where propose put it one slot later. Rows go
+        k), so a tied token may be counted as a hit where propose put it one slot later. A token outside
+        the draft vocabulary can never be proposed: its rank is max_rank (a miss). Rows go
         through the heads `chunk_size` at a time: [K, chunk, V] logits, never [K, T, V] at once.
         """
         num_heads = getattr(self.heads, "num_heads", max_depth)
@@ -64,6 +66,7 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"max_depth={max_depth} but the Medusa module has only {num_heads} heads; "
                              f"ask for at most {num_heads} depths")
         ids = ids.reshape(-1).to(hidden.device)
+        t2d = getattr(self.heads, "t2d", None)
         n = ids.shape[0]
         ranks = torch.full((n, max_depth), -1, dtype=torch.long)
         if self._dtype is not None:
@@ -76,8 +79,8 @@ class MedusaDrafter(Drafter):
                 if not bool(ok.any()):
                     break
                 lk = logits[k - 1][ok]  # [c', V]
-                target = ids[rows[ok] + 1 + k]  # [c']
-                true_logit = lk.gather(1, target[:, None])  # [c', 1]
-                rank = (lk > true_logit).sum(dim=1).clamp(max=max_rank)  # [c']
+                target, outside = to_draft_labels(ids[rows[ok] + 1 + k], t2d)  # [c'] draft ids, -100 outside
+                true_logit = lk.gather(1, target.clamp(min=0)[:, None])  # [c', 1]
+                rank = (lk > true_logit).sum(dim=1).clamp(max=max_rank).masked_fill(outside, max_rank)  # [c']
                 ranks[rows[ok].cpu(), k - 1] = rank.cpu()
         return ranks
