@@ -10,6 +10,12 @@ N + #{i : y_i == y_{i+1}} <= M (e.g. "a a a a" needs 7 frames). Such a label is 
 feasible prefix (`feasible_label_lengths`), so the start still teaches its first tokens instead of being
 dropped (or silently zeroed by zero_infinity); `CTCStats.truncated` counts them.
 
+Draft vocabulary (`max_lengths`): a label token outside the drafter's map cannot be a class, so the
+caller truncates each label before its first out-of-map token and passes that length as `max_lengths`
+[n] (>= 1; rows with none left are not passed at all). The CTC target becomes min(feasible, max_length)
+tokens, the token term and the prefix statistics skip depths >= max_length (those are misses), and
+label columns from max_length on may hold any real class (they are never read).
+
 Optional token-level term (weight `token_weight`): frame j (j = 1..N) CE to label j. It anchors the
 alignment "label j on frame j, spare frames at the end", which the greedy collapse then reads in order;
 CTC alone has to discover an alignment from scratch, which is slow on a small CPU budget.
@@ -220,20 +226,31 @@ def ctc_loss_bruteforce(logits: torch.Tensor, labels: torch.Tensor, blank: int,
     return total
 
 
-def _token_ce(log_probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log_probs [n, M, C] fp32, labels [n, N] -> [N]: sum over rows of -log p_j(y_j) for frames j < N."""
+def _depth_mask(labels: torch.Tensor, max_lengths: torch.Tensor | None) -> torch.Tensor | None:
+    """[n, N] bool: depth j is scored (j < max_lengths[i]); None = every depth (no draft vocabulary)."""
+    if max_lengths is None:
+        return None
+    return torch.arange(labels.shape[1], device=labels.device)[None, :] < max_lengths[:, None]
+
+
+def _token_ce(log_probs: torch.Tensor, labels: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """log_probs [n, M, C] fp32, labels [n, N] -> [N]: sum over rows of -log p_j(y_j) for frames j < N
+    (only the scored [n, N] entries when given)."""
     length = labels.shape[1]
-    return -log_probs[:, :length].gather(2, labels[:, :, None]).squeeze(2).sum(0)
+    ce = -log_probs[:, :length].gather(2, labels[:, :, None]).squeeze(2)  # [n, N]
+    return (ce if scored is None else ce * scored).sum(0)
 
 
-def _stats_from_log_probs(log_probs: torch.Tensor, labels: torch.Tensor, blank: int, topk: int):
+def _stats_from_log_probs(log_probs: torch.Tensor, labels: torch.Tensor, blank: int, topk: int,
+                          scored: torch.Tensor | None = None):
     """(token_ce [N], top1 [N], topk [N]) from log_probs [n, M, C]; no grad."""
     with torch.no_grad():
         k = min(topk, log_probs.shape[2])
         cands = log_probs.topk(k, dim=-1).indices  # [n, M, k], best first
-        top1 = prefix_hits(cands[:, :, :1], labels, blank).sum(0)
-        topk_hits = prefix_hits(cands, labels, blank).sum(0)
-        return _token_ce(log_probs, labels).detach(), top1, topk_hits
+        top1, topk_hits = prefix_hits(cands[:, :, :1], labels, blank), prefix_hits(cands, labels, blank)
+        if scored is not None:  # depths past an out-of-map label are misses
+            top1, topk_hits = top1 & scored, topk_hits & scored
+        return _token_ce(log_probs, labels, scored).detach(), top1.sum(0), topk_hits.sum(0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -275,9 +292,9 @@ def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.dtype in (torch.bfloat16, torch.float16) else _compute_dtype(x)
 
 
-def _chunk_loss(x, blocks, labels, lengths, blank, token_weight):
+def _chunk_loss(x, blocks, labels, lengths, blank, token_weight, scored=None):
     """x [c, M, d], blocks of rows [r_i, d] (matmul dtype; together [V+1, d]) ->
-    (loss_sum, log_probs [c, M, V+1] in compute dtype)."""
+    (loss_sum, log_probs [c, M, V+1] in compute dtype). scored [c, N] bool or None: token-term depths."""
     classes = sum(b.shape[0] for b in blocks)
     _check_label_values(labels, classes, blank)
     # One matmul per block: a frozen block (the shared base lm_head) then gets no weight-gradient matmul.
@@ -286,34 +303,51 @@ def _chunk_loss(x, blocks, labels, lengths, blank, token_weight):
     del logits
     loss = _ctc_nll_sum(log_probs, labels, lengths, blank)
     if token_weight > 0:
-        loss = loss + token_weight * _token_ce(log_probs, labels).sum() / labels.shape[1]
+        loss = loss + token_weight * _token_ce(log_probs, labels, scored).sum() / labels.shape[1]
     return loss, log_probs
 
 
 def linear_ctc_reference(frames: torch.Tensor, weight, labels: torch.Tensor, *, blank: int,
-                         chunk_size: int = 1024, token_weight: float = 0.0, topk: int = 5
-                         ) -> tuple[torch.Tensor, CTCStats]:
+                         chunk_size: int = 1024, token_weight: float = 0.0, topk: int = 5,
+                         max_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, CTCStats]:
     """Plain-autograd twin of `fused_linear_ctc` (all [n, M, V+1] logits at once; chunk_size unused).
 
     frames [n, M, d] frame features; weight [V+1, d] projection (row V = blank), or a list of row blocks
     concatenated in order (e.g. [frozen lm_head [V, d], trainable blank row [1, d]]); labels [n, N] long.
+    max_lengths [n] long >= 1 or None: usable label length per start (draft vocabulary, module docstring).
     Returns (loss_sum, stats): loss_sum = sum over starts of ctc_nll + token_weight * mean_j CE_j.
     """
     blocks = _as_blocks(weight)
     _check_linear(frames, blocks, labels, blank, chunk_size, token_weight, topk)
+    _check_max_lengths(max_lengths, labels)
     mdtype = _matmul_dtype(frames)
-    lengths = feasible_label_lengths(labels, frames.shape[1])
+    lengths = _target_lengths(labels, frames.shape[1], max_lengths)
+    scored = _depth_mask(labels, max_lengths)
     loss, log_probs = _chunk_loss(frames.to(mdtype), [b.to(mdtype) for b in blocks], labels, lengths, blank,
-                                  token_weight)
-    token_ce, top1, topk_hits = _stats_from_log_probs(log_probs, labels, blank, topk)
+                                  token_weight, scored)
+    token_ce, top1, topk_hits = _stats_from_log_probs(log_probs, labels, blank, topk, scored)
     truncated = (lengths < labels.shape[1]).sum()
     count = torch.tensor(labels.shape[0], dtype=torch.long, device=labels.device)
     return loss, CTCStats(count, truncated, token_ce, top1, topk_hits)
 
 
+def _target_lengths(labels: torch.Tensor, num_frames: int, max_lengths: torch.Tensor | None) -> torch.Tensor:
+    """[n] CTC target lengths: the longest feasible prefix, cut at max_lengths when given."""
+    lengths = feasible_label_lengths(labels, num_frames)
+    return lengths if max_lengths is None else torch.minimum(lengths, max_lengths.to(lengths))
+
+
+def _check_max_lengths(max_lengths: torch.Tensor | None, labels: torch.Tensor) -> None:
+    if max_lengths is None:
+        return
+    if max_lengths.shape != labels.shape[:1] or (labels.shape[0] and bool((max_lengths < 1).any())):
+        raise ValueError(f"max_lengths must be [n={labels.shape[0]}] with every entry >= 1 (drop starts whose first "
+                         f"label is outside the draft vocabulary before the call), got {tuple(max_lengths.shape)}")
+
+
 def fused_linear_ctc(frames: torch.Tensor, weight, labels: torch.Tensor, *, blank: int,
-                     chunk_size: int = 1024, token_weight: float = 0.0, topk: int = 5
-                     ) -> tuple[torch.Tensor, CTCStats]:
+                     chunk_size: int = 1024, token_weight: float = 0.0, topk: int = 5,
+                     max_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, CTCStats]:
     """Same contract as `linear_ctc_reference`, chunked over starts: peak extra memory is a few
     [chunk_size, V+1] fp32 buffers (log-probs, the CTC gradient, the logits gradient), chunk_size = rows
     = starts x M (at least one start per chunk). The forward computes the input grads (like
@@ -321,11 +355,13 @@ def fused_linear_ctc(frames: torch.Tensor, weight, labels: torch.Tensor, *, blan
     does not require grad costs no weight-gradient matmul."""
     blocks = _as_blocks(weight)
     _check_linear(frames, blocks, labels, blank, chunk_size, token_weight, topk)
+    _check_max_lengths(max_lengths, labels)
     grad_on = torch.is_grad_enabled()
     need_gx = grad_on and frames.requires_grad
     need_gw = tuple(grad_on and b.requires_grad for b in blocks)
     loss, count, truncated, token_ce, top1, topk_hits = _FusedLinearCTC.apply(
-        frames, labels, int(blank), int(chunk_size), float(token_weight), int(topk), need_gx, need_gw, *blocks)
+        frames, labels, max_lengths, int(blank), int(chunk_size), float(token_weight), int(topk), need_gx, need_gw,
+        *blocks)
     return loss, CTCStats(count, truncated, token_ce, top1, topk_hits)
 
 
@@ -333,7 +369,7 @@ class _FusedLinearCTC(torch.autograd.Function):
     """Forward: loss, stats and input grads chunk by chunk; backward only scales the stash."""
 
     @staticmethod
-    def forward(ctx, frames, labels, blank, chunk_size, token_weight, topk, need_gx, need_gw, *blocks):
+    def forward(ctx, frames, labels, max_lengths, blank, chunk_size, token_weight, topk, need_gx, need_gw, *blocks):
         n, num_frames, _ = frames.shape
         length = labels.shape[1]
         cdtype, mdtype = _compute_dtype(frames), _matmul_dtype(frames)
@@ -342,7 +378,8 @@ class _FusedLinearCTC(torch.autograd.Function):
         for w in ws:
             bounds.append(bounds[-1] + w.shape[0])  # block i = classes bounds[i] .. bounds[i+1]-1
         _check_label_values(labels, bounds[-1], blank)
-        lengths = feasible_label_lengths(labels, num_frames)
+        lengths = _target_lengths(labels, num_frames, max_lengths)
+        scored = _depth_mask(labels, max_lengths)  # [n, N] bool or None
         ext, skip_ok = extended_labels(labels, blank)  # [n, S]
         # Gathered columns per start: the S CTC states, then y_1..y_N for the token term. [n, S+N]
         cols = torch.cat([ext, labels], dim=1)
@@ -360,7 +397,8 @@ class _FusedLinearCTC(torch.autograd.Function):
             hi = min(lo + starts, n)
             x = frames[lo:hi].detach().to(mdtype)  # [c, M, d]
             loss, ce, t1, tk, g = _fused_chunk(x, ws, labels[lo:hi], lengths[lo:hi], cols[lo:hi], skip_ok[lo:hi],
-                                               blank, token_weight, topk, need_g)
+                                               blank, token_weight, topk, need_g,
+                                               None if scored is None else scored[lo:hi])
             loss_sum += loss
             token_ce += ce
             top1 += t1
@@ -386,12 +424,13 @@ class _FusedLinearCTC(torch.autograd.Function):
         grad_x, *grad_ws = ctx.saved_tensors
         # Out of place so a second backward (retain_graph) still finds the unscaled stash.
         scale = [None if g is None else g * grad_loss.to(g.dtype) for g in (grad_x, *grad_ws)]
-        return scale[0], None, None, None, None, None, None, None, *scale[1:]
+        return scale[0], None, None, None, None, None, None, None, None, *scale[1:]
 
 
-def _fused_chunk(x, ws, labels, lengths, cols, skip_ok, blank, token_weight, topk, need_g):
+def _fused_chunk(x, ws, labels, lengths, cols, skip_ok, blank, token_weight, topk, need_g, scored=None):
     """One chunk of starts: x [c, M, d] and the blocks ws (matmul dtype); labels [c, N]; cols [c, S+N]
-    (extended label, then labels); skip_ok [c, S]. Returns (loss_sum, token_ce [N], top1 [N], topk [N],
+    (extended label, then labels); skip_ok [c, S]; scored [c, N] bool or None (depths inside the draft
+    vocabulary). Returns (loss_sum, token_ce [N], top1 [N], topk [N],
     g = dLoss/dlogits [c, M, V+1] compute dtype, or None).
 
     The loss depends on the [c, M, V+1] log-probs only through the gathered columns `cols`, so: one
@@ -407,8 +446,10 @@ def _fused_chunk(x, ws, labels, lengths, cols, skip_ok, blank, token_weight, top
     with torch.no_grad():
         k = min(topk, buf.shape[-1])
         cands = buf.topk(k, dim=-1).indices  # [c, M, k]: log_softmax keeps the order of the logits
-        t1 = prefix_hits(cands[:, :, :1], labels, blank).sum(0)
-        tk = prefix_hits(cands, labels, blank).sum(0)
+        t1, tk = prefix_hits(cands[:, :, :1], labels, blank), prefix_hits(cands, labels, blank)  # [c, N]
+        if scored is not None:  # depths past an out-of-map label are misses
+            t1, tk = t1 & scored, tk & scored
+        t1, tk = t1.sum(0), tk.sum(0)
     idx = cols[:, None, :].expand(c, num_frames, cols.shape[1])  # [c, M, S+N]
     picked = buf.gather(2, idx)  # logits at the gathered columns
     row_max = buf.amax(dim=-1, keepdim=True)  # [c, M, 1]
@@ -420,6 +461,8 @@ def _fused_chunk(x, ws, labels, lengths, cols, skip_ok, blank, token_weight, top
         # Token term: frame j (< N) vs label j, i.e. column S + j of frame j.
         diag = torch.arange(length, device=x.device)
         ce = -lp[:, diag, s + diag]  # [c, N]
+        if scored is not None:
+            ce = ce * scored  # no token term past an out-of-map label
         loss = nll + (token_weight / length) * ce.sum() if token_weight > 0 else nll
         grad = torch.autograd.grad(loss, lp)[0] if need_g else None  # [c, M, S+N]
     token_ce = ce.detach().sum(0)

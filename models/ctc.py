@@ -24,6 +24,13 @@ draft.num_heads), the base's greedy predictions of x_{t+2}..x_{t+1+N} on the sam
 only if every x_{t+1+j} (j = 1..N) is a supervised target of the one offset rule
 (data/targets.offset_labels), so a label run never crosses a user turn, a pad or the end.
 
+Draft vocabulary (draft.vocab_size = N > 0, models/vocab_map.py): the projection has N+1 classes (the N
+map tokens as draft ids 0..N-1, then the blank N), its real rows W[d2t]. The distilled labels are the
+base's greedy tokens over its full vocabulary; each label is mapped to draft ids and cut before its first
+out-of-map token (losses/ctc.py `max_lengths`); a start whose first label is outside the map carries no
+loss. Those depths are misses: DepthStats.oov of depth j counts the starts whose y_1..y_j leaves the map.
+The map is built from the data targets, not from these greedy labels (data/draft_vocab.py says why).
+
 Loss: losses/ctc.py (chunked fused Linear -> CTC, clamped infeasible labels, optional token term),
 averaged over the valid starts of the micro-batch. per_depth[j-1] reports depth j: the frame-j CE as
 its loss, greedy-collapse prefix accuracy as top1, top-5-reachable prefix as top5 (see losses/ctc.py).
@@ -39,6 +46,7 @@ from losses.ctc import fused_linear_ctc, linear_ctc_reference
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
 from models.layers import stack_resblocks
 from models.prefix_attention import PrefixAttention
+from models.vocab_map import DraftVocabMixin, placeholder_map
 
 # ---------------------------------------------------------------------------------------------------
 # Distilled labels
@@ -102,12 +110,12 @@ def distilled_labels_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
 # ---------------------------------------------------------------------------------------------------
 
 
-class CTCDraft(DraftModel):
+class CTCDraft(DraftVocabMixin, DraftModel):
     family = "ctc"
     prefix_accuracy = True  # per-depth top1 = prefix accuracy of the collapsed greedy draft
 
     def __init__(self, num_frames: int, label_length: int, num_layers: int, base: BaseView,
-                 share_lm_head: bool = False, dropout: float = 0.0):
+                 share_lm_head: bool = False, dropout: float = 0.0, d2t: torch.Tensor | None = None):
         super().__init__()
         if not 1 <= label_length <= num_frames:
             raise ValueError(f"CTC needs 1 <= N <= M: label length draft.num_heads={label_length}, "
@@ -118,19 +126,19 @@ class CTCDraft(DraftModel):
         self.num_frames, self.num_heads, self.num_layers = num_frames, label_length, num_layers
         self.hidden_size, self.vocab_size = base.hidden_size, base.vocab_size
         self.share_lm_head = share_lm_head
-        self.blank = base.vocab_size  # the extra class V
-        d, v = base.hidden_size, base.vocab_size
+        v = self._init_vocab(base, d2t)  # real classes: N draft tokens (or V); buffers d2t / t2d / vocab_rows
+        self.blank = v  # the extra last class (V, or N with a draft vocabulary)
+        d = base.hidden_size
         self.attn = PrefixAttention(base.model)
         # M distinct frame trunks (never `[block] * M`: that would be one block M times).
         self.frames = nn.ModuleList([nn.Sequential(*stack_resblocks(num_layers, d, dropout))
                                      for _ in range(num_frames)])
-        lm_head = base.lm_head_weight.detach()
+        lm_head = self.base_rows().detach()  # [v, d]: W[d2t] or W
         if share_lm_head:
-            self.register_buffer("shared_lm_head", lm_head, persistent=False)  # frozen, never exported
+            # The frozen rows are vocab_rows (a non-persistent buffer, never exported): see shared_lm_head.
             self.blank_row = nn.Parameter(torch.zeros(1, d, dtype=lm_head.dtype, device=lm_head.device))
             self.proj = None
         else:
-            self.register_buffer("shared_lm_head", None, persistent=False)
             self.proj = nn.Linear(d, v + 1, bias=False)
             with torch.no_grad():
                 self.proj.weight[:v].copy_(lm_head)
@@ -143,12 +151,19 @@ class CTCDraft(DraftModel):
 
     @classmethod
     def from_export_config(cls, cfg: dict, base: BaseView) -> CTCDraft:
-        return cls(cfg["num_frames"], cfg["num_heads"], cfg["num_layers"], base, cfg.get("share_lm_head", False))
+        return cls(cfg["num_frames"], cfg["num_heads"], cfg["num_layers"], base, cfg.get("share_lm_head", False),
+                   d2t=placeholder_map(cfg, base))
 
     def export_config(self) -> dict:
         return {"family": self.family, "num_frames": self.num_frames, "num_heads": self.num_heads,
                 "num_layers": self.num_layers, "share_lm_head": self.share_lm_head, "blank": self.blank,
-                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "draft_vocab_size": self.draft_vocab_size}
+
+    @property
+    def shared_lm_head(self) -> torch.Tensor | None:
+        """The frozen real-token rows (W[d2t], or W) of a shared projection; never exported."""
+        return self.base_rows() if self.share_lm_head else None
 
     def projection_blocks(self) -> list[torch.Tensor]:
         """Row blocks of the [V+1, d] projection (rows 0..V-1 real tokens, row V the blank): the own
@@ -178,16 +193,37 @@ class CTCDraft(DraftModel):
         (fused path) or all at once (loss.chunked=false, the reference: tiny runs only).
         """
         labels = distilled_labels(batch.hidden, base.lm_head_weight, batch.input_ids, batch.loss_mask,
-                                  self.num_heads, loss_cfg.chunk_size)  # [B, T, N]
+                                  self.num_heads, loss_cfg.chunk_size)  # [B, T, N] base ids (full-vocab greedy)
         valid = labels[:, :, 0] != IGNORE_INDEX  # [B, T]
         z = self.attn(batch.hidden)  # [B, T, d]: attention over the whole context, user turns included
+        starts = labels[valid]  # [n, N] base ids
+        max_lengths, oov = None, [0] * self.num_heads
+        if self.t2d is not None:
+            starts, max_lengths, oov = self._map_labels(starts)
+            rows = valid.nonzero(as_tuple=True)
+            valid = torch.zeros_like(valid)
+            keep = max_lengths > 0  # first label inside the map: the start carries a loss
+            valid[rows[0][keep], rows[1][keep]] = True
+            starts, max_lengths = starts[keep], max_lengths[keep]
         frames = self.frame_features(z[valid])  # [n, M, d]
         ctc = fused_linear_ctc if loss_cfg.chunked else linear_ctc_reference
-        loss_sum, stats = ctc(frames, self.projection_blocks(), labels[valid], blank=self.blank,
-                              chunk_size=loss_cfg.chunk_size, token_weight=loss_cfg.token_weight)
+        loss_sum, stats = ctc(frames, self.projection_blocks(), starts, blank=self.blank,
+                              chunk_size=loss_cfg.chunk_size, token_weight=loss_cfg.token_weight,
+                              max_lengths=max_lengths)
         count = int(stats.count)
         # No valid start (all-user micro-batch): 0 * loss keeps every parameter in the graph for DeepSpeed.
         total = loss_sum / count if count else 0.0 * loss_sum
         token_ce, top1, topk = stats.token_ce.tolist(), stats.top1.tolist(), stats.topk.tolist()
-        per_depth = [DepthStats(token_ce[j], count, int(top1[j]), int(topk[j])) for j in range(self.num_heads)]
+        dropped = oov[0]  # starts without any in-map label: misses at every depth
+        per_depth = [DepthStats(token_ce[j], count + dropped, int(top1[j]), int(topk[j]), oov[j])
+                     for j in range(self.num_heads)]
         return DraftLossOutput(total, per_depth)
+
+    def _map_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Base-id labels [n, N] -> (draft-id labels [n, N] (0 past the cut, never read), max_lengths [n] =
+        leading in-map labels, oov [N]: starts whose labels y_1..y_j are not all in the map)."""
+        mapped = self.t2d[labels]  # [n, N], -1 outside the map
+        inside = (mapped >= 0).long().cumprod(dim=1)  # [n, N]: 1 while every label so far is in the map
+        max_lengths = inside.sum(dim=1)  # [n]
+        oov = (inside == 0).sum(dim=0).tolist()  # [N]
+        return mapped.clamp(min=0) * inside, max_lengths, [int(x) for x in oov]

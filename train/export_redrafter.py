@@ -61,9 +61,9 @@ def export_redrafter_trtllm(draft, out_dir: Path, base_name: str, base: BaseView
                          f"{getattr(draft, 'family', type(draft).__name__)!r}")
     if getattr(draft, "draft_vocab_size", 0):
         raise ValueError(f"--format redrafter-trtllm: this draft predicts over a draft vocabulary of "
-                         f"{draft.draft_vocab_size} tokens (draft.vocab_size), and TensorRT-LLM's drafter layout has no "
-                         "token map (its head must have the base's V rows); retrain with draft.vocab_size=0 or serve "
-                         "the specdraft export")
+                         f"{draft.draft_vocab_size} tokens (draft.vocab_size), and TensorRT-LLM's drafter layout has "
+                         "no token map (its head must have the base's V rows); retrain with draft.vocab_size=0 or "
+                         "serve the specdraft export")
     width = int(beam_width if beam_width is not None else draft.beam_width)
     length = int(beam_length if beam_length is not None else draft.beam_length)
     if width < 1 or length < 2:

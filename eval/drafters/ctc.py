@@ -3,7 +3,8 @@
 Per decode step (t = last committed token, root = x_{t+1} chosen by the base):
     z_t      = the draft's attention module over the committed hidden states (its own KV cache:
                each propose() appends state.new_hidden, the rows committed since the last call)
-    frames   = M distributions over V+1 classes (class V = blank) read from z_t; top-k per frame
+    frames   = M distributions over V+1 classes (class V = blank; N+1 with a draft vocabulary of N tokens,
+               whose collapsed draft ids are mapped to base ids before the tree is built) read from z_t
     raw      = P fixed-length candidates [P, M]: rank choices over the frames (a static set, or the P
                most probable frame sequences under the frames' own probabilities, "joint")
     collapse = the CTC transform B per candidate: merge adjacent repeats, drop blanks -> ragged paths
@@ -191,4 +192,8 @@ class CTCDrafter(Drafter):
             raw = top[self._frame_idx, self._choices_on]  # [P, M]: frame m takes rank choices[p, m]
         else:
             raw = joint_top_paths(log_probs, self.num_paths, self.topk)
-        return tree_from_paths(state.root, ctc_collapse(raw.cpu(), self.draft.blank))
+        paths = ctc_collapse(raw.cpu(), self.draft.blank)  # [P, M] draft ids, PAD after the collapsed end
+        d2t = getattr(self.draft, "d2t", None)
+        if d2t is not None:  # draft vocabulary: kept draft ids -> base ids (the verifier sees base ids only)
+            paths = torch.where(paths >= 0, d2t.cpu()[paths.clamp(min=0)], paths)
+        return tree_from_paths(state.root, paths)

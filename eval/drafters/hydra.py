@@ -104,7 +104,8 @@ class HydraDrafter(Drafter):
         head k's candidates when the root is ids[t+1] and the path is ids[t+1 .. t+k] (what propose() ranks
         after ids[..t] are committed), clipped to max_rank R (R = "not in a tree of width R"); -1 where
         t+1+k >= T. Rank = number of tokens with a strictly larger logit (ties, likely only in bf16, count
-        in the node's favour; a token outside the draft vocabulary gets max_rank). With the prefix layer z comes from its full causal forward over hidden
+        in the node's favour; a token outside the draft vocabulary gets max_rank).
+        With the prefix layer z comes from its full causal forward over hidden
         (row t sees rows <= t, as in decoding). Batched over t, chunked so a chunk's logits stay ~64 MB.
         """
         if hidden.dim() != 2 or ids.dim() != 1 or hidden.shape[0] != ids.shape[0]:
