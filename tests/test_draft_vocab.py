@@ -375,3 +375,47 @@ def test_training_with_a_map_logs_coverage_and_oov(tmp_path):
     heldout = json.loads((run / "heldout.json").read_text())
     assert heldout["depths"][0]["oov"] > 0
     assert list((tmp_path / "draft_vocab").glob("*.safetensors"))
+
+
+def test_ctc_labels_are_cut_before_the_first_out_of_map_token(model, view):
+    """CTC with a map: y = (a, b, X, c) with X outside -> target (a, b), depths 3-4 are misses (oov counts
+    the starts whose prefix left the map); a start whose first label is outside carries no loss."""
+    d2t = torch.tensor([10, 11, 12, 13, 14])
+    draft = CTCDraft(4, 4, 1, _with_map(view, d2t))
+    labels = torch.tensor([[10, 11, 99, 12], [99, 10, 11, 12], [13, 14, 10, 11], [12, 12, 12, 77]])
+    mapped, max_lengths, oov = draft._map_labels(labels)
+    assert max_lengths.tolist() == [2, 0, 4, 3]
+    assert oov == [1, 1, 2, 3]
+    assert mapped[0, :2].tolist() == [0, 1] and mapped[2].tolist() == [3, 4, 0, 1]
+
+
+def test_ctc_loss_with_a_large_map_cuts_labels_and_matches_reference(model, view):
+    """A 300-token map of 320: most starts keep their label, some are cut at depth 2; fused == reference
+    and the loss equals the reference CTC over each start's cut label (max_lengths), computed here."""
+    from losses.ctc import feasible_label_lengths, linear_ctc_reference
+
+    d2t = torch.randperm(V, generator=torch.Generator().manual_seed(9))[:300]
+    draft = _build("ctc", view, d2t)
+    batch = _batch(model, seed=3, b=3, t=40)
+    v = _with_map(view, d2t)
+    fused, ref = assert_chunked_matches_reference(draft, batch, v, chunk_size=16, token_weight=0.1)
+    assert 0 < fused[0].oov < fused[-1].oov < fused[-1].count  # some starts cut, more at deeper depths
+    # The reference at the cut lengths (a plain per-row loop over ctc_loss on the truncated labels).
+    from models.ctc import distilled_labels
+    lab = distilled_labels(batch.hidden, view.lm_head_weight, batch.input_ids, batch.loss_mask, draft.num_heads)
+    valid = lab[:, :, 0] != -100
+    mapped, max_lengths, _ = draft._map_labels(lab[valid])
+    keep = max_lengths > 0
+    with torch.no_grad():
+        z = draft.attn(batch.hidden)
+        frames = draft.frame_features(z[valid][keep])
+        total = 0.0
+        for i in range(frames.shape[0]):
+            n = int(max_lengths[keep][i])
+            y = mapped[keep][i, :n][None]
+            loss, _ = linear_ctc_reference(frames[i:i + 1], draft.projection_blocks(), y, blank=draft.blank,
+                                           token_weight=0.0)
+            assert int(feasible_label_lengths(y, 4)[0]) <= n
+            total += float(loss)
+        out = draft.loss(batch, v, LossSection(token_weight=0.0))
+    assert out.loss.item() == pytest.approx(total / int(keep.sum()), rel=1e-5)
