@@ -121,7 +121,10 @@ def main() -> None:
     p.add_argument("--families", default="medusa,hydra_pp")
     p.add_argument("--tp-rounds", type=int, default=4, help="timed throughput rounds (after 1 warm-up)")
     p.add_argument("--draft-steps", type=int, default=60, help="timed propose() calls per N and family")
+    p.add_argument("--micro", type=int, default=4, help="conversations per micro-batch")
+    p.add_argument("--global-batch", type=int, default=8, help="conversations per optimizer step (quality phase)")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--coverage-only", action="store_true", help="only the coverage table (no base forward)")
     p.add_argument("--out", default="", help="write the results as JSON here")
     args = p.parse_args()
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
@@ -151,7 +154,7 @@ def main() -> None:
     train_sub = train_ds.select(range(min(args.train_rows, len(train_ds))))
     val_sub = val_ds.select(range(min(args.val_rows, len(val_ds))))
     caches = {}
-    for name, ds in (("train", train_sub), ("val", val_sub)):
+    for name, ds in () if args.coverage_only else (("train", train_sub), ("val", val_sub)):
         key = cache_key(base.fingerprint, base.model.dtype, ds, "bf16")
         d = build_hidden_cache(base.model, ds, root / "hidden" / key, pad_id=pad_id, device=torch.device("cpu"),
                                micro_batch_size=4, info={"key": key, "base": base.name,
@@ -182,12 +185,16 @@ def main() -> None:
         c = coverage[n]
         print(f"{_label(n):>6} {c['train']:>7.4f} {c['heldout']:>9.4f} {c['heldout_map_from_train_rows']:>20.4f}")
 
+    if args.coverage_only:
+        _save(args.out, {"coverage": {_label(n): coverage[n] for n in sizes}, "settings": vars(args)})
+        return
+
     def view_for(n):
         v = BaseView.from_model(base.model)
         v.draft_vocab = maps[n]
         return v
 
-    train_batches = _micro_batches(caches["train"], list(range(len(train_sub))), 4, pad_id)
+    train_batches = _micro_batches(caches["train"], list(range(len(train_sub))), args.micro, pad_id)
     results = {"coverage": {_label(n): coverage[n] for n in sizes}, "throughput": {}, "quality": {}, "drafting": {},
                "settings": vars(args), "threads": torch.get_num_threads(),
                "train_conversations": len(train_ds), "heldout_conversations": len(val_ds)}
@@ -218,8 +225,8 @@ def main() -> None:
                     stats[n]["seconds"] += dt
                     stats[n]["peak_kib"] = max(stats[n]["peak_kib"], peak)
         full_tps = stats[0]["tokens"] / stats[0]["seconds"] if 0 in stats else None
-        print(f"\n{fam}: training throughput ({args.tp_rounds} interleaved rounds of one 4-conversation micro-batch "
-              f"per N, {torch.get_num_threads()} threads)")
+        print(f"\n{fam}: training throughput ({args.tp_rounds} interleaved rounds of one {args.micro}-conversation "
+              f"micro-batch per N, {torch.get_num_threads()} threads)")
         print(f"{'N':>6} {'tokens/s':>9} {'vs full':>8} {'peak step MiB':>14}")
         results["throughput"][fam] = {}
         for n in sizes:
@@ -233,15 +240,23 @@ def main() -> None:
         # ---- drafting time per decode step ------------------------------------------------------------------
         results["drafting"][fam] = _drafting_times(fam, variants, sizes, caches["val"], args.draft_steps)
         del variants
+        _save(args.out, results)
 
     # ---- quality at equal tokens: full vs the chosen N, trained side by side -------------------------------------
     if not args.skip_quality:
         for fam in families:
-            results["quality"][fam] = _quality(fam, [0, args.chosen], view_for, train_batches, caches["val"], pad_id)
+            results["quality"][fam] = _quality(fam, [0, args.chosen], view_for, train_batches, caches["val"], pad_id,
+                                               args.global_batch // args.micro, args.micro)
+            _save(args.out, results)
     results["wall_s"] = time.perf_counter() - t_start
     print(f"\ntotal wall time {results['wall_s'] / 60:.1f} min", flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    _save(args.out, results)
+
+
+def _save(path: str, results: dict) -> None:
+    """Written after every phase, so a run cut short keeps what it measured."""
+    if path:
+        Path(path).write_text(json.dumps(results, indent=1) + "\n")
 
 
 def _drafting_times(fam, variants, sizes, val_cache, steps):
@@ -285,15 +300,16 @@ def _drafting_times(fam, variants, sizes, val_cache, steps):
     return out
 
 
-def _quality(fam, sizes, view_for, train_batches, val_cache, pad_id):
-    """Train the full and the chosen-N draft on the same micro-batches (global batch 8), then held-out top-1."""
+def _quality(fam, sizes, view_for, train_batches, val_cache, pad_id, accum: int, micro: int):
+    """Train the full and the chosen-N draft on the same micro-batches (`accum` per optimizer step, same order,
+    same init, same dropout masks), then held-out top-1 by depth."""
     import torch
 
     from models.draft import DepthStats, DraftBatch
 
     loss_cfg, lr, wd = _recipe(fam)
     runs = {}
-    total_steps = math.ceil(len(train_batches) / 2)
+    total_steps = math.ceil(len(train_batches) / accum)
     warmup = max(1, int(0.05 * total_steps))
 
     def lr_at(step):  # linear warmup then cosine to 0.1 x lr (the recipes' schedule shape)
@@ -309,23 +325,23 @@ def _quality(fam, sizes, view_for, train_batches, val_cache, pad_id):
                    "sched": torch.optim.lr_scheduler.LambdaLR(opt, lr_at), "seconds": 0.0, "tokens": 0}
     t_phase = time.perf_counter()
     for step in range(total_steps):
-        micro = train_batches[2 * step: 2 * step + 2]
+        batches = train_batches[accum * step: accum * step + accum]
         for n in (sizes if step % 2 == 0 else sizes[::-1]):
             r = runs[n]
             torch.manual_seed(1000 + step)  # same dropout masks for every N
             t0 = time.perf_counter()
-            for b in micro:
+            for b in batches:
                 _step(r["draft"], r["view"], loss_cfg, None, b)
                 r["tokens"] += int(b["attention_mask"].sum())
             r["opt"].step()
             r["opt"].zero_grad(set_to_none=True)
             r["sched"].step()
             r["seconds"] += time.perf_counter() - t0
-        if step % 8 == 0:
+        if step % 4 == 0:
             print(f"  {fam} quality run: step {step + 1}/{total_steps}, "
                   f"{time.perf_counter() - t_phase:.0f} s", flush=True)
     out = {}
-    val_batches = _micro_batches(val_cache, list(range(len(val_cache))), 4, pad_id)
+    val_batches = _micro_batches(val_cache, list(range(len(val_cache))), micro, pad_id)
     for n in sizes:
         r = runs[n]
         r["draft"].eval()
@@ -342,7 +358,7 @@ def _quality(fam, sizes, view_for, train_batches, val_cache, pad_id):
                           "train_tokens": r["tokens"], "train_tokens_per_s": r["tokens"] / r["seconds"]}
     full, chosen = out[_label(sizes[0])], out[_label(sizes[1])]
     print(f"\n{fam}: held-out top-1 by depth after {full['train_tokens']:,} training tokens each "
-          f"({total_steps} steps x 8 conversations), {len(val_cache)} held-out conversations")
+          f"({total_steps} steps x {accum * micro} conversations), {len(val_cache)} held-out conversations")
     print(f"{'N':>6} " + " ".join(f"{'depth ' + str(k + 1):>8}" for k in range(4)) + f" {'tokens/s':>9}")
     for n in sizes:
         o = out[_label(n)]
