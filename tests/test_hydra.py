@@ -164,7 +164,7 @@ def test_export_round_trip(tmp_path, view):
         p.data.add_(torch.randn_like(p) * 0.02)
     cfg = draft.export_config()
     assert cfg == {"family": "hydra", "num_heads": 2, "num_layers": 2, "share_lm_head": True, "prefix_layer": True,
-                   "hidden_size": view.hidden_size, "vocab_size": view.vocab_size}
+                   "hidden_size": view.hidden_size, "vocab_size": view.vocab_size, "draft_vocab_size": 0}
     export_specdraft(draft, tmp_path / "export", "tiny", "fp")
     loaded, _ = load_draft(tmp_path / "export", view, "fp")
     assert isinstance(loaded, HydraDraft) and loaded.prefix is not None
