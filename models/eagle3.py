@@ -218,7 +218,7 @@ class Eagle3Draft(DraftModel):
     family = "eagle3"
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, ttt_steps: int = 3,
-                 init_from_base: bool = True):
+                 init_from_base: bool = True, share_lm_head: bool = False):
         super().__init__()
         if base.model is None:
             raise ValueError("EAGLE-3 builds a decoder layer of the base's architecture, but this BaseView has no "
@@ -263,6 +263,10 @@ class Eagle3Draft(DraftModel):
         attn = self.layers[0].self_attn
         self.groups = attn.num_heads // attn.num_kv_heads
 
+        # share_lm_head: the head keeps the base's rows, frozen (fewer trainable parameters; still a real
+        # tensor of the draft because speculators / vLLM load the draft's own lm_head.weight).
+        self.share_lm_head = bool(share_lm_head)
+        self.lm_head.weight.requires_grad_(not self.share_lm_head)
         with torch.no_grad():
             self.lm_head.weight.copy_(restrict_rows(base.lm_head_weight, d2t))
             if init_from_base:
@@ -294,7 +298,8 @@ class Eagle3Draft(DraftModel):
 
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> Eagle3Draft:
-        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.ttt_steps or 3)
+        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.ttt_steps or 3,
+                   share_lm_head=draft_cfg.share_lm_head)
 
     @staticmethod
     def resolve_aux_layers(draft_cfg, model) -> list[int]:
@@ -312,11 +317,13 @@ class Eagle3Draft(DraftModel):
         if n and base.draft_vocab is None:  # placeholder map of the right size; load_state_dict fills d2t
             base = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model,
                             torch.arange(n))
-        return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False)
+        return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False,
+                   share_lm_head=cfg.get("share_lm_head", False))
 
     def export_config(self) -> dict:
         return {"family": self.family, "aux_layers": list(self.aux_layers), "ttt_steps": self.ttt_steps,
                 "num_heads": self.ttt_steps, "draft_vocab_size": self.draft_vocab_size,
+                "share_lm_head": self.share_lm_head,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

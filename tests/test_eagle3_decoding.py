@@ -253,3 +253,29 @@ def test_rejection_sampling_with_eagle3_trees_matches_the_base():
         assert _tv_of_eagle3_sampling(1500, seed=0) < 0.06  # 16 cells: E[TV] of an exact sampler <= 0.042
     finally:
         torch.set_num_threads(threads)
+
+
+def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
+    """`specdraft train --config configs/eagle3.yaml --config configs/smoke.yaml`, then `specdraft eval` (chain
+    and tree) on the export: lossless, with the EAGLE-3 settings in the report."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "eagle3"
+    proc = subprocess.run([sys.executable, "-m", "train.cli", "train", "--config", "configs/eagle3.yaml", "--config",
+                           "configs/smoke.yaml", f"run_dir={run_dir}", "train.max_steps=4"],
+                          capture_output=True, text=True, timeout=900, env=clean_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    assert any(math.isfinite(r.get("loss/head3", math.nan)) for r in rows)
+    assert json.loads((run_dir / "export" / "config.json").read_text())["family"] == "eagle3"
+    for mode, extra in (("chain", ["extra.eagle3_mode=chain", "extra.chain_length=3"]), ("tree", [])):
+        proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--draft", str(run_dir / "export"),
+                               "--config", "configs/eval/smoke.yaml", f"name={mode}", *extra],
+                              capture_output=True, text=True, timeout=900, env=clean_env())
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        report = json.loads((run_dir / "eval" / mode / "report.json").read_text())
+        assert report["method"] == "eagle3" and report["lossless"] is True
+        assert report["acceptance_length"] >= 1.0
