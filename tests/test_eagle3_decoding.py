@@ -87,6 +87,15 @@ def test_fast_backend_aux_states_match_hf(model, prompts):
         hf.set_aux_layers([2])
 
 
+def test_compiled_fast_backend_falls_back_to_eager_for_aux(model, prompts):
+    be = FastLlamaBackend(model, max_len=64, compile=True)  # torch.compile is lazy: nothing compiled yet
+    be.set_aux_layers([0, 1])
+    assert not be.compile and be._step == be._core.forward
+    be.reset(64)
+    be.prefill(prompts[0])
+    assert be.last_aux.shape == (prompts[0].numel(), 2 * model.config.hidden_size)
+
+
 @pytest.mark.parametrize("backend_kind", ["hf", "fast"])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lossless_with_random_drafts(model, view, prompts, ar_outputs, mode, backend_kind):

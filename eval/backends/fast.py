@@ -22,6 +22,7 @@ The slow reference twin is the `hf` backend; `tests/test_eval_fast_backend.py` c
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 from contextlib import contextmanager
 
@@ -38,6 +39,8 @@ _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 # Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases may be None).
 _LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+
+log = logging.getLogger("specdraft.eval")
 
 
 def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
@@ -312,8 +315,11 @@ class FastLlamaBackend(BaseBackend):
     def set_aux_layers(self, ids) -> None:
         ids = self._check_aux_ids(ids, self._core.n_layers)
         if ids and self.compile:
-            raise ValueError("fast backend: aux hidden states (EAGLE-3) are captured on the eager path only; build "
-                             "it with compile=False, or use backend=hf")
+            # The capture writes a module attribute, which a compiled graph / CUDA graph replay would not do:
+            # run this backend's steps eagerly from now on (static shapes stay, so padding logic is unchanged).
+            log.warning("fast backend: EAGLE-3 aux states are captured on the eager path; torch.compile is off "
+                        "for this backend from now on")
+            self._step, self.compile = self._core.forward, False
         self.aux_layers = self._core.aux_layers = ids
         self.last_aux = self._core.last_aux = None
 
