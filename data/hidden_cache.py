@@ -10,6 +10,8 @@ Layout of a cache directory (one per (base fingerprint, base dtype, train rows),
         hidden    [sum_T, d] (bf16 by default)   h_t of every real token of those rows
         input_ids [sum_T] int32, loss_mask [sum_T] int8
         offsets   [S'+1] int64                   row r's tokens are [offsets[r], offsets[r+1])
+        aux       [sum_T, k*d] (same dtype)      only with aux_layers (EAGLE-3): the residual stream after
+                                                 base layers aux_layers, side by side (models.base.last_hidden_and_aux)
     manifest.json                               written last: marks the cache complete
 
 The writer is resumable: shards are written atomically (temp file + rename) and a restarted build skips
@@ -38,21 +40,27 @@ CACHE_VERSION = 1
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
-def cache_key(base_fingerprint: str, base_dtype: torch.dtype, dataset, cache_dtype: str) -> str:
+def cache_key(base_fingerprint: str, base_dtype: torch.dtype, dataset, cache_dtype: str,
+              aux_layers: list[int] | None = None) -> str:
     """Hash of everything the cached tensors depend on: the base (weights fingerprint and the dtype it ran
-    in, since bf16 and fp32 forwards give different h), the exact token rows in order, the storage dtype."""
+    in, since bf16 and fp32 forwards give different h), the exact token rows in order, the storage dtype,
+    and the aux layer ids when aux states are stored (no aux = the key of a cache without them)."""
     digest = hashlib.sha256()
-    digest.update(json.dumps([CACHE_VERSION, base_fingerprint, str(base_dtype), cache_dtype, len(dataset)]).encode())
+    head = [CACHE_VERSION, base_fingerprint, str(base_dtype), cache_dtype, len(dataset)]
+    if aux_layers:
+        head.append([int(i) for i in aux_layers])
+    digest.update(json.dumps(head).encode())
     for row in dataset:
         digest.update(np.asarray(row["input_ids"], dtype=np.int32).tobytes())
         digest.update(np.asarray(row["loss_mask"], dtype=np.int8).tobytes())
     return digest.hexdigest()[:16]
 
 
-def estimate_bytes(dataset, hidden_size: int, cache_dtype: str = "bf16") -> int:
-    """Bytes on disk: per token d hidden values + an int32 id + an int8 mask (offsets are negligible)."""
+def estimate_bytes(dataset, hidden_size: int, cache_dtype: str = "bf16", num_aux: int = 0) -> int:
+    """Bytes on disk: per token (1 + num_aux)·d hidden values + an int32 id + an int8 mask (offsets are
+    negligible)."""
     tokens = sum(len(r["input_ids"]) for r in dataset)
-    return tokens * (hidden_size * _DTYPES[cache_dtype].itemsize + 5)
+    return tokens * ((1 + num_aux) * hidden_size * _DTYPES[cache_dtype].itemsize + 5)
 
 
 def _shard_path(directory: Path, index: int) -> Path:
@@ -62,14 +70,14 @@ def _shard_path(directory: Path, index: int) -> Path:
 @torch.no_grad()
 def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: int, device: torch.device,
                        micro_batch_size: int = 4, shard_rows: int = 256, cache_dtype: str = "bf16",
-                       info: dict | None = None) -> Path:
+                       info: dict | None = None, aux_layers: list[int] | None = None) -> Path:
     """Write the cache for `dataset` (rows with input_ids / loss_mask) into `directory`; return it.
 
     Runs `model` (frozen) over micro-batches of `micro_batch_size` right-padded rows; padding never
     changes a real token's h (causal attention, padding at the end), and only real tokens are stored.
     Skips work already done: a complete cache returns at once, finished shards of a killed build are kept.
     """
-    from models.base import last_hidden_and_logits  # late: data/ stays importable without the model code
+    from models.base import draft_inputs  # late: data/ stays importable without the model code
 
     if cache_dtype not in _DTYPES:
         raise ValueError(f"hidden cache dtype {cache_dtype!r}: use one of {', '.join(_DTYPES)}")
@@ -84,10 +92,12 @@ def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: 
     n_shards = (n_rows + shard_rows - 1) // shard_rows
     hidden_size = model.get_output_embeddings().weight.shape[1]
     done = [i for i in range(n_shards) if _shard_path(directory, i).is_file()]
-    size = estimate_bytes(dataset, hidden_size, cache_dtype)
+    aux_layers = [int(i) for i in aux_layers or []]
+    size = estimate_bytes(dataset, hidden_size, cache_dtype, len(aux_layers))
     tokens = sum(len(r["input_ids"]) for r in dataset)
     # Printed (not only logged) so a user sees the disk cost before the long part starts.
-    print(f"hidden-state cache: {n_rows} conversations, {tokens:,} tokens x d={hidden_size} in {cache_dtype} "
+    what = f"(1 + {len(aux_layers)} aux layers {aux_layers}) x d={hidden_size}" if aux_layers else f"d={hidden_size}"
+    print(f"hidden-state cache: {n_rows} conversations, {tokens:,} tokens x {what} in {cache_dtype} "
           f"= {size / 2**30:.2f} GiB in {n_shards} shard(s) under {directory}"
           + (f" ({len(done)} already written, resuming)" if done else ""), flush=True)
     dtype = _DTYPES[cache_dtype]
@@ -99,15 +109,17 @@ def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: 
         if shard in done:
             bar.update(n_tok)
             continue
-        hidden_parts, lengths = [], []
+        hidden_parts, aux_parts, lengths = [], [], []
         for start in range(0, len(rows), micro_batch_size):
             chunk = rows[start:start + micro_batch_size]
             batch = collate(chunk, pad_id)
             ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            h, _ = last_hidden_and_logits(model, ids, attn)  # [b, T, d]
+            h, aux = draft_inputs(model, ids, attn, aux_layers)  # [b, T, d], [b, T, k*d] or None
             for b, r in enumerate(chunk):
                 n = len(r["input_ids"])
                 hidden_parts.append(h[b, :n].to("cpu", dtype))
+                if aux is not None:
+                    aux_parts.append(aux[b, :n].to("cpu", dtype))
                 lengths.append(n)
             bar.update(int(attn.sum()))
         offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
@@ -118,13 +130,16 @@ def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: 
             "loss_mask": torch.tensor([m for r in rows for m in r["loss_mask"]], dtype=torch.int8),
             "offsets": offsets,
         }
+        if aux_parts:
+            tensors["aux"] = torch.cat(aux_parts).contiguous()
         final = _shard_path(directory, shard)
         tmp = final.with_suffix(".tmp")
         save_file(tensors, str(tmp))
         os.replace(tmp, final)
     bar.close()
     manifest = {"version": CACHE_VERSION, "rows": n_rows, "tokens": tokens, "hidden_size": hidden_size,
-                "shard_rows": shard_rows, "shards": n_shards, "dtype": cache_dtype, **(info or {})}
+                "shard_rows": shard_rows, "shards": n_shards, "dtype": cache_dtype, "aux_layers": aux_layers,
+                **(info or {})}
     tmp = directory / "manifest.json.tmp"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, directory / "manifest.json")
@@ -174,8 +189,11 @@ class HiddenCache:
         f, offsets = self._shard(row // self.shard_rows)
         r = row % self.shard_rows
         lo, hi = offsets[r], offsets[r + 1]
-        return {"hidden": f.get_slice("hidden")[lo:hi], "input_ids": f.get_slice("input_ids")[lo:hi],
-                "loss_mask": f.get_slice("loss_mask")[lo:hi]}
+        row = {"hidden": f.get_slice("hidden")[lo:hi], "input_ids": f.get_slice("input_ids")[lo:hi],
+               "loss_mask": f.get_slice("loss_mask")[lo:hi]}
+        if self.manifest.get("aux_layers"):
+            row["aux"] = f.get_slice("aux")[lo:hi]
+        return row
 
 
 def collate_cached(rows: list[dict[str, torch.Tensor]], pad_id: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -187,6 +205,11 @@ def collate_cached(rows: list[dict[str, torch.Tensor]], pad_id: int, dtype: torc
     for i, r in enumerate(rows):
         hidden[i, : r["hidden"].shape[0]] = r["hidden"].to(dtype)
     batch["hidden"] = hidden
+    if "aux" in rows[0]:  # EAGLE-3's aux layers [B, T, k*d], zeros on padding like hidden
+        aux = torch.zeros(b, t, rows[0]["aux"].shape[-1], dtype=dtype)
+        for i, r in enumerate(rows):
+            aux[i, : r["aux"].shape[0]] = r["aux"].to(dtype)
+        batch["aux"] = aux
     return batch
 
 

@@ -119,6 +119,10 @@ def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, 
     n_ids = prompt.numel()
     backend.reset(room)
     drafter.reset()
+    # EAGLE-3 reads aux base layers: have the backend capture them (and stop capturing for other drafters).
+    aux_layers = tuple(getattr(drafter, "aux_layers", None) or ())
+    if aux_layers or backend.aux_layers:
+        backend.set_aux_layers(aux_layers)
 
     _sync(dev)
     t0 = time.perf_counter()
@@ -128,13 +132,14 @@ def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, 
     result = GenerationResult(tokens=[root], accepted_lengths=[], prompt_len=prompt.numel(),
                               prefill_time=time.perf_counter() - t0)
     new_hidden, new_ids = hidden, prompt
+    new_aux = backend.last_aux if aux_layers else None
     stopped = root in eos or max_new_tokens <= 1
     if root in eos:
         result.stop_reason = "eos"
 
     while not stopped:
         state = DecodeState(ids=ids[:n_ids], root=root, new_hidden=new_hidden, new_ids=new_ids,
-                            temperature=temperature, top_p=top_p, generator=generator)
+                            temperature=temperature, top_p=top_p, generator=generator, new_aux=new_aux)
         t0 = time.perf_counter()
         tree = drafter.propose(state)
         _sync(dev)
@@ -169,6 +174,8 @@ def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, 
         ids[n_ids : n_ids + committed.numel()] = committed
         n_ids += committed.numel()
         new_hidden, new_ids, root = hidden[acc.path.to(hidden.device)], committed, acc.bonus
+        if aux_layers:
+            new_aux = backend.last_aux[acc.path.to(backend.last_aux.device)]
     return result
 
 

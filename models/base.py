@@ -172,6 +172,41 @@ def last_hidden_and_logits(
     return hidden, logits
 
 
+@torch.no_grad()
+def last_hidden_and_aux(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    layer_ids: list[int],
+    **model_kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like `last_hidden_and_logits`, plus the residual stream after the base layers `layer_ids`:
+    (h [B, T, d] after the final norm, aux [B, T, len(layer_ids)·d], layer by layer in the given order).
+
+    Id l = HF's `output_hidden_states[l]`: the embeddings for l = 0, the output of decoder layer l-1 (before
+    the final norm) for 1 <= l < L; this is vLLM's EAGLE-3 aux convention. l = L is refused: HF returns it
+    after the final norm, vLLM before.
+    """
+    n_layers = int(model.config.num_hidden_layers)
+    bad = [i for i in layer_ids if not 0 <= int(i) < n_layers]
+    if bad or not layer_ids:
+        raise ValueError(f"aux layer ids {list(layer_ids)}: each must be in [0, {n_layers - 1}] for this "
+                         f"{n_layers}-layer base (id l = the output of l layers); fix draft.aux_layers")
+    model_kwargs.setdefault("use_cache", False)
+    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                          **model_kwargs)
+    aux = torch.cat([out.hidden_states[int(i)] for i in layer_ids], dim=-1)
+    return out.last_hidden_state, aux
+
+
+def draft_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 aux_layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a draft trains on: (h [B, T, d], aux [B, T, k·d] or None when `aux_layers` is None/empty)."""
+    if not aux_layers:
+        return last_hidden_and_logits(model, input_ids, attention_mask)[0], None
+    return last_hidden_and_aux(model, input_ids, attention_mask, aux_layers)
+
+
 # ----------------------------------------------------------------------------------------------
 # Fingerprint.
 

@@ -37,6 +37,9 @@ class DraftBatch:
     hidden: torch.Tensor  # [B, T, d] base last hidden state after the final norm (h_t), no grad
     input_ids: torch.Tensor  # [B, T]
     loss_mask: torch.Tensor  # [B, T] 1 on assistant tokens
+    # [B, T, k*d] the base's residual stream after the layers a family asks for (EAGLE-3's draft.aux_layers,
+    # HF output_hidden_states[l]), side by side in that order; None for families that read h alone.
+    aux_hidden: torch.Tensor | None = None
 
 
 @dataclass

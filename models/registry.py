@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from models.ctc import CTCDraft
+from models.eagle3 import Eagle3Draft
 from models.hydra import HydraDraft
 from models.medusa import MedusaDraft
 from models.redrafter import ReDrafterDraft
@@ -12,4 +13,5 @@ DRAFTERS = {
     "redrafter": ReDrafterDraft,
     "ctc": CTCDraft,
     "hydra": HydraDraft,
+    "eagle3": Eagle3Draft,
 }

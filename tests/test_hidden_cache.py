@@ -116,3 +116,53 @@ def test_training_from_the_cache_matches_online_training(tmp_path):
     online, cached = losses("online"), losses("cached")
     assert len(online) == 3
     assert cached == pytest.approx(online, rel=1e-4)
+
+
+# ---- EAGLE-3: the cache also stores the aux layers ------------------------------------------------
+
+
+def test_aux_layers_are_cached_exactly_and_counted(tiny_data, tmp_path):
+    from models.base import last_hidden_and_aux
+
+    base, ds = tiny_data
+    directory = _build(base, ds, tmp_path / "c", aux_layers=[1, 0])
+    cache = HiddenCache(directory)
+    assert cache.manifest["aux_layers"] == [1, 0]
+    for i in (0, 4, len(ds) - 1):
+        ids = torch.tensor(ds[i]["input_ids"])[None]
+        h, aux = last_hidden_and_aux(base.model, ids, None, [1, 0])
+        torch.testing.assert_close(cache[i]["hidden"], h[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache[i]["aux"], aux[0], rtol=1e-5, atol=1e-5)
+    on_disk = sum(p.stat().st_size for p in directory.glob("shard-*.safetensors"))
+    estimate = estimate_bytes(ds, base.model.config.hidden_size, "fp32", num_aux=2)
+    assert 0.9 * on_disk < estimate <= on_disk  # the estimate covers h and the aux layers
+    batch = collate_cached([cache[i] for i in (1, 2)], 0, torch.float32)
+    assert batch["aux"].shape == (*batch["input_ids"].shape, 2 * base.model.config.hidden_size)
+
+
+def test_key_covers_the_aux_layer_ids(tiny_data):
+    base, ds = tiny_data
+    plain = cache_key(base.fingerprint, torch.float32, ds, "bf16")
+    assert cache_key(base.fingerprint, torch.float32, ds, "bf16", []) == plain  # no aux = the old key
+    a = cache_key(base.fingerprint, torch.float32, ds, "bf16", [0, 1])
+    assert a not in (plain, cache_key(base.fingerprint, torch.float32, ds, "bf16", [1, 0]))
+
+
+def test_eagle3_training_from_the_cache_matches_online_training(tmp_path):
+    from train.loop import train
+
+    recipe = ["configs/eagle3.yaml", "configs/smoke.yaml"]
+    common = ["train.max_steps=4", "train.log_every=2", "train.val_batches=0", f"data.cache_dir={tmp_path / 'd'}"]
+    train(load_train_config(recipe, [f"run_dir={tmp_path / 'online'}", *common]))
+    train(load_train_config(recipe, [f"run_dir={tmp_path / 'cached'}", "data.hidden_cache=auto",
+                                     "data.hidden_cache_dtype=fp32", *common]))
+    manifests = list((tmp_path / "d" / "hidden").glob("*/manifest.json"))
+    assert len(manifests) == 1 and json.loads(manifests[0].read_text())["aux_layers"] == [0, 1]
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    online, cached = losses("online"), losses("cached")
+    assert len(online) == 2
+    assert cached == pytest.approx(online, rel=1e-4)

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="convert a run's export to another format")
     p.add_argument("--run", required=True, help="the run directory (runs/<run>)")
-    p.add_argument("--format", required=True, choices=["specdraft", "medusa", "redrafter-trtllm"])
+    p.add_argument("--format", required=True, choices=["specdraft", "medusa", "redrafter-trtllm", "speculators"])
     p.add_argument("--out", required=True, help="output directory")
 
     p = sub.add_parser("self-distill", help="regenerate ShareGPT answers with the base (Medusa-2 self-distillation)")
@@ -107,6 +107,10 @@ def cmd_export(args) -> int:
         from train.export_redrafter import export_redrafter_trtllm
 
         out = export_redrafter_trtllm(draft, Path(args.out), config["base_model"], view)
+    elif args.format == "speculators":  # EAGLE-3 as vLLM serves it (method: eagle3)
+        from train.export_speculators import export_speculators
+
+        out = export_speculators(draft, Path(args.out), config["base_model"])
     else:
         extra = {k: v for k, v in config.items() if k not in draft.export_config()}
         out = export_specdraft(draft, Path(args.out), config["base_model"], base.fingerprint, extra=extra)

@@ -49,6 +49,8 @@ class DraftSection:
     rnn: bool = True  # ReDrafter: False = the no-RNN ablation s_i = s_{i-1} + e(x_{t+i})
     num_frames: int = 6  # CTC drafter: M frames, each over V+1 classes (the extra one is the blank)
     vocab_size: int = 0  # draft vocabulary: N most frequent target tokens (data/draft_vocab.py); 0 = all V
+    aux_layers: list[int] = field(default_factory=list)  # EAGLE-3: base layer ids fused by fc; [] = [2, L//2, L-3]
+    ttt_steps: int = 3  # EAGLE-3: training-time-test unroll (1..7); one reported depth per step
 
 
 @dataclass
@@ -154,6 +156,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if d.family == "hydra" and d.num_layers < 1:
         _fail("draft.num_layers", d.num_layers, "a Hydra head needs its first block (it maps the (k+1)·d input "
               "to d); use 1 (Hydra) or 4 (Hydra++)")
+    if d.family == "eagle3":
+        if not 1 <= d.ttt_steps <= 7:
+            _fail("draft.ttt_steps", d.ttt_steps, "EAGLE-3 unrolls 1..7 training-time-test steps (default 3)")
+        if d.num_heads != d.ttt_steps:
+            _fail("draft.num_heads", d.num_heads, f"EAGLE-3 reports one depth per TTT step: set draft.num_heads="
+                  f"{d.ttt_steps} (= draft.ttt_steps), as configs/eagle3.yaml does")
+        if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
+            _fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
+        if cfg.deepspeed.zero_stage == 3:
+            _fail("deepspeed.zero_stage", 3, "EAGLE-3's loss reads its LM-head weight directly; use stage 0-2")
     if t.lr <= 0:
         _fail("train.lr", t.lr, "the learning rate must be > 0 (Medusa uses 1e-3)")
     if t.micro_batch_size < 1:

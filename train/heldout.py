@@ -8,7 +8,7 @@ import torch
 
 from data.dataset import collate
 from data.targets import offset_labels
-from models.base import last_hidden_and_logits
+from models.base import draft_inputs
 from models.draft import DepthStats, DraftBatch, estimated_acceptance_length
 
 
@@ -29,8 +29,9 @@ def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype
     for start in range(0, n_rows, mb):
         batch = collate([val_ds[i] for i in range(start, min(start + mb, n_rows))], pad_id)
         ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
-        hidden = last_hidden_and_logits(base_model, ids, attn)[0].to(dtype)
-        out = draft.loss(DraftBatch(hidden, ids, mask), view, cfg.loss)
+        hidden, aux = draft_inputs(base_model, ids, attn, getattr(draft, "aux_layers", None))
+        aux = aux.to(dtype) if aux is not None else None
+        out = draft.loss(DraftBatch(hidden.to(dtype), ids, mask, aux), view, cfg.loss)
         for k in range(K):
             totals[k].add(out.per_depth[k])
             labels = offset_labels(ids, mask, 2 + k)

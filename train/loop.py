@@ -26,7 +26,7 @@ from data.dataset import build_datasets, collate
 from data.draft_vocab import build_draft_vocab, vocab_report
 from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
 from data.self_distill import build_self_distilled, train_data_entry
-from models.base import default_cache_dir, last_hidden_and_logits, load_base
+from models.base import default_cache_dir, draft_inputs, load_base
 from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
 from models.registry import DRAFTERS
 from train import checkpoint
@@ -55,8 +55,8 @@ class LossStep(nn.Module):
         self.draft = draft
         self.view, self.loss_cfg = view, loss_cfg
 
-    def forward(self, hidden, input_ids, loss_mask):
-        return self.draft.loss(DraftBatch(hidden, input_ids, loss_mask), self.view, self.loss_cfg)
+    def forward(self, hidden, input_ids, loss_mask, aux_hidden=None):
+        return self.draft.loss(DraftBatch(hidden, input_ids, loss_mask, aux_hidden), self.view, self.loss_cfg)
 
 
 def _setup_logging(info: DistInfo) -> None:
@@ -126,6 +126,7 @@ def train(cfg: TrainConfig) -> Path:
 
     torch.manual_seed(cfg.train.seed)  # same initial draft on every rank
     draft = DRAFTERS[cfg.draft.family].from_config(cfg.draft, view)
+    aux_layers = list(getattr(draft, "aux_layers", None) or [])  # base layers the draft reads besides h
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                       info.rank, info.world_size, cfg.train.seed)
@@ -191,12 +192,16 @@ def train(cfg: TrainConfig) -> Path:
                 ids = batch["input_ids"].to(info.device)
                 attn = batch["attention_mask"].to(info.device)
                 mask = batch["loss_mask"].to(info.device)
+                aux = None  # EAGLE-3: the base's aux layers [B, T, k*d] (draft.aux_layers)
                 if hidden_cache is not None:
                     hidden = batch["hidden"].to(info.device)
+                    if aux_layers:
+                        aux = batch["aux"].to(info.device)
                 else:
-                    hidden, _ = last_hidden_and_logits(base.model, ids, attn)  # [B, T, d], no [B, T, V] logits
+                    hidden, aux = draft_inputs(base.model, ids, attn, aux_layers)  # [B, T, d], no [B, T, V] logits
                     hidden = hidden.to(compute_dtype)
-                out = engine(hidden, ids, mask)
+                    aux = aux.to(compute_dtype) if aux is not None else None
+                out = engine(hidden, ids, mask, aux) if aux is not None else engine(hidden, ids, mask)
                 engine.backward(out.loss)
                 if engine.is_gradient_accumulation_boundary():
                     grad_norm = _grad_norm(engine, draft)
@@ -278,7 +283,8 @@ def _draft_vocab(cfg, base, train_ds) -> torch.Tensor | None:
 
 def _hidden_cache(cfg, base, train_ds, info) -> HiddenCache:
     """Build (rank 0; resumable) or open the hidden-state cache of this run's train rows (DESIGN.md §6)."""
-    key = cache_key(base.fingerprint, base.model.dtype, train_ds, cfg.data.hidden_cache_dtype)
+    aux_layers = resolve_aux_layers(cfg, base.model)
+    key = cache_key(base.fingerprint, base.model.dtype, train_ds, cfg.data.hidden_cache_dtype, aux_layers)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     directory = resolve_cache_dir(cfg.data.hidden_cache, root, key)
     if info.is_main:
@@ -286,13 +292,19 @@ def _hidden_cache(cfg, base, train_ds, info) -> HiddenCache:
         build_hidden_cache(base.model, train_ds, directory, pad_id=pad_id, device=info.device,
                            micro_batch_size=cfg.train.micro_batch_size, cache_dtype=cfg.data.hidden_cache_dtype,
                            info={"key": key, "base": base.name, "base_fingerprint": base.fingerprint,
-                                 "base_dtype": str(base.model.dtype)})
+                                 "base_dtype": str(base.model.dtype)}, aux_layers=aux_layers)
     cache = HiddenCache(directory)
     if cache.manifest.get("key") != key or len(cache) != len(train_ds):
         raise ValueError(f"hidden-state cache {directory} does not match this run's train set or base (key "
                          f"{cache.manifest.get('key')} vs {key}); delete it or use data.hidden_cache=auto")
     log.info("training from the hidden-state cache %s (%d rows, base forward skipped)", directory, len(cache))
     return cache
+
+
+def resolve_aux_layers(cfg, model) -> list[int]:
+    """Base layers the configured family reads besides h (EAGLE-3: draft.aux_layers or its default); [] else."""
+    resolve = getattr(DRAFTERS[cfg.draft.family], "resolve_aux_layers", None)
+    return resolve(cfg.draft, model) if resolve is not None else []
 
 
 def _test_crash_hook(step: int) -> None:

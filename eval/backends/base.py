@@ -17,6 +17,25 @@ class BaseBackend(ABC):
     vocab_size: int
     hidden_size: int
     device: torch.device
+    # EAGLE-3 reads the base's residual stream after some layers (HF output_hidden_states[l]). After
+    # set_aux_layers(ids), every prefill / forward_tree also leaves last_aux [N, len(ids)*d] (layer by layer in
+    # the given order) for the rows it returned; () = off (the default: no extra work).
+    aux_layers: tuple[int, ...] = ()
+    last_aux: torch.Tensor | None = None
+
+    def set_aux_layers(self, ids) -> None:
+        """Capture the residual stream after base layers `ids` on every forward (see `aux_layers`)."""
+        if tuple(ids):
+            raise NotImplementedError(f"{type(self).__name__} cannot return aux hidden states (EAGLE-3); use "
+                                      "backend=hf or backend=fast")
+        self.aux_layers, self.last_aux = (), None
+
+    def _check_aux_ids(self, ids, num_layers: int) -> tuple[int, ...]:
+        ids = tuple(int(i) for i in ids)
+        if any(not 0 <= i < num_layers for i in ids):
+            raise ValueError(f"aux layer ids {list(ids)} must lie in [0, {num_layers - 1}] for this "
+                             f"{num_layers}-layer base; the draft was trained on another base?")
+        return ids
 
     @abstractmethod
     def reset(self, max_len: int) -> None:

@@ -22,6 +22,7 @@ The slow reference twin is the `hf` backend; `tests/test_eval_fast_backend.py` c
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 from contextlib import contextmanager
 
@@ -38,6 +39,8 @@ _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 # Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases may be None).
 _LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+
+log = logging.getLogger("specdraft.eval")
 
 
 def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
@@ -166,6 +169,8 @@ class _LlamaCore(nn.Module):
         self.attn_scaling = float(getattr(rot, "attention_scaling", 1.0))
         self.inv_freq = inv_freq
         self.dtype, self.device = dtype, device
+        self.aux_layers: tuple[int, ...] = ()  # EAGLE-3 aux capture (FastLlamaBackend.set_aux_layers)
+        self.last_aux: torch.Tensor | None = None
         self.capacity = 0
         self.allocate(capacity)
 
@@ -217,7 +222,10 @@ class _LlamaCore(nn.Module):
             # addresses for CUDA graphs), not as loose tensors it would copy in on every replay.
             layers = self._layer_tensors()
             caches = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
-        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd), (kc, vc) in zip(layers, caches):
+        aux_ids, aux = self.aux_layers, []
+        for i, ((ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd), (kc, vc)) in enumerate(zip(layers, caches)):
+            if i in aux_ids:  # EAGLE-3: the residual stream after i layers, before layer i
+                aux.append(x)
             h = F.rms_norm(x, dims, ln1, eps)
             qkv = _mm(h, wqkv, bqkv).view(n, H + 2 * Hkv, hd)
             # RoPE on q and k together (adjacent heads of the fused output): x*cos + rot(x)*sin.
@@ -238,6 +246,9 @@ class _LlamaCore(nn.Module):
             x = _mm(F.silu(gate).mul_(up), wd, bd, residual=x)
         hidden = F.rms_norm(x, dims, self.final_norm, eps)
         logits = torch.mm(hidden, self.lm_head_t).float()  # full vocab for every node: [N, V]
+        if aux_ids:  # [N, k*d] in aux_ids' order (collected in layer order); eager path only, see set_aux_layers
+            found = dict(zip(sorted(aux_ids), aux))
+            self.last_aux = torch.cat([found[i] for i in aux_ids], -1)
         return logits, hidden
 
     def group_mask(self, mask: torch.Tensor) -> torch.Tensor:
@@ -300,6 +311,17 @@ class FastLlamaBackend(BaseBackend):
         self._max_len = max_len
         self._len = 0
         self._last_n = 0  # nodes of the last forward_tree, awaiting commit
+
+    def set_aux_layers(self, ids) -> None:
+        ids = self._check_aux_ids(ids, self._core.n_layers)
+        if ids and self.compile:
+            # The capture writes a module attribute, which a compiled graph / CUDA graph replay would not do:
+            # run this backend's steps eagerly from now on (static shapes stay, so padding logic is unchanged).
+            log.warning("fast backend: EAGLE-3 aux states are captured on the eager path; torch.compile is off "
+                        "for this backend from now on")
+            self._step, self.compile = self._core.forward, False
+        self.aux_layers = self._core.aux_layers = ids
+        self.last_aux = self._core.last_aux = None
 
     def _capacity_for(self, max_len: int) -> int:
         # Static mode pads a tree up to a power of two; the padding's K/V land in spare slots past
@@ -364,6 +386,7 @@ class FastLlamaBackend(BaseBackend):
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
         # Eager even in static mode: prompt lengths vary, a graph per length would not pay off.
         logits, hidden = self._core(ids, pos, pos, self._core.group_mask(causal), t)
+        self.last_aux = self._core.last_aux
         self._len = t
         self._last_n = 0
         return logits, hidden
@@ -395,6 +418,7 @@ class FastLlamaBackend(BaseBackend):
                 mask = self._core.group_mask(mask)
             # Not self._step: a compiled step is specialised to the static shapes.
             logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len)
+            self.last_aux = self._core.last_aux
         self._last_n = n
         return logits, hidden
 
@@ -413,6 +437,8 @@ class FastLlamaBackend(BaseBackend):
         idx = torch.arange(n, b, device=dev)
         mask[idx, c + idx] = True
         logits, hidden = self._step(tok, pos, slots, self._core.group_mask(mask), cap)
+        if self.aux_layers:
+            self.last_aux = self._core.last_aux[:n]
         # Copy out of CUDA-graph-owned memory before the next replay overwrites it.
         return logits[:n].clone(), hidden[:n].clone()
 

@@ -114,9 +114,15 @@ class HFBackend(BaseBackend):
         n = self._len
         return [(layer.keys[0, :, :n], layer.values[0, :, :n]) for layer in self._cache.layers]
 
+    def set_aux_layers(self, ids) -> None:
+        self.aux_layers = self._check_aux_ids(ids, int(self.model.config.num_hidden_layers))
+        self.last_aux = None
+
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         out = self.decoder(input_ids=ids[None], attention_mask=mask, position_ids=pos[None],
-                           past_key_values=self._cache, use_cache=True)
+                           past_key_values=self._cache, use_cache=True, output_hidden_states=bool(self.aux_layers))
+        if self.aux_layers:  # hidden_states[l] = output of l layers (0 = embeddings): [T, k*d]
+            self.last_aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layers], dim=-1)
         return out.last_hidden_state[0]  # [T, d], after the final norm
 
     def _need_cache(self) -> None:

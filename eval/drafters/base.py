@@ -28,6 +28,8 @@ class DecodeState:
                 whose distribution produced `root`. Drafters with their own KV cache (Hydra++ prefix
                 layer, CTC attention module) append exactly these rows.
     new_ids     [n] long: the tokens of those rows (= ids[-n:])
+    new_aux     [n, k*d] or None: the same rows' residual stream after the base layers the drafter lists in
+                its `aux_layers` (EAGLE-3); None for drafters without aux_layers
     temperature, top_p, generator: the sampling setup, for drafters that sample their drafts
                 (they must warp with eval.sampling.warp and put q in Tree.draft_probs)
     """
@@ -39,6 +41,7 @@ class DecodeState:
     temperature: float = 0.0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    new_aux: torch.Tensor | None = None
 
     @property
     def last_hidden(self) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from eval.drafters.ctc import CTCDrafter
+from eval.drafters.eagle3 import Eagle3Drafter
 from eval.drafters.hydra import HydraDrafter
 from eval.drafters.medusa import MedusaDrafter
 from eval.drafters.redrafter import ReDrafterDrafter
@@ -65,8 +66,24 @@ def _ctc(draft, export_cfg: dict, eval_cfg):
                      "max_nodes": drafter.max_nodes}
 
 
+def _eagle3(draft, export_cfg: dict, eval_cfg):
+    """eval extra: eagle3_mode chain|tree (default tree), chain_length K (default 4), tree_topk / tree_depth /
+    tree_nodes (default 4 / 4 / 16, root counted: the size tree16 has on this CPU), else the export's keys.
+    The tree is built per step from the draft's scores, so eval's `tree` / `tree_choices` do not apply."""
+    def opt(key, default):
+        return eval_cfg.extra.get(key, export_cfg.get(key, default))
+
+    drafter = Eagle3Drafter(draft, mode=str(opt("eagle3_mode", "tree")), chain_length=int(opt("chain_length", 4)),
+                            tree_topk=int(opt("tree_topk", 4)), tree_depth=int(opt("tree_depth", 4)),
+                            tree_nodes=int(opt("tree_nodes", 16)))
+    info = {"eagle3_mode": drafter.mode, "max_nodes": drafter.max_nodes}
+    info.update({"chain_length": drafter.chain_length} if drafter.mode == "chain" else
+                {"tree_topk": drafter.tree_topk, "tree_depth": drafter.tree_depth, "tree_nodes": drafter.tree_nodes})
+    return drafter, info
+
+
 DRAFTER_BUILDERS = {"medusa": _static_tree("medusa", MedusaDrafter), "hydra": _static_tree("hydra", HydraDrafter),
-                    "redrafter": _redrafter, "ctc": _ctc}
+                    "redrafter": _redrafter, "ctc": _ctc, "eagle3": _eagle3}
 
 
 def build_drafter(draft, export_cfg: dict, eval_cfg):

@@ -1,0 +1,481 @@
+"""EAGLE-3: fused low/mid/high base features + one decoder layer, autoregressive in feature space
+(DESIGN.md §5; the layout is the one `speculators` trains and vLLM serves, see train/export_speculators.py).
+
+At base position t (the base has committed x_0..x_t and its aux states at t are known):
+
+    g_t   = fc([a_t^(l1); a_t^(l2); a_t^(l3)])      aux = the base's residual stream after layers l1, l2, l3
+                                                      (HF `output_hidden_states[l]`), k·d -> d, no bias
+    x     = [input_layernorm(e(x_{t+1})); hidden_norm(g_t)]            [2d]  (e = frozen base embedding)
+    a     = g_t + o_proj(Attn(q, k, v = W_{q,k,v} x))                 q/k/v projections read 2d
+    out_t = a + MLP(post_attention_layernorm(a))                       [d], the layer's "pre-norm" output
+    logits = lm_head(norm(out_t))                                      over the draft vocabulary (N rows)
+
+predicts x_{t+2} (depth 1). Depth k+1 feeds the layer its own previous output and the next token:
+input (e(token at depth k), out of depth k) at position t+k, attending to every committed position's
+depth-1 ("step 0") key and to its own ancestors' keys. This is the training-time test (TTT) unroll:
+
+    step j = 0..T-1, row t: token x_{t+1+j} (data; teacher forcing on tokens, own states, as speculators
+    and the EAGLE-3 code), hidden = out of step j-1 (g_t for j = 0), position t+j; attention = step-0
+    keys of rows 0..t (causal) + the step-i keys of row t itself for i = 1..j; target x_{t+2+j}, teacher
+    = the base's distribution at t+1+j restricted to the draft vocabulary.
+
+`ttt_attention` computes that mask without materialising it ([T, T+j] scores: the causal block and j
+diagonal terms); `ttt_attention_reference` is its slow twin with the dense [T, (j+1)T] mask (the
+parity test in tests/test_eagle3.py).
+
+Positions: row t sits at position t (vLLM's convention; speculators trains at t+1: RoPE only sees
+differences, so the two agree exactly). Residual: the raw fc output (speculators' default
+`norm_before_residual: false`, written explicitly into the speculators export because vLLM's loader
+defaults the key to true).
+
+Initialisation (our choice; speculators starts the layer at random): the layer is a copy of the base's
+last decoder layer with its q/k/v weights on both input halves and o_proj / down_proj at zero, fc picks
+the highest aux layer, norm and lm_head come from the base. A fresh draft therefore predicts
+lm_head(norm(a_t^(l3))), roughly the base's own next-token guess, and training grows from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from data.targets import offset_labels
+from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
+from losses.ttt import ttt_step_weights, ttt_weighted_loss
+from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
+from models.vocab_map import check_fits, inverse_map, restrict_rows, to_draft_labels
+
+MAX_TTT_STEPS = 7
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """speculators' / vLLM's default [2, L//2, L-3], clamped to [0, L-1] and deduplicated (a 2-layer
+    test base gets [0, 1]). Id l = the residual stream after l base layers (0 = the embeddings)."""
+    return sorted({min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)})
+
+
+def check_aux_layers(ids: list[int], num_layers: int) -> list[int]:
+    ids = [int(i) for i in ids]
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_layers:
+        raise ValueError(f"draft.aux_layers={ids}: give distinct base layer ids in [0, {num_layers - 1}] (id l = "
+                         f"the output of l base layers; the last layer's output is post-norm in HF and not "
+                         f"allowed), or [] for the default {default_aux_layers(num_layers)}")
+    return ids
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LLaMA RMSNorm, computed in fp32 like transformers/vLLM: [..., d] -> [..., d] in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """GQA: [B, H_kv, n, hd] -> [B, H_kv * groups, n, hd] (query head h uses K/V head h // groups)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Attention of TTT step j = len(keys) - 1 without the dense mask.
+
+    q [B, H, T, hd] (step j's queries, RoPE applied); keys / values: j+1 tensors [B, H, T, hd] (GQA
+    already expanded), keys[0] = step 0's (every committed row), keys[i] = step i's at the same rows.
+    Row t attends to keys[0][:, :, :t+1] (causal) and to keys[i][:, :, t] for i = 1..j (itself and its
+    own earlier steps). Returns [B, H, T, hd]. Scores [B, H, T, T+j] in fp32.
+    """
+    t, hd = q.shape[2], q.shape[3]
+    scale = hd ** -0.5
+    qf = q.float()
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    s0 = (qf @ keys[0].float().transpose(-1, -2)) * scale  # [B, H, T, T]
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    diag = [(qf * k.float()).sum(-1, keepdim=True) * scale for k in keys[1:]]  # j x [B, H, T, 1]
+    p = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)  # [B, H, T, T+j]
+    out = p[..., :t] @ values[0].float()
+    for i, v in enumerate(values[1:]):
+        out = out + p[..., t + i:t + i + 1] * v.float()
+    return out.to(q.dtype)
+
+
+def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Slow twin of `ttt_attention`: all steps' keys side by side [B, H, (j+1)T, hd] and the dense bool
+    mask [T, (j+1)T] = [tril | I | ... | I] (speculators' flex-attention mask), through sdpa."""
+    t = q.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=q.device)
+    mask = torch.cat([causal] + [eye] * (len(keys) - 1), dim=1)
+    return F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
+
+
+class Eagle3Attention(nn.Module):
+    """LLaMA attention whose q/k/v read the 2d-wide input. Names match HF / speculators (q_proj, ...)."""
+
+    def __init__(self, config):
+        super().__init__()
+        d = int(config.hidden_size)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or d // self.num_heads)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(2 * d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(2 * d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(2 * d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, n, 2d], cos/sin [B or 1, n, hd] -> q [B, H, n, hd], k / v [B, H_kv, n, hd] (RoPE on q, k)."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """[B, H, n, hd] -> [B, n, d]."""
+        b, _, n, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, i = int(config.hidden_size), int(config.intermediate_size)
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(d, i, bias=bias)
+        self.up_proj = nn.Linear(d, i, bias=bias)
+        self.down_proj = nn.Linear(i, d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    """The one decoder layer (speculators' `layers.0`): two input norms, 2d-wide attention, MLP."""
+
+    def __init__(self, config):
+        super().__init__()
+        d, eps = int(config.hidden_size), float(config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(d, eps)  # on the feature (fc output or the previous step's output)
+        self.self_attn = Eagle3Attention(config)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.mlp = Eagle3MLP(config)
+
+    def pre(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """emb, hidden [B, n, d] -> (attention input [B, n, 2d] = [norm(emb); norm(hidden)], residual = hidden)."""
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1), hidden
+
+    def post(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attention output [B, n, d] (after o_proj) + residual -> the layer output [B, n, d] (pre final norm)."""
+        a = residual + attn
+        return a + self.mlp(self.post_attention_layernorm(a))
+
+
+@dataclass
+class Eagle3Cache:
+    """The draft layer's own KV cache of committed positions (batch 1): step-0 keys/values
+    [1, H_kv, capacity, hd], rows [:length] valid. Grows by doubling."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = int(k.shape[2])
+        end = self.length + n
+        if end > self.keys.shape[2]:
+            cap = max(end, 2 * int(self.keys.shape[2]))
+            grow = (1, self.keys.shape[1], cap, self.keys.shape[3])
+            keys, values = self.keys.new_zeros(grow), self.values.new_zeros(grow)
+            keys[:, :, :self.length] = self.keys[:, :, :self.length]
+            values[:, :, :self.length] = self.values[:, :, :self.length]
+            self.keys, self.values = keys, values
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.length = end
+
+
+class Eagle3Draft(DraftModel):
+    family = "eagle3"
+
+    def __init__(self, base: BaseView, aux_layers: list[int] | None = None, ttt_steps: int = 3,
+                 init_from_base: bool = True, share_lm_head: bool = False):
+        super().__init__()
+        if base.model is None:
+            raise ValueError("EAGLE-3 builds a decoder layer of the base's architecture, but this BaseView has no "
+                             "`.model`; build it with BaseView.from_model(base_model)")
+        config = base.model.config
+        if not 1 <= ttt_steps <= MAX_TTT_STEPS:
+            raise ValueError(f"draft.ttt_steps={ttt_steps}: EAGLE-3 unrolls 1..{MAX_TTT_STEPS} steps (default 3)")
+        body = getattr(base.model, "model", None)
+        n_layers = int(config.num_hidden_layers)
+        self.aux_layers = check_aux_layers(aux_layers or default_aux_layers(n_layers), n_layers)
+        self.ttt_steps = int(ttt_steps)
+        self.num_heads = self.ttt_steps  # one reported depth per TTT step (the loop's per-depth table)
+        d = int(config.hidden_size)
+        self.hidden_size, self.vocab_size = d, int(base.vocab_size)
+        self.eps = float(config.rms_norm_eps)
+        self.layer_config = config  # read by the speculators export (transformer_layer_config); not a module
+
+        d2t = base.draft_vocab
+        if d2t is not None:
+            d2t = d2t.detach().to("cpu", torch.long).clone()
+            check_fits(d2t, self.vocab_size)
+        self.draft_vocab_size = 0 if d2t is None else int(d2t.numel())
+        n_out = self.draft_vocab_size or self.vocab_size
+
+        self.fc = nn.Linear(len(self.aux_layers) * d, d, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(config)])  # speculators / vLLM name it layers.0
+        self.norm = RMSNorm(d, self.eps)
+        self.lm_head = nn.Linear(d, n_out, bias=False)
+        self.register_buffer("d2t", d2t, persistent=True)  # None (absent from state_dict) = full vocabulary
+        self.register_buffer("t2d", None if d2t is None else inverse_map(d2t, self.vocab_size), persistent=False)
+        # Frozen base input embedding [V, d]: never trained, never exported (vLLM shares the base's).
+        self.register_buffer("embed", base.embed_weight, persistent=False)
+
+        rotary = getattr(body, "rotary_emb", None)
+        if rotary is None:
+            raise ValueError(f"{type(base.model).__name__} has no `.model.rotary_emb`; EAGLE-3 needs a LLaMA-style "
+                             "causal LM (LlamaForCausalLM, Qwen2, Mistral, ...)")
+        # RoPE frequencies kept in fp32 outside the buffers (a bf16 cast would shift every angle).
+        fresh = type(rotary)(config=config)
+        self._inv_freq = fresh.inv_freq.detach().float().cpu().clone()
+        self._rope_scale = float(getattr(fresh, "attention_scaling", 1.0))
+        attn = self.layers[0].self_attn
+        self.groups = attn.num_heads // attn.num_kv_heads
+
+        # share_lm_head: the head keeps the base's rows, frozen (fewer trainable parameters; still a real
+        # tensor of the draft because speculators / vLLM load the draft's own lm_head.weight).
+        self.share_lm_head = bool(share_lm_head)
+        self.lm_head.weight.requires_grad_(not self.share_lm_head)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(restrict_rows(base.lm_head_weight, d2t))
+            if init_from_base:
+                self._init_from_base(body, d)
+
+    def _init_from_base(self, body, d: int) -> None:
+        """Layer = the base's last layer (q/k/v on both halves, o_proj / down_proj zero), fc = the highest
+        aux layer, norm = the base's final norm: a fresh draft predicts lm_head(norm(a^(l3)))."""
+        last = body.layers[-1]
+        layer = self.layers[0]
+        src = last.state_dict()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = src[f"self_attn.{name}.weight"]
+            getattr(layer.self_attn, name).weight.copy_(torch.cat([w, w], dim=1))
+            if getattr(layer.self_attn, name).bias is not None:
+                getattr(layer.self_attn, name).bias.copy_(src[f"self_attn.{name}.bias"])
+        for name in ("gate_proj", "up_proj"):
+            getattr(layer.mlp, name).weight.copy_(src[f"mlp.{name}.weight"])
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        for norm in ("input_layernorm", "hidden_norm"):
+            getattr(layer, norm).weight.copy_(src["input_layernorm.weight"])
+        layer.post_attention_layernorm.weight.copy_(src["post_attention_layernorm.weight"])
+        self.norm.weight.copy_(body.norm.weight)
+        self.fc.weight.zero_()
+        self.fc.weight[:, -d:].copy_(torch.eye(d))
+
+    # -- construction from configs -----------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, draft_cfg, base: BaseView) -> Eagle3Draft:
+        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.ttt_steps or 3,
+                   share_lm_head=draft_cfg.share_lm_head)
+
+    @staticmethod
+    def resolve_aux_layers(draft_cfg, model) -> list[int]:
+        """The aux layer ids a config asks for on this base (the loop and the hidden cache need them before
+        the draft exists)."""
+        n_layers = int(model.config.num_hidden_layers)
+        return check_aux_layers(list(draft_cfg.aux_layers) or default_aux_layers(n_layers), n_layers)
+
+    @classmethod
+    def from_export_config(cls, cfg: dict, base: BaseView) -> Eagle3Draft:
+        if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (base.hidden_size, base.vocab_size):
+            raise ValueError(f"the EAGLE-3 export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
+                             f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
+        n = int(cfg.get("draft_vocab_size", 0))
+        if n and base.draft_vocab is None:  # placeholder map of the right size; load_state_dict fills d2t
+            base = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model,
+                            torch.arange(n))
+        return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False,
+                   share_lm_head=cfg.get("share_lm_head", False))
+
+    def export_config(self) -> dict:
+        return {"family": self.family, "aux_layers": list(self.aux_layers), "ttt_steps": self.ttt_steps,
+                "num_heads": self.ttt_steps, "draft_vocab_size": self.draft_vocab_size,
+                "share_lm_head": self.share_lm_head,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # t2d is derived from d2t (non-persistent): rebuild it whenever a map comes in.
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.d2t is not None:
+            self.t2d = inverse_map(self.d2t, self.vocab_size)
+        return result
+
+    # -- pieces shared by training and inference ---------------------------------------------------------
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B or 1, n] long -> (cos, sin) [B or 1, n, hd] (HF rotate-half layout)."""
+        inv = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., k·d] (the base's aux layers side by side, in aux_layers order) -> g [..., d]."""
+        if aux.shape[-1] != self.fc.in_features:
+            raise ValueError(f"EAGLE-3 expects aux hidden states [..., {self.fc.in_features}] (layers "
+                             f"{self.aux_layers} x d={self.hidden_size}), got {tuple(aux.shape)}")
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        """Layer output [..., d] -> the LM head's input norm(out)."""
+        return self.norm(out)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Layer output [..., d] -> logits over the draft vocabulary [..., N] (draft ids)."""
+        return self.lm_head(self.head_input(out))
+
+    def to_base(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
+
+    # -- training ----------------------------------------------------------------------------------------
+
+    def ttt_unroll(self, aux: torch.Tensor, ids: torch.Tensor, steps: int, reference: bool = False
+                   ) -> list[torch.Tensor]:
+        """The TTT unroll. aux [B, T, k·d], ids [B, T] -> `steps` layer outputs [B, S, d], S = T-1.
+
+        Row t of step j: token ids[t+1+j] (0 past the end: such rows have no target), hidden = the row's
+        own step j-1 output (g_t at j = 0), position t+j. reference=True uses the dense-mask attention.
+        """
+        layer = self.layers[0]
+        attn = layer.self_attn
+        b, t = ids.shape
+        s = t - 1
+        hidden = self.fuse(aux[:, :s])  # [B, S, d]
+        pos = torch.arange(s, device=ids.device)[None]  # [1, S]
+        keys, values, outs = [], [], []
+        attend = ttt_attention_reference if reference else ttt_attention
+        for j in range(steps):
+            tok = F.pad(ids[:, 1 + j:], (0, j))[:, :s]  # [B, S]: x_{t+1+j}
+            x, residual = layer.pre(self.embed_tokens(tok).to(hidden.dtype), hidden)
+            cos, sin = self.rope(pos + j, x.dtype)
+            q, k, v = attn.qkv(x, cos, sin)
+            keys.append(expand_kv(k, self.groups))
+            values.append(expand_kv(v, self.groups))
+            hidden = layer.post(attn.out(attend(q, keys, values)), residual)  # [B, S, d]
+            outs.append(hidden)
+        return outs
+
+    def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
+        """Σ_j decay^j · mean loss of TTT step j (depth j+1, target x_{t+2+j}).
+
+        loss.teacher_weight α: (1-α)·hard CE + α·soft CE to the base's distribution at t+1+j over the draft
+        vocabulary (α = 1, the recipe: pure soft CE, the same gradients as speculators' KL). Rows whose
+        target lies outside the draft vocabulary have no draft id: they are left out of the loss and counted
+        as misses in the per-depth accuracy.
+        """
+        if batch.aux_hidden is None:
+            raise ValueError("EAGLE-3 trains on the base's aux hidden states, but the batch has none; the training "
+                             "loop fills DraftBatch.aux_hidden from base layers draft.aux_layers (or the hidden "
+                             "cache built with them)")
+        ids, hidden, mask = batch.input_ids, batch.hidden, batch.loss_mask
+        outs = self.ttt_unroll(batch.aux_hidden, ids, self.ttt_steps, reference=not loss_cfg.chunked)
+        ce = fused_linear_cross_entropy if loss_cfg.chunked else linear_cross_entropy_reference
+        alpha = float(loss_cfg.teacher_weight)
+        teacher_w = restrict_rows(base.lm_head_weight, self.d2t) if alpha > 0 else None
+        weights = ttt_step_weights(self.ttt_steps, loss_cfg.lambda0, loss_cfg.decay)
+        s = ids.shape[1] - 1
+        sums, counts, per_depth = [], [], []
+        for j, out in enumerate(outs):
+            base_labels = offset_labels(ids, mask, 2 + j)[:, :s]  # [B, S]: x_{t+2+j} or -100
+            labels, outside = to_draft_labels(base_labels, self.t2d)
+            rows, cols = (labels != -100).nonzero(as_tuple=True)  # [n]
+            teacher = {}
+            if alpha > 0:
+                teacher = {"teacher_hidden": hidden[rows, cols + 1 + j], "teacher_weight": teacher_w,
+                           "soft_weight": alpha}
+            loss_sum, stats = ce(self.head_input(out[rows, cols]), self.lm_head.weight, labels[rows, cols],
+                                 chunk_size=loss_cfg.chunk_size, **teacher)
+            sums.append(loss_sum.float())
+            counts.append(stats.count)
+            per_depth.append(DepthStats(float(loss_sum.detach()), int(stats.count) + int(outside.sum()),
+                                        int(stats.top1), int(stats.topk)))
+        return DraftLossOutput(ttt_weighted_loss(torch.stack(sums), torch.stack(counts), weights), per_depth)
+
+    # -- inference ---------------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int, device, dtype) -> Eagle3Cache:
+        attn = self.layers[0].self_attn
+        shape = (1, attn.num_kv_heads, max(1, int(capacity)), attn.head_dim)
+        zeros = torch.zeros(shape, device=device, dtype=dtype)
+        return Eagle3Cache(zeros, zeros.clone())
+
+    def commit_rows(self, cache: Eagle3Cache, aux: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Step 0 over n newly committed base positions (appended to `cache`): aux [n, k·d], next_tokens [n]
+        (the token after each position; the last one is the root) -> layer outputs [n, d].
+        Row i sits at position cache.length + i and sees every cached row and the new rows <= i."""
+        n = int(aux.shape[0])
+        past = cache.length
+        g = self.fuse(aux)[None]  # [1, n, d]
+        layer = self.layers[0]
+        x, residual = layer.pre(self.embed_tokens(next_tokens.to(g.device))[None].to(g.dtype), g)
+        cos, sin = self.rope(torch.arange(past, past + n, device=g.device)[None], x.dtype)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        cache.append(k, v)
+        mask = torch.ones(n, past + n, dtype=torch.bool, device=g.device)
+        mask[:, past:] = torch.tril(mask[:, past:])
+        keys = expand_kv(cache.keys[:, :, :past + n], self.groups)
+        vals = expand_kv(cache.values[:, :, :past + n], self.groups)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return layer.post(layer.self_attn.out(o), residual)[0]
+
+    def draft_rows(self, cache: Eagle3Cache, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                   tree_k: torch.Tensor | None, tree_v: torch.Tensor | None, visible: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Depth >= 2 rows (tree nodes), nothing committed: hidden [m, d] (each parent's output), tokens [m]
+        (each node's own token, base ids), positions [m]; tree_k / tree_v [1, H_kv, M, hd] = the keys of
+        nodes drafted earlier in this step (or None), visible [m, M] bool = which of them are each row's
+        ancestors. Each row sees the whole cache, its ancestors and itself.
+        Returns (outputs [m, d], tree_k, tree_v with these rows appended)."""
+        m = int(hidden.shape[0])
+        layer = self.layers[0]
+        x, residual = layer.pre(self.embed_tokens(tokens.to(hidden.device))[None].to(hidden.dtype), hidden[None])
+        cos, sin = self.rope(positions.to(hidden.device)[None], x.dtype)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        tree_k = k if tree_k is None else torch.cat([tree_k, k], dim=2)
+        tree_v = v if tree_v is None else torch.cat([tree_v, v], dim=2)
+        past, big_m = cache.length, int(tree_k.shape[2])
+        mask = torch.zeros(m, past + big_m, dtype=torch.bool, device=hidden.device)
+        mask[:, :past] = True
+        if visible is not None and visible.shape[1]:
+            mask[:, past:past + visible.shape[1]] = visible
+        mask[torch.arange(m), past + big_m - m + torch.arange(m)] = True  # itself
+        keys = expand_kv(torch.cat([cache.keys[:, :, :past], tree_k], 2), self.groups)
+        vals = expand_kv(torch.cat([cache.values[:, :, :past], tree_v], 2), self.groups)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return layer.post(layer.self_attn.out(o), residual)[0], tree_k, tree_v

@@ -1,0 +1,219 @@
+"""EAGLE-3 draft: aux states, TTT attention (fast == dense-mask twin), the TTT unroll equals step-by-step
+inference with the draft's own KV cache, the loss (chunked == reference, hand-computed step weights and
+targets), the init, the draft vocabulary and the specdraft export round trip."""
+
+import pytest
+import torch
+from conftest import assert_chunked_matches_reference, fit_draft
+from torch.nn import functional as F
+
+from data.targets import offset_labels
+from losses.ttt import ttt_step_weights, ttt_weighted_loss
+from models.base import _decoder, last_hidden_and_aux
+from models.draft import BaseView, DraftBatch
+from models.eagle3 import Eagle3Draft, default_aux_layers, ttt_attention, ttt_attention_reference
+from models.tiny import tiny_llama, tiny_llama_config
+from train.config import LossSection
+from train.export import export_specdraft, load_draft
+
+
+@pytest.fixture(scope="module")
+def base():
+    # 4 layers so that three distinct aux layers exist; fp32 and deterministic.
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(num_layers=4)).eval()
+
+
+@pytest.fixture(scope="module")
+def view(base):
+    return BaseView.from_model(base)
+
+
+def _batch(base, draft, b=2, t=24, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 320, (b, t), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # a user turn: no targets into it
+    h, aux = last_hidden_and_aux(base, ids, None, draft.aux_layers)
+    return DraftBatch(h, ids, mask, aux)
+
+
+def _randomize(draft, seed=1):
+    """Move every weight off its init so the checks below see a generic draft (zeros would hide bugs)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return draft
+
+
+def test_default_aux_layers_follow_speculators():
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2
+    assert default_aux_layers(32) == [2, 16, 29]  # Llama-3-8B
+    assert default_aux_layers(2) == [0, 1]  # the 2-layer test base: clamped, distinct
+
+
+def test_aux_states_are_layer_outputs(base):
+    ids = torch.randint(3, 320, (1, 9))
+    outs = []
+    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+             for layer in _decoder(base).layers]
+    try:
+        h, aux = last_hidden_and_aux(base, ids, None, [0, 1, 3])
+    finally:
+        for hk in hooks:
+            hk.remove()
+    d = base.config.hidden_size
+    torch.testing.assert_close(aux[..., :d], base.get_input_embeddings()(ids))  # id 0 = the embeddings
+    torch.testing.assert_close(aux[..., d:2 * d], outs[0])  # id 1 = output of layer 0 (pre final norm)
+    torch.testing.assert_close(aux[..., 2 * d:], outs[2])
+    with pytest.raises(ValueError, match="draft.aux_layers"):
+        last_hidden_and_aux(base, ids, None, [4])  # = L: post-norm in HF, refused
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_matches_dense_mask_twin(steps):
+    gen = torch.Generator().manual_seed(steps)
+    q = torch.randn(2, 3, 11, 8, generator=gen)
+    keys = [torch.randn(2, 3, 11, 8, generator=gen) for _ in range(steps)]
+    vals = [torch.randn(2, 3, 11, 8, generator=gen) for _ in range(steps)]
+    torch.testing.assert_close(ttt_attention(q, keys, vals), ttt_attention_reference(q, keys, vals),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_ttt_attention_row_sees_prefix_and_own_steps_only():
+    """Changing a key the mask hides (a later row's step-0 key, another row's step-1 key) changes nothing."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 5, 4, generator=gen)
+    keys = [torch.randn(1, 1, 5, 4, generator=gen) for _ in range(2)]
+    vals = [torch.randn(1, 1, 5, 4, generator=gen) for _ in range(2)]
+    out = ttt_attention(q, keys, vals)
+    k0, v1 = keys[0].clone(), vals[1].clone()
+    k0[..., 3:, :] += 5.0  # rows 3, 4 of step 0: invisible to row 2
+    v1[..., 1, :] += 5.0  # row 1's step-1 value: only row 1 sees it
+    out2 = ttt_attention(q, [k0, keys[1]], [vals[0], v1])
+    torch.testing.assert_close(out2[..., :3, :][..., [0, 2], :], out[..., :3, :][..., [0, 2], :])
+    assert not torch.allclose(out2[..., 1, :], out[..., 1, :])
+
+
+def test_ttt_unroll_equals_incremental_inference(base, view):
+    """Step j of row t in training = drafting depth j+1 after committing rows 0..t, feeding the data tokens
+    x_{t+1+i} and the draft's own outputs: the TTT mask is exactly what inference sees."""
+    draft = _randomize(Eagle3Draft(view, ttt_steps=3)).eval()
+    batch = _batch(base, draft, b=1, t=12)
+    ids, aux = batch.input_ids[0], batch.aux_hidden[0]
+    with torch.no_grad():
+        outs = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 3)  # 3 x [1, 11, d]
+        for t in (0, 4, 7):
+            cache = draft.new_cache(4, "cpu", torch.float32)  # small: grows
+            rows = draft.commit_rows(cache, aux[:t + 1], ids[1:t + 2])  # [t+1, d]
+            torch.testing.assert_close(rows, outs[0][0, :t + 1], rtol=1e-5, atol=1e-5)
+            hidden, tk, tv = rows[-1:], None, None
+            for j in (1, 2):
+                vis = torch.ones(1, 0 if tk is None else tk.shape[2], dtype=torch.bool)
+                hidden, tk, tv = draft.draft_rows(cache, hidden, ids[t + 1 + j:t + 2 + j], torch.tensor([t + j]),
+                                                  tk, tv, vis)
+                torch.testing.assert_close(hidden[0], outs[j][0, t], rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_draft_predicts_from_the_highest_aux_layer(base, view):
+    draft = Eagle3Draft(view)
+    batch = _batch(base, draft)
+    out = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 1)[0]  # o_proj = down_proj = 0: out = fc(aux)
+    d = view.hidden_size
+    torch.testing.assert_close(out, batch.aux_hidden[:, :-1, -d:])
+    want = F.linear(F.rms_norm(out, (d,), base.model.norm.weight, base.config.rms_norm_eps), view.lm_head_weight)
+    torch.testing.assert_close(draft.logits(out), want, rtol=1e-5, atol=1e-5)
+
+
+def test_step_weights_and_weighted_loss_by_hand():
+    assert ttt_step_weights(3, 1.0, 0.8) == pytest.approx([1.0, 0.8, 0.64])
+    sums, counts = torch.tensor([6.0, 4.0, 9.0]), torch.tensor([3, 2, 0])
+    # 1.0 * 6/3 + 0.5 * 4/2 + (no targets: 0)
+    assert float(ttt_weighted_loss(sums, counts, [1.0, 0.5, 0.25])) == pytest.approx(3.0)
+
+
+def test_loss_is_weighted_soft_ce_to_the_base_by_hand(base, view):
+    """Recompute every step's loss densely from the unroll: soft CE to softmax(h_{t+1+j} W^T), rows with a
+    valid target x_{t+2+j}, weight 0.8^j."""
+    draft = _randomize(Eagle3Draft(view, ttt_steps=3))
+    batch = _batch(base, draft)
+    out = draft.loss(batch, view, LossSection(teacher_weight=1.0, decay=0.8))
+    outs = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 3)
+    s = batch.input_ids.shape[1] - 1
+    want = 0.0
+    for j in range(3):
+        labels = offset_labels(batch.input_ids, batch.loss_mask, 2 + j)[:, :s]
+        valid = labels != -100
+        logq = torch.log_softmax(draft.logits(outs[j]), -1)
+        teacher = F.pad(batch.hidden[:, 1 + j:], (0, 0, 0, j))[:, :s] @ view.lm_head_weight.T
+        ce = -(torch.softmax(teacher, -1) * logq).sum(-1)
+        want += 0.8 ** j * ce[valid].mean()
+        assert out.per_depth[j].count == int(valid.sum())
+        assert out.per_depth[j].top1 == int((logq.argmax(-1) == labels)[valid].sum())
+    torch.testing.assert_close(out.loss, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_chunked_loss_matches_reference(base, view, alpha):
+    draft = _randomize(Eagle3Draft(view, ttt_steps=3))
+    assert_chunked_matches_reference(draft, _batch(base, draft), view, teacher_weight=alpha, chunk_size=7)
+
+
+def test_draft_vocabulary_head_rows_labels_and_misses(base, view):
+    d2t = torch.tensor([5, 17, 3, 250, 64, 99, 120, 7])
+    small = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+    draft = Eagle3Draft(small)
+    assert draft.lm_head.weight.shape == (8, view.hidden_size)
+    torch.testing.assert_close(draft.lm_head.weight, view.lm_head_weight[d2t])
+    assert "d2t" in draft.state_dict() and "t2d" not in draft.state_dict()
+    assert draft.export_config()["draft_vocab_size"] == 8
+    # Data drawn from the map except one id: every target is countable, the outside ones are misses.
+    gen = torch.Generator().manual_seed(0)
+    ids = d2t[torch.randint(0, 8, (2, 16), generator=gen)]
+    ids[1, 6] = 200  # not in the map
+    h, aux = last_hidden_and_aux(base, ids, None, draft.aux_layers)
+    batch = DraftBatch(h, ids, torch.ones_like(ids), aux)
+    for alpha in (0.0, 1.0):
+        out = draft.loss(batch, small, LossSection(teacher_weight=alpha))
+        assert out.per_depth[0].count == 2 * 14  # outside targets counted (as misses)
+        assert torch.isfinite(out.loss)
+    first, last = fit_draft(draft, [batch], small, LossSection(teacher_weight=0.0), steps=40, lr=1e-2)
+    assert float(last.loss.detach()) < 0.3 * first
+    assert 24 <= last.per_depth[0].top1 <= 2 * 14 - 1  # learnt; the target outside the map can never be a hit
+
+
+def test_memorises_a_batch_and_export_round_trip(base, view, tmp_path):
+    draft = Eagle3Draft(view, ttt_steps=2)
+    batch = _batch(base, draft)
+    first, last = fit_draft(draft, [batch], view, LossSection(teacher_weight=0.0), steps=20, lr=1e-2)
+    assert float(last.loss.detach()) < 0.3 * first
+    export_specdraft(draft, tmp_path / "export", "tiny4", "fp")
+    loaded, cfg = load_draft(tmp_path / "export", view)
+    assert cfg["family"] == "eagle3" and cfg["aux_layers"] == draft.aux_layers and cfg["ttt_steps"] == 2
+    with torch.no_grad():
+        a = draft.eval().ttt_unroll(batch.aux_hidden, batch.input_ids, 2)
+        b = loaded.ttt_unroll(batch.aux_hidden, batch.input_ids, 2)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y)
+
+
+def test_export_round_trip_with_draft_vocabulary(view, tmp_path):
+    d2t = torch.tensor([9, 4, 77, 31])
+    small = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+    draft = _randomize(Eagle3Draft(small))
+    export_specdraft(draft, tmp_path / "e", "tiny4", "fp")
+    loaded, _ = load_draft(tmp_path / "e", view)  # the eval side: no map in the view, it comes from the export
+    assert torch.equal(loaded.d2t, d2t) and int(loaded.t2d[77]) == 2 and int(loaded.t2d[5]) == -1
+    torch.testing.assert_close(loaded.lm_head.weight, draft.lm_head.weight)
+
+
+def test_two_layer_base_and_bad_config(view):
+    tiny = BaseView.from_model(tiny_llama(0))
+    assert Eagle3Draft(tiny).aux_layers == [0, 1]
+    with pytest.raises(ValueError, match="aux_layers"):
+        Eagle3Draft(view, aux_layers=[1, 1, 2])
+    with pytest.raises(ValueError, match="ttt_steps"):
+        Eagle3Draft(view, ttt_steps=8)

@@ -1,0 +1,290 @@
+"""EAGLE-3 decoding: aux capture (fast == hf), greedy losslessness (chain and tree, random and trained drafts,
+both backends, a draft vocabulary), the tree's shape rules, the draft's own KV cache, rejection sampling
+against the base distribution, and the builder's options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fit_draft
+
+from eval.backends.base import BaseBackend
+from eval.backends.fast import FastLlamaBackend
+from eval.backends.hf import HFBackend
+from eval.config import EvalConfig
+from eval.decoder import autoregressive_generate, speculative_generate
+from eval.drafters.eagle3 import Eagle3Drafter
+from eval.drafters.registry import build_drafter
+from models.base import last_hidden_and_aux
+from models.draft import BaseView, DraftBatch
+from models.eagle3 import Eagle3Draft
+from train.config import LossSection
+
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def view(model):
+    return BaseView.from_model(model)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(model, prompts):
+    backend = HFBackend(model)
+    return [autoregressive_generate(backend, p, max_new_tokens=NEW).tokens for p in prompts]
+
+
+def _random_draft(view, seed=0, d2t=None):
+    if d2t is not None:
+        view = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(view)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return draft.eval()
+
+
+def _trained_draft(model, view, prompts, steps=40):
+    """A draft that memorised the base's own greedy continuations of the test prompts (TTT, hard CE)."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(view, ttt_steps=3)
+    with torch.inference_mode():
+        seqs = [model.generate(p[None], max_new_tokens=NEW + 6, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0] for p in prompts]
+    width = max(s.numel() for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+    h, aux = last_hidden_and_aux(model, ids, None, draft.aux_layers)
+    fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view, LossSection(chunk_size=64), steps=steps, lr=1e-2)
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def trained(model, view, prompts):
+    return _trained_draft(model, view, prompts)
+
+
+def test_fast_backend_aux_states_match_hf(model, prompts):
+    hf, fast = HFBackend(model), FastLlamaBackend(model, max_len=64)
+    for be in (hf, fast):
+        be.reset(64)
+        be.set_aux_layers([1, 0])  # any order: the draft's order is kept
+    hf.prefill(prompts[0])
+    fast.prefill(prompts[0])
+    torch.testing.assert_close(fast.last_aux, hf.last_aux, rtol=1e-4, atol=1e-4)
+    _, want = last_hidden_and_aux(model, prompts[0][None], None, [1, 0])
+    torch.testing.assert_close(hf.last_aux, want[0], rtol=1e-5, atol=1e-5)
+    tokens, depths = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 1])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    hf.forward_tree(tokens, depths, mask)
+    fast.forward_tree(tokens, depths, mask)
+    assert hf.last_aux.shape == (3, 2 * model.config.hidden_size)
+    torch.testing.assert_close(fast.last_aux, hf.last_aux, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="aux layer ids"):
+        hf.set_aux_layers([2])
+
+
+def test_compiled_fast_backend_falls_back_to_eager_for_aux(model, prompts):
+    be = FastLlamaBackend(model, max_len=64, compile=True)  # torch.compile is lazy: nothing compiled yet
+    be.set_aux_layers([0, 1])
+    assert not be.compile and be._step == be._core.forward
+    be.reset(64)
+    be.prefill(prompts[0])
+    assert be.last_aux.shape == (prompts[0].numel(), 2 * model.config.hidden_size)
+
+
+@pytest.mark.parametrize("backend_kind", ["hf", "fast"])
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_lossless_with_random_drafts(model, view, prompts, ar_outputs, mode, backend_kind):
+    drafter = Eagle3Drafter(_random_draft(view), mode=mode, chain_length=3, tree_topk=3, tree_depth=3,
+                            tree_nodes=10)
+    backend = HFBackend(model) if backend_kind == "hf" else FastLlamaBackend(model, max_len=128)
+    for prompt, want in zip(prompts, ar_outputs):
+        got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW)
+        assert got.tokens == want
+        if mode == "chain":
+            assert got.proposed_counts[:3] == [got.base_steps] * 3  # every step drafted 3 deep
+        else:  # the best 9 nodes by cumulative probability: deep where the draft is confident
+            assert got.proposed_counts[:2] == [got.base_steps] * 2 and got.tree_nodes == 10 * got.base_steps
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_lossless_and_accepting_with_a_trained_draft(model, trained, prompts, ar_outputs, mode):
+    drafter = Eagle3Drafter(trained, mode=mode, chain_length=4, tree_topk=3, tree_depth=4, tree_nodes=16)
+    backend = HFBackend(model)
+    lengths = []
+    for prompt, want in zip(prompts, ar_outputs):
+        got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW)
+        assert got.tokens == want
+        lengths.append(got.acceptance_length)
+        # the draft's cache holds exactly the positions committed before the last propose()
+        assert drafter._cache.length == prompt.numel() + sum(got.accepted_lengths[:-1])
+    assert min(lengths) > 2.0  # memorised continuations: most steps accept several drafts
+
+
+def test_draft_vocabulary_decodes_losslessly_with_base_ids(model, view, prompts, ar_outputs):
+    d2t = torch.tensor(sorted({t for out in ar_outputs for t in out} | {3, 9, 11}))  # base ids, hand-made
+    draft = _random_draft(view, d2t=d2t)
+    drafter = Eagle3Drafter(draft, mode="tree", tree_topk=3, tree_depth=3, tree_nodes=12)
+    seen = []
+    original = drafter.propose
+
+    def spy(state):
+        tree = original(state)
+        seen.append(tree.tokens[1:])
+        return tree
+
+    drafter.propose = spy
+    for prompt, want in zip(prompts, ar_outputs):
+        assert speculative_generate(HFBackend(model), drafter, prompt, max_new_tokens=NEW).tokens == want
+    drafted = torch.cat(seen)
+    assert drafted.numel() and bool(torch.isin(drafted, d2t).all())  # only base ids of the map reach the tree
+
+
+def test_tree_with_top1_is_the_chain_and_trees_keep_their_ancestors(model, view, prompts):
+    draft = _random_draft(view, seed=2)
+    chain = Eagle3Drafter(draft, mode="chain", chain_length=4)
+    tree1 = Eagle3Drafter(draft, mode="tree", tree_topk=1, tree_depth=4, tree_nodes=5)
+    wide = Eagle3Drafter(draft, mode="tree", tree_topk=3, tree_depth=4, tree_nodes=12)
+    hf = HFBackend(model)
+    hf.reset(64)
+    hf.set_aux_layers(draft.aux_layers)
+    logits, hidden = hf.prefill(prompts[1])
+    from eval.drafters.base import DecodeState
+
+    state = DecodeState(ids=prompts[1], root=int(logits[-1].argmax()), new_hidden=hidden, new_ids=prompts[1],
+                        new_aux=hf.last_aux)
+    trees = []
+    for d in (chain, tree1, wide):
+        d.reset()
+        trees.append(d.propose(state))
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    t = trees[2]
+    assert t.num_nodes == 12 and t.max_depth >= 2
+    assert int((t.depths == 1).sum()) <= 3  # top-3 children of the root at most
+    # The root's depth-1 children are the draft's top-3 from o_root, best first.
+    with torch.inference_mode():
+        o_root = draft.commit_rows(draft.new_cache(8, "cpu", torch.float32), hf.last_aux,
+                                   torch.cat([prompts[1][1:], torch.tensor([state.root])]))[-1:]
+        top3 = draft.logits(o_root)[0].topk(3).indices.tolist()
+    kids = t.tokens[t.depths == 1].tolist()
+    assert kids == top3[: len(kids)]
+
+
+def test_builder_options(view):
+    draft = _random_draft(view)
+    d, info = build_drafter(draft, {"family": "eagle3"}, EvalConfig())
+    assert isinstance(d, Eagle3Drafter) and info["eagle3_mode"] == "tree" and d.max_nodes == 16
+    d, info = build_drafter(draft, {"family": "eagle3"}, EvalConfig(extra={"eagle3_mode": "chain", "chain_length": 5}))
+    assert d.mode == "chain" and d.max_nodes == 6 and info["chain_length"] == 5
+    with pytest.raises(ValueError, match="eagle3_mode"):
+        build_drafter(draft, {"family": "eagle3"}, EvalConfig(extra={"eagle3_mode": "beam"}))
+
+
+# ---------------------------------------------------------------------------------------------------
+# rejection sampling with EAGLE-3 trees reproduces the base distribution (toy Markov base, see
+# tests/test_redrafter_decoding.py for the bound)
+# ---------------------------------------------------------------------------------------------------
+
+V = 5
+BOS = 4
+
+
+class BigramAuxBackend(BaseBackend):
+    """Toy base: p(next | ..., a) = softmax(table[a]); hidden / aux states are fixed per token."""
+
+    def __init__(self, table, hidden, aux):
+        self.table, self.hidden, self.aux = table, hidden, aux
+        self.vocab_size, self.hidden_size = table.shape[0], hidden.shape[1]
+        self.device = torch.device("cpu")
+        self._len = 0
+
+    def set_aux_layers(self, ids) -> None:
+        self.aux_layers = tuple(ids)
+
+    def reset(self, max_len):
+        self._len = 0
+
+    @property
+    def cache_len(self):
+        return self._len
+
+    def prefill(self, input_ids):
+        self._len = int(input_ids.numel())
+        self.last_aux = self.aux[input_ids]
+        return self.table[input_ids], self.hidden[input_ids]
+
+    def forward_tree(self, tokens, depths, tree_mask):
+        self.last_aux = self.aux[tokens]
+        return self.table[tokens], self.hidden[tokens]
+
+    def commit(self, keep):
+        self._len += int(keep.numel())
+
+
+def _tv_of_eagle3_sampling(samples: int, seed: int) -> float:
+    from transformers import LlamaForCausalLM
+
+    from models.tiny import tiny_llama_config
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(V, V, generator=gen) * 1.2
+    logits[:, BOS] = -1e9
+    logits[BOS] = -1e9
+    logits[BOS, 0] = 0.0  # after the prompt: t1 = 0 surely
+    torch.manual_seed(1)
+    toy = LlamaForCausalLM(tiny_llama_config(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1)).eval()
+    draft = _random_draft(BaseView.from_model(toy), seed=3)
+    be = BigramAuxBackend(logits, torch.randn(V, 16, generator=gen), torch.randn(V, 32, generator=gen))
+    drafter = Eagle3Drafter(draft, mode="tree", tree_topk=2, tree_depth=2, tree_nodes=5)
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(V, V)
+    nodes = 0
+    for _ in range(samples):
+        out = speculative_generate(be, drafter, [BOS], max_new_tokens=3, eos_ids=None, acceptance="rejection",
+                                   temperature=1.0, generator=gen)
+        assert out.tokens[0] == 0
+        counts[out.tokens[1], out.tokens[2]] += 1
+        nodes += out.tree_nodes
+    assert nodes > 2 * samples  # real trees were verified, not just roots
+    p = logits.softmax(-1)
+    exact = p[0][:, None] * p
+    return 0.5 * float((counts / samples - exact).abs().sum())
+
+
+def test_rejection_sampling_with_eagle3_trees_matches_the_base():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny calls: one thread is ~25x faster on a busy 2-core box
+    try:
+        assert _tv_of_eagle3_sampling(1500, seed=0) < 0.06  # 16 cells: E[TV] of an exact sampler <= 0.042
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
+    """`specdraft train --config configs/eagle3.yaml --config configs/smoke.yaml`, then `specdraft eval` (chain
+    and tree) on the export: lossless, with the EAGLE-3 settings in the report."""
+    import json
+    import math
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "eagle3"
+    proc = subprocess.run([sys.executable, "-m", "train.cli", "train", "--config", "configs/eagle3.yaml", "--config",
+                           "configs/smoke.yaml", f"run_dir={run_dir}", "train.max_steps=4"],
+                          capture_output=True, text=True, timeout=900, env=clean_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    assert any(math.isfinite(r.get("loss/head3", math.nan)) for r in rows)
+    assert json.loads((run_dir / "export" / "config.json").read_text())["family"] == "eagle3"
+    for mode, extra in (("chain", ["extra.eagle3_mode=chain", "extra.chain_length=3"]), ("tree", [])):
+        proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--draft", str(run_dir / "export"),
+                               "--config", "configs/eval/smoke.yaml", f"name={mode}", *extra],
+                              capture_output=True, text=True, timeout=900, env=clean_env())
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        report = json.loads((run_dir / "eval" / mode / "report.json").read_text())
+        assert report["method"] == "eagle3" and report["lossless"] is True
+        assert report["acceptance_length"] >= 1.0
