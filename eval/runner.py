@@ -300,8 +300,15 @@ def format_summary(report: dict, out_dir: Path) -> str:
     def f(x, spec=".2f"):
         return "n/a" if x is None else format(x, spec)
 
-    return (f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}):\n"
-            f"  acceptance length {f(report['acceptance_length'])} | {f(report['tokens_per_second'], '.1f')} tok/s"
+    ex = report.get("extra") or {}
+    shape = ""
+    if ex.get("tree_nodes_per_step") is not None:  # the verification cost side of the acceptance length
+        name = f"tree {ex['tree']}, " if ex.get("tree") not in (None, "custom") else ""
+        shape = f" ({name}{ex['tree_nodes_per_step']:.1f} tokens verified per step, root included)"
+    return (f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}, "
+            f"{ex.get('dtype', '?')}, {ex.get('backend', '?')} backend):\n"
+            f"  acceptance length {f(report['acceptance_length'])}{shape}\n"
+            f"  {f(report['tokens_per_second'], '.1f')} tok/s"
             f" | own AR {f(report['ar_tokens_per_second'], '.1f')} tok/s | HF generate "
             f"{f(report['hf_tokens_per_second'], '.1f')} tok/s\n"
             f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate\n"
