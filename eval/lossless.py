@@ -162,6 +162,8 @@ def format_verdict(report: dict) -> str:
     if tol:  # low precision: a tolerance was measured
         text += (f", {ties} differ only where the base's top-2 logits tie within {dtype} rounding "
                  f"(gap <= {tol:.3g}, measured)")
+    elif ties:  # exact dtype: only an exact tie (gap 0) counts
+        text += f", {ties} differ only at an exact tie of the base's top-2 logits"
     text += f"; {bad} real mismatch{'es' if bad != 1 else ''}"
     if bad:
         text += " (a difference at a clear top-1: a drafter/verifier bug, see samples.jsonl 'divergence')"
