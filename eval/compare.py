@@ -33,15 +33,18 @@ from eval.compare_config import (
 from eval.config import EvalConfig
 from eval.decoder import autoregressive_generate, speculative_generate
 from eval.hf_baseline import hf_generate_timed
+from eval.lossless import classify, format_verdict
 from eval.report import build_report, write_report
 from eval.runner import (
     _device_name,
     _result,
     config_prompts,
     eos_ids,
+    lossless_extra,
     make_backend,
     resolve_heldout_skip,
     run_context,
+    tie_tolerance,
 )
 
 log = logging.getLogger("specdraft.compare")
@@ -137,7 +140,7 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
     def run_one(label: str, p, n: int):
         if label == AR:
             return autoregressive_generate(backend, p.input_ids, max_new_tokens=n, eos_ids=eos,
-                                           generator=gen_for(label, p.id), **sampling)
+                                           generator=gen_for(label, p.id), record_top2=greedy, **sampling)
         if label == HF:
             return hf_generate_timed(model, p.input_ids, n, eos)
         m = next(m for m in methods if m.label == label)
@@ -162,10 +165,25 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
                            base_steps=g.base_steps, draft_time=g.draft_time, tree_nodes=g.tree_nodes,
                            accept_lengths=list(g.accepted_lengths), accept_counts=list(g.accept_counts),
                            proposed_counts=list(g.proposed_counts))
+                if lab == AR and greedy:  # the tie-aware losslessness evidence (eval/lossless.py)
+                    row.update(top2_gaps=g.top2_gaps, runner_up=g.runner_up)
             f.write(json.dumps(row) + "\n")
             f.flush()
             done[(p.id, lab)] = row
-    return _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy)
+    tol = _tolerance(ecfg, backend, model, prompts, sdir)
+    return _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol)
+
+
+def _tolerance(ecfg: EvalConfig, backend, model, prompts, sdir: Path) -> tuple[float | None, dict]:
+    """The setting's tie tolerance, measured once and kept in <setting>/tie_tolerance.json (a resumed run
+    reuses it, so every report of the setting is judged with the same number)."""
+    path = sdir / "tie_tolerance.json"
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        return saved["tolerance"], saved["measure"]
+    tol, info = tie_tolerance(ecfg, backend, model, prompts)
+    path.write_text(json.dumps({"tolerance": tol, "measure": info}))
+    return tol, info
 
 
 def _tps(rows: list[dict]) -> float | None:
@@ -173,7 +191,7 @@ def _tps(rows: list[dict]) -> float | None:
     return sum(len(r["tokens"]) - 1 for r in rows) / secs if secs > 0 else None  # prefill token excluded
 
 
-def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy) -> dict:
+def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol=(None, {})) -> dict:
     tok = base.tokenizer
     ar_rows = [done[(p.id, AR)] for p in prompts]
     hf_rows = [done[(p.id, HF)] for p in prompts if (p.id, HF) in done]
@@ -186,17 +204,21 @@ def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy) -> di
            "ar_tokens_per_second": ar_tps, "hf_tokens_per_second": hf_tps, "ar_matches_generate_fraction": ar_hf,
            "reports": {}}
     for m in methods:
-        results, tree_nodes = [], 0
+        results, tree_nodes, divs = [], 0, []
         for p in prompts:
             r, a = done[(p.id, m.label)], done[(p.id, AR)]
             tree_nodes += r["tree_nodes"]
             g = _Gen(r)
-            results.append(_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None))
+            div = None
+            if greedy:
+                divs.append(classify(r["tokens"], a["tokens"], a.get("top2_gaps"), a.get("runner_up"), tol[0]))
+                div = divs[-1].to_dict()
+            results.append(_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None, div))
         extra = {"label": m.label, "setting": name, **run_context(ecfg, base, results, tree_nodes),
                  "heldout_skip": ecfg.heldout_skip,
                  "hf_matches_spec_fraction": (sum(done[(p.id, HF)]["tokens"] == done[(p.id, m.label)]["tokens"]
                                                   for p in prompts) / len(prompts)) if hf_tps else None,
-                 **m.info}
+                 **lossless_extra(divs, *tol), **m.info}
         report = build_report(results, method=m.family, base_model=base.name,
                               device=_device_name(next(base.model.parameters()).device), dataset=ecfg.dataset,
                               ar_tokens_per_second=ar_tps, hf_tokens_per_second=hf_tps, extra=extra)
@@ -236,6 +258,9 @@ def run_compare(cfg: CompareConfig) -> dict:
         res = run_setting(name, ecfg, entries, base, out_dir)
         summary["settings"][name] = res
         log.info("setting %s done: %s", name, {k: round(r["acceptance_length"], 2) for k, r in res["reports"].items()})
+        for label, r in res["reports"].items():
+            print(f"[{name}] {label}: acceptance length {r['acceptance_length']:.2f}, speedup "
+                  f"{r['speedup'] or float('nan'):.2f}x vs own AR | {format_verdict(r)}", flush=True)
         # after every setting, so the tables can be regenerated (--results-only) from a partial run
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -18,7 +18,7 @@ class EvalConfig:
     heldout_skip: int | None = None  # sharegpt: skip the first N conversations; None = what the draft trained on
     max_prompt_tokens: int | None = 1024  # longer prompts are skipped
     max_new_tokens: int = 256
-    backend: str = "fast"  # fast (static KV LLaMA) | hf (any transformers causal LM)
+    backend: str = "auto"  # auto (fast where it supports the base, else hf) | fast (static KV) | hf (any causal LM)
     dtype: str = "fp32"  # base dtype: fp32 (exact losslessness check) | bf16 | auto
     device: str = "auto"  # auto = cuda if available else cpu
     acceptance: str = "greedy"  # greedy | typical | rejection
@@ -30,6 +30,7 @@ class EvalConfig:
     tree_choices: list[list[int]] | None = None  # explicit Medusa-style choices (wins over `tree`)
     ar_baseline: bool = True  # own AR decoding, same engine, same run (also the losslessness reference)
     hf_baseline: bool = True  # transformers generate (greedy), same run
+    tie_prompts: int = 3  # bf16/fp16: prompts used to measure the tie tolerance (eval/lossless.py); 0 = none
     warmup_tokens: int = 16  # one untimed warm-up generation of this length per method
     seed: int = 0
     base_path: str = ""  # "" = the base named in the export's config.json (or smollm2 for --method)
@@ -42,8 +43,8 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
     def fail(key, value, fix):
         raise ConfigError(f"invalid value {key}={value!r}: {fix}")
 
-    if cfg.backend not in ("fast", "hf"):
-        fail("backend", cfg.backend, "use fast or hf")
+    if cfg.backend not in ("auto", "fast", "hf"):
+        fail("backend", cfg.backend, "use auto (fast where supported, else hf), fast or hf")
     if cfg.acceptance not in ACCEPTANCE_RULES:
         fail("acceptance", cfg.acceptance, f"use one of {', '.join(ACCEPTANCE_RULES)}")
     if cfg.temperature < 0:
@@ -60,6 +61,8 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
         fail("tree", cfg.tree, f"use auto or one of {', '.join(STATIC_TREES)}")
     if cfg.heldout_skip is not None and cfg.heldout_skip < 0:
         fail("heldout_skip", cfg.heldout_skip, "use None (from the export) or a count of conversations >= 0")
+    if cfg.tie_prompts < 0:
+        fail("tie_prompts", cfg.tie_prompts, "use 0 (no tie tolerance: any difference is a mismatch) or a count")
     if cfg.dtype not in ("fp32", "bf16", "fp16", "auto"):
         fail("dtype", cfg.dtype, "use fp32, bf16, fp16 or auto")
     return cfg

@@ -45,6 +45,10 @@ class GenerationResult:
     proposed_counts: list[int] = field(default_factory=list)  # [k]: steps whose tree reached depth k+1
     tree_nodes: int = 0  # total nodes verified (root included) over all steps
     stop_reason: str = "length"  # "eos" | "length"
+    # record_top2 only (eval/lossless.py): per token in `tokens`, the base's top1 - top2 logit gap and its
+    # rank-2 token in the logits row that chose it; computed outside the timed regions.
+    top2_gaps: list[float] = field(default_factory=list)
+    runner_up: list[int] = field(default_factory=list)
 
     @property
     def base_steps(self) -> int:
@@ -82,13 +86,14 @@ def _first_token(logits: torch.Tensor, temperature: float, top_p: float,
 def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, max_new_tokens: int,
                          eos_ids: Iterable[int] | None = (), acceptance: str = "greedy",
                          temperature: float = 0.0, top_p: float = 1.0, typical_eps: float = 0.09,
-                         typical_delta: float = 0.3, generator: torch.Generator | None = None
-                         ) -> GenerationResult:
+                         typical_delta: float = 0.3, generator: torch.Generator | None = None,
+                         record_top2: bool = False) -> GenerationResult:
     """Generate up to `max_new_tokens` after `prompt_ids` ([T] ints), verifying `drafter`'s trees.
 
     acceptance: "greedy" (T must be 0; lossless), "typical" (Medusa; equals greedy at T == 0) or
     "rejection" (lossless sampling for T > 0; at T == 0 it is greedy). Stops after the first token in
-    `eos_ids` (kept in the output) or at max_new_tokens.
+    `eos_ids` (kept in the output) or at max_new_tokens. record_top2: also keep, per emitted token, the
+    top-2 logit gap and runner-up of the row that chose it (the tie-aware losslessness check's evidence).
     """
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
@@ -131,6 +136,8 @@ def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, 
     _sync(dev)
     result = GenerationResult(tokens=[root], accepted_lengths=[], prompt_len=prompt.numel(),
                               prefill_time=time.perf_counter() - t0)
+    if record_top2:
+        _record_top2(result, logits[-1:])
     new_hidden, new_ids = hidden, prompt
     new_aux = backend.last_aux if aux_layers else None
     stopped = root in eos or max_new_tokens <= 1
@@ -163,6 +170,7 @@ def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, 
         result.accepted_lengths.append(n_acc + 1)
         result.tree_nodes += tree.num_nodes
         committed = tree.tokens[acc.path]  # [m] root + accepted drafts, now in the KV cache
+        n_before = len(result.tokens)
         for tok in committed[1:].tolist() + [acc.bonus]:
             result.tokens.append(tok)
             if tok in eos:
@@ -171,6 +179,8 @@ def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, 
             if len(result.tokens) >= max_new_tokens:
                 stopped = True
                 break
+        if record_top2:  # row path[j] chose the token after node path[j] (accepted drafts, then the bonus)
+            _record_top2(result, logits[acc.path.to(logits.device)][: len(result.tokens) - n_before])
         ids[n_ids : n_ids + committed.numel()] = committed
         n_ids += committed.numel()
         new_hidden, new_ids, root = hidden[acc.path.to(hidden.device)], committed, acc.bonus
@@ -181,11 +191,22 @@ def speculative_generate(backend: BaseBackend, drafter: Drafter, prompt_ids, *, 
 
 def autoregressive_generate(backend: BaseBackend, prompt_ids, *, max_new_tokens: int,
                             eos_ids: Iterable[int] | None = (), temperature: float = 0.0, top_p: float = 1.0,
-                            generator: torch.Generator | None = None) -> GenerationResult:
-    """Plain decoding on the same engine: a 1-node tree per step (greedy at T == 0, sampling otherwise)."""
+                            generator: torch.Generator | None = None, record_top2: bool = False
+                            ) -> GenerationResult:
+    """Plain decoding on the same engine: a 1-node tree per step (greedy at T == 0, sampling otherwise).
+    record_top2: keep each token's top-2 logit gap and runner-up (eval/lossless.py), outside the timings."""
     return speculative_generate(backend, NoDrafter(), prompt_ids, max_new_tokens=max_new_tokens,
                                 eos_ids=eos_ids, acceptance="greedy" if temperature == 0 else "rejection",
-                                temperature=temperature, top_p=top_p, generator=generator)
+                                temperature=temperature, top_p=top_p, generator=generator, record_top2=record_top2)
+
+
+def _record_top2(result: GenerationResult, rows: torch.Tensor) -> None:
+    """Append (top1 - top2 gap, rank-2 token) of each logits row [n, V] to the result."""
+    if rows.shape[0] == 0:
+        return
+    v, i = torch.topk(rows.float(), 2, dim=-1)
+    result.top2_gaps.extend((v[:, 0] - v[:, 1]).tolist())
+    result.runner_up.extend(i[:, 1].tolist())
 
 
 def _check_tree(tree: Tree, root: int, drafter: Drafter) -> None:

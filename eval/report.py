@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.lossless import format_verdict
+
 REPORT_KEYS = (
     "method", "base_model", "device", "dataset", "num_prompts", "new_tokens", "base_steps",
     "acceptance_length", "accept_rate_per_position", "tokens_per_second", "ar_tokens_per_second",
@@ -46,6 +48,8 @@ class PromptResult:
     proposed_per_depth[k]: steps whose draft had at least one node at depth k+1.
       `per_depth_counts` derives both from per-step data.
     matches_greedy: output identical to plain greedy decoding; None when not checked.
+    divergence: the tie-aware verdict for this prompt (kind identical | tie | mismatch, first differing
+      position, the plain run's top-2 gap there); None when not checked.
     """
 
     id: str
@@ -62,6 +66,7 @@ class PromptResult:
     prompt: str = ""
     output: str = ""
     tokens: list[int] = field(default_factory=list)
+    divergence: dict | None = None  # eval/lossless.Divergence.to_dict(): first difference vs plain decoding
 
     def __post_init__(self):
         problems = []
@@ -88,7 +93,8 @@ class PromptResult:
         """The samples.jsonl line for this prompt."""
         return {"id": self.id, "category": self.category, "prompt": self.prompt, "output": self.output,
                 "tokens": list(self.tokens), "new_tokens": self.new_tokens,
-                "accept_lengths": list(self.accept_lengths), "matches_greedy": self.matches_greedy}
+                "accept_lengths": list(self.accept_lengths), "matches_greedy": self.matches_greedy,
+                **({"divergence": self.divergence} if self.divergence is not None else {})}
 
 
 def per_depth_counts(accept_lengths: Sequence[int], draft_depths: Sequence[int]
@@ -362,6 +368,7 @@ def _fmt(value) -> str:
 def _markdown(report: dict, speeds: dict[str, float | None]) -> str:
     lines = [f"# {report['method']} on {report['dataset']}", "",
              f"Base `{report['base_model']}` on {report['device']}, {report['num_prompts']} prompts.", "",
+             f"**Verdict:** {format_verdict(report)}.", "",
              "| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(report[k])} |" for k in REPORT_KEYS
               if k not in ("method", "accept_rate_per_position")]

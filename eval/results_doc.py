@@ -126,8 +126,9 @@ def setting_table(name: str, st: dict) -> list[str]:
               "prompts: the lossless column's ceiling in this dtype." if st.get("ar_matches_generate_fraction")
               is not None else ""), "",
            "| draft | acceptance length | accept rate by depth | verified tokens / step | tokens/s | speedup vs own AR "
-           "| speedup vs generate | draft time share | lossless (greedy) | draft shape |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| speedup vs generate | draft time share | lossless (greedy) | identical / ties / mismatches "
+           "| draft shape |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in st["reports"].items():
         ex = r.get("extra", {})
         rates = " / ".join(f"{a:.2f}" for a in r["accept_rate_per_position"][:5])
@@ -135,8 +136,20 @@ def setting_table(name: str, st: dict) -> list[str]:
         out.append(f"| {label} | **{r['acceptance_length']:.2f}** | {rates} | {nodes} "
                    f"| {_f(r['tokens_per_second'], '.1f')} | {_f(r['speedup'])}× | {_f(r['speedup_vs_hf'])}"
                    f"{'×' if r['speedup_vs_hf'] is not None else ''} | {_f(r['draft_time_fraction'])} "
-                   f"| {_f(r['lossless_fraction'])} | {_shape(r)} |")
+                   f"| {_f(r['lossless_fraction'])} | {_tie_counts(ex)} | {_shape(r)} |")
+    tols = {ex["tie_tolerance"] for r in st["reports"].values() if (ex := r.get("extra", {})).get("tie_tolerance")}
+    if tols:
+        out += ["", f"Ties: prompts whose output differs from plain greedy decoding only at a position where the "
+                f"base's top-2 logits are within the measured {c['dtype']} rounding difference between a tree and a "
+                f"one-token forward (tolerance {max(tols):.3g}; eval/lossless.py); mismatches are real failures."]
     return out
+
+
+def _tie_counts(ex: dict) -> str:
+    """identical / ties / mismatches of the tie-aware verdict (eval/lossless.py); n/a for older reports."""
+    if ex.get("lossless_identical") is None:
+        return "n/a"
+    return f"{ex['lossless_identical']} / {ex['lossless_ties']} / {ex['lossless_mismatches']}"
 
 
 def target_table(st: dict) -> list[str]:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from eval.config import EvalConfig, load_eval_config
 from eval.decoder import autoregressive_generate, speculative_generate
 from eval.hf_baseline import hf_generate_timed
+from eval.lossless import classify, format_verdict, is_exact_dtype, measure_tolerance, verdict
 from eval.prompts import load_eval_prompts
 from eval.report import PromptResult, build_report, write_report
 
@@ -53,7 +54,20 @@ def config_prompts(cfg: EvalConfig, tokenizer) -> list:
     return prompts
 
 
+def choose_backend(kind: str, model) -> tuple[str, str]:
+    """`backend=auto|fast|hf` -> (the backend that will run, why). auto = `fast` where the fast backend
+    supports the architecture (eval.backends.fast.supports owns that check), `hf` (any transformers causal
+    LM) otherwise; an explicit choice is kept as asked."""
+    if kind != "auto":
+        return kind, f"backend={kind} was asked for"
+    from eval.backends.fast import supports
+
+    ok, why = supports(model.config)
+    return ("fast", f"auto: {why}") if ok else ("hf", f"auto: {why}, so the generic transformers backend")
+
+
 def make_backend(kind: str, model):
+    kind, _ = choose_backend(kind, model)
     if kind == "fast":
         from eval.backends.fast import FastLlamaBackend
 
@@ -63,14 +77,35 @@ def make_backend(kind: str, model):
     return HFBackend(model)
 
 
-def _result(prompt, gen, tokenizer, matches: bool | None) -> PromptResult:
+def _result(prompt, gen, tokenizer, matches: bool | None, divergence: dict | None = None) -> PromptResult:
     n_new = len(gen.tokens) - 1  # the prefill's token is not a decode-step token (see eval/decoder.py)
     return PromptResult(
         id=prompt.id, new_tokens=n_new, base_steps=gen.base_steps, decode_time=gen.decode_time,
         prefill_time=gen.prefill_time, draft_time=gen.draft_time, accept_lengths=list(gen.accepted_lengths),
         accepted_per_depth=list(gen.accept_counts), proposed_per_depth=list(gen.proposed_counts),
         matches_greedy=matches, category=prompt.category, prompt=prompt.text,
-        output=tokenizer.decode(gen.tokens), tokens=list(gen.tokens))
+        output=tokenizer.decode(gen.tokens), tokens=list(gen.tokens), divergence=divergence)
+
+
+def tie_tolerance(cfg: EvalConfig, backend, model, prompts: list) -> tuple[float | None, dict]:
+    """The bf16/fp16 rounding tolerance for the tie-aware losslessness check (eval/lossless.py), measured
+    on this base + dtype + device over the first cfg.tie_prompts prompts; 0 in fp32 (exact verdict);
+    None when the run has no greedy plain-decoding reference."""
+    if not cfg.ar_baseline or cfg.temperature > 0:
+        return None, {}
+    dtype = next(model.parameters()).dtype
+    if is_exact_dtype(dtype) or cfg.tie_prompts == 0:
+        return 0.0, {"exact_dtype": is_exact_dtype(dtype)}
+    m = measure_tolerance(backend, [p.input_ids for p in prompts[: cfg.tie_prompts]],
+                          new_tokens=min(32, cfg.max_new_tokens), chunk=16)
+    return m["tolerance"], m
+
+
+def lossless_extra(divergences: list, tolerance: float | None, measured: dict) -> dict:
+    """The report's extra keys of the tie-aware verdict (counts, tolerance, how it was measured)."""
+    if not divergences:
+        return {}
+    return {**verdict(divergences, tolerance), "tie_tolerance_measure": measured}
 
 
 def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: dict | None = None) -> dict:
@@ -89,7 +124,7 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
                                     typical_eps=cfg.typical_eps, typical_delta=cfg.typical_delta, **sampling)
 
     def ar(ids, n):
-        return autoregressive_generate(backend, ids, max_new_tokens=n, eos_ids=eos, **sampling)
+        return autoregressive_generate(backend, ids, max_new_tokens=n, eos_ids=eos, record_top2=greedy, **sampling)
 
     if cfg.warmup_tokens > 0:  # one-off costs (allocator, oneDNN kernels, compile) stay out of the timings
         w = prompts[0].input_ids
@@ -99,7 +134,8 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
         if cfg.hf_baseline:
             hf_generate_timed(model, w, cfg.warmup_tokens, eos)
 
-    results, ar_tokens, ar_time, hf_tokens, hf_time, hf_match = [], 0, 0.0, 0, 0.0, []
+    tol, tol_info = tie_tolerance(cfg, backend, model, prompts)  # untimed; seconds (a few short decodes)
+    results, ar_tokens, ar_time, hf_tokens, hf_time, hf_match, divs = [], 0, 0.0, 0, 0.0, [], []
     # Dynamic-tree drafters (ReDrafter) count tokens before/after prefix sharing; only the timed prompts count.
     packed0, unpacked0 = (getattr(drafter, k, 0) for k in ("total_tokens_packed", "total_tokens_unpacked"))
     t_start = time.perf_counter()
@@ -107,23 +143,27 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
     for p in tqdm(prompts, desc=f"eval {method} on {cfg.dataset}", unit="prompt", dynamic_ncols=True):
         s = spec(p.input_ids, cfg.max_new_tokens)
         tree_nodes += s.tree_nodes
-        matches = None
+        matches, div = None, None
         if cfg.ar_baseline:
             a = ar(p.input_ids, cfg.max_new_tokens)
             ar_tokens += len(a.tokens) - 1
             ar_time += a.decode_time
             matches = (s.tokens == a.tokens) if greedy else None
+            if greedy:
+                divs.append(classify(s.tokens, a.tokens, a.top2_gaps, a.runner_up, tol))
+                div = divs[-1].to_dict()
         if cfg.hf_baseline and greedy:
             h = hf_generate_timed(model, p.input_ids, cfg.max_new_tokens, eos)
             hf_tokens += len(h.tokens) - 1
             hf_time += h.seconds
             hf_match.append(list(h.tokens) == s.tokens)
-        results.append(_result(p, s, tok, matches))
+        results.append(_result(p, s, tok, matches, div))
 
     ar_tps = ar_tokens / ar_time if ar_time > 0 else None
     hf_tps = hf_tokens / hf_time if hf_time > 0 else None
     extra = {**run_context(cfg, base, results, tree_nodes), "wall_seconds": time.perf_counter() - t_start,
-             "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None, **(info or {})}
+             "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
+             **lossless_extra(divs, tol, tol_info), **(info or {})}
     if hasattr(drafter, "total_tokens_unpacked"):
         packed = drafter.total_tokens_packed - packed0
         unpacked = drafter.total_tokens_unpacked - unpacked0
@@ -140,7 +180,9 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
 def run_context(cfg: EvalConfig, base, results: list[PromptResult], tree_nodes: int) -> dict:
     """The report's `extra` keys that describe how a run decoded (shared by `specdraft eval` and `compare`):
     engine, dtype, sampling rule, thread count, base fingerprint, and verified nodes per base step."""
-    return {"backend": cfg.backend, "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch."),
+    backend, why = choose_backend(cfg.backend, base.model)
+    return {"backend": backend, "backend_reason": why,
+            "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch."),
             "acceptance": cfg.acceptance, "temperature": cfg.temperature, "top_p": cfg.top_p,
             "max_new_tokens": cfg.max_new_tokens, "threads": torch.get_num_threads(),
             "base_fingerprint": base.fingerprint,
@@ -258,12 +300,19 @@ def format_summary(report: dict, out_dir: Path) -> str:
     def f(x, spec=".2f"):
         return "n/a" if x is None else format(x, spec)
 
-    return (f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}):\n"
-            f"  acceptance length {f(report['acceptance_length'])} | {f(report['tokens_per_second'], '.1f')} tok/s"
+    ex = report.get("extra") or {}
+    shape = ""
+    if ex.get("tree_nodes_per_step") is not None:  # the verification cost side of the acceptance length
+        name = f"tree {ex['tree']}, " if ex.get("tree") not in (None, "custom") else ""
+        shape = f" ({name}{ex['tree_nodes_per_step']:.1f} tokens verified per step, root included)"
+    return (f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}, "
+            f"{ex.get('dtype', '?')}, {ex.get('backend', '?')} backend):\n"
+            f"  acceptance length {f(report['acceptance_length'])}{shape}\n"
+            f"  {f(report['tokens_per_second'], '.1f')} tok/s"
             f" | own AR {f(report['ar_tokens_per_second'], '.1f')} tok/s | HF generate "
             f"{f(report['hf_tokens_per_second'], '.1f')} tok/s\n"
-            f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate | "
-            f"lossless {report['lossless']} ({f(report['lossless_fraction'])})\n"
+            f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate\n"
+            f"  {format_verdict(report)}\n"
             f"  report: {out_dir / 'report.md'}")
 
 

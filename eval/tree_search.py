@@ -55,7 +55,7 @@ class TreeSearchConfig:
     timing_new_tokens: int = 48
     timing_repeats: int = 2  # timed passes per size; the fastest counts (robust to other processes' noise)
     warmup_tokens: int = 8  # one untimed generation per size first
-    backend: str = "fast"  # fast | hf
+    backend: str = "auto"  # auto (fast where supported, else hf) | fast | hf
     dtype: str = "bf16"  # base dtype to tune for (on this CPU bf16 makes wide trees cheap; see configs/eval/demo.yaml)
     device: str = "auto"
     base_path: str = ""  # "" = the base named in the export's config.json
@@ -80,8 +80,8 @@ def validate_tree_search(cfg: TreeSearchConfig) -> TreeSearchConfig:
         fail("sizes", cfg.sizes, "give a non-empty list of tree sizes >= 1 (nodes besides the root)")
     if cfg.timing_prompts > cfg.num_prompts:
         fail("timing_prompts", cfg.timing_prompts, f"use at most num_prompts={cfg.num_prompts}")
-    if cfg.backend not in ("fast", "hf"):
-        fail("backend", cfg.backend, "use fast or hf")
+    if cfg.backend not in ("auto", "fast", "hf"):
+        fail("backend", cfg.backend, "use auto (fast where supported, else hf), fast or hf")
     if cfg.dtype not in ("fp32", "bf16", "fp16", "auto"):
         fail("dtype", cfg.dtype, "use fp32, bf16, fp16 or auto")
     if cfg.heldout_skip is not None and cfg.heldout_skip < 0:

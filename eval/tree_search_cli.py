@@ -137,7 +137,7 @@ def machine_name(device: torch.device) -> str:
 def search(export_dir: Path, cfg: TreeSearchConfig) -> tuple[dict, Path]:
     """The whole search on one export; returns (result dict as in tree_search.json, output dir)."""
     from eval.drafters.registry import build_drafter
-    from eval.runner import eos_ids, make_backend, resolve_device
+    from eval.runner import choose_backend, eos_ids, make_backend, resolve_device
     from models.base import load_base
     from models.draft import BaseView
     from train.export import load_draft, read_export_config
@@ -180,7 +180,8 @@ def search(export_dir: Path, cfg: TreeSearchConfig) -> tuple[dict, Path]:
     chosen = tree_choices(grown, sizes[best])
     result = {
         "export": str(export_dir), "family": family, "base_model": base.name,
-        "backend": cfg.backend, "dtype": str(base.dtype).removeprefix("torch."), "machine": machine_name(device),
+        "backend": choose_backend(cfg.backend, base.model)[0],
+        "dtype": str(base.dtype).removeprefix("torch."), "machine": machine_name(device),
         "dataset": cfg.dataset, "prompts": [p.id for p in prompts],
         "timing_prompts": [p.id for p in prompts[: cfg.timing_prompts]], "new_tokens": cfg.new_tokens,
         "timing_new_tokens": cfg.timing_new_tokens, "timing_repeats": cfg.timing_repeats,

@@ -54,6 +54,11 @@ def test_compare_runs_every_method_on_shared_baselines_and_resumes_exactly(smoke
     assert greedy["ar_matches_generate_fraction"] == 1.0 and sampled["ar_matches_generate_fraction"] is None
     for rep in greedy["reports"].values():  # fp32 greedy: token-identical to own AR decoding
         assert rep["lossless_fraction"] == 1.0 and rep["speedup_vs_hf"] is not None
+        # tie-aware verdict (eval/lossless.py): fp32 = exact, tolerance 0, every prompt identical
+        ex = rep["extra"]
+        assert ex["tie_tolerance"] == 0.0 and ex["lossless_up_to_ties"] is True and ex["lossless_identical"] == 3
+    ar_rows = [r for r in _rows(out / "greedy" / "prompts.jsonl") if r["method"] == "ar"]
+    assert all(len(r["top2_gaps"]) == len(r["runner_up"]) == len(r["tokens"]) for r in ar_rows)
     for rep in sampled["reports"].values():
         assert rep["lossless_fraction"] is None and rep["speedup_vs_hf"] is None
 

@@ -27,8 +27,21 @@ def test_defaults_then_yaml_then_overrides(tmp_path):
 def test_shipped_recipes_load():
     cfg = load_train_config(["configs/medusa.yaml", "configs/smoke.yaml", "configs/deepspeed/zero2.yaml"])
     assert cfg.base.path == "tiny" and cfg.deepspeed.zero_stage == 2 and cfg.draft.family == "medusa"
-    cfg = load_train_config(["configs/medusa.yaml", "configs/demo.yaml", "configs/deepspeed/zero3.yaml"])
+    cfg = load_train_config(["configs/medusa.yaml", "configs/cpu_budget.yaml", "configs/deepspeed/zero3.yaml"])
     assert cfg.deepspeed.zero_stage == 3 and cfg.draft.share_lm_head  # ZeRO-3 works with the shared head
+
+
+def test_demo_recipe_and_its_eval_tree_fit_together():
+    """`specdraft demo` stacks configs/demo.yaml on train.demo.RECIPE; its eval tree must fit the draft's heads
+    (build_drafter refuses a tree deeper than num_heads) and the draft must train from the hidden cache."""
+    from eval.config import load_eval_config
+    from train.demo import RECIPE
+
+    cfg = load_train_config([f"configs/{RECIPE}", "configs/demo.yaml"])
+    assert cfg.base.path == "smollm2" and cfg.data.hidden_cache == "auto" and cfg.train.epochs > 1
+    ecfg = load_eval_config(["configs/eval/demo.yaml"])
+    assert ecfg.tree_choices and max(len(c) for c in ecfg.tree_choices) <= cfg.draft.num_heads
+    assert ecfg.dtype == "bf16" and ecfg.ar_baseline and ecfg.hf_baseline  # both baselines, side by side
 
 
 @pytest.mark.parametrize("text, key, suggestion", [

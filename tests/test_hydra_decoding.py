@@ -191,3 +191,21 @@ def test_hydra_pp_smoke_run_exports_and_decodes(tmp_path, model):
     prompt = torch.tensor([1, 20, 30, 40, 50])
     want = autoregressive_generate(backend, prompt, max_new_tokens=8).tokens
     assert speculative_generate(backend, drafter, prompt, max_new_tokens=8).tokens == want
+
+
+def test_default_tree_is_cut_to_a_one_head_draft():
+    """The demo's one-head Hydra with tree=auto and no stored tree: the family default's depth-1 level, not an
+    error; a tree the user names explicitly still fails loudly when too deep."""
+    from models.base import load_base
+
+    base = load_base("tiny")
+    torch.manual_seed(0)
+    draft = HydraDraft(1, 1, BaseView.from_model(base.model), share_lm_head=True)
+    drafter, info = build_drafter(draft, {"family": "hydra"}, EvalConfig())
+    assert info["tree"] == "tree16[:1]" and info["tree_nodes"] == 5 and drafter.tree.depth == 1
+    backend = HFBackend(base.model)
+    prompt = torch.tensor([1, 20, 30, 40, 50])
+    want = autoregressive_generate(backend, prompt, max_new_tokens=8).tokens
+    assert speculative_generate(backend, drafter, prompt, max_new_tokens=8).tokens == want
+    with pytest.raises(ValueError, match="deep"):
+        build_drafter(draft, {"family": "hydra"}, EvalConfig(tree="tree16"))

@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
 
-    p = sub.add_parser("demo", help="the main job: train Medusa on SmolLM2 + ShareGPT on this machine, evaluate")
+    p = sub.add_parser("demo", help="the main job: train a Hydra draft on SmolLM2 + ShareGPT on this machine, evaluate")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the training recipe")
     return parser
 

@@ -37,6 +37,33 @@ from eval.backends.base import BaseBackend
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
+# Architectures `_LlamaCore` implements (the same module layout: q/k/v/o, gate/up/down, RMSNorm, RoPE).
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def supports(config) -> tuple[bool, str]:
+    """Can this backend run a base with this transformers config? -> (ok, reason in words).
+
+    The one place that knows the fast backend's coverage: `backend=auto` (eval/runner.py) picks `fast`
+    when this says yes and `hf` otherwise, and FastLlamaBackend refuses a model this rejects. Checks only
+    the config (cheap, before any weight is copied); the RoPE module's own checks run at build time.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return False, (f"model_type={model_type!r} is not one of the fast backend's architectures "
+                       f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        return False, f"hidden_act={act!r} is not implemented (only 'silu')"
+    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if rope_type in _DYNAMIC_ROPE_TYPES:
+        return False, f"rope_type={rope_type!r} rescales frequencies with the sequence length"
+    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        return False, "partial rotary embeddings are not implemented"
+    return True, f"model_type={model_type!r} is in the fast backend's architectures"
+
+
 # Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases may be None).
 _LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
 
@@ -282,13 +309,9 @@ class FastLlamaBackend(BaseBackend):
                  compile: bool | None = None, device: torch.device | str | None = None,
                  static: bool | None = None, cpu_threads: int | None = None):
         cfg = hf_model.config
-        if getattr(cfg, "model_type", None) != "llama":
-            raise ValueError(
-                f"fast backend supports the LLaMA family only, got model_type="
-                f"{getattr(cfg, 'model_type', None)!r}; use backend=hf for this model")
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"fast backend: hidden_act={act!r} is not implemented (only 'silu')")
+        ok, why = supports(cfg)
+        if not ok:
+            raise ValueError(f"fast backend cannot run this base: {why}; use backend=hf (or backend=auto)")
         ref = hf_model.get_input_embeddings().weight
         self.device = torch.device(device) if device is not None else ref.device
         self.dtype = dtype or ref.dtype

@@ -34,6 +34,11 @@ def _static_tree(family: str, drafter_cls):
     stores its pick as the export's `tree`), checked against the number of heads."""
     def build(draft, export_cfg: dict, eval_cfg):
         tree_name, tree = resolve_tree(family, export_cfg, eval_cfg)
+        if tree.depth > draft.num_heads and tree_name == DEFAULT_TREE[family] and eval_cfg.tree == "auto":
+            # Nobody asked for this tree: a draft with fewer heads (the demo's one-head Hydra) gets the default
+            # tree's first num_heads levels instead of an error.
+            tree = StaticTree([c for c in tree.choices if len(c) <= draft.num_heads])
+            tree_name = f"{tree_name}[:{draft.num_heads}]"
         if tree.depth > draft.num_heads:
             raise ValueError(f"tree {tree_name!r} is {tree.depth} deep but the draft has {draft.num_heads} heads; "
                              f"pick a shallower tree (tree=...)")

@@ -1,0 +1,189 @@
+"""Tie-aware losslessness (eval/lossless.py): the classification rules, the decoder's top-2 record, a
+constructed rounding tie that must be reported as a tie, and a broken verifier that must be reported as
+a real failure whatever the tolerance."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import eval.decoder as decoder
+import eval.runner as runner
+from eval.acceptance import Accepted
+from eval.backends.hf import HFBackend
+from eval.decoder import autoregressive_generate, speculative_generate
+from eval.drafters.base import DecodeState, Drafter
+from eval.lossless import (
+    IDENTICAL,
+    MISMATCH,
+    TIE,
+    classify,
+    first_difference,
+    format_verdict,
+    measure_tolerance,
+    verdict,
+)
+from eval.tree import Tree, chain_tree
+
+# ---------------------------------------------------------------------------------------------------
+# rules
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # a strict prefix differs where it stops
+
+
+def test_classify_tie_needs_a_small_gap_and_the_runner_up():
+    plain, gaps, second = [5, 6, 7, 8], [3.0, 2.0, 0.01, 4.0], [1, 1, 9, 1]
+    assert classify(plain, plain, gaps, second, 0.05).kind == IDENTICAL
+    tie = classify([5, 6, 9, 3], plain, gaps, second, 0.05)
+    assert (tie.kind, tie.position, tie.gap, tie.spec_token, tie.plain_runner_up) == (TIE, 2, 0.01, 9, 9)
+    # Same small gap, but the speculative token is not the base's runner-up: no rounding explains that.
+    assert classify([5, 6, 4, 3], plain, gaps, second, 0.05).kind == MISMATCH
+    # The runner-up, but the gap is beyond the measured rounding: a real failure.
+    assert classify([5, 6, 9, 3], plain, gaps, second, 0.005).kind == MISMATCH
+    assert classify([5, 6, 9, 3], plain, gaps, second, 0.0).kind == MISMATCH  # fp32: exact verdict
+    assert classify([5, 6, 9, 3], plain, None, None, 0.05).kind == MISMATCH  # no evidence, no tie
+    assert classify([5, 6], plain, gaps, second, 0.05).kind == MISMATCH  # stopped early
+
+
+def test_verdict_counts_and_words():
+    divs = [classify([1], [1], [0.0], [2], 0.1), classify([2], [1], [0.05], [2], 0.1),
+            classify([3], [1], [0.05], [2], 0.1)]
+    v = verdict(divs, 0.1)
+    assert (v["lossless_identical"], v["lossless_ties"], v["lossless_mismatches"]) == (1, 1, 1)
+    assert v["lossless_up_to_ties"] is False
+    report = {"num_prompts": 3, "lossless": False, "lossless_fraction": 1 / 3,
+              "extra": {**v, "lossless_checked": 3, "dtype": "bfloat16"}}
+    text = format_verdict(report)
+    assert text.startswith("NOT lossless: 1/3 prompts identical") and "1 real mismatch" in text
+    assert "1 differ only where the base's top-2 logits tie within bfloat16 rounding" in text
+    ok = verdict(divs[:2], 0.1)
+    assert ok["lossless_up_to_ties"] is True
+    assert format_verdict({**report, "extra": {**ok, "lossless_checked": 2, "dtype": "bfloat16"}}).startswith(
+        "lossless up to ties")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the decoder's record and the measured tolerance
+# ---------------------------------------------------------------------------------------------------
+
+
+class ChainDrafter(Drafter):
+    """Drafts `n` tokens: root+1, root+2, ... (mod V): mostly wrong, so trees have several nodes."""
+
+    name = "chain"
+
+    def __init__(self, n: int, vocab: int):
+        self.n, self.vocab, self.max_nodes = n, vocab, n + 1
+
+    def propose(self, state: DecodeState) -> Tree:
+        return chain_tree(state.root, [(state.root + k) % self.vocab for k in range(1, self.n + 1)])
+
+
+def test_ar_records_each_tokens_top2(model, prompts):
+    backend = HFBackend(model)
+    g = autoregressive_generate(backend, prompts[0], max_new_tokens=10, record_top2=True)
+    assert len(g.top2_gaps) == len(g.runner_up) == len(g.tokens) == 10
+    # Independent check: one full forward over prompt + output gives every position's logits.
+    seq = torch.cat([prompts[0], torch.tensor(g.tokens)])
+    with torch.no_grad():
+        logits = model(seq[None]).logits[0, prompts[0].numel() - 1: -1]  # rows that chose g.tokens
+    v, i = torch.topk(logits.float(), 2, dim=-1)
+    assert torch.equal(i[:, 0], torch.tensor(g.tokens))
+    assert g.runner_up == i[:, 1].tolist()
+    assert g.top2_gaps == pytest.approx((v[:, 0] - v[:, 1]).tolist(), abs=1e-4)
+    # Off by default: nothing recorded, nothing computed.
+    assert autoregressive_generate(backend, prompts[0], max_new_tokens=4).top2_gaps == []
+
+
+def test_speculative_record_is_aligned_with_its_tokens(model, prompts):
+    backend = HFBackend(model)
+    a = autoregressive_generate(backend, prompts[1], max_new_tokens=12, record_top2=True)
+    s = speculative_generate(backend, ChainDrafter(3, model.config.vocab_size), prompts[1], max_new_tokens=12,
+                             record_top2=True)
+    assert s.tokens == a.tokens  # fp32: lossless
+    assert len(s.top2_gaps) == len(s.tokens) and s.runner_up == a.runner_up
+    assert s.top2_gaps == pytest.approx(a.top2_gaps, abs=1e-4)
+
+
+class RoundingBackend(HFBackend):
+    """A backend whose multi-token forwards 'round differently': the runner-up logit of every row is raised
+    by `eps`, so wherever the base's top-2 gap is below eps a tree forward picks the runner-up and a
+    one-token forward does not. This is a tie by construction; nothing else changes."""
+
+    def __init__(self, model, eps: float):
+        super().__init__(model)
+        self.eps = eps
+
+    def forward_tree(self, tokens, depths, tree_mask):
+        logits, hidden = super().forward_tree(tokens, depths, tree_mask)
+        if tokens.numel() > 1:
+            logits = logits.clone()
+            second = torch.topk(logits, 2, dim=-1).indices[:, 1]
+            logits[torch.arange(logits.shape[0]), second] += self.eps
+        return logits, hidden
+
+
+def test_measured_tolerance_sees_the_rounding(model, prompts):
+    exact = measure_tolerance(HFBackend(model), prompts, new_tokens=12, chunk=4)
+    assert exact["positions"] == 24 and exact["tolerance"] < 1e-4  # fp32 tree vs one-token: ~1e-6
+    rounded = measure_tolerance(RoundingBackend(model, 0.25), prompts, new_tokens=12, chunk=4)
+    assert rounded["tolerance"] == pytest.approx(0.5, abs=1e-3)  # 2 x the largest top-8 logit change
+
+
+def _eval(monkeypatch, tmp_path, backend_factory, drafter_factory, low_precision: bool):
+    """specdraft eval's own path (eval.runner.evaluate) on a tiny base with varied greedy continuations (and
+    top-2 gaps from 0 to ~2) with the tiny tokenizer, through a chosen backend."""
+    from eval.config import load_eval_config
+    from models.base import load_base
+    from models.tiny import diverse_tiny_llama
+
+    base = dataclasses.replace(load_base("tiny"), model=diverse_tiny_llama(0))
+    monkeypatch.setattr(runner, "make_backend", lambda kind, model: backend_factory(model))
+    if low_precision:  # judge the fp32 tiny base as a bf16 one would be: measure the tolerance
+        monkeypatch.setattr(runner, "is_exact_dtype", lambda dtype: False)
+    cfg = load_eval_config(["configs/eval/smoke.yaml"], ["num_prompts=3", "max_new_tokens=24", "hf_baseline=false"])
+    return runner.evaluate(cfg, base, drafter_factory(base.model.config.vocab_size), "chain", tmp_path)
+
+
+def test_a_constructed_tie_is_reported_as_a_tie(monkeypatch, tmp_path):
+    report = _eval(monkeypatch, tmp_path, lambda m: RoundingBackend(m, 0.1), lambda v: ChainDrafter(2, v), True)
+    ex = report["extra"]
+    assert report["lossless"] is False  # the exact check still says what happened
+    assert ex["lossless_ties"] >= 1 and ex["lossless_mismatches"] == 0 and ex["lossless_up_to_ties"] is True
+    assert ex["tie_tolerance"] == pytest.approx(0.2, abs=1e-3)
+    assert format_verdict(report).startswith("lossless up to ties")
+    samples = (tmp_path / "samples.jsonl").read_text()
+    assert '"kind": "tie"' in samples
+
+
+def _accept_everything(tree: Tree, logits: torch.Tensor) -> Accepted:
+    """A broken verifier: takes the drafter's first path whatever the base says."""
+    path = tree.paths[0][tree.paths[0] >= 0]
+    return Accepted(path, int(logits[path[-1]].argmax()))
+
+
+@pytest.mark.parametrize("low_precision", [False, True])
+def test_a_broken_verifier_is_a_real_failure(monkeypatch, tmp_path, low_precision):
+    monkeypatch.setattr(decoder, "greedy_accept", _accept_everything)
+    # Even with a generous rounding tolerance (eps=0.3 -> 0.6) the drafter's tokens are not the runner-up.
+    report = _eval(monkeypatch, tmp_path, lambda m: RoundingBackend(m, 0.3 if low_precision else 0.0),
+                   lambda v: ChainDrafter(2, v), low_precision)
+    ex = report["extra"]
+    assert report["lossless"] is False and ex["lossless_up_to_ties"] is False
+    assert ex["lossless_mismatches"] == report["num_prompts"]
+    assert format_verdict(report).startswith("NOT lossless")
+
+
+def test_fp32_verdict_is_exact(monkeypatch, tmp_path):
+    report = _eval(monkeypatch, tmp_path, HFBackend, lambda v: ChainDrafter(2, v), False)
+    ex = report["extra"]
+    assert ex["tie_tolerance"] == 0.0 and report["lossless"] is True and ex["lossless_up_to_ties"] is True
+    assert ex["lossless_identical"] == report["num_prompts"]
+    assert format_verdict(report).startswith("lossless (exact): 3/3 prompts identical")
