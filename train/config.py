@@ -17,7 +17,7 @@ from train.config_loader import ConfigError, load_typed
 
 @dataclass
 class BaseSection:
-    path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" (random, tests), or an HF model directory
+    path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" / "tiny-<arch>" (random, tests), or an HF model directory
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16
 
 
