@@ -122,10 +122,14 @@ def tiny_model(arch: str = "llama", seed: int = 0, diverse: bool = False, std: f
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     if diverse:
         gen = torch.Generator().manual_seed(seed + 1)
+        emb = model.get_input_embeddings().weight
+        # Gemma multiplies the embedding by sqrt(d): draw it that much smaller so the residual stream
+        # starts at the same scale (else the tied lm_head saturates the soft-cap: one token forever).
+        emb_std = std / config.hidden_size ** 0.5 if config.model_type.startswith("gemma") else std
         with torch.no_grad():
             for p in model.parameters():
                 if p.ndim == 2:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                    p.copy_(torch.randn(p.shape, generator=gen) * (emb_std if p is emb else std))
     return model.eval()
 
 
