@@ -87,11 +87,13 @@ def tiny_config(arch: str = "llama", sliding_window: int = TINY_WINDOW, **overri
     if arch == "qwen2":  # q/k/v projections carry biases (always, in Qwen2)
         from transformers import Qwen2Config
 
-        return Qwen2Config(**{**common, "num_hidden_layers": 2, **overrides})
+        # sliding_window applies only with use_sliding_window=True (layers >= max_window_layers slide)
+        return Qwen2Config(**{**common, "num_hidden_layers": 2, "sliding_window": sliding_window, **overrides})
     if arch == "qwen3":  # q/k RMSNorm per head; head_dim is its own field (not d / heads)
         from transformers import Qwen3Config
 
-        return Qwen3Config(**{**common, "num_hidden_layers": 2, "head_dim": 32, **overrides})
+        return Qwen3Config(**{**common, "num_hidden_layers": 2, "head_dim": 32, "sliding_window": sliding_window,
+                              **overrides})
     if arch == "mistral":  # every layer attends over the last `sliding_window` positions only
         from transformers import MistralConfig
 

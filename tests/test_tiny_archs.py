@@ -36,10 +36,15 @@ def test_tiny_archs_have_their_family_features():
     assert len({load_base(f"tiny-{a}").fingerprint for a in TINY_ARCHS}) == len(TINY_ARCHS)
 
 
-def test_window_changes_mistral_outputs():
-    # Past the window, a sliding-window model must differ from the same weights attending everywhere.
+@pytest.mark.parametrize(("arch", "extra"), [("mistral", {}), ("gemma3", {}),
+                                            ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
+                                            ("qwen3", {"use_sliding_window": True, "max_window_layers": 1})])
+def test_window_changes_outputs(arch, extra):
+    # Past the window, a sliding-window model must differ from the same weights attending everywhere
+    # (else a test using it would not exercise any window logic).
     ids = torch.randint(3, 320, (1, 40), generator=torch.Generator().manual_seed(1))
-    windowed, full = tiny_model("mistral", sliding_window=8), tiny_model("mistral", sliding_window=None)
+    windowed = tiny_model(arch, diverse=True, sliding_window=8, **extra)
+    full = tiny_model(arch, diverse=True, sliding_window=64, **extra)
     a, b = windowed(ids).logits, full(ids).logits
     torch.testing.assert_close(a[:, :8], b[:, :8])  # inside the first window they agree
     assert (a[:, 10:] - b[:, 10:]).abs().max() > 1e-3

@@ -1,4 +1,10 @@
-"""`fast` backend: our own LLaMA forward over a preallocated static KV cache.
+"""`fast` backend: our own LLaMA-family forward over a preallocated static KV cache.
+
+Architectures (`supports(config)` is the one place that decides): LLaMA, Qwen2 (q/k/v biases, optional
+sliding-window layers), Qwen3 (per-head q/k RMSNorm before RoPE, explicit head_dim) and Mistral
+(sliding window). Sliding-window layers keep every slot in the static cache, like full ones, and
+differ only in their mask: a query at position p sees a key at position k iff p - W < k <= p (tree
+nodes have position cache_len + depth, committed slots their index).
 
 Why it exists: for a small base (SmolLM2-135M) a decode step streams ~0.5 GB of fp32 weights
 through ~150 skinny matmuls, so both the matmul kernel and the per-step overhead (Python, dynamic
@@ -36,8 +42,55 @@ from eval.backends.base import BaseBackend
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
-# Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases may be None).
-_LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+# Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases and q/k norms may be None).
+_LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "qn", "kn", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+
+# model_type -> what differs from LLaMA (documentation; the loader reads the modules themselves).
+FAST_ARCHITECTURES = {
+    "llama": "the reference layout",
+    "qwen2": "q/k/v biases; sliding-window layers where use_sliding_window is set",
+    "qwen3": "per-head RMSNorm on q and k before RoPE; head_dim not d / heads",
+    "mistral": "sliding window on every layer",
+}
+
+
+def supports(config) -> tuple[bool, str]:
+    """Whether the fast backend can run a base with this transformers config, and if not, why (a
+    sentence naming the field and saying to use backend=hf). Config-level checks only; the loader
+    still rejects what only the weights reveal (partial RoPE)."""
+    from eval.backends.hf import cache_layer_types
+
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kind = getattr(cfg, "model_type", None)
+    if kind not in FAST_ARCHITECTURES:
+        return False, (f"fast backend supports {', '.join(FAST_ARCHITECTURES)} (model_type), not {kind!r}; "
+                       "use backend=hf for this model")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        return False, f"fast backend: hidden_act={act!r} is not implemented (only 'silu'); use backend=hf"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in _DYNAMIC_ROPE_TYPES:
+        return False, (f"fast backend: rope_type={rope_type!r} rescales frequencies with the sequence length, "
+                       "which a static cos/sin table cannot follow; use backend=hf")
+    try:
+        types = cache_layer_types(cfg)
+    except (AttributeError, KeyError, TypeError) as err:
+        return False, f"fast backend: cannot read the layer types of this config ({err}); use backend=hf"
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        return False, f"fast backend: {', '.join(other)} layers are not implemented; use backend=hf"
+    if "sliding_attention" in types and not getattr(cfg, "sliding_window", None):
+        return False, "fast backend: sliding_attention layers without a sliding_window size; use backend=hf"
+    return True, ""
+
+
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: None (full attention) or its sliding window W."""
+    from eval.backends.hf import cache_layer_types
+
+    window = getattr(config, "sliding_window", None)
+    return [int(window) if t == "sliding_attention" else None for t in cache_layer_types(config)]
 
 
 def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
@@ -104,6 +157,10 @@ class _LlamaCore(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = float(cfg.rms_norm_eps)
         self.dims = (cfg.hidden_size,)  # normalized_shape for F.rms_norm
+        # Sliding windows: one W shared by every sliding layer (all supported configs have one).
+        self.windows = layer_windows(cfg)
+        self.window = next((w for w in self.windows if w is not None), None)
+        self.is_sliding = [w is not None for w in self.windows]
         base = hf_model.model
 
         def t(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -143,7 +200,10 @@ class _LlamaCore(nn.Module):
             bgu = None
             if mlp.gate_proj.bias is not None:
                 bgu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias], 0)
-            tensors = (t(layer.input_layernorm.weight), tt(wqkv), t(bqkv), tt(att.o_proj.weight),
+            # Qwen3: RMSNorm over head_dim on every q and k head, before RoPE ([hd] weights).
+            qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
+            qn, kn = (None, None) if qn is None else (qn.weight, kn.weight)
+            tensors = (t(layer.input_layernorm.weight), tt(wqkv), t(bqkv), t(qn), t(kn), tt(att.o_proj.weight),
                        t(att.o_proj.bias), t(layer.post_attention_layernorm.weight), tt(wgu), t(bgu),
                        tt(mlp.down_proj.weight), t(mlp.down_proj.bias))
             for name, x in zip(_LAYER_TENSORS, tensors):
@@ -200,9 +260,11 @@ class _LlamaCore(nn.Module):
         self.cache_views = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None, kv_len: int, win_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions, slots [N] long; mask [G*N, kv_len] bool (rows ordered group-major,
-        see `group_mask`) or None for "see every slot"; new K/V are written at `slots`, then every
+        see `group_mask`) or None for "see every slot"; win_mask: the same for sliding-window layers
+        (mask with the window applied; None = use `mask`); new K/V are written at `slots`, then every
         query attends over slots [0, kv_len). Returns (logits [N, V] fp32, hidden [N, d])."""
         # Every aten call costs a few microseconds of dispatch, ~35 of them per layer: the loop
         # below is written to keep that count low (fused matmuls, views over copies, no K/V repeat).
@@ -217,11 +279,14 @@ class _LlamaCore(nn.Module):
             # addresses for CUDA graphs), not as loose tensors it would copy in on every replay.
             layers = self._layer_tensors()
             caches = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
-        for (ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd), (kc, vc) in zip(layers, caches):
+        layer_masks = [win_mask if sliding and win_mask is not None else mask for sliding in self.is_sliding]
+        for (ln1, wqkv, bqkv, qn, kn, wo, bo, ln2, wgu, bgu, wd, bd), (kc, vc), m in zip(layers, caches, layer_masks):
             h = F.rms_norm(x, dims, ln1, eps)
             qkv = _mm(h, wqkv, bqkv).view(n, H + 2 * Hkv, hd)
             # RoPE on q and k together (adjacent heads of the fused output): x*cos + rot(x)*sin.
             qk = qkv[:, : H + Hkv]
+            if qn is not None:  # Qwen3: per-head RMSNorm of q and of k first
+                qk = torch.cat([F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)], 1)
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # [N, H + Hkv, hd]
             kc.index_copy_(1, slots, qk[:, H:].transpose(0, 1))  # cache [Hkv, capacity, hd]
             vc.index_copy_(1, slots, qkv[:, H + Hkv:].transpose(0, 1))
@@ -230,7 +295,7 @@ class _LlamaCore(nn.Module):
             q = qk[:, :H].transpose(0, 1).reshape(1, Hkv, G * n, hd)
             o = F.scaled_dot_product_attention(q, kc.narrow(1, 0, kv_len).unsqueeze(0),
                                                vc.narrow(1, 0, kv_len).unsqueeze(0),
-                                               attn_mask=mask)  # [1, Hkv, G*N, hd]
+                                               attn_mask=m)  # [1, Hkv, G*N, hd]
             o = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
             x = _mm(o, wo, bo, residual=x)
             h = F.rms_norm(x, dims, ln2, eps)
@@ -271,13 +336,9 @@ class FastLlamaBackend(BaseBackend):
                  compile: bool | None = None, device: torch.device | str | None = None,
                  static: bool | None = None, cpu_threads: int | None = None):
         cfg = hf_model.config
-        if getattr(cfg, "model_type", None) != "llama":
-            raise ValueError(
-                f"fast backend supports the LLaMA family only, got model_type="
-                f"{getattr(cfg, 'model_type', None)!r}; use backend=hf for this model")
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"fast backend: hidden_act={act!r} is not implemented (only 'silu')")
+        ok, why = supports(cfg)
+        if not ok:
+            raise ValueError(why)
         ref = hf_model.get_input_embeddings().weight
         self.device = torch.device(device) if device is not None else ref.device
         self.dtype = dtype or ref.dtype
@@ -362,8 +423,9 @@ class FastLlamaBackend(BaseBackend):
         ids = input_ids.to(self.device)
         pos = torch.arange(t, device=self.device)
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
+        win = self._window_mask(causal, pos, pos)
         # Eager even in static mode: prompt lengths vary, a graph per length would not pay off.
-        logits, hidden = self._core(ids, pos, pos, self._core.group_mask(causal), t)
+        logits, hidden = self._core(ids, pos, pos, self._core.group_mask(causal), t, win)
         self._len = t
         self._last_n = 0
         return logits, hidden
@@ -387,14 +449,16 @@ class FastLlamaBackend(BaseBackend):
         else:
             kv_len = c + n
             slots = torch.arange(c, kv_len, device=dev)
-            if n == 1:
-                mask = None  # a lone root sees the prefix and itself: everything in [0, c+1)
-            else:
-                mask = torch.ones(n, kv_len, dtype=torch.bool, device=dev)
-                mask[:, c:] = tree_mask
-                mask = self._core.group_mask(mask)
+            visible = torch.ones(n, kv_len, dtype=torch.bool, device=dev)
+            visible[:, c:] = tree_mask
+            win = None
+            if self._core.window is not None:  # key positions: slots for the prefix, c + depth in the tree
+                kpos = torch.cat([torch.arange(c, device=dev), c + depths])
+                win = self._window_mask(visible, c + depths, kpos)
+            # A lone root sees the prefix and itself, everything in [0, c+1): no mask needed.
+            mask = None if n == 1 else self._core.group_mask(visible)
             # Not self._step: a compiled step is specialised to the static shapes.
-            logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len)
+            logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len, win)
         self._last_n = n
         return logits, hidden
 
@@ -412,7 +476,12 @@ class FastLlamaBackend(BaseBackend):
         # Padding rows see only themselves, so they stay finite and never touch real nodes.
         idx = torch.arange(n, b, device=dev)
         mask[idx, c + idx] = True
-        logits, hidden = self._step(tok, pos, slots, self._core.group_mask(mask), cap)
+        win = None
+        if self._core.window is not None:  # slot positions, with the tree's (and padding's) in place
+            kpos = torch.arange(cap, device=dev)
+            kpos[c:c + b] = pos
+            win = self._window_mask(mask, pos, kpos)
+        logits, hidden = self._step(tok, pos, slots, self._core.group_mask(mask), cap, win)
         # Copy out of CUDA-graph-owned memory before the next replay overwrites it.
         return logits[:n].clone(), hidden[:n].clone()
 
@@ -431,6 +500,13 @@ class FastLlamaBackend(BaseBackend):
             self._core.compact(src, torch.arange(c, c + m, device=self.device))
         self._len = c + m
         self._last_n = 0
+
+    def _window_mask(self, visible: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
+        """visible [N, S] bool, query positions [N], key positions [S] -> the sliding layers' grouped
+        mask [G*N, S]: visible and k > q - W (None when the model has no sliding layer)."""
+        if self._core.window is None:
+            return None
+        return self._core.group_mask(visible & (kpos[None, :] > qpos[:, None] - self._core.window))
 
     def _check_room(self, n: int, what: str) -> None:
         if self._len + n > self._max_len:
