@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eval.backends.fast import FastLlamaBackend, supports
 from eval.backends.hf import HFBackend
 from eval.decoder import autoregressive_generate, speculative_generate
 from eval.drafters.base import DecodeState, Drafter
 from eval.tree import Tree, tree_from_paths
-from models.tiny import TINY_ARCHS, tiny_model
+from models.tiny import TINY_ARCHS, tiny_config, tiny_model
 
 NEW = 24
 # (arch, window): every tiny architecture at its default (16-token windows) and two at 8 tokens.
@@ -72,3 +73,12 @@ def arch_prompts():
 def test_hf_backend_greedy_lossless(arch, window, arch_prompts):
     model = make_model(arch, window)
     check_lossless(model, HFBackend(model), arch_prompts)
+
+
+FAST_CASES = [(a, w) for a, w in CASES if supports(tiny_config(a))[0] and a != "llama"]  # llama: test_eval_decoder
+
+
+@pytest.mark.parametrize(("arch", "window"), FAST_CASES, ids=[a if w is None else f"{a}-w{w}" for a, w in FAST_CASES])
+def test_fast_backend_greedy_lossless(arch, window, arch_prompts):
+    model = make_model(arch, window)
+    check_lossless(model, FastLlamaBackend(model, max_len=64), arch_prompts)

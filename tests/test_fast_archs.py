@@ -20,6 +20,8 @@ CASES = {
     "mistral-w4": ("mistral", {"sliding_window": 4}),
     "qwen2-mixed-w4": ("qwen2", {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1}),
     "qwen3-mixed-w8": ("qwen3", {"sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1}),
+    "gemma3": ("gemma3", {}),
+    "gemma3-w4": ("gemma3", {"sliding_window": 4}),
 }
 
 
@@ -85,11 +87,18 @@ def test_fast_matches_hf_backend_step_by_step(name, static):
 
 def test_supports_decisions():
     assert supports(tiny_config("llama"))[0] and supports(tiny_config("mistral"))[0]
-    ok, why = supports(tiny_config("gemma3"))
-    assert not ok and "gemma3_text" in why and "backend=hf" in why
+    cfg = tiny_config("gemma3")
+    cfg.attn_logit_softcapping = 50.0
+    ok, why = supports(cfg)
+    assert not ok and "attn_logit_softcapping" in why and "backend=hf" in why
+    cfg = tiny_config("llama")
+    cfg.model_type = "gpt_neox"
+    ok, why = supports(cfg)
+    assert not ok and "gemma3_text" in why and "not 'gpt_neox'" in why
     cfg = tiny_config("qwen2")
     cfg.hidden_act = "gelu"
-    assert supports(cfg) == (False, "fast backend: hidden_act='gelu' is not implemented (only 'silu'); use backend=hf")
+    ok, why = supports(cfg)
+    assert not ok and "hidden_act='gelu' is not implemented" in why and "backend=hf" in why
     cfg = tiny_config("qwen2")
     cfg.layer_types = ["full_attention", "linear_attention"]
     ok, why = supports(cfg)
