@@ -48,7 +48,8 @@ def render_with_assistant_mask(tokenizer, messages: list[dict], max_length: int 
                                 reason="empty_conversation")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat_template; use an "
-                                "instruct/chat tokenizer or set tokenizer.chat_template",
+                                "instruct/chat tokenizer or set data.chat_template (chatml, llama3, gemma "
+                                "or a .jinja file)",
                                 reason="no_chat_template")
     if max_length is not None and max_length < 1:
         raise ValueError(f"render_with_assistant_mask: max_length={max_length}; use None or a positive "
@@ -194,3 +195,96 @@ def _control_token_pattern(tokenizer) -> re.Pattern | None:
     tokens = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content},
                     key=len, reverse=True)
     return re.compile("|".join(re.escape(t) for t in tokens)) if tokens else None
+
+
+# ---- data.chat_template: a named template or a Jinja file, for bases that ship none -------------
+
+# Generic templates for base (non-instruct) checkpoints. Each writes the whole turn from the message
+# list alone (no default system prompt, no date), so every prefix of a chat renders to a prefix of the
+# full render and the assistant masks above stay exact. `markers` are the control strings that should
+# be single tokens of the tokenizer; if they are not, the template still works (they are spelled out
+# as text) but a warning says so.
+NAMED_CHAT_TEMPLATES: dict[str, dict] = {
+    "chatml": {
+        "markers": ("<|im_start|>", "<|im_end|>"),
+        "template": (
+            "{% for message in messages %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+        ),
+    },
+    "llama3": {
+        "markers": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "template": (
+            "{{ bos_token if bos_token else '' }}"
+            "{% for message in messages %}"
+            "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content']"
+            " + '<|eot_id|>' }}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+            "{% endif %}"
+        ),
+    },
+    # Gemma has no system role: a system message is prepended to the first user turn (as Gemma's own
+    # template does); the assistant role is called "model".
+    "gemma": {
+        "markers": ("<start_of_turn>", "<end_of_turn>"),
+        "template": (
+            "{{ bos_token if bos_token else '' }}"
+            "{% set ns = namespace(system='') %}"
+            "{% for message in messages %}"
+            "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\\n\\n' %}"
+            "{% else %}"
+            "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+            "{{ '<start_of_turn>' + role + '\\n' + ns.system + message['content'] + '<end_of_turn>\\n' }}"
+            "{% set ns.system = '' %}"
+            "{% endif %}"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+        ),
+    },
+}
+
+
+def resolve_chat_template(spec: str) -> str:
+    """`data.chat_template` value -> Jinja source: a name in NAMED_CHAT_TEMPLATES, a template file, or
+    Jinja source itself (what an export records, so eval renders prompts exactly as training did)."""
+    from pathlib import Path
+
+    if spec in NAMED_CHAT_TEMPLATES:
+        return NAMED_CHAT_TEMPLATES[spec]["template"]
+    if "{%" in spec or "{{" in spec:
+        return spec
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"data.chat_template={spec!r} is neither a named template "
+                         f"({', '.join(NAMED_CHAT_TEMPLATES)}) nor an existing Jinja file; give one of the "
+                         "names or the path of a .jinja file")
+    text = path.read_text()
+    if "messages" not in text:
+        raise ValueError(f"data.chat_template={spec!r}: {path} does not mention `messages`, so it is not a "
+                         "chat template (a Jinja file looping over `messages`, like the HF chat_template.jinja)")
+    return text
+
+
+def set_chat_template(tokenizer, spec: str | None) -> str | None:
+    """Install `spec` (name or path; None/"" = keep the tokenizer's own) on `tokenizer`.
+
+    Returns the installed Jinja source, or None when nothing changed. Warns (does not fail) when a
+    named template's control markers are not single tokens of this tokenizer.
+    """
+    if not spec:
+        return None
+    text = resolve_chat_template(spec)
+    markers = NAMED_CHAT_TEMPLATES.get(spec, {}).get("markers", ())
+    missing = [m for m in markers if len(tokenizer(m, add_special_tokens=False)["input_ids"]) != 1]
+    if missing:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "chat template %r: markers %s are not single tokens of this tokenizer; they will be spelled out "
+            "as text (works, but costs tokens and the model never saw them); a template using the "
+            "tokenizer's own control tokens fits better", spec, missing)
+    tokenizer.chat_template = text
+    return text

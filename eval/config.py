@@ -37,6 +37,9 @@ class EvalConfig:
     run_dir: str = ""  # where a learning-free eval (--method) writes; "" = runs/<method>
     num_threads: int = 0  # CPU threads; 0 = torch's default
     extra: dict = field(default_factory=dict)  # method-specific options (e.g. N-gram k, w)
+    # "" = the template the draft was trained with (export's chat_template) or the tokenizer's own;
+    # else chatml | llama3 | gemma | a .jinja file (bases that ship no chat template)
+    chat_template: str = ""
 
 
 def validate_eval(cfg: EvalConfig) -> EvalConfig:

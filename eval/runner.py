@@ -230,7 +230,8 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     export_cfg = read_export_config(export_dir)
     cfg = resolve_heldout_skip(cfg, export_cfg)
     device = resolve_device(cfg.device)
-    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
+    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device,
+                     chat_template=cfg.chat_template or export_cfg.get("chat_template"))
     draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
     draft = draft.to(device=device, dtype=next(base.model.parameters()).dtype)
     drafter, info = build_drafter(draft, export_cfg, cfg)
@@ -252,7 +253,8 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
         raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
                          " (trained drafts: --draft runs/<run>/export)")
     opts = ngram_options(cfg.extra)  # fail on a typo before loading anything
-    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device))
+    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device),
+                     chat_template=cfg.chat_template or None)
     drafter, info = build_ngram_drafter(base, cfg.extra)
     if cfg.extra.get("prompt_lookup"):  # transformers' prompt lookup drafting w tokens per step
         info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))

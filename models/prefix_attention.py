@@ -111,8 +111,12 @@ class PrefixAttention(nn.Module):
         # RoPE frequencies in fp32, kept OUT of the module's buffers: `.to(bfloat16)` (DeepSpeed bf16, a bf16
         # export) would otherwise round inv_freq and shift every position's angle. [head_dim / 2]
         fresh = type(rotary)(config=config)
-        self._inv_freq = fresh.inv_freq.detach().float().cpu().clone()
-        self._rope_scale = float(getattr(fresh, "attention_scaling", 1.0))
+        inv_freq, scale = getattr(fresh, "inv_freq", None), getattr(fresh, "attention_scaling", 1.0)
+        if inv_freq is None:  # one RoPE per layer type (Gemma-3: local / global bases): the copied layer's
+            kind = config.get_text_config(decoder=True).layer_types[len(layers) - 1]
+            inv_freq, scale = getattr(fresh, f"{kind}_inv_freq"), getattr(fresh, f"{kind}_attention_scaling", 1.0)
+        self._inv_freq = inv_freq.detach().float().cpu().clone()
+        self._rope_scale = float(scale)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}
 
     # -- helpers -----------------------------------------------------------------------------------

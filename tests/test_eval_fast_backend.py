@@ -227,11 +227,11 @@ def test_commit_and_call_order_errors():
 def test_unsupported_models_fail_clearly():
     config = tiny_llama_config()
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(NotImplementedError, match="rope_type='dynamic'"):
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
         FastLlamaBackend(LlamaForCausalLM(config))
     model = tiny_llama(0)
     model.config.model_type = "gpt2"
-    with pytest.raises(ValueError, match="LLaMA family"):
+    with pytest.raises(ValueError, match="supports llama, qwen2, qwen3, mistral.*not 'gpt2'.*backend=hf"):
         FastLlamaBackend(model)
 
 

@@ -17,7 +17,7 @@ from train.config_loader import ConfigError, load_typed
 
 @dataclass
 class BaseSection:
-    path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" (random, tests), or an HF model directory
+    path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" / "tiny-<arch>" (random, tests), or an HF model directory
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16
 
 
@@ -36,6 +36,9 @@ class DataSection:
     self_distill: bool = False  # train on the base's own answers to the first max_records prompts (Medusa-2)
     self_distill_max_new_tokens: int = 256  # answer length cap of the regenerated turns
     self_distill_temperature: float = 0.0  # 0 = greedy answers; > 0 samples at that temperature
+    # "" = the tokenizer's own chat template; else chatml | llama3 | gemma | a .jinja file, used when the
+    # base ships none (base checkpoints) or to override its own; recorded in the export for eval.
+    chat_template: str = ""
 
 
 @dataclass
@@ -207,6 +210,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("data.self_distill_max_new_tokens", cfg.data.self_distill_max_new_tokens, "use 1 or more (256 typical)")
     if cfg.data.self_distill_temperature < 0:
         _fail("data.self_distill_temperature", cfg.data.self_distill_temperature, "use 0 (greedy) or a temperature > 0")
+    if cfg.data.chat_template:
+        from data.template import resolve_chat_template
+
+        try:
+            resolve_chat_template(cfg.data.chat_template)
+        except ValueError as err:
+            _fail("data.chat_template", cfg.data.chat_template, str(err))
     if not 0.0 <= cfg.loss.teacher_weight <= 1.0:
         _fail("loss.teacher_weight", cfg.loss.teacher_weight, "use a weight in [0, 1]")
     if cfg.loss.lambda0 <= 0 or cfg.loss.decay <= 0:

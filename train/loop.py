@@ -105,7 +105,8 @@ def train(cfg: TrainConfig) -> Path:
     # Rank 0 first: it may have to convert the GGUF or tokenize the data into the shared cache.
     for turn in (0, 1):
         if (turn == 0) == info.is_main:
-            base = load_base(cfg.base.path, dtype=base_dtype, device=info.device)
+            base = load_base(cfg.base.path, dtype=base_dtype, device=info.device,
+                             chat_template=cfg.data.chat_template or None)
             d = cfg.data
             source, max_records = _training_source(cfg, base)
             train_ds, val_ds = build_datasets(
@@ -365,7 +366,11 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
                              extra={"trained_steps": step, "train_seconds": round(train_seconds, 1),
                                     "hidden_cache": bool(cfg.data.hidden_cache),
                                     "train_dtype": str(compute_dtype).removeprefix("torch."),
-                                    "train_data": train_data, **(vocab_info or {})})
+                                    "train_data": train_data, **(vocab_info or {}),
+                                    # the Jinja source when data.chat_template replaced the tokenizer's
+                                    # own, so eval renders prompts the way training did
+                                    **({"chat_template": base.tokenizer.chat_template}
+                                       if cfg.data.chat_template else {})})
             log.info("exported the draft to %s", run_dir / "export")
             if cfg.train.val_batches > 0:
                 result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)

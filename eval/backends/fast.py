@@ -1,4 +1,12 @@
-"""`fast` backend: our own LLaMA forward over a preallocated static KV cache.
+"""`fast` backend: our own LLaMA-family forward over a preallocated static KV cache.
+
+Architectures (`supports(config)` is the one place that decides): LLaMA, Qwen2 (q/k/v biases, optional
+sliding-window layers), Qwen3 (per-head q/k RMSNorm before RoPE, explicit head_dim), Mistral
+(sliding window) and Gemma-3 text (sliding/global layer mix with one RoPE table per layer type,
+sqrt(d) embedding scale, (1 + w) RMSNorms before and after both sublayers, q/k norms, GELU-tanh,
+query_pre_attn_scalar, final logit soft-capping). Sliding-window layers keep every slot in the
+static cache, like full ones, and differ only in their mask: a query at position p sees a key at
+position k iff p - W < k <= p (tree nodes have position cache_len + depth, committed slots their index).
 
 Why it exists: for a small base (SmolLM2-135M) a decode step streams ~0.5 GB of fp32 weights
 through ~150 skinny matmuls, so both the matmul kernel and the per-step overhead (Python, dynamic
@@ -37,35 +45,70 @@ from eval.backends.base import BaseBackend
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
-# Architectures `_LlamaCore` implements (the same module layout: q/k/v/o, gate/up/down, RMSNorm, RoPE).
-SUPPORTED_MODEL_TYPES = ("llama",)
+# Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases and q/k norms may be None).
+# ln2 is the norm in front of the MLP; pan / pfn the norms after attention / MLP (Gemma; else None).
+_LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "qn", "kn", "wo", "bo", "pan", "ln2", "wgu", "bgu", "wd", "bd", "pfn")
+
+# model_type -> what differs from LLaMA (documentation; the loader reads the modules themselves).
+FAST_ARCHITECTURES = {
+    "llama": "the reference layout",
+    "qwen2": "q/k/v biases; sliding-window layers where use_sliding_window is set",
+    "qwen3": "per-head RMSNorm on q and k before RoPE; head_dim not d / heads",
+    "mistral": "sliding window on every layer",
+    "gemma3_text": "sliding/global layers with their own RoPE bases, sqrt(d) embedding scale, (1 + w) RMSNorms "
+                   "before and after attention and MLP, q/k norms, GELU-tanh, query_pre_attn_scalar, final "
+                   "logit soft-capping",
+}
 
 
 def supports(config) -> tuple[bool, str]:
-    """Can this backend run a base with this transformers config? -> (ok, reason in words).
+    """Whether the fast backend can run a base with this transformers config, and if not, why (a
+    sentence naming the field and saying to use backend=hf). Config-level checks only; the loader
+    still rejects what only the weights reveal (partial RoPE)."""
+    from eval.backends.hf import cache_layer_types
 
-    The one place that knows the fast backend's coverage: `backend=auto` (eval/runner.py) picks `fast`
-    when this says yes and `hf` otherwise, and FastLlamaBackend refuses a model this rejects. Checks only
-    the config (cheap, before any weight is copied); the RoPE module's own checks run at build time.
-    """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return False, (f"model_type={model_type!r} is not one of the fast backend's architectures "
-                       f"({', '.join(SUPPORTED_MODEL_TYPES)})")
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        return False, f"hidden_act={act!r} is not implemented (only 'silu')"
-    scaling = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-    rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
-    if rope_type in _DYNAMIC_ROPE_TYPES:
-        return False, f"rope_type={rope_type!r} rescales frequencies with the sequence length"
-    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        return False, "partial rotary embeddings are not implemented"
-    return True, f"model_type={model_type!r} is in the fast backend's architectures"
+    cfg = config
+    kind = getattr(cfg, "model_type", None)  # the top level: a multimodal wrapper is not a text LM here
+    if kind not in FAST_ARCHITECTURES:
+        return False, (f"fast backend supports {', '.join(FAST_ARCHITECTURES)} (model_type), not {kind!r}; "
+                       "use backend=hf for this model")
+    gemma = kind == "gemma3_text"
+    act = getattr(cfg, "hidden_activation" if gemma else "hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        return False, (f"fast backend: hidden_act={act!r} is not implemented (only 'silu', and "
+                       "'gelu_pytorch_tanh' for Gemma); use backend=hf")
+    if gemma and getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return False, ("fast backend: attn_logit_softcapping (attention-score soft-capping) is not "
+                       "implemented; use backend=hf")
+    if gemma and getattr(cfg, "use_bidirectional_attention", False):
+        return False, "fast backend: use_bidirectional_attention=True is not causal decoding; use backend=hf"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    # One dict, or (Gemma-3) one per layer type.
+    ropes = list(rope.values()) if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) \
+        else [rope]
+    for r in ropes:
+        rope_type = r.get("rope_type", r.get("type", "default")) if isinstance(r, dict) else "default"
+        if rope_type in _DYNAMIC_ROPE_TYPES:
+            return False, (f"fast backend: rope_type={rope_type!r} rescales frequencies with the sequence "
+                           "length, which a static cos/sin table cannot follow; use backend=hf")
+    try:
+        types = cache_layer_types(cfg)
+    except (AttributeError, KeyError, TypeError) as err:
+        return False, f"fast backend: cannot read the layer types of this config ({err}); use backend=hf"
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        return False, f"fast backend: {', '.join(other)} layers are not implemented; use backend=hf"
+    if "sliding_attention" in types and not getattr(cfg, "sliding_window", None):
+        return False, "fast backend: sliding_attention layers without a sliding_window size; use backend=hf"
+    return True, ""
 
 
-# Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases may be None).
-_LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd")
+def layer_windows(config) -> list[int | None]:
+    """Per decoder layer: None (full attention) or its sliding window W."""
+    from eval.backends.hf import cache_layer_types
+
+    window = getattr(config, "sliding_window", None)
+    return [int(window) if t == "sliding_attention" else None for t in cache_layer_types(config)]
 
 log = logging.getLogger("specdraft.eval")
 
@@ -134,10 +177,26 @@ class _LlamaCore(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.eps = float(cfg.rms_norm_eps)
         self.dims = (cfg.hidden_size,)  # normalized_shape for F.rms_norm
+        # Sliding windows: one W shared by every sliding layer (all supported configs have one).
+        self.windows = layer_windows(cfg)
+        self.window = next((w for w in self.windows if w is not None), None)
+        self.is_sliding = [w is not None for w in self.windows]
+        self.gemma = cfg.model_type == "gemma3_text"
+        # Gemma: attention scale query_pre_attn_scalar^-1/2 (None = sdpa's default 1/sqrt(hd)) and the
+        # soft-cap of the final logits; GELU-tanh instead of SiLU.
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5 if self.gemma else None
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.act = (lambda x: F.gelu(x, approximate="tanh")) if self.gemma else F.silu
         base = hf_model.model
 
         def t(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.detach().to(device=device, dtype=dtype)
+
+        def nw(norm: nn.Module | None) -> torch.Tensor | None:
+            """RMSNorm weight as F.rms_norm wants it: Gemma's norms scale by (1 + w), in fp32 first."""
+            if norm is None:
+                return None
+            return t(norm.weight.detach().float() + 1.0) if self.gemma else t(norm.weight)
 
         # Matmul weights are stored transposed, [in, out], and applied as `x @ W_t`: on CPU (MKL)
         # that runs 1.3-2x faster than F.linear's [out, in] layout for N=1 (SmolLM2's lm_head:
@@ -156,7 +215,10 @@ class _LlamaCore(nn.Module):
         self.register_buffer("embed", t(base.embed_tokens.weight), persistent=False)  # [V, d]
         # [d, V]; with tied embeddings this is the one extra copy of the embedding we keep.
         self.register_buffer("lm_head_t", tt(hf_model.lm_head.weight), persistent=False)
-        self.register_buffer("final_norm", t(base.norm.weight), persistent=False)
+        self.register_buffer("final_norm", nw(base.norm), persistent=False)
+        # Gemma multiplies embeddings by sqrt(d), rounded to the weight dtype first (as transformers does).
+        scale = getattr(base.embed_tokens, "embed_scale", None)
+        self.register_buffer("embed_scale", None if scale is None else t(torch.as_tensor(scale)), persistent=False)
 
         # Per-layer fused weights. Stored as separately named buffers (layer count is small and
         # fixed); `self.layers` keeps plain tuples of them for a cheap Python loop.
@@ -173,28 +235,45 @@ class _LlamaCore(nn.Module):
             bgu = None
             if mlp.gate_proj.bias is not None:
                 bgu = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias], 0)
-            tensors = (t(layer.input_layernorm.weight), tt(wqkv), t(bqkv), tt(att.o_proj.weight),
-                       t(att.o_proj.bias), t(layer.post_attention_layernorm.weight), tt(wgu), t(bgu),
-                       tt(mlp.down_proj.weight), t(mlp.down_proj.bias))
+            # Qwen3 / Gemma-3: RMSNorm over head_dim on every q and k head, before RoPE ([hd] weights).
+            qn, kn = getattr(att, "q_norm", None), getattr(att, "k_norm", None)
+            if self.gemma:  # norms around both sublayers: input / post-attention / pre-FFN / post-FFN
+                ln1, pan = layer.input_layernorm, layer.post_attention_layernorm
+                ln2, pfn = layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
+            else:  # LLaMA's "post_attention_layernorm" is the norm in front of the MLP
+                ln1, ln2, pan, pfn = layer.input_layernorm, layer.post_attention_layernorm, None, None
+            tensors = (nw(ln1), tt(wqkv), t(bqkv), nw(qn), nw(kn), tt(att.o_proj.weight), t(att.o_proj.bias),
+                       nw(pan), nw(ln2), tt(wgu), t(bgu), tt(mlp.down_proj.weight), t(mlp.down_proj.bias), nw(pfn))
             for name, x in zip(_LAYER_TENSORS, tensors):
                 self.register_buffer(f"l{i}_{name}", x, persistent=False)
         self._bind_layers()
 
         # RoPE: the model's own inverse frequencies (this already applies linear / llama3 / yarn
         # scaling from the config) and its attention scaling, tabulated for every slot.
+        # Gemma-3 keeps one (inv_freq, scaling) per layer type (local layers use a smaller base): one
+        # cos/sin table each, and `rope_ids[i]` says which table layer i reads.
         rot = base.rotary_emb
-        rope_type = getattr(rot, "rope_type", "default")
-        if rope_type in _DYNAMIC_ROPE_TYPES:
-            raise NotImplementedError(
-                f"fast backend: rope_type={rope_type!r} rescales frequencies with the sequence length, "
-                "which a static cos/sin table cannot follow; use backend=hf for this model")
-        inv_freq = rot.inv_freq.detach().float().to(device)  # [hd/2]
-        if inv_freq.numel() * 2 != self.head_dim:
-            raise NotImplementedError(
-                f"fast backend: RoPE covers {inv_freq.numel() * 2} of {self.head_dim} head dims "
-                "(partial rotary); only full-head RoPE is implemented, use backend=hf")
-        self.attn_scaling = float(getattr(rot, "attention_scaling", 1.0))
-        self.inv_freq = inv_freq
+        from eval.backends.hf import cache_layer_types
+
+        types = cache_layer_types(cfg) if hasattr(rot, "layer_types") else [None] * self.n_layers
+        table_types = sorted(set(types), key=str)
+        self.rope_ids = [table_types.index(ty) for ty in types]
+        self.rope = []  # [(inv_freq [hd/2] fp32, attention scaling)] per table
+        for ty in table_types:
+            rope_type = getattr(rot, "rope_type", "default")
+            rope_type = rope_type.get(ty, "default") if isinstance(rope_type, dict) else rope_type
+            if rope_type in _DYNAMIC_ROPE_TYPES:
+                raise NotImplementedError(
+                    f"fast backend: rope_type={rope_type!r} rescales frequencies with the sequence length, "
+                    "which a static cos/sin table cannot follow; use backend=hf for this model")
+            inv = getattr(rot, "inv_freq" if ty is None else f"{ty}_inv_freq")
+            scaling = getattr(rot, "attention_scaling" if ty is None else f"{ty}_attention_scaling", 1.0)
+            inv = inv.detach().float().to(device)
+            if inv.numel() * 2 != self.head_dim:
+                raise NotImplementedError(
+                    f"fast backend: RoPE covers {inv.numel() * 2} of {self.head_dim} head dims "
+                    "(partial rotary); only full-head RoPE is implemented, use backend=hf")
+            self.rope.append((inv, float(scaling)))
         self.dtype, self.device = dtype, device
         self.aux_layers: tuple[int, ...] = ()  # EAGLE-3 aux capture (FastLlamaBackend.set_aux_layers)
         self.last_aux: torch.Tensor | None = None
@@ -218,31 +297,39 @@ class _LlamaCore(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=self.dtype, device=self.device),
                              persistent=False)
         # Same arithmetic as transformers (fp32 angles, cast last), so fp32 parity is exact.
-        freqs = torch.arange(capacity, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], -1)  # [capacity, hd]
-        cos = emb.cos() * self.attn_scaling
-        sin = emb.sin() * self.attn_scaling
+        coss, sins = [], []
         half = self.head_dim // 2
-        # rotate_half(x) * sin == roll(x, hd/2) * cat(-sin1, sin2): saves the negation per call.
-        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], -1)
-        self.register_buffer("cos", cos.to(self.dtype), persistent=False)
-        self.register_buffer("sin", sin_signed.to(self.dtype), persistent=False)
+        for inv_freq, attn_scaling in self.rope:
+            freqs = torch.arange(capacity, device=self.device, dtype=torch.float32)[:, None] * inv_freq
+            emb = torch.cat([freqs, freqs], -1)  # [capacity, hd]
+            cos = emb.cos() * attn_scaling
+            sin = emb.sin() * attn_scaling
+            # rotate_half(x) * sin == roll(x, hd/2) * cat(-sin1, sin2): saves the negation per call.
+            coss.append(cos)
+            sins.append(torch.cat([-sin[:, :half], sin[:, half:]], -1))
+        # [tables, capacity, hd]: one table per RoPE variant (one, except for Gemma-3's two)
+        self.register_buffer("cos", torch.stack(coss).to(self.dtype), persistent=False)
+        self.register_buffer("sin", torch.stack(sins).to(self.dtype), persistent=False)
         self.capacity = capacity
         # Per-layer [Hkv, capacity, hd] views, made once here instead of two selects per layer-step.
         self.cache_views = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None, kv_len: int, win_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens, positions, slots [N] long; mask [G*N, kv_len] bool (rows ordered group-major,
-        see `group_mask`) or None for "see every slot"; new K/V are written at `slots`, then every
+        see `group_mask`) or None for "see every slot"; win_mask: the same for sliding-window layers
+        (mask with the window applied; None = use `mask`); new K/V are written at `slots`, then every
         query attends over slots [0, kv_len). Returns (logits [N, V] fp32, hidden [N, d])."""
         # Every aten call costs a few microseconds of dispatch, ~35 of them per layer: the loop
         # below is written to keep that count low (fused matmuls, views over copies, no K/V repeat).
         n = tokens.shape[0]
         H, Hkv, G, hd, eps, dims = self.n_heads, self.n_kv, self.groups, self.head_dim, self.eps, self.dims
-        cos = self.cos[positions].unsqueeze(1)  # [N, 1, hd], broadcast over heads
-        sin = self.sin[positions].unsqueeze(1)
+        coss = self.cos[:, positions].unsqueeze(2)  # [tables, N, 1, hd], broadcast over heads
+        sins = self.sin[:, positions].unsqueeze(2)
         x = F.embedding(tokens, self.embed)  # [N, d]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         layers, caches = self.layers, self.cache_views
         if torch.compiler.is_compiling():
             # Read the registered buffers by name so the compiler sees them as module state (static
@@ -250,13 +337,19 @@ class _LlamaCore(nn.Module):
             layers = self._layer_tensors()
             caches = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
         aux_ids, aux = self.aux_layers, []
-        for i, ((ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wd, bd), (kc, vc)) in enumerate(zip(layers, caches)):
+        layer_masks = [win_mask if sliding and win_mask is not None else mask for sliding in self.is_sliding]
+        scale, act = self.scale, self.act
+        for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, pan, ln2, wgu, bgu, wd, bd, pfn), (kc, vc), m, r) in enumerate(
+                zip(layers, caches, layer_masks, self.rope_ids)):
             if i in aux_ids:  # EAGLE-3: the residual stream after i layers, before layer i
                 aux.append(x)
+            cos, sin = coss[r], sins[r]
             h = F.rms_norm(x, dims, ln1, eps)
             qkv = _mm(h, wqkv, bqkv).view(n, H + 2 * Hkv, hd)
             # RoPE on q and k together (adjacent heads of the fused output): x*cos + rot(x)*sin.
             qk = qkv[:, : H + Hkv]
+            if qn is not None:  # Qwen3: per-head RMSNorm of q and of k first
+                qk = torch.cat([F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)], 1)
             qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # [N, H + Hkv, hd]
             kc.index_copy_(1, slots, qk[:, H:].transpose(0, 1))  # cache [Hkv, capacity, hd]
             vc.index_copy_(1, slots, qkv[:, H + Hkv:].transpose(0, 1))
@@ -265,14 +358,22 @@ class _LlamaCore(nn.Module):
             q = qk[:, :H].transpose(0, 1).reshape(1, Hkv, G * n, hd)
             o = F.scaled_dot_product_attention(q, kc.narrow(1, 0, kv_len).unsqueeze(0),
                                                vc.narrow(1, 0, kv_len).unsqueeze(0),
-                                               attn_mask=mask)  # [1, Hkv, G*N, hd]
+                                               attn_mask=m, scale=scale)  # [1, Hkv, G*N, hd]
             o = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
-            x = _mm(o, wo, bo, residual=x)
+            if pan is None:
+                x = _mm(o, wo, bo, residual=x)
+            else:  # Gemma: normalise the attention output before the residual add
+                x = x + F.rms_norm(_mm(o, wo, bo), dims, pan, eps)
             h = F.rms_norm(x, dims, ln2, eps)
             gate, up = _mm(h, wgu, bgu).chunk(2, -1)  # [N, I] each
-            x = _mm(F.silu(gate).mul_(up), wd, bd, residual=x)
+            if pfn is None:
+                x = _mm(act(gate).mul_(up), wd, bd, residual=x)
+            else:
+                x = x + F.rms_norm(_mm(act(gate).mul_(up), wd, bd), dims, pfn, eps)
         hidden = F.rms_norm(x, dims, self.final_norm, eps)
         logits = torch.mm(hidden, self.lm_head_t).float()  # full vocab for every node: [N, V]
+        if self.softcap:  # Gemma: cap * tanh(z / cap)
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         if aux_ids:  # [N, k*d] in aux_ids' order (collected in layer order); eager path only, see set_aux_layers
             found = dict(zip(sorted(aux_ids), aux))
             self.last_aux = torch.cat([found[i] for i in aux_ids], -1)
@@ -311,7 +412,7 @@ class FastLlamaBackend(BaseBackend):
         cfg = hf_model.config
         ok, why = supports(cfg)
         if not ok:
-            raise ValueError(f"fast backend cannot run this base: {why}; use backend=hf (or backend=auto)")
+            raise ValueError(why)
         ref = hf_model.get_input_embeddings().weight
         self.device = torch.device(device) if device is not None else ref.device
         self.dtype = dtype or ref.dtype
@@ -407,8 +508,9 @@ class FastLlamaBackend(BaseBackend):
         ids = input_ids.to(self.device)
         pos = torch.arange(t, device=self.device)
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
+        win = self._window_mask(causal, pos, pos)
         # Eager even in static mode: prompt lengths vary, a graph per length would not pay off.
-        logits, hidden = self._core(ids, pos, pos, self._core.group_mask(causal), t)
+        logits, hidden = self._core(ids, pos, pos, self._core.group_mask(causal), t, win)
         self.last_aux = self._core.last_aux
         self._len = t
         self._last_n = 0
@@ -433,14 +535,16 @@ class FastLlamaBackend(BaseBackend):
         else:
             kv_len = c + n
             slots = torch.arange(c, kv_len, device=dev)
-            if n == 1:
-                mask = None  # a lone root sees the prefix and itself: everything in [0, c+1)
-            else:
-                mask = torch.ones(n, kv_len, dtype=torch.bool, device=dev)
-                mask[:, c:] = tree_mask
-                mask = self._core.group_mask(mask)
+            visible = torch.ones(n, kv_len, dtype=torch.bool, device=dev)
+            visible[:, c:] = tree_mask
+            win = None
+            if self._core.window is not None:  # key positions: slots for the prefix, c + depth in the tree
+                kpos = torch.cat([torch.arange(c, device=dev), c + depths])
+                win = self._window_mask(visible, c + depths, kpos)
+            # A lone root sees the prefix and itself, everything in [0, c+1): no mask needed.
+            mask = None if n == 1 else self._core.group_mask(visible)
             # Not self._step: a compiled step is specialised to the static shapes.
-            logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len)
+            logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len, win)
             self.last_aux = self._core.last_aux
         self._last_n = n
         return logits, hidden
@@ -459,7 +563,12 @@ class FastLlamaBackend(BaseBackend):
         # Padding rows see only themselves, so they stay finite and never touch real nodes.
         idx = torch.arange(n, b, device=dev)
         mask[idx, c + idx] = True
-        logits, hidden = self._step(tok, pos, slots, self._core.group_mask(mask), cap)
+        win = None
+        if self._core.window is not None:  # slot positions, with the tree's (and padding's) in place
+            kpos = torch.arange(cap, device=dev)
+            kpos[c:c + b] = pos
+            win = self._window_mask(mask, pos, kpos)
+        logits, hidden = self._step(tok, pos, slots, self._core.group_mask(mask), cap, win)
         if self.aux_layers:
             self.last_aux = self._core.last_aux[:n]
         # Copy out of CUDA-graph-owned memory before the next replay overwrites it.
@@ -480,6 +589,13 @@ class FastLlamaBackend(BaseBackend):
             self._core.compact(src, torch.arange(c, c + m, device=self.device))
         self._len = c + m
         self._last_n = 0
+
+    def _window_mask(self, visible: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor) -> torch.Tensor | None:
+        """visible [N, S] bool, query positions [N], key positions [S] -> the sliding layers' grouped
+        mask [G*N, S]: visible and k > q - W (None when the model has no sliding layer)."""
+        if self._core.window is None:
+            return None
+        return self._core.group_mask(visible & (kpos[None, :] > qpos[:, None] - self._core.window))
 
     def _check_room(self, n: int, what: str) -> None:
         if self._len + n > self._max_len:
