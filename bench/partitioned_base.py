@@ -1,6 +1,8 @@
 """ZeRO-3-partitioned frozen base vs the whole base, per rank (DESIGN.md §10):
 
     deepspeed --num_gpus 2 bench/partitioned_base.py --base smollm2 [--dtype fp32] [--rows 4] [--json out.json]
+    deepspeed --num_gpus 2 bench/partitioned_base.py --base smollm2 --mode partitioned   # clean RSS, one kind
+    deepspeed --num_gpus 2 bench/partitioned_base.py --base smollm2 --mode whole
 
 Every rank loads the base partitioned (train/partitioned_base.py) and prints
 - the bytes of parameters it holds (its ZeRO-3 partitions) next to the whole base's bytes,
@@ -43,12 +45,30 @@ def sample_rows(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randint(3, vocab, (1, 24 + 17 * i), generator=gen) for i in range(n)]
 
 
+def whole_vocab(path: str) -> int:
+    """The base's vocabulary size from its config (no weights loaded)."""
+    from models.base import SMOLLM2_EXPECTED
+    from models.tiny import TINY_VOCAB_SIZE
+
+    if path in ("tiny", "smollm2"):
+        return TINY_VOCAB_SIZE if path == "tiny" else int(SMOLLM2_EXPECTED["vocab_size"])
+    return _hf_vocab(path)
+
+
+def _hf_vocab(path: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(path, local_files_only=True).vocab_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="smollm2")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--json", default="", help="rank 0 writes the numbers here")
+    p.add_argument("--mode", default="both", choices=["both", "partitioned", "whole"],
+                   help="both: parity check; partitioned / whole alone: clean per-process RSS of one kind of base")
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = p.parse_args(argv)
 
@@ -62,47 +82,44 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main:  # the smollm2 conversion (first use only) happens once, before the timed loads
         load_base(args.base, dtype=dtype)
     barrier()
-    gc.collect()
     rss0 = rss_bytes()
-    t0 = time.perf_counter()
-    pb = load_partitioned_base(args.base, dtype=dtype, device=info.device)
-    load_s = time.perf_counter() - t0
-    gc.collect()
-    rss_part = rss_bytes()
-    mem = pb.memory_report()
-
-    rows = sample_rows(pb.base.vocab_size, args.rows)
-    hs_part = []
-    t0 = time.perf_counter()
-    for ids in rows:
-        hs_part.append(last_hidden_and_logits(pb.base.model, ids.to(info.device))[0].float().cpu())
-    part_fwd_s = time.perf_counter() - t0
-
-    whole = load_base(args.base, dtype=dtype, device=info.device)
-    gc.collect()
-    rss_whole = rss_bytes()
-    t0 = time.perf_counter()
-    max_diff = 0.0
-    for ids, hp in zip(rows, hs_part):
-        hw = last_hidden_and_logits(whole.model, ids.to(info.device))[0].float().cpu()
-        max_diff = max(max_diff, float((hp - hw).abs().max()))
-    whole_fwd_s = time.perf_counter() - t0
-    head_equal = torch.equal(pb.lm_head_weight, whole.model.get_output_embeddings().weight)
-
+    rows = sample_rows(whole_vocab(args.base), args.rows)
     row = {"rank": info.rank, "world_size": info.world_size, "base": args.base, "dtype": args.dtype,
-           "partition_MiB": mem["partition_bytes"] / 2**20, "full_base_MiB": mem["full_base_bytes"] / 2**20,
-           "partition_fraction": mem["partition_bytes"] / mem["full_base_bytes"],
-           "full_copy_MiB": mem["full_copy_bytes"] / 2**20,
-           "rss_before_MiB": rss0 / 2**20, "rss_delta_partitioned_MiB": (rss_part - rss0) / 2**20,
-           "rss_delta_whole_MiB": (rss_whole - rss_part) / 2**20,
-           "max_abs_h_diff": max_diff, "lm_head_copy_equal": head_equal, "load_s": load_s,
-           "partitioned_forward_s": part_fwd_s, "whole_forward_s": whole_fwd_s}
-    print("rank {rank}/{world_size}: holds {partition_MiB:.1f} of {full_base_MiB:.1f} MiB of base parameters "
-          "({partition_fraction:.3f}) + full lm_head/embedding copy {full_copy_MiB:.1f} MiB | RSS +{rss_delta_"
-          "partitioned_MiB:.0f} MiB partitioned, +{rss_delta_whole_MiB:.0f} MiB for a whole copy | max |dh| "
-          "{max_abs_h_diff:.3g} | lm_head copy equal: {lm_head_copy_equal} | forward {partitioned_forward_s:.2f} s "
-          "partitioned vs {whole_forward_s:.2f} s whole".format(**row), flush=True)
-    worst = all_reduce_sum(torch.tensor([max_diff], dtype=torch.float64))  # sum of per-rank max >= any one
+           "mode": args.mode, "rss_before_MiB": rss0 / 2**20}
+    hs_part, max_diff = [], None
+    if args.mode in ("both", "partitioned"):
+        t0 = time.perf_counter()
+        pb = load_partitioned_base(args.base, dtype=dtype, device=info.device)
+        row["load_s"] = time.perf_counter() - t0
+        mem = pb.memory_report()
+        t0 = time.perf_counter()
+        for ids in rows:
+            hs_part.append(last_hidden_and_logits(pb.base.model, ids.to(info.device))[0].float().cpu())
+        row["partitioned_forward_s"] = time.perf_counter() - t0
+        rss_part = rss_bytes()  # after the forwards: includes what the layer-by-layer gathers leave resident
+        row.update(partition_MiB=mem["partition_bytes"] / 2**20, full_base_MiB=mem["full_base_bytes"] / 2**20,
+                   partition_fraction=mem["partition_bytes"] / mem["full_base_bytes"],
+                   full_copy_MiB=mem["full_copy_bytes"] / 2**20, rss_delta_partitioned_MiB=(rss_part - rss0) / 2**20)
+        print("rank {rank}/{world_size}: holds {partition_MiB:.1f} of {full_base_MiB:.1f} MiB of base parameters "
+              "({partition_fraction:.3f}) + full lm_head/embedding copy {full_copy_MiB:.1f} MiB | RSS +{rss_delta_"
+              "partitioned_MiB:.0f} MiB after load + {n} forwards ({partitioned_forward_s:.2f} s)".format(
+                  n=len(rows), **row), flush=True)
+    if args.mode in ("both", "whole"):
+        rss1 = rss_bytes()
+        whole = load_base(args.base, dtype=dtype, device=info.device)
+        t0 = time.perf_counter()
+        hs_whole = [last_hidden_and_logits(whole.model, ids.to(info.device))[0].float().cpu() for ids in rows]
+        row["whole_forward_s"] = time.perf_counter() - t0
+        row["rss_delta_whole_MiB"] = (rss_bytes() - rss1) / 2**20
+        print("rank {rank}/{world_size}: whole base RSS +{rss_delta_whole_MiB:.0f} MiB after load + {n} forwards "
+              "({whole_forward_s:.2f} s)".format(n=len(rows), **row), flush=True)
+        if hs_part:
+            max_diff = max(float((hp - hw).abs().max()) for hp, hw in zip(hs_part, hs_whole))
+            row["max_abs_h_diff"] = max_diff
+            row["lm_head_copy_equal"] = torch.equal(pb.lm_head_weight, whole.model.get_output_embeddings().weight)
+            print(f"rank {info.rank}: max |h_partitioned - h_whole| = {max_diff:.3g}; lm_head copy equal: "
+                  f"{row['lm_head_copy_equal']}", flush=True)
+    worst = all_reduce_sum(torch.tensor([max_diff or 0.0], dtype=torch.float64))  # sum of per-rank max >= any
     if info.is_main and args.json:
         with open(args.json, "w") as f:
             json.dump({**row, "sum_over_ranks_max_abs_h_diff": float(worst)}, f, indent=1)
