@@ -39,6 +39,18 @@ def rss_bytes() -> int:
     return 0
 
 
+def rss_parts() -> dict[str, float]:
+    """MiB of the RSS by kind: anonymous (heap: parameters, buffers), file-backed (mmapped checkpoint pages),
+    shared memory (the CPU accelerator's shm collectives buffers: a CPU-rank cost, not a GPU one)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(line.split()[1]) / 1024
+    return out
+
+
 def sample_rows(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
     """n rows of random token ids of different lengths (h parity needs no real text)."""
     gen = torch.Generator().manual_seed(seed)
@@ -83,9 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         load_base(args.base, dtype=dtype)
     barrier()
     rss0 = rss_bytes()
+    rss0_parts = rss_parts()
     rows = sample_rows(whole_vocab(args.base), args.rows)
     row = {"rank": info.rank, "world_size": info.world_size, "base": args.base, "dtype": args.dtype,
-           "mode": args.mode, "rss_before_MiB": rss0 / 2**20}
+           "mode": args.mode, "rss_before_MiB": rss0 / 2**20,
+           "rss_parts_before_MiB": rss0_parts}
     hs_part, max_diff = [], None
     if args.mode in ("both", "partitioned"):
         t0 = time.perf_counter()
@@ -96,14 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         for ids in rows:
             hs_part.append(last_hidden_and_logits(pb.base.model, ids.to(info.device))[0].float().cpu())
         row["partitioned_forward_s"] = time.perf_counter() - t0
+        row["gathered_after_forwards_MiB"] = pb.memory_report()["gathered_bytes"] / 2**20
         rss_part = rss_bytes()  # after the forwards: includes what the layer-by-layer gathers leave resident
+        row["rss_parts_partitioned_MiB"] = rss_parts()
         row.update(partition_MiB=mem["partition_bytes"] / 2**20, full_base_MiB=mem["full_base_bytes"] / 2**20,
                    partition_fraction=mem["partition_bytes"] / mem["full_base_bytes"],
                    full_copy_MiB=mem["full_copy_bytes"] / 2**20, rss_delta_partitioned_MiB=(rss_part - rss0) / 2**20)
         print("rank {rank}/{world_size}: holds {partition_MiB:.1f} of {full_base_MiB:.1f} MiB of base parameters "
               "({partition_fraction:.3f}) + full lm_head/embedding copy {full_copy_MiB:.1f} MiB | RSS +{rss_delta_"
-              "partitioned_MiB:.0f} MiB after load + {n} forwards ({partitioned_forward_s:.2f} s)".format(
-                  n=len(rows), **row), flush=True)
+              "partitioned_MiB:.0f} MiB after load + {n} forwards ({partitioned_forward_s:.2f} s); RSS by kind before "
+              "{rss_parts_before_MiB} after {rss_parts_partitioned_MiB}; still gathered after the forwards: "
+              "{gathered_after_forwards_MiB:.1f} MiB".format(n=len(rows), **row), flush=True)
     if args.mode in ("both", "whole"):
         rss1 = rss_bytes()
         whole = load_base(args.base, dtype=dtype, device=info.device)
@@ -111,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         hs_whole = [last_hidden_and_logits(whole.model, ids.to(info.device))[0].float().cpu() for ids in rows]
         row["whole_forward_s"] = time.perf_counter() - t0
         row["rss_delta_whole_MiB"] = (rss_bytes() - rss1) / 2**20
+        row["rss_parts_whole_MiB"] = rss_parts()
         print("rank {rank}/{world_size}: whole base RSS +{rss_delta_whole_MiB:.0f} MiB after load + {n} forwards "
               "({whole_forward_s:.2f} s)".format(n=len(rows), **row), flush=True)
         if hs_part:

@@ -8,9 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SMOKE_RECIPE as RECIPE
 from conftest import child_env
 
+from data.dataset import build_datasets
+from data.hidden_cache import RankGroup, build_hidden_cache, shard_owner
+from models.base import load_base
 from train.config import load_train_config
 
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
@@ -67,6 +71,32 @@ def test_partitioned_base_trains_to_the_same_losses_as_the_whole_base(tmp_path):
 
 def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_ranks_write_disjoint_round_robin_shards_that_add_up_to_a_one_rank_build(tmp_path):
+    """The shard split without a launcher: rank 1 of 2, then rank 0 of 2, in one process (no-op barrier and
+    all-reduce; the base forward is not collective here). Rank 0 refuses to finish while shards are missing."""
+    base = load_base("tiny")
+    ds, _ = build_datasets(base.tokenizer, "tests/fixtures/sharegpt_tiny.json", max_records=None, max_length=128,
+                           val_fraction=0.2, seed=0, cache_dir=tmp_path / "data", min_assistant_tokens=1)
+
+    def build(directory, ranks=None):
+        return build_hidden_cache(base.model, ds, directory, pad_id=0, device=torch.device("cpu"), micro_batch_size=3,
+                                  shard_rows=4, cache_dtype="fp32", info={"key": "k"}, ranks=ranks)
+
+    reference = _files(build(tmp_path / "one"))
+    n_shards = sum(name.startswith("shard-") for name in reference)
+    assert [shard_owner(s, 2) for s in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(RuntimeError, match="missing after every rank finished"):
+        build(tmp_path / "alone", RankGroup(rank=0, world_size=2))  # rank 1 never ran: odd shards missing
+    two = tmp_path / "two"
+    (two).mkdir()
+    build(two, RankGroup(rank=1, world_size=2))
+    odd = sorted(p.name for p in two.glob("shard-*"))
+    assert odd == [f"shard-{s:05d}.safetensors" for s in range(1, n_shards, 2)]  # its own shards only
+    assert not (two / "manifest.json").exists()  # rank 0 writes it
+    build(two, RankGroup(rank=0, world_size=2))
+    assert _files(two) == reference
 
 
 @pytest.mark.distributed

@@ -118,6 +118,21 @@ def full_parameter_bytes(module: nn.Module) -> int:
     return total
 
 
+def gathered_bytes(module: nn.Module) -> int:
+    """Bytes of partitioned parameters that are gathered (whole) right now: 0 between forwards if every
+    layer was released after use."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) in seen or getattr(p, "ds_tensor", None) is None:
+            continue
+        seen.add(id(p))
+        if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            total += p.data.numel() * p.data.element_size()
+    return total
+
+
 @dataclass
 class PartitionedBase:
     """A LoadedBase whose parameters are ZeRO-3 partitions, plus the engine that gathers them per layer."""
@@ -144,7 +159,7 @@ class PartitionedBase:
         """Per-rank bytes: partitions held, the whole base, and the full lm_head/embedding copies."""
         return {"partition_bytes": local_partition_bytes(self.base.model),
                 "full_base_bytes": full_parameter_bytes(self.base.model),
-                "full_copy_bytes": self.full_copy_bytes}
+                "full_copy_bytes": self.full_copy_bytes, "gathered_bytes": gathered_bytes(self.base.model)}
 
     @contextlib.contextmanager
     def gathered_last_layer(self):
