@@ -87,7 +87,7 @@ class RankGroup:
 
 
 def shard_owner(shard: int, world_size: int) -> int:
-    """Round-robin: neighbouring shards (similar row lengths in a sorted set) go to different ranks."""
+    """Round-robin: the ranks' shard counts differ by at most one."""
     return shard % world_size
 
 
