@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -172,6 +173,21 @@ class PartitionedBase:
             yield layer
 
 
+def _convert_smollm2_first(path: str, dtype: torch.dtype, cache_dir: str | None) -> None:
+    """The packaged SmolLM2's one-time GGUF conversion builds and saves a whole model, which must not happen
+    under zero.Init: rank 0 converts it (a whole load of the small base) before the partitioned load."""
+    import torch.distributed as dist
+
+    from models.base import MARKER_FILE, SMOLLM2_NAME, default_cache_dir, smollm2_cache_path
+
+    if path != SMOLLM2_NAME:
+        return
+    converted = (smollm2_cache_path(Path(cache_dir) if cache_dir else default_cache_dir()) / MARKER_FILE).is_file()
+    if not converted and dist.get_rank() == 0:
+        load_base(path, dtype=dtype, cache_dir=cache_dir)
+    dist.barrier()
+
+
 def load_partitioned_base(path: str, *, dtype: torch.dtype, device: torch.device,
                           cache_dir: str | None = None) -> PartitionedBase:
     """Load `path` (smollm2, tiny, an HF directory) with its parameters partitioned over the ranks of the
@@ -179,6 +195,7 @@ def load_partitioned_base(path: str, *, dtype: torch.dtype, device: torch.device
     import deepspeed
 
     ds_config = zero3_inference_config(dtype)
+    _convert_smollm2_first(path, dtype, cache_dir)
     with zero3_construction(ds_config):
         base = load_base(path, dtype=dtype, device=device, cache_dir=cache_dir)
     model = base.model
