@@ -1,4 +1,4 @@
-"""`specdraft` command line: train, eval, tree-search, export, demo, self-distill (DESIGN.md §3)."""
+"""`specdraft` command line: train, cache, eval, tree-search, export, demo, self-distill (DESIGN.md §3)."""
 
 from __future__ import annotations
 
