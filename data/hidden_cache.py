@@ -15,7 +15,9 @@ Layout of a cache directory (one per (base fingerprint, base dtype, train rows),
     manifest.json                               written last: marks the cache complete
 
 The writer is resumable: shards are written atomically (temp file + rename) and a restarted build skips
-the shards already on disk, so a killed build loses at most one shard of work.
+the shards already on disk, so a killed build loses at most one shard of work. N ranks build one cache
+together (`RankGroup`): rank r writes shards r, r+N, ...; rank 0 writes the manifest after all finished;
+files, manifest and key are those of a one-rank build, so any world size trains from the result.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -67,51 +71,95 @@ def _shard_path(directory: Path, index: int) -> Path:
     return directory / f"shard-{index:05d}.safetensors"
 
 
+@dataclass
+class RankGroup:
+    """The ranks that build one cache together; the default is a one-process build.
+
+    Shards are the unit of work: rank r writes shards r, r + W, r + 2W, ... (`shard_owner`), so the ranks'
+    files are disjoint and each shard holds exactly the rows, micro-batches and bytes of a one-rank build.
+    barrier / all_reduce_sum are the process group's (train/distributed.py); data/ only calls them.
+    collective_forward: the base forward is itself a collective (ZeRO-3-partitioned base: every forward
+    all-gathers parameters), so every rank must run the same number of forwards; a rank out of work runs
+    a one-token dummy forward to keep in step.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    barrier: Callable[[], None] = lambda: None
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    collective_forward: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def shard_owner(shard: int, world_size: int) -> int:
+    """Round-robin: the ranks' shard counts differ by at most one."""
+    return shard % world_size
+
+
 @torch.no_grad()
 def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: int, device: torch.device,
                        micro_batch_size: int = 4, shard_rows: int = 256, cache_dtype: str = "bf16",
-                       info: dict | None = None, aux_layers: list[int] | None = None) -> Path:
+                       info: dict | None = None, aux_layers: list[int] | None = None,
+                       ranks: RankGroup | None = None) -> Path:
     """Write the cache for `dataset` (rows with input_ids / loss_mask) into `directory`; return it.
 
     Runs `model` (frozen) over micro-batches of `micro_batch_size` right-padded rows; padding never
     changes a real token's h (causal attention, padding at the end), and only real tokens are stored.
     Skips work already done: a complete cache returns at once, finished shards of a killed build are kept.
+    With `ranks` (N processes, a directory every rank sees) each rank builds its own shards, rank 0 shows
+    the whole job's progress (the done-token count is all-reduced after every micro-batch step) and writes
+    the manifest once every rank has finished; collective: every rank of the group must call it.
     """
     from models.base import draft_inputs  # late: data/ stays importable without the model code
 
+    ranks = ranks or RankGroup()
     if cache_dtype not in _DTYPES:
         raise ValueError(f"hidden cache dtype {cache_dtype!r}: use one of {', '.join(_DTYPES)}")
     directory = Path(directory)
     key = (info or {}).get("key")
-    _check_key(directory, key)
+    _check_key(directory, key)  # every rank: all of them fail alike on another run's directory
     if (directory / "manifest.json").is_file():
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "key.json").write_text(json.dumps({"key": key}) + "\n")  # claims the dir for this data
+    if ranks.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomic(directory / "key.json", json.dumps({"key": key}) + "\n")  # claims the dir for this data
+    ranks.barrier()
     n_rows = len(dataset)
     n_shards = (n_rows + shard_rows - 1) // shard_rows
-    hidden_size = model.get_output_embeddings().weight.shape[1]
+    hidden_size = int(model.config.hidden_size)  # not the lm_head's shape: a ZeRO-3 partition is empty
     done = [i for i in range(n_shards) if _shard_path(directory, i).is_file()]
     aux_layers = [int(i) for i in aux_layers or []]
     size = estimate_bytes(dataset, hidden_size, cache_dtype, len(aux_layers))
-    tokens = sum(len(r["input_ids"]) for r in dataset)
-    # Printed (not only logged) so a user sees the disk cost before the long part starts.
-    what = f"(1 + {len(aux_layers)} aux layers {aux_layers}) x d={hidden_size}" if aux_layers else f"d={hidden_size}"
-    print(f"hidden-state cache: {n_rows} conversations, {tokens:,} tokens x {what} in {cache_dtype} "
-          f"= {size / 2**30:.2f} GiB in {n_shards} shard(s) under {directory}"
-          + (f" ({len(done)} already written, resuming)" if done else ""), flush=True)
+    row_tokens = [len(r["input_ids"]) for r in dataset]
+    tokens = sum(row_tokens)
+    if ranks.is_main:
+        # Printed (not only logged) so a user sees the disk cost before the long part starts.
+        what = (f"(1 + {len(aux_layers)} aux layers {aux_layers}) x d={hidden_size}" if aux_layers
+                else f"d={hidden_size}")
+        print(f"hidden-state cache: {n_rows} conversations, {tokens:,} tokens x {what} in {cache_dtype} "
+              f"= {size / 2**30:.2f} GiB in {n_shards} shard(s) under {directory}"
+              + (f" ({len(done)} already written, resuming)" if done else "")
+              + (f", built by {ranks.world_size} ranks" if ranks.world_size > 1 else ""), flush=True)
     dtype = _DTYPES[cache_dtype]
-    bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="hidden-state cache", dynamic_ncols=True)
-    for shard in range(n_shards):
-        lo, hi = shard * shard_rows, min(n_rows, (shard + 1) * shard_rows)
-        rows = [dataset[i] for i in range(lo, hi)]
-        n_tok = sum(len(r["input_ids"]) for r in rows)
-        if shard in done:
-            bar.update(n_tok)
-            continue
-        hidden_parts, aux_parts, lengths = [], [], []
-        for start in range(0, len(rows), micro_batch_size):
-            chunk = rows[start:start + micro_batch_size]
+    # This rank's work: (shard, first row, last row + 1) micro-batches of its unfinished shards, in order.
+    mine = [s for s in range(n_shards) if shard_owner(s, ranks.world_size) == ranks.rank and s not in done]
+    plan = [(s, lo, min(lo + micro_batch_size, (s + 1) * shard_rows, n_rows))
+            for s in mine for lo in range(s * shard_rows, min(n_rows, (s + 1) * shard_rows), micro_batch_size)]
+    steps = torch.zeros(ranks.world_size, dtype=torch.float64)
+    steps[ranks.rank] = len(plan)
+    n_steps = int(ranks.all_reduce_sum(steps).max())
+    initial = sum(sum(row_tokens[s * shard_rows:(s + 1) * shard_rows]) for s in done)
+    bar = tqdm(total=tokens, initial=initial, unit="tok", unit_scale=True, desc="hidden-state cache",
+               dynamic_ncols=True, disable=not ranks.is_main)
+    hidden_parts, aux_parts, lengths = [], [], []
+    for step in range(n_steps):
+        n_tok = 0
+        if step < len(plan):
+            shard, lo, hi = plan[step]
+            chunk = [dataset[i] for i in range(lo, hi)]
             batch = collate(chunk, pad_id)
             ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
             h, aux = draft_inputs(model, ids, attn, aux_layers)  # [b, T, d], [b, T, k*d] or None
@@ -121,29 +169,54 @@ def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: 
                 if aux is not None:
                     aux_parts.append(aux[b, :n].to("cpu", dtype))
                 lengths.append(n)
-            bar.update(int(attn.sum()))
-        offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
-        offsets[1:] = torch.tensor(lengths).cumsum(0)
-        tensors = {
-            "hidden": torch.cat(hidden_parts).contiguous(),
-            "input_ids": torch.tensor([t for r in rows for t in r["input_ids"]], dtype=torch.int32),
-            "loss_mask": torch.tensor([m for r in rows for m in r["loss_mask"]], dtype=torch.int8),
-            "offsets": offsets,
-        }
-        if aux_parts:
-            tensors["aux"] = torch.cat(aux_parts).contiguous()
-        final = _shard_path(directory, shard)
-        tmp = final.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, final)
+            n_tok = int(attn.sum())
+            if step + 1 == len(plan) or plan[step + 1][0] != shard:  # the shard's last micro-batch
+                _write_shard(directory, shard, dataset, shard_rows, hidden_parts, lengths, aux_parts)
+                hidden_parts, aux_parts, lengths = [], [], []
+        elif ranks.collective_forward:  # out of work: keep the other ranks' all-gathers company
+            one = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
+            draft_inputs(model, one, torch.ones_like(one), aux_layers)
+        bar.update(int(ranks.all_reduce_sum(torch.tensor([float(n_tok)], dtype=torch.float64)).item()))
     bar.close()
-    manifest = {"version": CACHE_VERSION, "rows": n_rows, "tokens": tokens, "hidden_size": hidden_size,
-                "shard_rows": shard_rows, "shards": n_shards, "dtype": cache_dtype, "aux_layers": aux_layers,
-                **(info or {})}
-    tmp = directory / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, directory / "manifest.json")
+    ranks.barrier()  # every rank's shards are on disk
+    if ranks.is_main:
+        missing = [i for i in range(n_shards) if not _shard_path(directory, i).is_file()]
+        if missing:
+            raise RuntimeError(f"hidden-state cache {directory}: shards {missing[:5]} missing after every rank "
+                               "finished; the ranks must share one file system (put data.cache_dir on it)")
+        manifest = {"version": CACHE_VERSION, "rows": n_rows, "tokens": tokens, "hidden_size": hidden_size,
+                    "shard_rows": shard_rows, "shards": n_shards, "dtype": cache_dtype, "aux_layers": aux_layers,
+                    **(info or {})}
+        _write_atomic(directory / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    ranks.barrier()  # nobody opens the cache before the manifest exists
     return directory
+
+
+def _write_shard(directory: Path, shard: int, dataset, shard_rows: int, hidden_parts: list, lengths: list,
+                 aux_parts: list | None = None) -> None:
+    """One shard file from its rows' h (and EAGLE-3 aux states, if any; in row order), written atomically
+    (temp file + rename)."""
+    rows = [dataset[i] for i in range(shard * shard_rows, min(len(dataset), (shard + 1) * shard_rows))]
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    tensors = {
+        "hidden": torch.cat(hidden_parts).contiguous(),
+        "input_ids": torch.tensor([t for r in rows for t in r["input_ids"]], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for r in rows for m in r["loss_mask"]], dtype=torch.int8),
+        "offsets": offsets,
+    }
+    if aux_parts:
+        tensors["aux"] = torch.cat(aux_parts).contiguous()
+    final = _shard_path(directory, shard)
+    tmp = final.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, final)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _check_key(directory: Path, key: str | None) -> None:

@@ -1,4 +1,4 @@
-"""`specdraft` command line: train, eval, tree-search, export, demo, self-distill (DESIGN.md §3)."""
+"""`specdraft` command line: train, cache, eval, tree-search, export, demo, self-distill (DESIGN.md §3)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a draft (1 process; use launch/train_draft.py under deepspeed for N)")
     _add_config_args(p, "e.g. --config configs/medusa.yaml --config configs/smoke.yaml")
+
+    p = sub.add_parser("cache", help="build the hidden-state cache of a training config (N ranks: "
+                       "launch/build_cache.py under deepspeed)")
+    _add_config_args(p, "the same configs as `specdraft train`")
 
     p = sub.add_parser("eval", help="measure a draft (or --method ngram) with the speculative decoder")
     p.add_argument("--draft", help="an export directory (runs/<run>/export)")
@@ -88,6 +92,14 @@ def cmd_train(args) -> int:
         print(f"specdraft train: {exc}", file=sys.stderr)
         return 143
     print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from train.cache_build import build_cache
+    from train.config import load_train_config
+
+    build_cache(load_train_config(args.config, args.overrides))  # rank 0 prints where it is
     return 0
 
 
@@ -164,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
-               "self-distill": cmd_self_distill,
+               "self-distill": cmd_self_distill, "cache": cmd_cache,
                "tree-search": cmd_tree_search, "compare": cmd_compare}[args.command]
     try:
         return handler(args)

@@ -19,6 +19,7 @@ from train.config_loader import ConfigError, load_typed
 class BaseSection:
     path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" / "tiny-<arch>" (random, tests), or an HF model directory
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16
+    partition: str = "none"  # none = whole base on every rank | zero3 = ZeRO-3 partitions, gathered per layer (§10)
 
 
 @dataclass
@@ -33,6 +34,7 @@ class DataSection:
     num_proc: int = 1
     hidden_cache: str = ""  # "" = run the base every step; "auto" = cache h under cache_dir; or a directory
     hidden_cache_dtype: str = "bf16"  # storage dtype of the cached h: bf16 (half the disk) | fp32 (exact)
+    hidden_cache_shard_rows: int = 256  # rows per cache shard: the unit of resume and of the ranks' work split
     self_distill: bool = False  # train on the base's own answers to the first max_records prompts (Medusa-2)
     self_distill_max_new_tokens: int = 256  # answer length cap of the regenerated turns
     self_distill_temperature: float = 0.0  # 0 = greedy answers; > 0 samples at that temperature
@@ -135,6 +137,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     t, d = cfg.train, cfg.draft
     if cfg.base.dtype not in ("auto", "fp32", "bf16", "fp16"):
         _fail("base.dtype", cfg.base.dtype, "use one of auto, fp32, bf16, fp16")
+    if cfg.base.partition not in ("none", "zero3"):
+        _fail("base.partition", cfg.base.partition, "use none (whole base on every rank) or zero3 (parameters "
+              "partitioned over the ranks, for bases larger than one device)")
+    if cfg.base.partition == "zero3" and cfg.data.self_distill:
+        _fail("base.partition", "zero3", "data.self_distill generates with the base, which a ZeRO-3-partitioned "
+              "base does not do here; build the self-distilled file first (`specdraft self-distill`, a whole base) "
+              "and train on it with data.source=<file>")
     if d.family not in DRAFTERS:
         _fail("draft.family", d.family, f"use one of {', '.join(sorted(DRAFTERS))}")
     if d.num_heads < 1:
@@ -203,6 +212,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("data.max_records", cfg.data.max_records, "use None (all) or at least 2 (train + val)")
     if cfg.data.hidden_cache_dtype not in ("bf16", "fp32", "fp16"):
         _fail("data.hidden_cache_dtype", cfg.data.hidden_cache_dtype, "use bf16, fp32 or fp16")
+    if cfg.data.hidden_cache_shard_rows < 1:
+        _fail("data.hidden_cache_shard_rows", cfg.data.hidden_cache_shard_rows, "use 1 or more rows per shard (256 "
+              "typical; with N ranks, at least N shards keep every rank busy)")
     if cfg.data.self_distill and cfg.data.max_records is None:
         _fail("data.max_records", None, "data.self_distill regenerates every answer with the base and eval holds out "
               "the conversations after them: set data.max_records=N (e.g. 800)")

@@ -10,6 +10,7 @@ The data order is a function of (seed, step) (train/data_order.py), so resume ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from data.dataset import build_datasets, collate
 from data.draft_vocab import build_draft_vocab, vocab_report
-from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
+from data.hidden_cache import HiddenCache, RankGroup, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
 from data.self_distill import build_self_distilled, train_data_entry
 from models.base import default_cache_dir, draft_inputs, load_base
 from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
@@ -102,21 +103,14 @@ def train(cfg: TrainConfig) -> Path:
     precision = resolve_precision(cfg.train.precision, info.device)
     base_dtype = precision if cfg.base.dtype == "auto" else cfg.base.dtype
 
-    # Rank 0 first: it may have to convert the GGUF or tokenize the data into the shared cache.
-    for turn in (0, 1):
+    base, train_ds, val_ds, source, max_records, partitioned = load_base_and_data(cfg, info, base_dtype)
+    # Every rank builds its share of the cache's shards (collective; a ready cache is only opened).
+    hidden_cache = _hidden_cache(cfg, base, train_ds, info, partitioned) if cfg.data.hidden_cache else None
+    view = partitioned.view() if partitioned else BaseView.from_model(base.model)
+    for turn in (0, 1):  # rank 0 builds and caches the draft vocabulary; the others read the cache
         if (turn == 0) == info.is_main:
-            base = load_base(cfg.base.path, dtype=base_dtype, device=info.device,
-                             chat_template=cfg.data.chat_template or None)
-            d = cfg.data
-            source, max_records = _training_source(cfg, base)
-            train_ds, val_ds = build_datasets(
-                base.tokenizer, source, max_records=max_records, max_length=d.max_length,
-                val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
-                min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
-            hidden_cache = _hidden_cache(cfg, base, train_ds, info) if d.hidden_cache else None
-            d2t = _draft_vocab(cfg, base, train_ds)  # rank 0 builds and caches it; the others read the cache
+            d2t = _draft_vocab(cfg, base, train_ds, view.vocab_size)
         barrier()
-    view = BaseView.from_model(base.model)
     view.draft_vocab = d2t.to(info.device) if d2t is not None else None
     vocab_info = vocab_report(d2t, train_ds, val_ds, view.vocab_size) if info.is_main else {}
     if d2t is not None and info.is_main:
@@ -126,7 +120,9 @@ def train(cfg: TrainConfig) -> Path:
     pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
 
     torch.manual_seed(cfg.train.seed)  # same initial draft on every rank
-    draft = DRAFTERS[cfg.draft.family].from_config(cfg.draft, view)
+    # Hydra++ / CTC copy the base's last decoder layer: gathered whole while the draft is built.
+    with partitioned.gathered_last_layer() if partitioned else contextlib.nullcontext():
+        draft = DRAFTERS[cfg.draft.family].from_config(cfg.draft, view)
     aux_layers = list(getattr(draft, "aux_layers", None) or [])  # base layers the draft reads besides h
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
@@ -199,7 +195,9 @@ def train(cfg: TrainConfig) -> Path:
                     if aux_layers:
                         aux = batch["aux"].to(info.device)
                 else:
-                    hidden, aux = draft_inputs(base.model, ids, attn, aux_layers)  # [B, T, d], no [B, T, V] logits
+                    # [B, T, d] (+ EAGLE-3's [B, T, k*d]), no [B, T, V] logits; a ZeRO-3 base gathers each layer's
+                    # parameters in turn
+                    hidden, aux = draft_inputs(base.model, ids, attn, aux_layers)
                     hidden = hidden.to(compute_dtype)
                     aux = aux.to(compute_dtype) if aux is not None else None
                 out = engine(hidden, ids, mask, aux) if aux is not None else engine(hidden, ids, mask)
@@ -246,13 +244,41 @@ def train(cfg: TrainConfig) -> Path:
 
     if not sigterm:  # finished, or out of its time budget: export what we have
         _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-                time.perf_counter() - train_t0, train_data_entry(source, max_records), vocab_info)
+                time.perf_counter() - train_t0, train_data_entry(source, max_records), vocab_info, bool(partitioned))
     tracker.close()
     barrier()
     if sigterm:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
+
+
+def load_base_and_data(cfg, info: DistInfo, base_dtype) -> tuple:
+    """(base, train_ds, val_ds, source, max_records, partitioned) on every rank.
+
+    Whole base (base.partition=none): rank 0 goes first, since it may have to convert the GGUF or tokenize
+    the data into the shared cache, then the others load the ready files. Partitioned (zero3): the load is
+    collective (every rank builds its partitions together), then rank 0 tokenizes first. `partitioned` is
+    the train.partitioned_base.PartitionedBase, or None.
+    """
+    partitioned = None
+    if cfg.base.partition == "zero3":
+        from train.partitioned_base import load_partitioned_base
+
+        partitioned = load_partitioned_base(cfg.base.path, dtype=base_dtype, device=info.device,
+                                            chat_template=cfg.data.chat_template or None)
+    for turn in (0, 1):
+        if (turn == 0) == info.is_main:
+            base = partitioned.base if partitioned else load_base(cfg.base.path, dtype=base_dtype, device=info.device,
+                                                                  chat_template=cfg.data.chat_template or None)
+            d = cfg.data
+            source, max_records = _training_source(cfg, base)
+            train_ds, val_ds = build_datasets(
+                base.tokenizer, source, max_records=max_records, max_length=d.max_length,
+                val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
+                min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
+        barrier()
+    return base, train_ds, val_ds, source, max_records, partitioned
 
 
 def _training_source(cfg, base) -> tuple[str, int | None]:
@@ -266,13 +292,13 @@ def _training_source(cfg, base) -> tuple[str, int | None]:
     return str(path), None
 
 
-def _draft_vocab(cfg, base, train_ds) -> torch.Tensor | None:
+def _draft_vocab(cfg, base, train_ds, vocab: int) -> torch.Tensor | None:
     """d2t [N] of draft.vocab_size > 0 (None = the full vocabulary), built from the train rows' assistant
-    targets and cached under <cache>/draft_vocab/ (data/draft_vocab.py)."""
+    targets and cached under <cache>/draft_vocab/ (data/draft_vocab.py). vocab = the base's V (from the
+    BaseView: a ZeRO-3 partitioned lm_head has no rows locally)."""
     n = cfg.draft.vocab_size
     if n == 0:
         return None
-    vocab = base.model.get_output_embeddings().weight.shape[0]
     if n > vocab:
         raise ValueError(f"draft.vocab_size={n} exceeds this base's vocabulary of {vocab} tokens; use 0 (the full "
                          f"vocabulary) or 1..{vocab}")
@@ -282,18 +308,20 @@ def _draft_vocab(cfg, base, train_ds) -> torch.Tensor | None:
     return d2t
 
 
-def _hidden_cache(cfg, base, train_ds, info) -> HiddenCache:
-    """Build (rank 0; resumable) or open the hidden-state cache of this run's train rows (DESIGN.md §6)."""
+def _hidden_cache(cfg, base, train_ds, info, partitioned=None) -> HiddenCache:
+    """Build (every rank its shards; resumable) or open the hidden-state cache of this run's train rows
+    (DESIGN.md §6, §10). Collective: every rank calls it."""
     aux_layers = resolve_aux_layers(cfg, base.model)
     key = cache_key(base.fingerprint, base.model.dtype, train_ds, cfg.data.hidden_cache_dtype, aux_layers)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     directory = resolve_cache_dir(cfg.data.hidden_cache, root, key)
-    if info.is_main:
-        pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
-        build_hidden_cache(base.model, train_ds, directory, pad_id=pad_id, device=info.device,
-                           micro_batch_size=cfg.train.micro_batch_size, cache_dtype=cfg.data.hidden_cache_dtype,
-                           info={"key": key, "base": base.name, "base_fingerprint": base.fingerprint,
-                                 "base_dtype": str(base.model.dtype)}, aux_layers=aux_layers)
+    pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
+    ranks = RankGroup(info.rank, info.world_size, barrier, all_reduce_sum, collective_forward=partitioned is not None)
+    build_hidden_cache(base.model, train_ds, directory, pad_id=pad_id, device=info.device,
+                       micro_batch_size=cfg.train.micro_batch_size, cache_dtype=cfg.data.hidden_cache_dtype,
+                       shard_rows=cfg.data.hidden_cache_shard_rows,
+                       info={"key": key, "base": base.name, "base_fingerprint": base.fingerprint,
+                             "base_dtype": str(base.model.dtype)}, aux_layers=aux_layers, ranks=ranks)
     cache = HiddenCache(directory)
     if cache.manifest.get("key") != key or len(cache) != len(train_ds):
         raise ValueError(f"hidden-state cache {directory} does not match this run's train set or base (key "
@@ -354,8 +382,9 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
 
 
 def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-            train_seconds: float, train_data: dict, vocab_info: dict | None = None) -> None:
-    """Export the draft's weights and measure held-out per-depth accuracy (rank 0)."""
+            train_seconds: float, train_data: dict, vocab_info: dict | None = None, partitioned: bool = False) -> None:
+    """Export the draft's weights and measure held-out per-depth accuracy (rank 0; with a ZeRO-3 base every
+    rank runs the held-out forwards, which are collective, and rank 0 alone writes)."""
     import deepspeed
 
     params = list(draft.parameters()) if cfg.deepspeed.zero_stage == 3 else []
@@ -372,8 +401,9 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
                                     **({"chat_template": base.tokenizer.chat_template}
                                        if cfg.data.chat_template else {})})
             log.info("exported the draft to %s", run_dir / "export")
-            if cfg.train.val_batches > 0:
-                result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)
+        if cfg.train.val_batches > 0 and (info.is_main or partitioned):
+            result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)
+            if info.is_main:
                 (run_dir / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
                 tracker.log({f"val/{k}": v for k, v in result["summary"].items()}, step)
                 print(format_heldout_table(result), flush=True)
