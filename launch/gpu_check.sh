@@ -160,7 +160,7 @@ stage_gguf() {
 }
 
 base_for_training() {  # the real SmolLM2 when converted, else a random-init SmolLM2-config directory
-  if have_real_base; then echo smollm2; return; fi
+  if [ "$DRY" != 1 ] && have_real_base; then echo smollm2; return; fi
   local dir=$WORK/smollm2-random
   local over=null
   [ "$DRY" = 1 ] && over=$TINY_LLAMA

@@ -79,7 +79,9 @@ def fp32_model():
 def compiled(fp32_model):
     """One compiled fast backend for the module: each tree bucket (1, 2, 4, ... 64 nodes) compiles once and
     is replayed as a CUDA graph afterwards (a new backend instance would compile again)."""
-    torch._dynamo.config.cache_size_limit = max(64, torch._dynamo.config.cache_size_limit)
+    for knob in ("recompile_limit", "cache_size_limit"):  # one graph per bucket: allow more than the default 8
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
     backend = FastLlamaBackend(fp32_model, max_len=256, compile=ON_CUDA, static=True)
     assert backend.static and backend.compile == ON_CUDA
     return backend
@@ -215,7 +217,7 @@ def test_fp32_lossless_ngram(fp32_model, compiled, strategy):
         assert speculative_generate(compiled, drafter, prompt, max_new_tokens=NEW, eos_ids=None).tokens == want
 
 
-def _tie_aware_equal(model_fp32, prompt: torch.Tensor, got: list[int], want: list[int], tol: float) -> str:
+def _tie_aware_equal(model_fp32, prompt: torch.Tensor, got: list[int], want: list[int]) -> str:
     """'identical', or 'tie at i' if the first difference is between two tokens whose fp32 base logits differ
     by < tol after the common prefix (bf16 rounding can flip a near tie); raises on a real divergence."""
     if got == want:
@@ -225,23 +227,31 @@ def _tie_aware_equal(model_fp32, prompt: torch.Tensor, got: list[int], want: lis
     logits, _ = _reference(model_fp32, prompt.tolist() + want[:i])
     gap = abs(float(logits[-1, got[i]] - logits[-1, want[i]]))
     top = float(logits[-1].max())
+    tol = 0.05 + abs(top) / 256
     assert gap < tol and top - max(float(logits[-1, got[i]]), float(logits[-1, want[i]])) < tol, (
         f"bf16 outputs diverge at token {i} without a tie: fp32 logits of the two tokens differ by {gap:.4f}")
     return f"tie at {i}"
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_bf16_lossless_or_documented_tie(fp32_model, name):
-    """bf16 on CUDA: speculative == own AR on the same compiled bf16 engine, or the first difference is a
-    near tie of the fp32 base (a verify over N nodes and a 1-node step round differently)."""
+@pytest.fixture(scope="module")
+def bf16_compiled():
+    """(bf16 model, its compiled fast backend), shared so each bucket compiles once for all families."""
     model = diverse_tiny_llama(0).to(CUDA, torch.bfloat16)
-    backend = FastLlamaBackend(model, max_len=256, compile=ON_CUDA, static=True)
+    return model, FastLlamaBackend(model, max_len=256, compile=ON_CUDA, static=True)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_bf16_lossless_or_documented_tie(fp32_model, bf16_compiled, name):
+    """bf16 on CUDA: speculative == own AR on the same compiled bf16 engine, or the first difference is a
+    near tie of the fp32 base (a verify over N nodes and a 1-node step round differently). The tolerance is
+    bf16's: 2^-8 of the top logit, plus 0.05."""
+    model, backend = bf16_compiled
     drafter = _random_drafter(name, model)
     verdicts = []
     for prompt in _prompts():
         want = autoregressive_generate(backend, prompt, max_new_tokens=NEW, eos_ids=None).tokens
         got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW, eos_ids=None).tokens
-        verdicts.append(_tie_aware_equal(fp32_model, prompt, got, want, tol=0.05))
+        verdicts.append(_tie_aware_equal(fp32_model, prompt, got, want))
     print(name, verdicts)
 
 
@@ -289,12 +299,14 @@ def test_deepspeed_bf16_nccl_step_and_resume(tmp_path, name, zero):
     _train(RECIPES[name], part, "train.max_steps=4", "resume=auto", *extra)
     resumed = _metrics(part)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(rows, resumed):  # same data order and optimizer state: the same losses (bf16 noise)
-        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2, abs=2e-2), (a["step"], a["loss"], b["loss"])
+    # Same data order, RNG and optimizer state: the same losses and weights, up to the order of CUDA atomics
+    # in backward (fp32 master weights; bf16 compute).
+    for a, b in zip(rows, resumed):
+        assert a["loss"] == pytest.approx(b["loss"], rel=5e-3, abs=1e-3), (a["step"], a["loss"], b["loss"])
     want, got = read_tensors(full / "export" / "model.safetensors"), read_tensors(part / "export" / "model.safetensors")
     assert set(want) == set(got)
     for k in want:
-        torch.testing.assert_close(got[k].float(), want[k].float(), atol=2e-2, rtol=2e-2, msg=k)
+        torch.testing.assert_close(got[k].float(), want[k].float(), atol=1e-2, rtol=1e-2, msg=k)
 
 
 # ---- hidden-state cache on CUDA ------------------------------------------------------------------------
