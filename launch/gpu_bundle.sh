@@ -41,10 +41,13 @@ for n in 39 35 34 31 28 27 24 17 14 12 5; do PLATFORMS+=(--platform "manylinux_2
 PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux2010_x86_64 --platform manylinux1_x86_64
             --platform any)
 
+# (grep: this box's pip.conf names local indexes that warn for every package they lack)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-  --abi abi3 --abi none "${PLATFORMS[@]}" -d "$OUT" "${WHEELS[@]}" "${EXTRA[@]}"
+  --abi abi3 --abi none "${PLATFORMS[@]}" -d "$OUT" "${WHEELS[@]}" "${EXTRA[@]}" \
+  2> >(grep -v 'is ignored: it is neither' >&2)
 # The sdist, fetched as source on purpose (there is no deepspeed wheel on PyPI).
-"$PY" -m pip download -q --no-deps --no-binary=:all: -d "$OUT" deepspeed==0.19.8
+"$PY" -m pip download -q --no-deps --no-binary=:all: -d "$OUT" deepspeed==0.19.8 \
+  2> >(grep -v 'is ignored: it is neither' >&2)
 
 # One version of each distribution, or the install there fails: drop stale files from earlier pins.
 want=" $(printf '%s\n' "${WHEELS[@]}" "${EXTRA[@]}" deepspeed==0.19.8 | tr 'A-Z.-' 'a-z__' | sed 's/==/-/' | tr '\n' ' ')"
