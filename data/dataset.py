@@ -19,16 +19,19 @@ import math
 import os
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from data.sharegpt import read_sharegpt, source_path
 from data.template import ChatTemplateError, render_with_assistant_mask
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+
 logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = 1  # bump when reading/validation/rendering changes what a row contains
-
 
 
 def _render_features():
@@ -45,7 +48,7 @@ def _render_features():
 
 def build_datasets(tokenizer, source: str, *, max_records: int | None, max_length: int, val_fraction: float,
                    seed: int, cache_dir: str | os.PathLike, min_assistant_tokens: int = 1, num_proc: int = 1
-                   ) -> tuple:
+                   ) -> tuple[Dataset, Dataset]:
     """Return (train, val) datasets with columns `input_ids` and `loss_mask`.
 
     source: "sharegpt" (packaged) or a ShareGPT .json/.jsonl path (see data.sharegpt.read_sharegpt).
