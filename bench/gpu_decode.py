@@ -52,6 +52,13 @@ def load(args, device: torch.device, dtype: torch.dtype):
     raise ValueError(f"--base {args.base!r}: use smollm2, smollm2-random, llama8b-random or tiny")
 
 
+def _cudagraph_skips() -> int:
+    """How often inductor ran a compiled step without its CUDA graph (0 = every step was a graph replay)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -143,7 +150,8 @@ def main() -> None:
         "own_ar_tokens_per_s": ar_tok / ar_time if ar_time else None,
         "hf_generate_tokens_per_s": hf_tok / hf_time if hf_time else None,
         "own_ar_vs_generate": (ar_tok / ar_time) / (hf_tok / hf_time) if ar_time and hf_time else None,
-        "outputs_equal_fraction": sum(same) / len(same), "load_s": load_s, "compile_warmup_s": warm_s, **costs,
+        "outputs_equal_fraction": sum(same) / len(same), "load_s": load_s, "compile_warmup_s": warm_s,
+        "cudagraph_skips": _cudagraph_skips(), **costs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
