@@ -8,6 +8,8 @@
 #   GPU_CHECK_DRY=1 launch/gpu_check.sh /tmp/gpu-dry setup tests decode train fulldata evaldraft
 #                                                CPU dry run: the same stages at tiny sizes (also the mode on
 #                                                any machine without CUDA); cuda tests skip
+# On the GPU machine OUT_DIR is folded at the end into summary.txt + results.tar.gz + export parts
+# (launch/gpu_collect.sh: the device tool returns 8 files at most); GPU_CHECK_COLLECT=0/1 overrides.
 #
 # No `pip install -e .` there, the one exception to the README's set-up: the GPU machine has no package
 # registry, so the carried wheels go into a temp site dir and the repo runs from PYTHONPATH.
@@ -248,4 +250,8 @@ for s in "${STAGES[@]}"; do
   esac
 done
 log "gpu_check: done, $( [ $failed = 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED'); results in $OUT_DIR"
+# The device tool brings back at most 8 files: fold everything but the export parts into results.tar.gz.
+if [ "${GPU_CHECK_COLLECT:-$([ "$DRY" = 1 ] && echo 0 || echo 1)}" = 1 ]; then
+  launch/gpu_collect.sh "$OUT_DIR" || failed=1
+fi
 exit $failed
