@@ -18,10 +18,10 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -137,9 +137,21 @@ def run_engine(job: dict, workdir: Path, timeout: float) -> dict:
                               f"(speculative_config {job.get('speculative_config')}): {result['message']}\n"
                               f"full log: {log_path}")
     if rc != 0 or result is None:
-        raise ServeCheckError(f"vLLM's engine ({label}) died with exit code {rc}; last lines of its log ({log_path}):\n"
+        cause = root_cause(log_path.read_text(errors="replace").splitlines())
+        raise ServeCheckError(f"vLLM's engine ({label}) died with exit code {rc}"
+                              + (f": {cause}" if cause else "") + f"; last lines of its log ({log_path}):\n"
                               + "\n".join(tail))
     return result
+
+
+def root_cause(lines) -> str | None:
+    """The first `SomethingError: message` line of an engine log that is not the generic EngineDeadError /
+    worker wrapper: vLLM's real reason (e.g. 'Unsupported CPU attention configuration: head_dim=16')."""
+    for line in lines:
+        m = re.search(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$", line)
+        if m and m.group(1) != "EngineDeadError" and "Worker failed with error" not in line:
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return None
 
 
 def _cfg_for_chain(cfg: EvalConfig, depth: int) -> EvalConfig:
@@ -156,88 +168,118 @@ def _our_run(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
             "ours_draft": our_engine_numbers(report, samples, ar=False)}, report
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What both sides run: our drafter + eval config, and vLLM's speculative configs."""
+
+    name: str  # family or "ngram"
+    base: object  # models.base.LoadedBase
+    base_dir: Path  # the HF directory vLLM serves
+    drafter: object
+    info: dict
+    ours_cfg: EvalConfig
+    spec: dict | None  # vLLM + the draft (None for --method ngram)
+    ngram_spec: dict  # vLLM's own n-gram
+    depth: int  # drafted tokens per step
+    compared: str  # what the acceptance check compares, for messages
+
+
+def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tuple[_Plan, EvalConfig]:
+    from eval.drafters.registry import build_drafter
+    from eval.runner import resolve_heldout_skip
+    from models.base import load_base
+    from models.draft import BaseView
+    from train.export import load_draft, read_export_config
+    from train.export_vllm import export_vllm, read_speculative_config, vllm_ngram_config
+
+    export_cfg = read_export_config(draft_dir)
+    cfg = resolve_heldout_skip(cfg, export_cfg)
+    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
+    view = BaseView.from_model(base.model)
+    draft, export_cfg = load_draft(draft_dir, view, base.fingerprint)
+    spec = read_speculative_config(export_vllm(draft, workdir / "export", export_cfg, view))
+    depth = int(spec["num_speculative_tokens"])
+    base_dir = base_hf_dir(base, workdir)
+    check_fingerprint(export_cfg, base_dir, str(draft_dir))
+    draft = draft.to(dtype=next(base.model.parameters()).dtype)
+    # vLLM drafts a chain of top-1 tokens (Medusa: head k's argmax at depth k): ours runs the same chain.
+    # EAGLE-3 (registered at merge) drafts a chain of num_speculative_tokens too.
+    ours_cfg = _cfg_for_chain(cfg, depth)
+    drafter, info = build_drafter(draft, export_cfg, ours_cfg)
+    ngram_spec = vllm_ngram_config({"w": depth, "q": int(cfg.extra.get("ngram_q", 1))})
+    family = export_cfg["family"]
+    return _Plan(family, base, base_dir, drafter, info, ours_cfg, spec, ngram_spec, depth,
+                 f"{family} chain of {depth}"), cfg
+
+
+def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
+    from eval.drafters.ngram import build_ngram_drafter, ngram_options
+    from models.base import load_base
+    from train.export_vllm import vllm_ngram_config
+
+    if method != "ngram":
+        raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free ngram; "
+                         "trained drafts: --draft runs/<run>/export")
+    opts = ngram_options({k: v for k, v in cfg.extra.items() if not k.startswith(("serve_", "vllm_", "ngram_"))})
+    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=device)
+    ngram_spec = vllm_ngram_config(opts)
+    # vLLM proposes one row copied from the context: our counterpart is strategy=context with k=1.
+    drafter, info = build_ngram_drafter(base, {"k": 1, "w": opts["w"], "q": opts["q"], "strategy": "context"})
+    ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True)
+    return _Plan("ngram", base, base_hf_dir(base, workdir), drafter, info, ours_cfg, None, ngram_spec,
+                 ngram_spec["num_speculative_tokens"], f"n-gram context row, k=1, w={opts['w']}, q={opts['q']}")
+
+
 def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | None = None,
                 tolerance: float = DEFAULT_TOLERANCE, timeout: float = DEFAULT_TIMEOUT) -> tuple[dict, Path]:
     """Run the whole check; returns (report, out_dir). Raises ServeCheckError for an actionable failure."""
-    from eval.drafters.ngram import build_ngram_drafter, ngram_options
     from eval.runner import _device_name, config_prompts, eos_ids, resolve_device
-    from models.base import load_base
-    from train.export_vllm import export_vllm, read_speculative_config, vllm_ngram_config
 
     vllm_python()  # fail before any model work when the venv is missing
     if cfg.temperature != 0:
         raise ServeCheckError("serve-check compares greedy decoding (batch 1); use temperature=0")
     device = resolve_device(cfg.device)
     if device.type != "cpu":
-        raise ServeCheckError("serve-check runs vLLM's CPU build; use device=cpu (vLLM owns no GPU here)")
-    with tempfile.TemporaryDirectory(prefix="specdraft-serve-check-") as tmp:
-        workdir = Path(tmp)
-        if draft_dir is not None:
-            from eval.runner import resolve_heldout_skip
-            from models.draft import BaseView
-            from train.export import load_draft, read_export_config
+        raise ServeCheckError("serve-check runs vLLM's CPU build; use device=cpu")
+    run_dir = Path(draft_dir).parent if draft_dir is not None else Path(cfg.run_dir or f"runs/{method}")
+    out_dir = run_dir / "serve_check" / cfg.name
+    # Kept next to the report: the vLLM export (servable as is), each engine's job, result and full log.
+    workdir = out_dir / "vllm"
+    workdir.mkdir(parents=True, exist_ok=True)
+    if draft_dir is not None:
+        plan, cfg = _plan_draft(cfg, Path(draft_dir), device, workdir)
+    else:
+        plan = _plan_ngram(cfg, method, device, workdir)
+    base = plan.base
 
-            export_cfg = read_export_config(draft_dir)
-            cfg = resolve_heldout_skip(cfg, export_cfg)
-            base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
-            view = BaseView.from_model(base.model)
-            draft, export_cfg = load_draft(draft_dir, view, base.fingerprint)
-            spec = read_speculative_config(export_vllm(draft, workdir / "vllm-draft", export_cfg, view))
-            depth = int(spec["num_speculative_tokens"])
-            name, run_dir = export_cfg["family"], Path(draft_dir).parent
-            base_dir = base_hf_dir(base, workdir)
-            check_fingerprint(export_cfg, base_dir, str(draft_dir))
-            draft = draft.to(dtype=next(base.model.parameters()).dtype)
-            ours_cfg = _cfg_for_chain(cfg, depth)
-            from eval.drafters.registry import build_drafter
+    prompts = config_prompts(cfg, base.tokenizer)
+    print(f"[serve-check] ours: {plan.compared} + own AR on {len(prompts)} prompts ({cfg.dataset})", flush=True)
+    engines, our_report = _our_run(plan.ours_cfg, base, plan.drafter, plan.name, out_dir / "ours", plan.info)
 
-            drafter, info = build_drafter(draft, export_cfg, ours_cfg)
-            ngram_spec = vllm_ngram_config({"w": depth, "q": int(cfg.extra.get("ngram_q", 1))})
-            compared = f"{name} chain of {depth}"
-        else:
-            if method != "ngram":
-                raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free ngram; "
-                                 "trained drafts: --draft runs/<run>/export")
-            opts = ngram_options({k: v for k, v in cfg.extra.items() if not k.startswith(("serve_", "vllm_", "ngram_"))})
-            base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=device)
-            base_dir = base_hf_dir(base, workdir)
-            ngram_spec = vllm_ngram_config(opts)
-            spec, depth = None, ngram_spec["num_speculative_tokens"]
-            # vLLM proposes one row from the context: our counterpart is strategy=context with k=1.
-            drafter, info = build_ngram_drafter(base, {"k": 1, "w": opts["w"], "q": opts["q"], "strategy": "context"})
-            ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True)
-            name, run_dir = "ngram", Path(cfg.run_dir or "runs/ngram")
-            compared = f"n-gram context rows, k=1, w={opts['w']}, q={opts['q']}"
-
-        out_dir = run_dir / "serve_check" / cfg.name
-        prompts = config_prompts(cfg, base.tokenizer)
-        print(f"[serve-check] ours: {compared} + own AR on {len(prompts)} prompts ({cfg.dataset})", flush=True)
-        engines, our_report = _our_run(ours_cfg, base, drafter, name, out_dir / "ours", info)
-
-        dtype = DTYPES[next(base.model.parameters()).dtype]
-        longest = max(len(p.input_ids) for p in prompts)
-        job = {"base_dir": str(base_dir), "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
-               "warmup_tokens": cfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
-               "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
-               "max_model_len": longest + cfg.max_new_tokens + depth + 16, "seed": cfg.seed,
-               "enforce_eager": bool(cfg.extra.get("vllm_enforce_eager", False))}
-        runs = [("vllm_ar", None)] + ([("vllm_draft", spec)] if spec else []) + [("vllm_ngram", ngram_spec)]
-        vllm_version = None
-        for label, spec_cfg in runs:
-            result = run_engine({**job, "label": label, "speculative_config": spec_cfg}, workdir, timeout)
-            engines[label] = vllm_engine_numbers(result)
-            vllm_version = result.get("vllm_version")
+    dtype = DTYPES[next(base.model.parameters()).dtype]
+    longest = max(len(p.input_ids) for p in prompts)
+    job = {"base_dir": str(plan.base_dir), "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
+           "warmup_tokens": cfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
+           "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
+           "max_model_len": longest + cfg.max_new_tokens + plan.depth + 16, "seed": cfg.seed,
+           "enforce_eager": bool(cfg.extra.get("vllm_enforce_eager", False))}
+    runs = [("vllm_ar", None)] + ([("vllm_draft", plan.spec)] if plan.spec else []) + [("vllm_ngram", plan.ngram_spec)]
+    vllm_version = None
+    for label, spec_cfg in runs:
+        result = run_engine({**job, "label": label, "speculative_config": spec_cfg}, workdir, timeout)
+        engines[label] = vllm_engine_numbers(result)
+        vllm_version = result.get("vllm_version")
 
     ordered = {k: engines[k] for k in ("vllm_ar", "vllm_draft", "vllm_ngram", "ours_ar", "ours_draft") if k in engines}
-    vllm_key = "vllm_draft" if spec else "vllm_ngram"
-    acc = compare_acceptance(engines[vllm_key]["accept_rate_per_position"],
+    acc = compare_acceptance(engines["vllm_draft" if plan.spec else "vllm_ngram"]["accept_rate_per_position"],
                              engines["ours_draft"]["accept_rate_per_position"], tolerance)
-    context = {"draft": str(draft_dir) if draft_dir else f"--method {method}", "method": name,
-               "compared": compared, "base_model": base.name, "base_dir": str(base_dir),
+    context = {"draft": str(draft_dir) if draft_dir else f"--method {method}", "method": plan.name,
+               "compared": plan.compared, "base_model": base.name, "base_dir": str(plan.base_dir),
                "base_fingerprint": base.fingerprint, "dtype": dtype, "dataset": cfg.dataset,
                "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "device": _device_name(device),
-               "vllm_version": vllm_version, "speculative_config": spec or ngram_spec,
-               "our_lossless": our_report.get("lossless"), "our_report": str(out_dir / "ours" / "report.json")}
+               "threads": torch.get_num_threads(), "vllm_version": vllm_version,
+               "speculative_config": plan.spec or plan.ngram_spec, "our_lossless": our_report.get("lossless"),
+               "our_report": str(out_dir / "ours" / "report.json")}
     report = build_serve_report(ordered, acc, context)
     write_serve_report(out_dir, report)
     return report, out_dir

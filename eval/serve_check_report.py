@@ -163,7 +163,8 @@ def plot(report: dict, path: Path) -> None:
     for off, key, label in ((-0.2, "vllm", "vLLM"), (0.2, "ours", "ours")):
         vals = [(acc[key][k] if k < len(acc[key]) and acc[key][k] is not None else 0.0) for k in range(n)]
         ax1.bar([x + off for x in xs], vals, width=0.4, label=label)
-    ax1.set(title=f"per-position acceptance ({report['compared']})", xlabel="draft position", ylabel="accepted / drafts")
+    ax1.set(title=f"per-position acceptance ({report['compared']})", xlabel="draft position",
+            ylabel="accepted / drafts")
     ax1.set_xticks(xs)
     ax1.legend()
     engines = list(report["engines"].values())

@@ -8,9 +8,10 @@ its core process, hence the `__main__` guard.
 
 JOB.json: {"label", "base_dir", "dtype" ("float32" | "bfloat16" | "float16"), "prompts": [{"id", "input_ids"}],
 "max_new_tokens", "warmup_tokens", "stop_token_ids", "speculative_config" (dict or null), "max_model_len",
-"seed", "enforce_eager" (skip torch.compile: minutes saved on a first run, slower decoding), "out"}. Writes to "out" a JSON result: per prompt the generated token ids and decode seconds, the
-spec-decode counters of the timed prompts only (warm-up subtracted), or {"error": "load", "message"} when the
-engine cannot be built (exit code 3). Progress lines start with "[serve-check]" (the parent shows them).
+"seed", "enforce_eager" (skip torch.compile: minutes saved on a first run, slower decoding), "out"}.
+Writes to "out" a JSON result: per prompt the generated token ids and decode seconds, the spec-decode counters
+of the timed prompts only (warm-up subtracted), or {"error": "load", "message"} when the engine cannot be
+built (exit code 3). Progress lines start with "[serve-check]" (the parent shows them).
 """
 
 from __future__ import annotations
