@@ -75,18 +75,18 @@ def agreement(reference: dict[str, list[int]], other: dict[str, list[int]]) -> d
 def compare_acceptance(vllm_rates: list[float], our_rates: list[float | None], tolerance: float) -> dict:
     """Per-position |vLLM - ours|; ok when every position is within tolerance and both have the same depth."""
     n = max(len(vllm_rates), len(our_rates))
-    diffs, worst, worst_k = [], 0.0, None
+    diffs = []
     for k in range(n):
         v = vllm_rates[k] if k < len(vllm_rates) else None
         o = our_rates[k] if k < len(our_rates) else None
-        d = None if v is None or o is None else abs(v - o)
-        diffs.append(d)
-        if d is None or d > worst:
-            worst, worst_k = (float("inf") if d is None else d), k
+        diffs.append(None if v is None or o is None else abs(v - o))
+    # A position only one side measured counts as the worst (inf) and always fails.
+    worst_k = max(range(n), key=lambda k: float("inf") if diffs[k] is None else diffs[k], default=None)
+    worst = None if worst_k is None or diffs[worst_k] is None else diffs[worst_k]
     bad = [k + 1 for k, d in enumerate(diffs) if d is None or d > tolerance]
     return {"vllm": list(vllm_rates), "ours": list(our_rates), "abs_diff": diffs, "tolerance": tolerance,
-            "max_abs_diff": None if worst == float("inf") else worst, "worst_position": None if worst_k is None
-            else worst_k + 1, "positions_over_tolerance": bad, "ok": not bad and n > 0}
+            "max_abs_diff": worst, "worst_position": None if worst_k is None else worst_k + 1,
+            "positions_over_tolerance": bad, "ok": not bad and n > 0}
 
 
 def mismatch_message(acc: dict, label: str) -> str:

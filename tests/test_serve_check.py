@@ -53,6 +53,8 @@ def test_compare_acceptance_names_the_position():
     short = compare_acceptance([0.3, 0.1], [0.3, 0.1, 0.05], 0.03)  # a depth only one side drafted
     assert not short["ok"] and short["positions_over_tolerance"] == [3]
     assert not compare_acceptance([], [], 0.03)["ok"]  # nothing measured is not a pass
+    exact = compare_acceptance([0.2, 0.1], [0.2, 0.1], 0.03)
+    assert exact["ok"] and exact["max_abs_diff"] == 0 and exact["worst_position"] == 1
 
 
 def test_agreement_and_report_table():
