@@ -179,7 +179,7 @@ def plot(report: dict, path: Path) -> None:
     ax2.tick_params(axis="x", labelrotation=30, labelsize=8)
     agr = [(e["label"], e.get("agreement_with_vllm_ar")) for e in engines if e.get("agreement_with_vllm_ar")]
     ax3.bar([a[0] for a in agr], [a[1]["common_prefix_fraction"] for a in agr], color="C2")
-    ax3.set(title="token agreement with vLLM AR (common prefix)", ylim=(0, 1.05))
+    ax3.set(title="same tokens as vLLM AR (prefix)", ylim=(0, 1.05))
     ax3.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
