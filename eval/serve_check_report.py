@@ -1,0 +1,192 @@
+"""serve-check numbers -> report.json / report.md / serve_check.png (pure: no engine, no vllm import).
+
+Definitions (the same for vLLM and our decoder, so the columns compare):
+  accept_rate_per_position[k] = drafts whose position k+1 was accepted / drafts made. vLLM: its counters
+    spec_decode_num_accepted_tokens_per_pos[k] / spec_decode_num_drafts; ours: accepted_per_depth[k] /
+    proposed_per_depth[k] of a chain draft (every step proposes every depth).
+  tokens_per_second = (generated tokens - 1 per prompt) / decode seconds: the first token comes from the
+    prefill, which neither engine counts (vLLM: last minus first token timestamp of each request).
+  token agreement with vLLM AR: per prompt, the common prefix of the two outputs over the longer one; and the
+    share of prompts whose outputs are identical. Two engines in bf16 round differently, so this need not be 1.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ENGINE_LABELS = {"vllm_ar": "vLLM AR", "vllm_draft": "vLLM + draft", "vllm_ngram": "vLLM n-gram",
+                 "ours_ar": "ours AR", "ours_draft": "ours + draft"}
+
+
+def vllm_engine_numbers(result: dict) -> dict:
+    """A vllm_runner.py result -> {tokens, seconds, tokens_per_second, accept_rate_per_position, ...}."""
+    rows = result["results"]
+    tokens = sum(max(0, len(r["tokens"]) - 1) for r in rows)
+    secs = sum(r["decode_seconds"] for r in rows)
+    spec = result.get("spec_decode") or {}
+    drafts = int(spec.get("vllm:spec_decode_num_drafts", 0))
+    per_pos = spec.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    accepted = int(spec.get("vllm:spec_decode_num_accepted_tokens", 0))
+    return {
+        "new_tokens": tokens, "decode_seconds": secs, "tokens_per_second": tokens / secs if secs > 0 else None,
+        "accept_rate_per_position": [a / drafts for a in per_pos] if drafts else [],
+        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        "num_drafts": drafts, "num_draft_tokens": int(spec.get("vllm:spec_decode_num_draft_tokens", 0)),
+        "accepted_per_position": list(per_pos), "timing": result.get("timing"),
+        "speculative_config": result.get("speculative_config"),
+        "outputs": {r["id"]: list(r["tokens"]) for r in rows},
+    }
+
+
+def our_engine_numbers(report: dict, samples: list[dict], ar: bool) -> dict:
+    """One of our eval reports (+ its samples.jsonl) -> the same keys as vllm_engine_numbers.
+
+    ar=True: the report's own-AR baseline (greedy, so its outputs equal the speculative ones when lossless;
+    per-prompt AR tokens are not stored, hence the samples' tokens, checked by report["lossless"])."""
+    outputs = {s["id"]: list(s["tokens"]) for s in samples}
+    if ar:
+        tps = report["ar_tokens_per_second"]
+        return {"new_tokens": report["new_tokens"], "tokens_per_second": tps, "accept_rate_per_position": [],
+                "acceptance_length": 1.0, "outputs": outputs if report.get("lossless") else {}}
+    return {"new_tokens": report["new_tokens"], "tokens_per_second": report["tokens_per_second"],
+            "accept_rate_per_position": list(report["accept_rate_per_position"]),
+            "acceptance_length": report["acceptance_length"], "lossless": report.get("lossless"),
+            "outputs": outputs}
+
+
+def agreement(reference: dict[str, list[int]], other: dict[str, list[int]]) -> dict | None:
+    """Token agreement of `other` with `reference` over the prompts both have (None when none)."""
+    ids = [i for i in reference if i in other]
+    if not ids:
+        return None
+    prefix, same = [], 0
+    for i in ids:
+        a, b = reference[i], other[i]
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        prefix.append(n / max(len(a), len(b), 1))
+        same += a == b
+    return {"identical_prompts": same / len(ids), "common_prefix_fraction": sum(prefix) / len(prefix),
+            "prompts": len(ids)}
+
+
+def compare_acceptance(vllm_rates: list[float], our_rates: list[float | None], tolerance: float) -> dict:
+    """Per-position |vLLM - ours|; ok when every position is within tolerance and both have the same depth."""
+    n = max(len(vllm_rates), len(our_rates))
+    diffs = []
+    for k in range(n):
+        v = vllm_rates[k] if k < len(vllm_rates) else None
+        o = our_rates[k] if k < len(our_rates) else None
+        diffs.append(None if v is None or o is None else abs(v - o))
+    # A position only one side measured counts as the worst (inf) and always fails.
+    worst_k = max(range(n), key=lambda k: float("inf") if diffs[k] is None else diffs[k], default=None)
+    worst = None if worst_k is None or diffs[worst_k] is None else diffs[worst_k]
+    bad = [k + 1 for k, d in enumerate(diffs) if d is None or d > tolerance]
+    return {"vllm": list(vllm_rates), "ours": list(our_rates), "abs_diff": diffs, "tolerance": tolerance,
+            "max_abs_diff": worst, "worst_position": None if worst_k is None else worst_k + 1,
+            "positions_over_tolerance": bad, "ok": not bad and n > 0}
+
+
+def mismatch_message(acc: dict, label: str) -> str:
+    """The error for a failed acceptance check, naming each position (1-based) that differs."""
+    parts = []
+    for k in acc["positions_over_tolerance"]:
+        v = acc["vllm"][k - 1] if k - 1 < len(acc["vllm"]) else None
+        o = acc["ours"][k - 1] if k - 1 < len(acc["ours"]) else None
+        parts.append(f"position {k}: vLLM {_f(v)} vs ours {_f(o)}")
+    if not parts:
+        parts.append("no position was measured (no drafts on either side)")
+    return (f"{label}: vLLM's per-position acceptance differs from our decoder's by more than "
+            f"{acc['tolerance']} ({'; '.join(parts)}). That is a format or semantics bug (tensor names, vocab "
+            "map, norm or offset read differently by vLLM); raise the tolerance only for a known, explained gap")
+
+
+def _f(x, spec=".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def build_serve_report(engines: dict[str, dict], acc: dict, context: dict) -> dict:
+    ref = engines.get("vllm_ar", {}).get("outputs") or {}
+    ar_tps = engines.get("vllm_ar", {}).get("tokens_per_second")
+    table = {}
+    for key, e in engines.items():
+        tps = e.get("tokens_per_second")
+        table[key] = {
+            "label": ENGINE_LABELS.get(key, key), "tokens_per_second": tps,
+            "speedup_vs_vllm_ar": tps / ar_tps if tps and ar_tps else None,
+            "acceptance_length": e.get("acceptance_length"),
+            "accept_rate_per_position": e.get("accept_rate_per_position"),
+            "agreement_with_vllm_ar": None if key == "vllm_ar" else agreement(ref, e.get("outputs") or {}),
+            **{k: v for k, v in e.items() if k not in ("outputs", "tokens_per_second", "acceptance_length",
+                                                       "accept_rate_per_position")},
+        }
+    return {**context, "engines": table, "acceptance_check": acc}
+
+
+def format_table(report: dict) -> str:
+    rows = ["| engine | tok/s | speedup vs vLLM AR | acceptance length | per-position acceptance | "
+            "same tokens as vLLM AR (prompts / prefix) |", "|---|---|---|---|---|---|"]
+    for e in report["engines"].values():
+        agr = e.get("agreement_with_vllm_ar")
+        agr_s = "reference" if agr is None and e["label"] == "vLLM AR" else (
+            "n/a" if agr is None else f"{agr['identical_prompts']:.2f} / {agr['common_prefix_fraction']:.2f}")
+        rates = ", ".join(_f(r, ".3f") for r in (e.get("accept_rate_per_position") or [])) or "-"
+        rows.append(f"| {e['label']} | {_f(e['tokens_per_second'], '.1f')} | {_f(e['speedup_vs_vllm_ar'], '.2f')} | "
+                    f"{_f(e['acceptance_length'], '.2f')} | {rates} | {agr_s} |")
+    return "\n".join(rows)
+
+
+def markdown(report: dict) -> str:
+    acc = report["acceptance_check"]
+    verdict = ("agree" if acc["ok"] else "DIFFER") + f" (max |diff| {_f(acc['max_abs_diff'])} at position " \
+        f"{acc['worst_position']}, tolerance {acc['tolerance']})"
+    return "\n".join([
+        f"# serve-check: {report['draft']}", "",
+        f"Base `{report['base_model']}` ({report['base_dir']}), {report['dtype']}, {report['dataset']}: "
+        f"{report['num_prompts']} prompts x {report['max_new_tokens']} new tokens, batch 1, greedy, warm-up "
+        f"excluded. Device: {report['device']}. vLLM {report.get('vllm_version')}.", "",
+        format_table(report), "",
+        f"Per-position acceptance, vLLM vs ours ({report['compared']}): {verdict}.", "",
+        "![serve-check](serve_check.png)", ""])
+
+
+def plot(report: dict, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4))
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    acc = report["acceptance_check"]
+    n = max(len(acc["vllm"]), len(acc["ours"]))
+    xs = list(range(1, n + 1))
+    for off, key, label in ((-0.2, "vllm", "vLLM"), (0.2, "ours", "ours")):
+        vals = [(acc[key][k] if k < len(acc[key]) and acc[key][k] is not None else 0.0) for k in range(n)]
+        ax1.bar([x + off for x in xs], vals, width=0.4, label=label)
+    ax1.set(title=f"per-position acceptance ({report['compared']})", xlabel="draft position",
+            ylabel="accepted / drafts")
+    ax1.set_xticks(xs)
+    ax1.legend()
+    engines = list(report["engines"].values())
+    labels = [e["label"] for e in engines]
+    tps = [e["tokens_per_second"] or 0.0 for e in engines]
+    bars = ax2.bar(labels, tps, color=["C0" if "vLLM" in x else "C1" for x in labels])
+    for b, e in zip(bars, engines):
+        s = e.get("speedup_vs_vllm_ar")
+        ax2.annotate(f"{s:.2f}x" if s else "", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                     va="bottom", fontsize=8)
+    ax2.set(title="decode tokens/s (x = vs vLLM AR)", ylabel="tokens/s")
+    ax2.tick_params(axis="x", labelrotation=30, labelsize=8)
+    agr = [(e["label"], e.get("agreement_with_vllm_ar")) for e in engines if e.get("agreement_with_vllm_ar")]
+    ax3.bar([a[0] for a in agr], [a[1]["common_prefix_fraction"] for a in agr], color="C2")
+    ax3.set(title="same tokens as vLLM AR (prefix)", ylim=(0, 1.05))
+    ax3.tick_params(axis="x", labelrotation=30, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_serve_report(out_dir: Path, report: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "report.md").write_text(markdown(report))
+    plot(report, out_dir / "serve_check.png")

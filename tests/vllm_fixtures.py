@@ -1,0 +1,47 @@
+"""A tiny base that vLLM's CPU build can serve, saved as an HF directory, and a Medusa export on it.
+
+vLLM's CPU attention has no kernel for head_dim 16 (the default tiny LLaMA's 64 / 4 heads): this base has 2
+heads of 32. Its matrices are redrawn at std 0.15 so greedy continuations vary (the default init repeats one
+token, which every draft predicts), and the Medusa weights are perturbed so each head accepts a different share.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from models.base import load_base
+from models.draft import BaseView
+from models.medusa import MedusaDraft
+from models.tiny import tiny_llama, tiny_tokenizer
+from train.export import export_specdraft
+
+
+def servable_tiny_base(out: Path, std: float = 0.15, seed: int = 0) -> Path:
+    model = tiny_llama(seed=seed, num_heads=2, num_kv_heads=1)  # head_dim 32
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+def tiny_medusa(view: BaseView, num_heads: int = 3, share_lm_head: bool = True, seed: int = 0) -> MedusaDraft:
+    torch.manual_seed(seed)
+    draft = MedusaDraft(num_heads, 1, view, share_lm_head=share_lm_head)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return draft.eval()
+
+
+def medusa_export_on_servable_base(root: Path, num_heads: int = 3) -> Path:
+    """root/base (HF dir) + root/run/export (specdraft format, base_model = that dir). Returns the export dir."""
+    base_dir = servable_tiny_base(root / "base")
+    base = load_base(str(base_dir), dtype="fp32")
+    draft = tiny_medusa(BaseView.from_model(base.model), num_heads)
+    return export_specdraft(draft, root / "run" / "export", base.name, base.fingerprint)
