@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="convert a run's export to another format")
     p.add_argument("--run", help="the run directory (runs/<run>)")
-    p.add_argument("--format", required=True, choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm"])
+    p.add_argument("--format", required=True,
+                   choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm"])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--method", default=None, help="--format vllm for a learning-free method (ngram), no --run")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="--method ngram: extra.w=4 extra.q=2")
