@@ -95,7 +95,11 @@ def test_speculators_loads_the_export_and_drafts_the_same_tokens(base, tmp_path)
     python = _vllm_python()
     if python is None:
         pytest.skip("no vLLM venv (.venv-vllm or SPECDRAFT_VLLM_PYTHON)")
-    env = {**os.environ, "PYTHONPATH": os.environ.get("SPECDRAFT_SPECULATORS_PATH", "")}
+    # Never an empty PYTHONPATH entry: it means the current directory, where our top-level packages (data,
+    # models, train, eval) would shadow names the vLLM venv imports.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if os.environ.get("SPECDRAFT_SPECULATORS_PATH"):
+        env["PYTHONPATH"] = os.environ["SPECDRAFT_SPECULATORS_PATH"]
     probe = subprocess.run([python, "-c", "import speculators, vllm"], env=env, capture_output=True)
     if probe.returncode:
         pytest.skip("speculators / vllm not importable in the vLLM venv (install speculators==0.9.0 --no-deps "
@@ -109,7 +113,7 @@ def test_speculators_loads_the_export_and_drafts_the_same_tokens(base, tmp_path)
         toks = torch.stack([draft.to_base(draft.logits(o).argmax(-1)) for o in draft.ttt_unroll(aux, ids, 3)])
     save_file({"ids": ids, "aux": aux.contiguous(), "toks": toks}, str(tmp_path / "io.safetensors"))
     run = subprocess.run([python, str(REPO / "tests" / "helpers" / "speculators_roundtrip.py"), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=600)
+                         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["tokens_equal"], (result["speculators_tokens"], toks.tolist())

@@ -100,7 +100,7 @@ def supports(config) -> tuple[bool, str]:
         return False, f"fast backend: {', '.join(other)} layers are not implemented; use backend=hf"
     if "sliding_attention" in types and not getattr(cfg, "sliding_window", None):
         return False, "fast backend: sliding_attention layers without a sliding_window size; use backend=hf"
-    return True, ""
+    return True, f"model_type={kind!r} is one of the fast backend's architectures ({', '.join(FAST_ARCHITECTURES)})"
 
 
 def layer_windows(config) -> list[int | None]:
