@@ -83,9 +83,15 @@ def verdict(divergences: Sequence[Divergence], tolerance: float | None) -> dict:
 
 
 def top2(logits_row: torch.Tensor) -> tuple[float, int]:
-    """(top1 - top2 logit, rank-2 token) of one row [V]. One topk on a [V] vector: ~50 us on a CPU."""
-    v, i = torch.topk(logits_row.float(), 2)
-    return float(v[0] - v[1]), int(i[1])
+    """(top1 - top2 logit, runner-up token) of one row [V]: the runner-up is the best token other than the
+    argmax that greedy decoding commits. With an exact tie (gap 0, common in bf16) topk may list the tied
+    tokens in either order, so taking topk's second index could name the committed token itself and turn a
+    tie into a "mismatch" (seen in a demo run); masking the argmax cannot."""
+    row = logits_row.float()
+    first = int(torch.argmax(row))
+    v, i = torch.topk(row, 2)
+    second = int(i[1]) if int(i[0]) == first else int(i[0])
+    return float(row[first] - v[1]), second
 
 
 @torch.no_grad()

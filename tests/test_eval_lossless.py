@@ -187,3 +187,17 @@ def test_fp32_verdict_is_exact(monkeypatch, tmp_path):
     assert ex["tie_tolerance"] == 0.0 and report["lossless"] is True and ex["lossless_up_to_ties"] is True
     assert ex["lossless_identical"] == report["num_prompts"]
     assert format_verdict(report).startswith("lossless (exact): 3/3 prompts identical")
+
+
+def test_top2_runner_up_is_never_the_committed_token_at_an_exact_tie():
+    """bf16 logits tie exactly; whatever order topk lists tied tokens in, the runner-up is the other one.
+    On a SmolLM2-sized row CPU topk lists this pair as [12947, 6910] while argmax commits 6910 (the demo run
+    where topk's second index named the committed token and a tie was reported as a mismatch)."""
+    from eval.lossless import top2
+
+    row = torch.full((49152,), -5.0)
+    row[[6910, 12947]] = 3.0  # exact tie; argmax commits the first index, 6910
+    gap, runner = top2(row)
+    assert int(row.argmax()) == 6910 and gap == 0.0 and runner == 12947
+    row[12947] = 2.5  # clear top-1 6910, runner-up 12947
+    assert top2(row) == (0.5, 12947)
