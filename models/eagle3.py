@@ -36,6 +36,7 @@ lm_head(norm(a_t^(l3))), roughly the base's own next-token guess, and training g
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,7 @@ from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.ttt import ttt_step_weights, ttt_weighted_loss
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
-from models.vocab_map import check_fits, inverse_map, restrict_rows, to_draft_labels
+from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
 
 MAX_TTT_STEPS = 7
 
@@ -214,7 +215,7 @@ class Eagle3Cache:
         self.length = end
 
 
-class Eagle3Draft(DraftModel):
+class Eagle3Draft(DraftVocabMixin, DraftModel):
     family = "eagle3"
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, ttt_steps: int = 3,
@@ -236,19 +237,12 @@ class Eagle3Draft(DraftModel):
         self.eps = float(config.rms_norm_eps)
         self.layer_config = config  # read by the speculators export (transformer_layer_config); not a module
 
-        d2t = base.draft_vocab
-        if d2t is not None:
-            d2t = d2t.detach().to("cpu", torch.long).clone()
-            check_fits(d2t, self.vocab_size)
-        self.draft_vocab_size = 0 if d2t is None else int(d2t.numel())
-        n_out = self.draft_vocab_size or self.vocab_size
+        n_out = self._init_vocab(base)  # d2t (persistent) / t2d / base rows W[d2t]: models/vocab_map.py
 
         self.fc = nn.Linear(len(self.aux_layers) * d, d, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(config)])  # speculators / vLLM name it layers.0
         self.norm = RMSNorm(d, self.eps)
         self.lm_head = nn.Linear(d, n_out, bias=False)
-        self.register_buffer("d2t", d2t, persistent=True)  # None (absent from state_dict) = full vocabulary
-        self.register_buffer("t2d", None if d2t is None else inverse_map(d2t, self.vocab_size), persistent=False)
         # Frozen base input embedding [V, d]: never trained, never exported (vLLM shares the base's).
         self.register_buffer("embed", base.embed_weight, persistent=False)
 
@@ -268,7 +262,7 @@ class Eagle3Draft(DraftModel):
         self.share_lm_head = bool(share_lm_head)
         self.lm_head.weight.requires_grad_(not self.share_lm_head)
         with torch.no_grad():
-            self.lm_head.weight.copy_(restrict_rows(base.lm_head_weight, d2t))
+            self.lm_head.weight.copy_(self.base_rows())
             if init_from_base:
                 self._init_from_base(body, d)
 
@@ -313,10 +307,8 @@ class Eagle3Draft(DraftModel):
         if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (base.hidden_size, base.vocab_size):
             raise ValueError(f"the EAGLE-3 export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
                              f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
-        n = int(cfg.get("draft_vocab_size", 0))
-        if n and base.draft_vocab is None:  # placeholder map of the right size; load_state_dict fills d2t
-            base = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model,
-                            torch.arange(n))
+        # A map of the export's size; load_state_dict overwrites d2t and the mixin's hook rebuilds the rest.
+        base = dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))
         return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False,
                    share_lm_head=cfg.get("share_lm_head", False))
 
@@ -325,13 +317,6 @@ class Eagle3Draft(DraftModel):
                 "num_heads": self.ttt_steps, "draft_vocab_size": self.draft_vocab_size,
                 "share_lm_head": self.share_lm_head,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        # t2d is derived from d2t (non-persistent): rebuild it whenever a map comes in.
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if self.d2t is not None:
-            self.t2d = inverse_map(self.d2t, self.vocab_size)
-        return result
 
     # -- pieces shared by training and inference ---------------------------------------------------------
 
@@ -360,8 +345,6 @@ class Eagle3Draft(DraftModel):
         """Layer output [..., d] -> logits over the draft vocabulary [..., N] (draft ids)."""
         return self.lm_head(self.head_input(out))
 
-    def to_base(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
     # -- training ----------------------------------------------------------------------------------------
 
