@@ -15,27 +15,19 @@ import dataclasses
 import time
 from pathlib import Path
 
-import torch
-
 from train.config import TrainConfig
 from train.distributed import barrier, init_distributed
-from train.ds_config import resolve_precision
 
 
 def build_cache(cfg: TrainConfig) -> Path:
     """Build (or find) the cache; returns its directory on every rank. Collective under a launcher."""
-    from train.loop import _hidden_cache, _setup_logging, load_base_and_data
+    from train.loop import _hidden_cache, _setup_logging, load_base_and_data, threads_and_precision
 
     if not cfg.data.hidden_cache:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, hidden_cache="auto"))
     info = init_distributed()
     _setup_logging(info)
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    elif info.device.type == "cpu" and info.world_size > 1:
-        torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // info.world_size))
-    precision = resolve_precision(cfg.train.precision, info.device)
-    base_dtype = precision if cfg.base.dtype == "auto" else cfg.base.dtype
+    _, base_dtype = threads_and_precision(cfg, info)
     base, train_ds, _, _, _, partitioned = load_base_and_data(cfg, info, base_dtype)
     t0 = time.perf_counter()
     cache = _hidden_cache(cfg, base, train_ds, info, partitioned)

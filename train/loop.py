@@ -96,13 +96,7 @@ def train(cfg: TrainConfig) -> Path:
     if info.is_main:
         ckpt_root.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    if cfg.train.num_threads:
-        torch.set_num_threads(cfg.train.num_threads)
-    elif info.device.type == "cpu" and info.world_size > 1:
-        # N CPU ranks on one box: split the cores instead of oversubscribing them.
-        torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // info.world_size))
-    precision = resolve_precision(cfg.train.precision, info.device)
-    base_dtype = precision if cfg.base.dtype == "auto" else cfg.base.dtype
+    precision, base_dtype = threads_and_precision(cfg, info)
 
     base, train_ds, val_ds, source, max_records, partitioned = load_base_and_data(cfg, info, base_dtype)
     # Every rank builds its share of the cache's shards (collective; a ready cache is only opened).
@@ -254,6 +248,18 @@ def train(cfg: TrainConfig) -> Path:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
+
+
+def threads_and_precision(cfg, info: DistInfo) -> tuple[str, str]:
+    """Set this rank's torch threads and return (training precision, base dtype); shared by training and the
+    cache build (train/cache_build.py)."""
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    elif info.device.type == "cpu" and info.world_size > 1:
+        # N CPU ranks on one box: split the cores instead of oversubscribing them.
+        torch.set_num_threads(max(1, (torch.get_num_threads() or 1) // info.world_size))
+    precision = resolve_precision(cfg.train.precision, info.device)
+    return precision, precision if cfg.base.dtype == "auto" else cfg.base.dtype
 
 
 def load_base_and_data(cfg, info: DistInfo, base_dtype) -> tuple:
