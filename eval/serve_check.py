@@ -8,8 +8,14 @@
    tokens, so ours runs the chain of the same length (tree_choices [[0], [0,0], ...]); own AR in the same run.
 3. vLLM, one engine per subprocess (eval/vllm_runner.py run with .venv-vllm's python; the main package never
    imports vllm): AR, + the draft, its own n-gram. Same base directory, same token ids, batch 1, greedy.
+   Our n-gram with vLLM's rule (strategy=longest_match) runs beside it, so the engine loop is checked by a
+   second, learning-free draft too.
 4. report.json / report.md / serve_check.png under <run>/serve_check/<name>/; exit code 1 when vLLM's
    per-position acceptance differs from ours by more than the tolerance (a format or semantics bug).
+
+A family vLLM cannot serve (Hydra, ReDrafter, CTC: the `make demo` draft is a Hydra head) still gets the side by
+side table: our decoder with the draft as `specdraft eval` runs it (its configured tree) next to vLLM AR and
+vLLM's n-gram on the same prompts, and the acceptance check compares the two engines' n-gram drafts.
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ def run_engine(job: dict, workdir: Path, timeout: float) -> dict:
     """Run eval/vllm_runner.py on `job` in the vLLM venv; stream its progress; errors as ServeCheckError."""
     python = vllm_python()
     label = job["label"]
+    workdir = Path(workdir).resolve()  # the runner runs in workdir: every path it is given must be absolute
     job = {**job, "out": str(workdir / f"{label}.result.json")}
     job_path = workdir / f"{label}.job.json"
     job_path.write_text(json.dumps(job))
@@ -178,10 +185,27 @@ class _Plan:
     drafter: object
     info: dict
     ours_cfg: EvalConfig
-    spec: dict | None  # vLLM + the draft (None for --method ngram)
+    spec: dict | None  # vLLM + the draft (None for --method ngram and for families vLLM cannot serve)
     ngram_spec: dict  # vLLM's own n-gram
     depth: int  # drafted tokens per step
     compared: str  # what the acceptance check compares, for messages
+    ngram_drafter: object = None  # ours with vLLM's n-gram rule, beside a draft (None for --method ngram)
+    ngram_info: dict = dataclasses.field(default_factory=dict)
+    note: str = ""  # printed first (e.g. why vLLM does not run the draft itself)
+
+
+def _longest_match(base, w: int, q: int, q_min: int):
+    """Our n-gram drafter with vLLM's prompt-lookup rule (one row of up to w tokens, query q_min..q)."""
+    from eval.drafters.ngram import build_ngram_drafter
+
+    return build_ngram_drafter(base, {"k": 1, "w": w, "q": q, "q_min": q_min, "strategy": "longest_match"})
+
+
+def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
+    """The n-gram both engines run beside a draft: extra.ngram_w (default: the draft's depth), ngram_q (2),
+    ngram_q_min (1)."""
+    return {"w": int(cfg.extra.get("ngram_w", w)), "q": int(cfg.extra.get("ngram_q", 2)),
+            "q_min": int(cfg.extra.get("ngram_q_min", 1))}
 
 
 def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tuple[_Plan, EvalConfig]:
@@ -190,13 +214,16 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     from models.base import load_base
     from models.draft import BaseView
     from train.export import load_draft, read_export_config
-    from train.export_vllm import export_vllm, read_speculative_config, vllm_ngram_config
+    from train.export_vllm import VLLM_EXPORTERS, export_vllm, read_speculative_config, vllm_ngram_config
 
     export_cfg = read_export_config(draft_dir)
     cfg = resolve_heldout_skip(cfg, export_cfg)
     base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
     view = BaseView.from_model(base.model)
     draft, export_cfg = load_draft(draft_dir, view, base.fingerprint)
+    family = export_cfg["family"]
+    if family not in VLLM_EXPORTERS:
+        return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
     spec = read_speculative_config(export_vllm(draft, workdir / "export", export_cfg, view))
     depth = int(spec["num_speculative_tokens"])
     base_dir = base_hf_dir(base, workdir)
@@ -209,10 +236,32 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
         ours_cfg = dataclasses.replace(ours_cfg, tree_choices=None,
                                        extra={**ours_cfg.extra, "eagle3_mode": "chain", "chain_length": depth})
     drafter, info = build_drafter(draft, export_cfg, ours_cfg)
-    ngram_spec = vllm_ngram_config({"w": depth, "q": int(cfg.extra.get("ngram_q", 1))})
+    shape = _ngram_shape(cfg, depth)
+    ngram_drafter, ngram_info = _longest_match(base, **shape)
+    return _Plan(family, base, base_dir, drafter, info, ours_cfg, spec, vllm_ngram_config(shape), depth,
+                 f"{family} chain of {depth}", ngram_drafter, ngram_info), cfg
+
+
+def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Path) -> _Plan:
+    """A family vLLM has no method for: ours decodes it as `specdraft eval` would; the engines' n-grams are checked."""
+    from eval.drafters.registry import build_drafter
+    from train.export_vllm import VLLM_EXPORTERS, vllm_ngram_config
+
     family = export_cfg["family"]
-    return _Plan(family, base, base_dir, drafter, info, ours_cfg, spec, ngram_spec, depth,
-                 f"{family} chain of {depth}"), cfg
+    base_dir = base_hf_dir(base, workdir)
+    check_fingerprint(export_cfg, base_dir, "the export")
+    draft = draft.to(dtype=next(base.model.parameters()).dtype)
+    ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True, acceptance="greedy", temperature=0.0)
+    drafter, info = build_drafter(draft, export_cfg, ours_cfg)
+    shape = _ngram_shape(cfg, 3)
+    ngram_drafter, ngram_info = _longest_match(base, **shape)
+    servable = ", ".join(sorted(VLLM_EXPORTERS))
+    note = (f"vLLM 0.32 has no method for a {family} draft (it serves {servable}): ours decodes the draft as "
+            f"`specdraft eval` does, beside vLLM AR and vLLM's n-gram; the acceptance check compares the two "
+            f"engines' n-gram drafts (w={shape['w']}, query {shape['q_min']}..{shape['q']} tokens)")
+    return _Plan(family, base, base_dir, drafter, info, ours_cfg, None, vllm_ngram_config(shape), shape["w"],
+                 f"n-gram longest match (vLLM's prompt lookup), w={shape['w']}, q={shape['q_min']}..{shape['q']}",
+                 ngram_drafter, ngram_info, note)
 
 
 def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
@@ -226,11 +275,13 @@ def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
     opts = ngram_options({k: v for k, v in cfg.extra.items() if not k.startswith(("serve_", "vllm_", "ngram_"))})
     base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=device)
     ngram_spec = vllm_ngram_config(opts)
-    # vLLM proposes one row copied from the context: our counterpart is strategy=context with k=1.
-    drafter, info = build_ngram_drafter(base, {"k": 1, "w": opts["w"], "q": opts["q"], "strategy": "context"})
+    # vLLM proposes one row copied from the context by its own rule: our strategy=longest_match is that rule.
+    drafter, info = build_ngram_drafter(base, {"k": 1, "w": opts["w"], "q": opts["q"], "q_min": opts["q_min"],
+                                               "strategy": "longest_match"})
     ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True)
     return _Plan("ngram", base, base_hf_dir(base, workdir), drafter, info, ours_cfg, None, ngram_spec,
-                 ngram_spec["num_speculative_tokens"], f"n-gram context row, k=1, w={opts['w']}, q={opts['q']}")
+                 ngram_spec["num_speculative_tokens"],
+                 f"n-gram longest match (vLLM's prompt lookup), w={opts['w']}, q={drafter.q_min}..{drafter.q}")
 
 
 def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | None = None,
@@ -245,7 +296,8 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
     if device.type != "cpu":
         raise ServeCheckError("serve-check runs vLLM's CPU build; use device=cpu")
     run_dir = Path(draft_dir).parent if draft_dir is not None else Path(cfg.run_dir or f"runs/{method}")
-    out_dir = run_dir / "serve_check" / cfg.name
+    # Absolute: the vLLM runner works in its own directory and reads its job file by this path.
+    out_dir = run_dir.resolve() / "serve_check" / cfg.name
     # Kept next to the report: the vLLM export (servable as is), each engine's job, result and full log.
     workdir = out_dir / "vllm"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -255,9 +307,17 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
         plan = _plan_ngram(cfg, method, device, workdir)
     base = plan.base
 
+    if plan.note:
+        print(f"[serve-check] {plan.note}", flush=True)
     prompts = config_prompts(cfg, base.tokenizer)
-    print(f"[serve-check] ours: {plan.compared} + own AR on {len(prompts)} prompts ({cfg.dataset})", flush=True)
+    shape = "as configured" if plan.spec is None and plan.ngram_drafter is not None else plan.compared
+    print(f"[serve-check] ours: {plan.name} ({shape}) + own AR on {len(prompts)} prompts ({cfg.dataset})", flush=True)
     engines, our_report = _our_run(plan.ours_cfg, base, plan.drafter, plan.name, out_dir / "ours", plan.info)
+    if plan.ngram_drafter is not None:
+        print("[serve-check] ours: n-gram with vLLM's prompt-lookup rule", flush=True)
+        ngram_cfg = dataclasses.replace(plan.ours_cfg, ar_baseline=False, tree="auto", tree_choices=None)
+        ngram, _ = _our_run(ngram_cfg, base, plan.ngram_drafter, "ngram", out_dir / "ours_ngram", plan.ngram_info)
+        engines["ours_ngram"] = ngram["ours_draft"]
 
     dtype = DTYPES[next(base.model.parameters()).dtype]
     longest = max(len(p.input_ids) for p in prompts)
@@ -273,16 +333,24 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
         engines[label] = vllm_engine_numbers(result)
         vllm_version = result.get("vllm_version")
 
-    ordered = {k: engines[k] for k in ("vllm_ar", "vllm_draft", "vllm_ngram", "ours_ar", "ours_draft") if k in engines}
-    acc = compare_acceptance(engines["vllm_draft" if plan.spec else "vllm_ngram"]["accept_rate_per_position"],
-                             engines["ours_draft"]["accept_rate_per_position"], tolerance)
+    ordered = {k: engines[k] for k in ("vllm_ar", "vllm_draft", "vllm_ngram", "ours_ar", "ours_draft", "ours_ngram")
+               if k in engines}
+    ours_ngram = engines["ours_ngram" if "ours_ngram" in engines else "ours_draft"]
+    ngram_acc = compare_acceptance(engines["vllm_ngram"]["accept_rate_per_position"],
+                                   ours_ngram["accept_rate_per_position"], tolerance)
+    # The primary check: the draft itself where vLLM serves it, else the n-gram both engines run.
+    acc = compare_acceptance(engines["vllm_draft"]["accept_rate_per_position"],
+                             engines["ours_draft"]["accept_rate_per_position"], tolerance) if plan.spec else ngram_acc
     context = {"draft": str(draft_dir) if draft_dir else f"--method {method}", "method": plan.name,
                "compared": plan.compared, "base_model": base.name, "base_dir": str(plan.base_dir),
                "base_fingerprint": base.fingerprint, "dtype": dtype, "dataset": cfg.dataset,
                "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "device": _device_name(device),
                "threads": torch.get_num_threads(), "vllm_version": vllm_version,
                "speculative_config": plan.spec or plan.ngram_spec, "our_lossless": our_report.get("lossless"),
-               "our_report": str(out_dir / "ours" / "report.json")}
+               "our_report": str(out_dir / "ours" / "report.json"), "draft_served_by_vllm": plan.spec is not None,
+               "note": plan.note or None,
+               "ngram_check": ngram_acc if plan.spec else None,
+               "ngram_compared": f"n-gram longest match, w={plan.ngram_spec['num_speculative_tokens']}"}
     report = build_serve_report(ordered, acc, context)
     write_serve_report(out_dir, report)
     return report, out_dir
@@ -307,9 +375,15 @@ def run_serve_check_cli(args) -> int:
         return 3
     print(format_table(report))
     print(f"report: {out_dir / 'report.md'}")
-    acc = report["acceptance_check"]
-    if not acc["ok"]:
-        print(f"specdraft serve-check: {mismatch_message(acc, report['compared'])}", file=sys.stderr)
-        return 1
-    print(f"per-position acceptance agrees within {tolerance} (max |diff| {acc['max_abs_diff']:.3f})")
-    return 0
+    rc = 0
+    for acc, label in ((report["acceptance_check"], report["compared"]),
+                       (report.get("ngram_check"), report.get("ngram_compared"))):
+        if acc is None:
+            continue
+        if not acc["ok"]:
+            print(f"specdraft serve-check: {mismatch_message(acc, label)}", file=sys.stderr)
+            rc = 1
+        else:
+            print(f"{label}: per-position acceptance agrees within {tolerance} (max |diff| "
+                  f"{acc['max_abs_diff']:.3f})")
+    return rc

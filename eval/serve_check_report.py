@@ -2,8 +2,10 @@
 
 Definitions (the same for vLLM and our decoder, so the columns compare):
   accept_rate_per_position[k] = drafts whose position k+1 was accepted / drafts made. vLLM: its counters
-    spec_decode_num_accepted_tokens_per_pos[k] / spec_decode_num_drafts; ours: accepted_per_depth[k] /
-    proposed_per_depth[k] of a chain draft (every step proposes every depth).
+    spec_decode_num_accepted_tokens_per_pos[k] / spec_decode_num_drafts (steps that drafted >= 1 token);
+    ours: accepted_per_depth[k] / proposed_per_depth[0]. For a learned chain (every step proposes every
+    depth) that is the decoder's own accept_rate_per_position; an n-gram row can be shorter than w near
+    the end of its match, and both engines then count the missing positions as not accepted.
   tokens_per_second = (generated tokens - 1 per prompt) / decode seconds: the first token comes from the
     prefill, which neither engine counts (vLLM: last minus first token timestamp of each request).
   token agreement with vLLM AR: per prompt, the common prefix of the two outputs over the longer one; and the
@@ -16,7 +18,7 @@ import json
 from pathlib import Path
 
 ENGINE_LABELS = {"vllm_ar": "vLLM AR", "vllm_draft": "vLLM + draft", "vllm_ngram": "vLLM n-gram",
-                 "ours_ar": "ours AR", "ours_draft": "ours + draft"}
+                 "ours_ar": "ours AR", "ours_draft": "ours + draft", "ours_ngram": "ours n-gram (vLLM's rule)"}
 
 
 def vllm_engine_numbers(result: dict) -> dict:
@@ -49,8 +51,14 @@ def our_engine_numbers(report: dict, samples: list[dict], ar: bool) -> dict:
         tps = report["ar_tokens_per_second"]
         return {"new_tokens": report["new_tokens"], "tokens_per_second": tps, "accept_rate_per_position": [],
                 "acceptance_length": 1.0, "outputs": outputs if report.get("lossless") else {}}
+    extra = report.get("extra") or {}
+    accepted, proposed = extra.get("accepted_per_depth"), extra.get("proposed_per_depth")
+    if accepted is not None and proposed:  # per draft made, as vLLM counts (module docstring)
+        rates = [a / proposed[0] if proposed[0] else None for a in accepted]
+    else:
+        rates = list(report["accept_rate_per_position"])
     return {"new_tokens": report["new_tokens"], "tokens_per_second": report["tokens_per_second"],
-            "accept_rate_per_position": list(report["accept_rate_per_position"]),
+            "accept_rate_per_position": rates,
             "acceptance_length": report["acceptance_length"], "lossless": report.get("lossless"),
             "outputs": outputs}
 
@@ -138,17 +146,23 @@ def format_table(report: dict) -> str:
     return "\n".join(rows)
 
 
-def markdown(report: dict) -> str:
-    acc = report["acceptance_check"]
-    verdict = ("agree" if acc["ok"] else "DIFFER") + f" (max |diff| {_f(acc['max_abs_diff'])} at position " \
+def _verdict(acc: dict) -> str:
+    return ("agree" if acc["ok"] else "DIFFER") + f" (max |diff| {_f(acc['max_abs_diff'])} at position " \
         f"{acc['worst_position']}, tolerance {acc['tolerance']})"
+
+
+def markdown(report: dict) -> str:
+    verdict = _verdict(report["acceptance_check"])
     return "\n".join([
         f"# serve-check: {report['draft']}", "",
         f"Base `{report['base_model']}` ({report['base_dir']}), {report['dtype']}, {report['dataset']}: "
         f"{report['num_prompts']} prompts x {report['max_new_tokens']} new tokens, batch 1, greedy, warm-up "
         f"excluded. Device: {report['device']}. vLLM {report.get('vllm_version')}.", "",
+        *([f"Note: {report['note']}.", ""] if report.get("note") else []),
         format_table(report), "",
         f"Per-position acceptance, vLLM vs ours ({report['compared']}): {verdict}.", "",
+        *([f"Also checked, {report['ngram_compared']}: " + _verdict(report["ngram_check"]) + ".", ""]
+          if report.get("ngram_check") else []),
         "![serve-check](serve_check.png)", ""])
 
 

@@ -9,7 +9,15 @@ import torch
 from eval.backends.fast import FastLlamaBackend
 from eval.decoder import autoregressive_generate, speculative_generate
 from eval.drafters.base import DecodeState
-from eval.drafters.ngram import NgramDrafter, context_rows, context_rows_reference, merge_rows, ngram_options
+from eval.drafters.ngram import (
+    NgramDrafter,
+    context_rows,
+    context_rows_reference,
+    longest_match_row,
+    longest_match_row_reference,
+    merge_rows,
+    ngram_options,
+)
 from models.ngram import BigramTable, build_bigram_table
 from models.tiny import diverse_tiny_llama, tiny_llama
 
@@ -44,6 +52,35 @@ def test_context_rows_match_reference(q, w):
         seq = torch.randint(0, 4, (n,), generator=gen)  # 4 symbols: many matches and ties
         for limit in (1, 3, 50):
             assert context_rows(seq, q, w, limit).tolist() == context_rows_reference(seq.tolist(), q, w, limit)
+
+
+def _lm(seq, q_min, q_max, w):
+    return longest_match_row(torch.tensor(seq), q_min, q_max, w)
+
+
+def test_longest_match_prefers_length_then_the_earliest_occurrence():
+    # Suffix [1, 2]: '2' alone occurs at 1 and 4, but the 2-token query [1, 2] only at 0..1 -> continuation [3, 2].
+    assert _lm([1, 2, 3, 2, 1, 2], 1, 2, 2) == [3, 2]
+    # Only single tokens allowed: '2' first occurs at 1 -> the tokens after it.
+    assert _lm([1, 2, 3, 2, 1, 2], 1, 1, 3) == [3, 2, 1]
+    # Earliest, not most frequent or latest: '5' at 0 (-> 7), 2 (-> 8), 4 (-> 8).
+    assert _lm([5, 7, 5, 8, 5, 8, 5], 1, 1, 1) == [7]
+    # The continuation stops at the end of the sequence; an overlapping run still matches.
+    assert _lm([2, 2, 2], 1, 2, 4) == [2]
+    # No occurrence of any allowed length, or too short a sequence: no row.
+    assert _lm([1, 2, 3], 1, 3, 2) == []
+    assert _lm([4], 1, 1, 2) == []
+    assert _lm([1, 2, 9, 2], 2, 2, 2) == []  # '2' recurs, but q_min = 2 and [9, 2] does not
+
+
+@pytest.mark.parametrize("q_min,q_max,w", [(1, 1, 3), (1, 3, 4), (2, 2, 1), (2, 4, 5)])
+def test_longest_match_row_matches_reference(q_min, q_max, w):
+    gen = torch.Generator().manual_seed(q_min * 100 + q_max * 10 + w)
+    for n in (1, 2, 3, 7, 40, 150):
+        for symbols in (2, 5):
+            seq = torch.randint(0, symbols, (n,), generator=gen)
+            assert longest_match_row(seq, q_min, q_max, w) == longest_match_row_reference(seq.tolist(), q_min,
+                                                                                           q_max, w)
 
 
 def test_merge_rows_drops_prefixes_and_duplicates_and_stops_at_k():
@@ -91,10 +128,14 @@ def test_bad_options_say_how_to_fix():
         NgramDrafter(strategy="trigram")
     with pytest.raises(ValueError, match=r"unknown ngram option\(s\) \['kk'\]"):
         ngram_options({"kk": 3})
+    with pytest.raises(ValueError, match="proposes one row; set k=1"):
+        NgramDrafter(k=4, strategy="longest_match")
+    with pytest.raises(ValueError, match="q_min .* must be in 1..q=2"):
+        NgramDrafter(k=1, q=2, q_min=3, strategy="longest_match")
 
 
 
-@pytest.mark.parametrize("strategy", ["mixed", "context", "bigram"])
+@pytest.mark.parametrize("strategy", ["mixed", "context", "bigram", "longest_match"])
 def test_greedy_is_lossless_through_the_decoder(strategy):
     model = diverse_tiny_llama(0)
     table = build_bigram_table(model, 6, progress=False)
@@ -102,7 +143,8 @@ def test_greedy_is_lossless_through_the_decoder(strategy):
     gen = torch.Generator().manual_seed(5)
     base = torch.randint(3, 320, (6,), generator=gen)
     prompt = torch.cat([base, base, base[:3]])  # repeats: context rows exist from the first step
-    drafter = NgramDrafter(k=6, w=4, strategy=strategy, bigram_table=table)
+    k = 1 if strategy == "longest_match" else 6  # vLLM's prompt lookup: one row
+    drafter = NgramDrafter(k=k, w=4, q=3, q_min=1, strategy=strategy, bigram_table=table)
     spec = speculative_generate(backend, drafter, prompt, max_new_tokens=40)
     ar = autoregressive_generate(backend, prompt, max_new_tokens=40)
     assert spec.tokens == ar.tokens and len(ar.tokens) == 40

@@ -5,6 +5,7 @@ import json
 import os
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,6 +119,17 @@ def test_engine_load_error_is_reported(tmp_path, monkeypatch):
         run_engine({"label": "x", "base_dir": "/b"}, tmp_path, timeout=60)
 
 
+def test_engine_runs_from_a_relative_work_directory(tmp_path, monkeypatch):
+    # `serve-check --method ngram` works under runs/ngram/... (relative); the runner runs in that directory, so
+    # it must get absolute paths for its job file and its result (a relative one pointed below itself).
+    _fake_venv(tmp_path, monkeypatch, 'out=$(sed -n \'s/.*"out": "\\([^"]*\\)".*/\\1/p\' "$2")\n'
+               'echo \'{"results": [], "label": "x"}\' > "$out"\n')
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "w").mkdir(parents=True)
+    result = run_engine({"label": "x", "base_dir": "/b"}, Path("runs/w"), timeout=60)
+    assert result["label"] == "x" and (tmp_path / "runs" / "w" / "x.result.json").is_file()
+
+
 def test_engine_timeout_kills_the_group(tmp_path, monkeypatch):
     pidfile = tmp_path / "child.pid"
     _fake_venv(tmp_path, monkeypatch, f"sleep 300 &\necho $! > {pidfile}\necho '[serve-check] x: hanging'\nwait\n")
@@ -175,3 +187,62 @@ def test_serve_check_end_to_end(tmp_path, capsys):
     assert report["our_lossless"] is True
     assert (report_dir / "serve_check.png").stat().st_size > 0 and (report_dir / "report.md").is_file()
     assert (report_dir / "vllm" / "export" / "model.safetensors").is_file()
+    # The second check: both engines' n-gram drafts (vLLM's prompt-lookup rule on our side too).
+    assert report["ngram_check"]["ok"] and report["engines"]["ours_ngram"]["accept_rate_per_position"]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
+def test_serve_check_of_a_family_vllm_cannot_serve(tmp_path, capsys):
+    """A Hydra export (the `make demo` family): no vLLM + draft row, ours decodes the draft with its eval tree
+    beside vLLM AR and vLLM's n-gram, and the n-gram acceptance of both engines is the check (exit 0)."""
+    from vllm_fixtures import hydra_export_on_servable_base
+
+    export = hydra_export_on_servable_base(tmp_path)
+    rc = main(["serve-check", "--draft", str(export), "--config", "configs/eval/smoke.yaml", "max_new_tokens=32",
+               "extra.vllm_enforce_eager=true", "num_prompts=2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "no method for a hydra draft" in out and "| ours + draft |" in out and "| vLLM + draft |" not in out
+    report = json.loads((tmp_path / "run" / "serve_check" / "smoke" / "report.json").read_text())
+    assert report["draft_served_by_vllm"] is False and "vllm_draft" not in report["engines"]
+    assert report["acceptance_check"]["ok"] and report["engines"]["vllm_ngram"]["num_drafts"] > 0
+    assert report["our_lossless"] is True
+
+
+VLLM_PROPOSALS = """
+import json, sys
+import numpy as np
+from vllm.v1.spec_decode.ngram_proposer import _find_longest_matched_ngram_and_propose_tokens as propose
+cases = json.load(sys.stdin)
+print(json.dumps([propose(np.array(c["seq"], dtype=np.int32), c["q_min"], c["q_max"], 10**6, c["w"]).tolist()
+                  for c in cases]))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
+def test_longest_match_proposes_what_vllms_ngram_proposer_proposes():
+    """Our strategy=longest_match row equals vLLM's own prompt-lookup function on random, repetitive sequences
+    (the rule serve-check --method ngram relies on; the engine run compares only aggregate acceptance)."""
+    import subprocess
+
+    import torch
+
+    from eval.drafters.ngram import longest_match_row
+
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for n in (1, 2, 3, 8, 30, 200):
+        for symbols in (2, 3, 6):
+            for q_min, q_max, w in ((1, 1, 3), (1, 4, 5), (2, 3, 2), (3, 3, 10)):
+                seq = torch.randint(0, symbols, (n,), generator=gen).tolist()
+                cases.append({"seq": seq, "q_min": q_min, "q_max": q_max, "w": w})
+    proc = subprocess.run([str(vllm_python()), "-c", VLLM_PROPOSALS], input=json.dumps(cases), text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = [longest_match_row(torch.tensor(c["seq"]), c["q_min"], c["q_max"], c["w"]) for c in cases]
+    assert sum(len(r) > 0 for r in theirs) >= len(cases) // 3  # many cases propose something
+    mismatches = [(c, t, o) for c, t, o in zip(cases, theirs, ours) if t != o]
+    assert not mismatches, mismatches[:3]

@@ -45,3 +45,17 @@ def medusa_export_on_servable_base(root: Path, num_heads: int = 3) -> Path:
     base = load_base(str(base_dir), dtype="fp32")
     draft = tiny_medusa(BaseView.from_model(base.model), num_heads)
     return export_specdraft(draft, root / "run" / "export", base.name, base.fingerprint)
+
+
+def hydra_export_on_servable_base(root: Path, num_heads: int = 2) -> Path:
+    """Like medusa_export_on_servable_base, with a Hydra draft: a family vLLM has no method for."""
+    from models.hydra import HydraDraft
+
+    base_dir = servable_tiny_base(root / "base")
+    base = load_base(str(base_dir), dtype="fp32")
+    torch.manual_seed(1)
+    draft = HydraDraft(num_heads, 1, BaseView.from_model(base.model), share_lm_head=True)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint)

@@ -23,8 +23,9 @@ vocabulary). vLLM scatters the N logits into a [V] row at `token_map` (-inf else
 per-head LM heads by V even with a token map, so it reads a draft vocabulary only with the shared head.
 
 N-gram: vLLM's `ngram` method is prompt lookup (one row of up to num_speculative_tokens tokens copied
-after the latest match of the last n tokens, prompt_lookup_min <= n <= prompt_lookup_max). Ours with
-strategy=context, k=1 is the same kind of draft; our model bigram rows have no vLLM counterpart.
+after the earliest match of the longest suffix of n tokens, prompt_lookup_min <= n <= prompt_lookup_max).
+Ours with strategy=longest_match (k=1) is that rule; our context ranking and model bigram rows have no vLLM
+counterpart.
 """
 
 from __future__ import annotations
@@ -130,9 +131,10 @@ def vllm_ngram_config(options: dict) -> dict:
 
     vLLM proposes one row: its counterpart is our strategy=context with k=1 (eval/serve_check.py runs that)."""
     w, q = int(options.get("w", 10)), int(options.get("q", 1))
-    if w < 1 or q < 1:
-        raise ValueError(f"ngram needs w >= 1 and q >= 1, got w={w}, q={q}")
-    return {"method": "ngram", "num_speculative_tokens": w, "prompt_lookup_min": q, "prompt_lookup_max": q}
+    q_min = int(options.get("q_min") or q)  # 0 / missing: exactly q query tokens
+    if w < 1 or not 1 <= q_min <= q:
+        raise ValueError(f"ngram needs w >= 1 and 1 <= q_min <= q, got w={w}, q_min={q_min}, q={q}")
+    return {"method": "ngram", "num_speculative_tokens": w, "prompt_lookup_min": q_min, "prompt_lookup_max": q}
 
 
 def export_vllm_ngram(options: dict, out_dir: Path) -> Path:

@@ -8,7 +8,10 @@ Row sources, all continuations AFTER the root (a depth-j node drafts x_{t+1+j}):
 - bigram: the top-k next tokens after the root from the model bigram table, each extended greedily
   to w tokens through the table's top-1 (the "extended bigram");
 - unigram: the top-k model-unigram tokens, each extended the same way (paper §4.1; weak alone);
-- mixed (default): context rows first, bigram rows fill up to k.
+- mixed (default): context rows first, bigram rows fill up to k;
+- longest_match: vLLM's prompt lookup (its `ngram` method): ONE row, copied after the EARLIEST earlier
+  occurrence of the LONGEST suffix of (committed ids + root) with q_min <= length <= q; what
+  `specdraft serve-check --method ngram` compares with vLLM token for token.
 Rows that add no node (equal to, or a prefix of, an earlier row) are dropped before counting to k.
 """
 
@@ -20,7 +23,7 @@ from eval.drafters.base import DecodeState, Drafter
 from eval.tree import Tree, chain_tree, tree_from_paths
 from models.ngram import BigramTable, extend_bigram
 
-STRATEGIES = ("mixed", "context", "bigram", "unigram")
+STRATEGIES = ("mixed", "context", "bigram", "unigram", "longest_match")
 PAD = -1
 
 
@@ -65,6 +68,33 @@ def context_rows_reference(seq: list[int], q: int, w: int, limit: int) -> list[l
     return [list(r) for r in ranked[:limit]]
 
 
+def longest_match_row(seq: torch.Tensor, q_min: int, q_max: int, w: int) -> list[int]:
+    """seq [n] long (committed ids + root) -> one row of up to w tokens, [] when nothing matches.
+
+    vLLM's prompt lookup (vllm/v1/spec_decode/ngram_proposer.py: a KMP pass over the reversed sequence):
+    the longest L in [q_min, q_max] whose last-L query occurs earlier (the occurrence ends before the last
+    token), the earliest such occurrence, and the up to w tokens after it (fewer near the end of seq).
+    """
+    n = seq.shape[0]
+    for L in range(min(q_max, n - 1), q_min - 1, -1):
+        grams = seq.unfold(0, L, 1)[: n - L]  # [n-L, L]: starts 0..n-L-1, each followed by >= 1 token
+        starts = (grams == seq[n - L:]).all(dim=1).nonzero().flatten()  # [M], ascending
+        if starts.numel():
+            s = int(starts[0]) + L
+            return seq[s:s + w].tolist()
+    return []
+
+
+def longest_match_row_reference(seq: list[int], q_min: int, q_max: int, w: int) -> list[int]:
+    """Slow twin of `longest_match_row`: every (length, start) pair in order, plain lists."""
+    n = len(seq)
+    for L in range(q_max, q_min - 1, -1):
+        for start in range(0, n - L):  # the occurrence [start, start+L) ends at or before n-2
+            if seq[start:start + L] == seq[n - L:]:
+                return seq[start + L:start + L + w]
+    return []
+
+
 def _unpad(row: list[int]) -> tuple[int, ...]:
     return tuple(t for t in row if t != PAD)
 
@@ -93,10 +123,17 @@ class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, k: int = 10, w: int = 10, q: int = 1, strategy: str = "mixed",
-                 bigram_table: BigramTable | None = None, unigram_tokens: torch.Tensor | None = None):
+                 bigram_table: BigramTable | None = None, unigram_tokens: torch.Tensor | None = None,
+                 q_min: int | None = None):
         if k < 1 or w < 1 or q < 1:
             raise ValueError(f"ngram needs k >= 1 rows, w >= 1 tokens per row and q >= 1 query tokens; "
                              f"got k={k}, w={w}, q={q}")
+        q_min = q if q_min is None else q_min
+        if not 1 <= q_min <= q:
+            raise ValueError(f"ngram q_min (the shortest query strategy=longest_match tries) must be in 1..q={q}; "
+                             f"got q_min={q_min}")
+        if strategy == "longest_match" and k != 1:
+            raise ValueError(f"strategy 'longest_match' (vLLM's prompt lookup) proposes one row; set k=1, got k={k}")
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown ngram strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         if strategy in ("mixed", "bigram", "unigram") and bigram_table is None:
@@ -106,7 +143,7 @@ class NgramDrafter(Drafter):
             raise ValueError(f"the bigram table holds top-{bigram_table.k} but k={k}; rebuild it with k >= {k}")
         if strategy == "unigram" and unigram_tokens is None:
             raise ValueError("strategy 'unigram' needs unigram_tokens (models.ngram.model_unigram)")
-        self.k, self.w, self.q, self.strategy = k, w, q, strategy
+        self.k, self.w, self.q, self.q_min, self.strategy = k, w, q, q_min, strategy
         self.max_nodes = 1 + k * w
         self.name = f"ngram-{strategy}"
         self._top = bigram_table.tokens[:, :k] if bigram_table is not None else None  # [V, k]
@@ -121,6 +158,9 @@ class NgramDrafter(Drafter):
     def rows(self, ids: torch.Tensor, root: int) -> list[tuple[int, ...]]:
         """The (de-duplicated, at most k) rows this drafter proposes after `root`."""
         sources: list[list[list[int]]] = []
+        if self.strategy == "longest_match":
+            seq = torch.cat([ids.reshape(-1).long().cpu(), torch.tensor([int(root)])])
+            sources.append([longest_match_row(seq, self.q_min, self.q, self.w)])
         if self.strategy in ("mixed", "context"):
             seq = torch.cat([ids.reshape(-1).long().cpu(), torch.tensor([int(root)])])
             # 2k candidates: some may be dropped as prefixes of others.
@@ -141,7 +181,7 @@ class NgramDrafter(Drafter):
         return tree_from_paths(int(state.root), paths, pad=PAD)
 
 
-NGRAM_OPTIONS = {"k": 10, "w": 10, "q": 1, "strategy": "mixed", "table_k": 32, "batch_size": 256}
+NGRAM_OPTIONS = {"k": 10, "w": 10, "q": 1, "q_min": 0, "strategy": "mixed", "table_k": 32, "batch_size": 256}
 
 
 def ngram_options(extra: dict) -> dict:
@@ -159,11 +199,13 @@ def build_ngram_drafter(base, extra: dict, *, cache_dir=None) -> tuple[NgramDraf
 
     o = ngram_options(extra)
     table, info = None, {}
-    if o["strategy"] != "context":
+    if o["strategy"] not in ("context", "longest_match"):
         table, path, cached = bigram_table_for(base, max(int(o["table_k"]), int(o["k"])), cache_dir=cache_dir,
                                                batch_size=int(o["batch_size"]))
         info = {"bigram_table": str(path), "bigram_table_cached": cached}
     unigram = model_unigram(base.model)[0] if o["strategy"] == "unigram" else None
-    drafter = NgramDrafter(int(o["k"]), int(o["w"]), int(o["q"]), o["strategy"], table, unigram)
-    return drafter, {"k": drafter.k, "w": drafter.w, "q": drafter.q, "strategy": drafter.strategy,
+    drafter = NgramDrafter(int(o["k"]), int(o["w"]), int(o["q"]), o["strategy"], table, unigram,
+                           q_min=int(o["q_min"]) or None)  # 0 = q
+    return drafter, {"k": drafter.k, "w": drafter.w, "q": drafter.q, "q_min": drafter.q_min,
+                     "strategy": drafter.strategy,
                      "max_nodes": drafter.max_nodes, **info}
