@@ -6,6 +6,8 @@ Definitions (the same for vLLM and our decoder, so the columns compare):
     ours: accepted_per_depth[k] / proposed_per_depth[0]. For a learned chain (every step proposes every
     depth) that is the decoder's own accept_rate_per_position; an n-gram row can be shorter than w near
     the end of its match, and both engines then count the missing positions as not accepted.
+  acceptance_length = tokens / engine steps (ours: new_tokens / base_steps; vLLM: tokens / (tokens - accepted
+    drafts), each step emitting one token plus what it accepted), steps without a draft included.
   tokens_per_second = (generated tokens - 1 per prompt) / decode seconds: the first token comes from the
     prefill, which neither engine counts (vLLM: last minus first token timestamp of each request).
   token agreement with vLLM AR: per prompt, the common prefix of the two outputs over the longer one; and the
@@ -25,6 +27,7 @@ def vllm_engine_numbers(result: dict) -> dict:
     """A vllm_runner.py result -> {tokens, seconds, tokens_per_second, accept_rate_per_position, ...}."""
     rows = result["results"]
     tokens = sum(max(0, len(r["tokens"]) - 1) for r in rows)
+    all_tokens = sum(len(r["tokens"]) for r in rows)
     secs = sum(r["decode_seconds"] for r in rows)
     spec = result.get("spec_decode") or {}
     drafts = int(spec.get("vllm:spec_decode_num_drafts", 0))
@@ -33,7 +36,11 @@ def vllm_engine_numbers(result: dict) -> dict:
     return {
         "new_tokens": tokens, "decode_seconds": secs, "tokens_per_second": tokens / secs if secs > 0 else None,
         "accept_rate_per_position": [a / drafts for a in per_pos] if drafts else [],
-        "acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+        # Tokens per engine step, as our reports count it (steps without a draft included, the prefill's token
+        # one step): every step emits one token plus the drafts it accepted. vLLM's own log line "mean
+        # acceptance length" is 1 + accepted / drafts, which skips the steps an n-gram found nothing for.
+        "acceptance_length": all_tokens / (all_tokens - accepted) if all_tokens > accepted else 1.0,
+        "accepted_per_draft": accepted / drafts if drafts else None,
         "num_drafts": drafts, "num_draft_tokens": int(spec.get("vllm:spec_decode_num_draft_tokens", 0)),
         "accepted_per_position": list(per_pos), "timing": result.get("timing"),
         "speculative_config": result.get("speculative_config"),

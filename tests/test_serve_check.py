@@ -35,11 +35,13 @@ def _runner_result(per_pos, drafts, accepted, rows):
 
 
 def test_vllm_numbers_from_counters():
-    rows = [{"id": "a", "tokens": [5, 6, 7, 8], "decode_seconds": 0.5}, {"id": "b", "tokens": [1], "decode_seconds": 0}]
+    rows = [{"id": "a", "tokens": list(range(20)), "decode_seconds": 0.5},
+            {"id": "b", "tokens": list(range(6)), "decode_seconds": 0.5}]
     e = vllm_engine_numbers(_runner_result([8, 4, 1], drafts=10, accepted=13, rows=rows))
     assert e["accept_rate_per_position"] == [0.8, 0.4, 0.1]
-    assert e["acceptance_length"] == pytest.approx(2.3)
-    assert e["new_tokens"] == 3 and e["tokens_per_second"] == pytest.approx(6.0)  # first token = prefill's
+    # 26 tokens from 26 - 13 = 13 engine steps (each emits one token + its accepted drafts); 1.3 per draft
+    assert e["acceptance_length"] == pytest.approx(2.0) and e["accepted_per_draft"] == pytest.approx(1.3)
+    assert e["new_tokens"] == 24 and e["tokens_per_second"] == pytest.approx(24.0)  # first token = prefill's
     ar = vllm_engine_numbers({"results": rows, "spec_decode": {}})
     assert ar["accept_rate_per_position"] == [] and ar["acceptance_length"] == 1.0
 
