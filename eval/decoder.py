@@ -204,9 +204,11 @@ def _record_top2(result: GenerationResult, rows: torch.Tensor) -> None:
     """Append (top1 - top2 gap, rank-2 token) of each logits row [n, V] to the result."""
     if rows.shape[0] == 0:
         return
-    v, i = torch.topk(rows.float(), 2, dim=-1)
-    result.top2_gaps.extend((v[:, 0] - v[:, 1]).tolist())
-    result.runner_up.extend(i[:, 1].tolist())
+    from eval.lossless import top2_rows  # lossless imports eval.tree only: no cycle, kept local to one use
+
+    gaps, runner_up = top2_rows(rows)
+    result.top2_gaps.extend(gaps)
+    result.runner_up.extend(runner_up)
 
 
 def _check_tree(tree: Tree, root: int, drafter: Drafter) -> None:

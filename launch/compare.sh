@@ -36,6 +36,7 @@ train cmp-hydra --config configs/hydra.yaml $B train.lr=5e-3
 train cmp-hydra_pp --config configs/hydra_pp.yaml $B train.lr=2e-3 draft.dropout=0.0
 train cmp-redrafter --config configs/redrafter.yaml $B train.lr=5e-3
 train cmp-ctc --config configs/ctc.yaml $B train.lr=2e-3
+train cmp-eagle3 --config configs/eagle3.yaml $B train.lr=2e-3
 # Hydra++ for 3 epochs from the same cache: what 3x the token budget buys (~35 min).
 train cmp-hydra_pp-3ep --config configs/hydra_pp.yaml $B train.lr=2e-3 draft.dropout=0.0 train.epochs=3
 for r in cmp-medusa cmp-hydra cmp-hydra_pp cmp-hydra_pp-3ep; do search $r; done

@@ -201,3 +201,20 @@ def test_top2_runner_up_is_never_the_committed_token_at_an_exact_tie():
     assert int(row.argmax()) == 6910 and gap == 0.0 and runner == 12947
     row[12947] = 2.5  # clear top-1 6910, runner-up 12947
     assert top2(row) == (0.5, 12947)
+
+
+def test_decoder_records_the_runner_up_other_than_the_committed_token():
+    """The decoder's own record (what the verdict reads): the first fix changed only eval.lossless.top2, and a
+    second demo run again reported an exact bf16 tie (gap 0.0, runner-up = the committed 6910) as a mismatch."""
+    from eval.decoder import GenerationResult, _record_top2
+
+    rows = torch.full((3, 49152), -5.0)
+    rows[0, [6910, 12947]] = 3.0  # exact tie: argmax commits 6910
+    rows[1, 7] = 1.0  # clear top-1 7, runner-up 9
+    rows[1, 9] = 0.25
+    rows[2, [4, 5, 6]] = 2.0  # three-way tie: commits 4; runner-up 5 or 6, never 4
+    r = GenerationResult(tokens=[], accepted_lengths=[])
+    _record_top2(r, rows)
+    assert [int(t) for t in rows.argmax(-1)] == [6910, 7, 4]
+    assert r.runner_up[0] == 12947 and r.runner_up[1] == 9 and r.runner_up[2] in (5, 6)
+    assert r.top2_gaps == [0.0, 0.75, 0.0]
