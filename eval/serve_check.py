@@ -265,7 +265,7 @@ def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Pa
 
 
 def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
-    from eval.drafters.ngram import build_ngram_drafter, ngram_options
+    from eval.drafters.ngram import ngram_options
     from models.base import load_base
     from train.export_vllm import vllm_ngram_config
 
@@ -276,8 +276,7 @@ def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
     base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=device)
     ngram_spec = vllm_ngram_config(opts)
     # vLLM proposes one row copied from the context by its own rule: our strategy=longest_match is that rule.
-    drafter, info = build_ngram_drafter(base, {"k": 1, "w": opts["w"], "q": opts["q"], "q_min": opts["q_min"],
-                                               "strategy": "longest_match"})
+    drafter, info = _longest_match(base, int(opts["w"]), int(opts["q"]), int(opts["q_min"]) or int(opts["q"]))
     ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True)
     return _Plan("ngram", base, base_hf_dir(base, workdir), drafter, info, ours_cfg, None, ngram_spec,
                  ngram_spec["num_speculative_tokens"],

@@ -16,12 +16,7 @@ S=${SPECDRAFT:-.venv/bin/specdraft}
 B="--config configs/cpu_budget.yaml"
 mkdir -p runs/logs
 
-train() {  # train <run> <args...>
-  local run=$1; shift
-  [ -f "runs/$run/export/config.json" ] && { echo "skip train $run"; return; }
-  echo "=== train $run $(date +%T)"
-  $S train "$@" run_name="$run" > "runs/logs/$run.log" 2>&1 || echo "!!! train $run failed (runs/logs/$run.log)"
-}
+. launch/train_once.sh  # train <run> <args...>
 search() {  # search <run>: greedy-grown trees up to 64 nodes; the throughput-best one is stored in the export
   grep -q '"tree_search"' "runs/$1/export/config.json" 2>/dev/null && { echo "skip tree-search $1"; return; }
   echo "=== tree-search $1 $(date +%T)"

@@ -15,12 +15,7 @@ cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 mkdir -p runs/logs
 
-train() {  # train <run> <args...>
-  local run=$1; shift
-  [ -f "runs/$run/export/config.json" ] && { echo "skip train $run"; return; }
-  echo "=== train $run $(date +%T)"
-  $S train "$@" run_name="$run" > "runs/logs/$run.log" 2>&1 || echo "!!! train $run failed (runs/logs/$run.log)"
-}
+. launch/train_once.sh  # train <run> <args...>
 evaluate() {  # evaluate <run> <name> <args...>: MT-bench, bf16, own AR + HF generate side by side
   local run=$1 name=$2; shift 2
   [ -f "runs/$run/eval/$name/report.json" ] && { echo "skip eval $run/$name"; return; }

@@ -158,11 +158,11 @@ class NgramDrafter(Drafter):
     def rows(self, ids: torch.Tensor, root: int) -> list[tuple[int, ...]]:
         """The (de-duplicated, at most k) rows this drafter proposes after `root`."""
         sources: list[list[list[int]]] = []
+        if self.strategy in ("mixed", "context", "longest_match"):
+            seq = torch.cat([ids.reshape(-1).long().cpu(), torch.tensor([int(root)])])  # committed ids + root
         if self.strategy == "longest_match":
-            seq = torch.cat([ids.reshape(-1).long().cpu(), torch.tensor([int(root)])])
             sources.append([longest_match_row(seq, self.q_min, self.q, self.w)])
         if self.strategy in ("mixed", "context"):
-            seq = torch.cat([ids.reshape(-1).long().cpu(), torch.tensor([int(root)])])
             # 2k candidates: some may be dropped as prefixes of others.
             sources.append(context_rows(seq, self.q, self.w, 2 * self.k).tolist())
         if self.strategy in ("mixed", "bigram"):

@@ -1,0 +1,9 @@
+# Sourced by launch/compare.sh and launch/eagle3_cpu.sh (needs $S, the specdraft command).
+# train <run> <args...>: `specdraft train ... run_name=<run>`, skipped once runs/<run>/export exists (resumable
+# scripts); the log goes to runs/logs/<run>.log and a failure is reported without stopping the script.
+train() {
+  local run=$1; shift
+  [ -f "runs/$run/export/config.json" ] && { echo "skip train $run"; return; }
+  echo "=== train $run $(date +%T)"
+  $S train "$@" run_name="$run" > "runs/logs/$run.log" 2>&1 || echo "!!! train $run failed (runs/logs/$run.log)"
+}
