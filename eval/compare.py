@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -29,6 +30,7 @@ from eval.compare_config import (
     load_compare_config,
     searched_tree,
     setting_configs,
+    vllm_setting_names,
 )
 from eval.config import EvalConfig
 from eval.decoder import autoregressive_generate, speculative_generate
@@ -76,16 +78,22 @@ def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, ba
         cfg = dataclasses.replace(ecfg, **{k: ({**ecfg.extra, **v} if k == "extra" else v) for k, v in e.eval.items()})
         if e.method is not None:
             drafter, info = build_ngram_drafter(base, cfg.extra)
-            out.append(Method(e.label, e.method, drafter, info))
+            out.append(Method(e.label, e.method, drafter, {**info, **_headline(e)}))
             continue
         if e.tree_nodes is not None:
             cfg = dataclasses.replace(cfg, tree_choices=searched_tree(e.export, e.tree_nodes))
         draft, export_cfg = load_draft(e.export, BaseView.from_model(base.model), base.fingerprint)
         draft = draft.to(device=next(base.model.parameters()).device, dtype=dtype)
         drafter, info = build_drafter(draft, export_cfg, cfg)
-        info = {"export": str(e.export), **info, **({"tree_search_nodes": e.tree_nodes} if e.tree_nodes else {})}
+        info = {"export": str(e.export), **info, **({"tree_search_nodes": e.tree_nodes} if e.tree_nodes else {}),
+                **_headline(e)}
         out.append(Method(e.label, export_cfg["family"], drafter, info))
     return out
+
+
+def _headline(e: DraftEntry) -> dict:
+    """The report's `headline` entry ([family name, tree|chain]) for the one-row-per-family table."""
+    return {"headline": list(e.headline)} if e.headline else {}
 
 
 def _heldout_skip(entries: list[DraftEntry], ecfg: EvalConfig) -> EvalConfig:
@@ -118,8 +126,12 @@ def _load_done(path: Path) -> dict[tuple[str, str], dict]:
     return done
 
 
-def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, out_dir: Path) -> dict:
-    """Run (or resume) one setting; returns {label: report} for the drafts plus the baselines' tokens/s."""
+def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, out_dir: Path,
+                vllm: dict | None = None) -> dict:
+    """Run (or resume) one setting; returns {label: report} for the drafts plus the baselines' tokens/s.
+
+    vllm: {"timeout", "tolerance"} to run vLLM on this setting's prompts afterwards (eval/compare_vllm.py): the
+    result goes under the returned dict's "vllm" key ({"error": message} when vLLM could not run)."""
     model, tok = base.model, base.tokenizer
     ecfg = _heldout_skip(entries, ecfg)
     methods = _build_methods(entries, name, ecfg, base)
@@ -171,7 +183,19 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
             f.flush()
             done[(p.id, lab)] = row
     tol = _tolerance(ecfg, backend, model, prompts, sdir)
-    return _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol)
+    out = _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol)
+    if vllm is not None:
+        from eval.compare_vllm import run_vllm_setting
+        from eval.serve_check import ServeCheckError
+
+        try:
+            out["vllm"] = run_vllm_setting(name, ecfg, methods, entries, out["reports"], done, prompts, base,
+                                           out_dir, timeout=vllm["timeout"], tolerance=vllm["tolerance"])
+        except ServeCheckError as exc:  # our rows are kept; the tables say why the vLLM columns are missing
+            log.error("vLLM columns of %s: %s", name, exc)
+            out["vllm"] = {"error": str(exc)}
+        (sdir / "setting.json").write_text(json.dumps({k: v for k, v in out.items() if k != "reports"}, indent=1))
+    return out
 
 
 def _tolerance(ecfg: EvalConfig, backend, model, prompts, sdir: Path) -> tuple[float | None, dict]:
@@ -247,6 +271,7 @@ def run_compare(cfg: CompareConfig) -> dict:
 
     settings = setting_configs(cfg)
     entries = draft_entries(cfg, list(settings))
+    with_vllm = vllm_setting_names(cfg, settings)
     dtypes = {(c.dtype, c.backend, c.device) for c in settings.values()}
     if len(dtypes) != 1:
         raise ValueError(f"every setting must use one base dtype/backend/device (loaded once), got {sorted(dtypes)}")
@@ -255,8 +280,14 @@ def run_compare(cfg: CompareConfig) -> dict:
     out_dir = Path(cfg.out_dir)
     summary = {"base": base.name, "base_fingerprint": base.fingerprint, "settings": {}}
     for name, ecfg in settings.items():
-        res = run_setting(name, ecfg, entries, base, out_dir)
+        vllm = {"timeout": cfg.vllm_timeout, "tolerance": cfg.vllm_tolerance} if name in with_vllm else None
+        res = run_setting(name, ecfg, entries, base, out_dir, vllm)
         summary["settings"][name] = res
+        for label, v in (res.get("vllm") or {}).get("drafts", {}).items():
+            print(f"[{name}] vLLM + {label}: acceptance length {v['acceptance_length']:.2f}, "
+                  f"{v['speedup_vs_vllm_ar'] or float('nan'):.2f}x vs vLLM AR | acceptance vs ours: "
+                  f"{'agrees' if v['acceptance_check']['ok'] else 'DIFFERS'} (max |diff| "
+                  f"{v['acceptance_check']['max_abs_diff']:.3f})", flush=True)
         log.info("setting %s done: %s", name, {k: round(r["acceptance_length"], 2) for k, r in res["reports"].items()})
         for label, r in res["reports"].items():
             print(f"[{name}] {label}: acceptance length {r['acceptance_length']:.2f}, speedup "
@@ -276,10 +307,20 @@ def run_compare_cli(args) -> int:
             raise ValueError(f"--only {sorted(set(args.only) - set(labels))}: no such draft label; labels: {labels}")
         cfg.drafts = [d for d in cfg.drafts if d.get("label") in args.only]
         cfg.extra_drafts = [d for d in cfg.extra_drafts if d.get("label") in args.only]
-    if not args.results_only:
-        run_compare(cfg)
+    summary = None if args.results_only else run_compare(cfg)
     from eval.results_doc import write_results
 
     md = write_results(Path(cfg.out_dir), Path(cfg.results_md), Path(cfg.results_img), " --config ".join(configs))
     print(f"wrote {md}")
-    return 0
+    # vLLM that could not run, or disagrees with our decoder on acceptance: the tables are written, the exit is not 0
+    bad = []
+    for name, st in (summary or {}).get("settings", {}).items():
+        v = st.get("vllm")
+        if v and "error" in v:
+            bad.append(f"{name}: {v['error']}")
+        elif v:
+            bad += [f"{name}: {k} acceptance differs from ours" for k, d in v["drafts"].items()
+                    if not d["acceptance_check"]["ok"]]
+    for line in bad:
+        print(f"specdraft compare: vLLM columns: {line}", file=sys.stderr)
+    return 1 if bad else 0

@@ -4,14 +4,20 @@ A compare run evaluates several drafts on the same prompts, side by side in ONE 
 own AR decoding, transformers `generate` (greedy settings) and every draft run back to back, so all
 methods share the same machine state and the speed ratios are measured in one run.
 
-    drafts:    [{label, export | method, settings?, tree_nodes?, eval?}]
+    drafts:    [{label, export | method, settings?, tree_nodes?, eval?, headline?, vllm?}]
       label       row name in the tables ("Medusa", "N-gram", ...); also the report directory name
       export      runs/<run>/export of a trained draft     | method: a learning-free method (ngram)
       settings    only these setting names (default: all)
       tree_nodes  use the first N nodes grown by `specdraft tree-search` (<run>/tree_search/tree_search.json)
       eval        EvalConfig overrides for this draft only (tree, extra.beam_width, extra.k, ...)
+      headline    {family: NAME, draft: tree | chain}: this row is that family's tree (or chain) column in
+                  the one-row-per-family headline table of docs/results.md
+      vllm        true: vLLM serves this draft too, in every setting of `vllm_settings` (eval/compare_vllm.py);
+                  the row must be the chain vLLM drafts (Medusa: top-1 per head, EAGLE-3: chain mode, N-gram:
+                  k=1 with strategy=longest_match, vLLM's prompt lookup), so the acceptance must match ours
     settings:  [{name, <EvalConfig overrides>}]  e.g. dataset=mtbench, acceptance=rejection, temperature=0.7
     eval:      EvalConfig overrides shared by every setting (dtype, backend, max_new_tokens, ...)
+    vllm_settings: greedy setting names where vLLM AR + every `vllm: true` row run in .venv-vllm (`make vllm`)
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from eval.config import EvalConfig, validate_eval
 from train.config_loader import ConfigError, load_typed
 
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]*$")  # a directory name, no spaces or slashes
-_DRAFT_KEYS = {"label", "export", "method", "settings", "tree_nodes", "eval"}
+_DRAFT_KEYS = {"label", "export", "method", "settings", "tree_nodes", "eval", "headline", "vllm"}
+HEADLINE_DRAFTS = ("tree", "chain")
 _PER_DRAFT_EVAL = {"tree", "tree_choices", "extra", "acceptance", "typical_eps", "typical_delta"}
 
 
@@ -40,6 +47,9 @@ class CompareConfig:
     drafts: list[dict] = field(default_factory=list)
     extra_drafts: list[dict] = field(default_factory=list)  # appended to drafts: lets an overlay YAML add rows
     # (a second --config's `drafts` list would replace the first's, as lists do not merge)
+    vllm_settings: list[str] = field(default_factory=list)  # greedy settings vLLM runs too ([] = no vLLM)
+    vllm_timeout: float = 1800.0  # seconds per vLLM engine (a first run compiles the model)
+    vllm_tolerance: float = 0.03  # max |vLLM - ours| per-position acceptance before the check fails
 
 
 @dataclass
@@ -50,6 +60,8 @@ class DraftEntry:
     settings: list[str] | None
     tree_nodes: int | None
     eval: dict
+    headline: tuple[str, str] | None = None  # (family name, "tree" | "chain")
+    vllm: bool = False
 
 
 def _eval_config(where: str, *layers: dict) -> EvalConfig:
@@ -122,8 +134,37 @@ def draft_entries(cfg: CompareConfig, setting_names: list[str]) -> list[DraftEnt
         nodes = d.get("tree_nodes")
         if nodes is not None and (not isinstance(nodes, int) or nodes < 1 or export is None):
             raise ConfigError(f"{where} ({label}): tree_nodes needs a trained export and an int >= 1, got {nodes!r}")
-        out.append(DraftEntry(label, export, d.get("method"), list(only) if only else None, nodes, extra_eval))
+        out.append(DraftEntry(label, export, d.get("method"), list(only) if only else None, nodes, extra_eval,
+                              _headline(d.get("headline"), f"{where} ({label})"), _flag(d, "vllm", where, label)))
     return out
+
+
+def _headline(value, where: str) -> tuple[str, str] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, dict) or set(value) != {"family", "draft"} or not isinstance(value["family"], str)
+            or value["draft"] not in HEADLINE_DRAFTS):
+        raise ConfigError(f"{where}: `headline` must be {{family: NAME, draft: tree|chain}}, got {value!r}")
+    return value["family"], value["draft"]
+
+
+def _flag(d: dict, key: str, where: str, label: str) -> bool:
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where} ({label}): `{key}` must be true or false, got {value!r}")
+    return value
+
+
+def vllm_setting_names(cfg: CompareConfig, settings: dict[str, EvalConfig]) -> list[str]:
+    """The validated `vllm_settings`: known, greedy (vLLM's check compares greedy chains) settings."""
+    names = list(cfg.vllm_settings or [])
+    for name in names:
+        if name not in settings:
+            raise ConfigError(f"vllm_settings: unknown setting {name!r}; defined: {list(settings)}")
+        if settings[name].temperature != 0 or settings[name].acceptance != "greedy":
+            raise ConfigError(f"vllm_settings: setting {name!r} is not greedy; vLLM's acceptance check compares "
+                              "greedy chains (temperature 0, acceptance greedy)")
+    return names
 
 
 def searched_tree(export: Path, nodes: int) -> list[list[int]]:

@@ -66,8 +66,9 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
         fail("heldout_skip", cfg.heldout_skip, "use None (from the export) or a count of conversations >= 0")
     if cfg.tie_prompts < 0:
         fail("tie_prompts", cfg.tie_prompts, "use 0 (no tie tolerance: any difference is a mismatch) or a count")
-    if cfg.dtype not in ("fp32", "bf16", "fp16", "auto"):
-        fail("dtype", cfg.dtype, "use fp32, bf16, fp16 or auto")
+    if cfg.dtype not in ("fp32", "bf16", "fp16", "auto", "fast"):
+        fail("dtype", cfg.dtype, "use fp32, bf16, fp16, auto (fp32 on CPU) or fast (bf16 where the hardware "
+             "runs it fast, else fp32)")
     return cfg
 
 

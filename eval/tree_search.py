@@ -56,7 +56,7 @@ class TreeSearchConfig:
     timing_repeats: int = 2  # timed passes per size; the fastest counts (robust to other processes' noise)
     warmup_tokens: int = 8  # one untimed generation per size first
     backend: str = "auto"  # auto (fast where supported, else hf) | fast | hf
-    dtype: str = "bf16"  # base dtype to tune for (on this CPU bf16 makes wide trees cheap; see configs/eval/demo.yaml)
+    dtype: str = "fast"  # base dtype to tune for: bf16 where the hardware runs it fast, else fp32 (fast_dtype)
     device: str = "auto"
     base_path: str = ""  # "" = the base named in the export's config.json
     num_threads: int = 0  # CPU threads; 0 = torch's default
@@ -82,8 +82,9 @@ def validate_tree_search(cfg: TreeSearchConfig) -> TreeSearchConfig:
         fail("timing_prompts", cfg.timing_prompts, f"use at most num_prompts={cfg.num_prompts}")
     if cfg.backend not in ("auto", "fast", "hf"):
         fail("backend", cfg.backend, "use auto (fast where supported, else hf), fast or hf")
-    if cfg.dtype not in ("fp32", "bf16", "fp16", "auto"):
-        fail("dtype", cfg.dtype, "use fp32, bf16, fp16 or auto")
+    if cfg.dtype not in ("fp32", "bf16", "fp16", "auto", "fast"):
+        fail("dtype", cfg.dtype, "use fp32, bf16, fp16, auto (fp32 on CPU) or fast (bf16 where the hardware "
+             "runs it fast, else fp32)")
     if cfg.heldout_skip is not None and cfg.heldout_skip < 0:
         fail("heldout_skip", cfg.heldout_skip, "use None (from the export) or a count of conversations >= 0")
     return cfg

@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=1, help="user turns regenerated per conversation")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16", "fp16"])
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
 
     p = sub.add_parser("demo", help="the main job: train a Hydra draft on SmolLM2 + ShareGPT on this machine, evaluate")

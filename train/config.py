@@ -135,8 +135,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     from models.registry import DRAFTERS  # late import: models/ imports torch
 
     t, d = cfg.train, cfg.draft
-    if cfg.base.dtype not in ("auto", "fp32", "bf16", "fp16"):
-        _fail("base.dtype", cfg.base.dtype, "use one of auto, fp32, bf16, fp16")
+    if cfg.base.dtype not in ("auto", "fast", "fp32", "bf16", "fp16"):
+        _fail("base.dtype", cfg.base.dtype, "use one of auto, fast (bf16 where the hardware runs it fast, else "
+              "fp32), fp32, bf16, fp16")
     if cfg.base.partition not in ("none", "zero3"):
         _fail("base.partition", cfg.base.partition, "use none (whole base on every rank) or zero3 (parameters "
               "partitioned over the ranks, for bases larger than one device)")
@@ -198,8 +199,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("train.grad_clip", t.grad_clip, "use 0 (off) or a positive norm")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         _fail("train.betas", t.betas, "give two Adam betas in [0, 1), e.g. [0.9, 0.999]")
-    if t.precision not in ("auto", "fp32", "bf16"):
-        _fail("train.precision", t.precision, "use auto, fp32 or bf16")
+    if t.precision not in ("auto", "fast", "fp32", "bf16"):
+        _fail("train.precision", t.precision, "use auto, fast (bf16 on GPUs and on CPUs with bf16 matrix "
+              "instructions, else fp32), fp32 or bf16")
     if t.log_every < 1:
         _fail("train.log_every", t.log_every, "use 1 or more steps")
     if t.keep_checkpoints < 1:

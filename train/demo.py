@@ -4,11 +4,12 @@
    configs/demo.yaml): the frozen base runs once over the data into the hidden-state cache, then several
    cheap epochs train the head from it, with a wall-time budget so it fits a laptop CPU;
 2. print the held-out per-head accuracy table (written by training to runs/demo/heldout.json);
-3. decode MT-bench prompts with the bundled speculative decoder (configs/eval/demo.yaml: bf16, a 3-node tree
+3. decode MT-bench prompts with the bundled speculative decoder (configs/eval/demo.yaml: dtype=fast, i.e. bf16 on
+   CPUs with bf16 matrix instructions and fp32 elsewhere, a 3-node tree
    of the head's top-3), with own-AR and transformers-generate baselines side by side in the same run, and
    print acceptance length (with the tree size), both speedups and the losslessness verdict in words;
-4. (bf16 only) an exact fp32 check on a few prompts: there the speculative output must equal plain greedy
-   decoding token for token.
+4. (bf16 only; an fp32 run is exact already) an exact fp32 check on a few prompts: there the speculative output
+   must equal plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+
+import torch
 
 from train.cli import CONFIGS
 
@@ -48,7 +51,8 @@ def evaluate_demo_run(run_dir: Path) -> None:
     """Steps 2-4 of the demo on a finished run: held-out table, MT-bench decoding, exact check, summary."""
     from eval.config import load_eval_config
     from eval.lossless import format_verdict
-    from eval.runner import eval_export, format_summary
+    from eval.runner import eval_export, format_summary, resolve_device
+    from models.base import resolve_dtype
     from train.heldout import format_heldout_table
 
     heldout = run_dir / "heldout.json"
@@ -56,17 +60,22 @@ def evaluate_demo_run(run_dir: Path) -> None:
     if heldout.exists():
         print(format_heldout_table(json.loads(heldout.read_text())), flush=True)
     eval_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")])
+    # dtype=fast: bf16 on CPUs with bf16 matrix instructions, fp32 elsewhere (then the run itself is the exact check)
+    dtype = resolve_dtype(eval_cfg.dtype, resolve_device(eval_cfg.device))
     print(f"[demo 3/4] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
-          f"({eval_cfg.max_new_tokens} new tokens each, {eval_cfg.dtype}), own AR and HF generate in the same run",
-          flush=True)
+          f"({eval_cfg.max_new_tokens} new tokens each, {str(dtype).removeprefix('torch.')}), own AR and HF generate "
+          "in the same run", flush=True)
     report, out_dir = eval_export(run_dir / "export", eval_cfg)
     exact = None
-    if eval_cfg.dtype != "fp32":
+    if dtype != torch.float32:
         check_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [
             "dtype=fp32", "num_prompts=2", "max_new_tokens=32", "hf_baseline=false", "warmup_tokens=4",
             "name=mtbench-demo-fp32-check"])
         print(f"[demo 4/4] exact losslessness check in fp32 on {check_cfg.num_prompts} prompts", flush=True)
         exact, _ = eval_export(run_dir / "export", check_cfg)
+    else:
+        print("[demo 4/4] the decoding above ran in fp32 (this CPU has no fast bf16): its verdict is the exact "
+              "losslessness check", flush=True)
 
     print("\n" + "=" * 100)
     print(format_summary(report, out_dir))

@@ -1,0 +1,157 @@
+"""The vLLM columns of `specdraft compare`: vLLM serves the same drafts on the same prompts (issue 19).
+
+For every setting named in `vllm_settings` (greedy), after our decoder has run it:
+1. vLLM AR on the setting's prompts (token ids as our decoder saw them), batch 1, the compare's dtype.
+2. For every draft entry with `vllm: true`: vLLM + that draft, drafting the same chain as our row (Medusa: top-1
+   of each head; EAGLE-3: its chain mode; N-gram: one prompt-lookup row, our strategy=longest_match). The row's
+   chain length becomes vLLM's num_speculative_tokens, so both engines run the same draft shape.
+3. Per-position acceptance of vLLM against our row (per draft made, as vLLM counts: eval/serve_check_report.py)
+   must agree within `vllm_tolerance`; a mismatch is a format or semantics bug, reported, never hidden.
+
+Each engine runs in a subprocess of .venv-vllm (eval/serve_check.run_engine; the main package never imports
+vllm). Results are kept in <out>/<setting>/vllm/<engine>.result.json: a resumed compare reruns only the missing
+engines. The setting's summary gets a "vllm" entry that eval/results_doc.py turns into the vLLM table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("specdraft.compare")
+VLLM_FAMILIES = ("medusa", "eagle3", "ngram")
+
+
+def chain_depth(family: str, info: dict, drafter) -> int:
+    """Drafted tokens per step of a row shaped like vLLM's draft, or a ValueError saying how to make it one."""
+    if family == "medusa":
+        choices = [tuple(c) for c in drafter.tree.choices]
+        chain = [(0,) * j for j in range(1, len(choices) + 1)]
+        if not choices or choices != chain:
+            raise ValueError("vLLM drafts Medusa as the chain of each head's top-1: give this row "
+                             "`eval: {tree: chain4}` (or tree_choices [[0], [0, 0], ...])")
+        return len(choices)
+    if family == "eagle3":
+        if info.get("eagle3_mode") != "chain":
+            raise ValueError("vLLM drafts EAGLE-3 as a chain: give this row `eval: {extra: {eagle3_mode: chain, "
+                             "chain_length: K}}`")
+        return int(info["chain_length"])
+    if family == "ngram":
+        if info.get("k") != 1 or info.get("strategy") != "longest_match":
+            raise ValueError("vLLM's n-gram is one prompt-lookup row: give this row `eval: {extra: {k: 1, "
+                             "strategy: longest_match, w: W, q: Q, q_min: QMIN}}`")
+        return int(info["w"])
+    raise ValueError(f"vLLM 0.32 has no method for a {family} draft (it serves {', '.join(VLLM_FAMILIES)}); "
+                     "drop `vllm: true` from this row")
+
+
+def speculative_config(entry, family: str, info: dict, depth: int, base, workdir: Path) -> dict:
+    """vLLM's speculative_config for a compare row; a trained draft is exported once to workdir/export-<label>."""
+    from models.draft import BaseView
+    from train.export import load_draft, read_export_config
+    from train.export_vllm import SPECULATIVE_CONFIG_FILE, export_vllm, read_speculative_config, vllm_ngram_config
+
+    if family == "ngram":
+        return vllm_ngram_config({"w": depth, "q": info["q"], "q_min": info["q_min"]})
+    out = workdir / f"export-{entry.label}"
+    if not (out / SPECULATIVE_CONFIG_FILE).is_file():
+        view = BaseView.from_model(base.model)
+        draft, export_cfg = load_draft(entry.export, view, base.fingerprint)
+        export_vllm(draft.float(), out, export_cfg, view)
+    from eval.serve_check import check_fingerprint
+
+    check_fingerprint(read_export_config(entry.export), base_hf_dir_of(base, workdir), str(entry.export))
+    return {**read_speculative_config(out), "num_speculative_tokens": depth}
+
+
+def base_hf_dir_of(base, workdir: Path) -> Path:
+    from eval.serve_check import base_hf_dir
+
+    return base_hf_dir(base, workdir)
+
+
+def _cached(path: Path, prompt_ids: list[str]) -> dict | None:
+    """A finished engine result for exactly these prompts, else None (a changed prompt set reruns it)."""
+    if not path.is_file():
+        return None
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if result.get("error") or [r["id"] for r in result.get("results", [])] != prompt_ids:
+        return None
+    return result
+
+
+def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dict, done: dict, prompts: list,
+                     base, out_dir: Path, *, timeout: float, tolerance: float) -> dict:
+    """vLLM AR + every `vllm: true` row of one setting; returns the setting's "vllm" summary entry.
+
+    methods: eval.compare.Method rows built for this setting; reports: {label: our report}; done: the setting's
+    stored (prompt, method) rows (our AR and draft outputs)."""
+    import torch
+
+    from eval.runner import eos_ids
+    from eval.serve_check import DTYPES, run_engine, vllm_python
+    from eval.serve_check_report import agreement, compare_acceptance, our_engine_numbers, vllm_engine_numbers
+
+    vllm_python()  # a missing venv fails before any export or engine work, with `make vllm` in the message
+    workdir = (out_dir / name / "vllm").resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    by_label = {m.label: m for m in methods}
+    rows = [e for e in entries if e.vllm and e.label in by_label]
+    plans = []
+    for e in rows:
+        m = by_label[e.label]
+        try:
+            depth = chain_depth(m.family, m.info, m.drafter)
+        except ValueError as exc:
+            raise ValueError(f"compare row {e.label!r} has `vllm: true` but {exc}") from None
+        plans.append((e, m, depth, speculative_config(e, m.family, m.info, depth, base, workdir)))
+
+    dtype = DTYPES[next(base.model.parameters()).dtype]
+    longest = max(len(p.input_ids) for p in prompts)
+    depth_max = max([d for _, _, d, _ in plans] or [0])
+    job = {"base_dir": str(base_hf_dir_of(base, workdir)), "dtype": dtype, "max_new_tokens": ecfg.max_new_tokens,
+           "warmup_tokens": ecfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
+           "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
+           "max_model_len": longest + ecfg.max_new_tokens + depth_max + 16, "seed": ecfg.seed,
+           "enforce_eager": bool(ecfg.extra.get("vllm_enforce_eager", False))}
+    ids = [p.id for p in prompts]
+
+    def engine(label: str, spec: dict | None) -> dict:
+        result = _cached(workdir / f"{label}.result.json", ids)
+        if result is None:
+            print(f"[compare {name}] vLLM engine {label} on {len(prompts)} prompts", flush=True)
+            result = run_engine({**job, "label": label, "speculative_config": spec}, workdir, timeout)
+        return result
+
+    ar_result = engine("vllm_ar", None)
+    ar = vllm_engine_numbers(ar_result)
+    our_ar = {p.id: list(done[(p.id, "ar")]["tokens"]) for p in prompts}
+    out = {"vllm_version": ar_result.get("vllm_version"), "dtype": dtype, "num_prompts": len(prompts),
+           "threads": torch.get_num_threads(), "tolerance": tolerance,
+           "ar": {"tokens_per_second": ar["tokens_per_second"], "timing": ar["timing"],
+                  "agreement_with_our_ar": agreement(ar["outputs"], our_ar)},
+           "drafts": {}}
+    for e, m, depth, spec in plans:
+        v = vllm_engine_numbers(engine(f"vllm-{e.label}", spec))
+        samples = [{"id": p.id, "tokens": done[(p.id, e.label)]["tokens"]} for p in prompts]
+        ours = our_engine_numbers(reports[e.label], samples, ar=False)
+        acc = compare_acceptance(v["accept_rate_per_position"], ours["accept_rate_per_position"], tolerance)
+        tps = v["tokens_per_second"]
+        out["drafts"][e.label] = {
+            "family": m.family, "depth": depth, "speculative_config": spec,
+            "acceptance_length": v["acceptance_length"], "accept_rate_per_position": v["accept_rate_per_position"],
+            "tokens_per_second": tps, "num_drafts": v["num_drafts"],
+            "speedup_vs_vllm_ar": tps / ar["tokens_per_second"] if tps and ar["tokens_per_second"] else None,
+            "agreement_with_vllm_ar": agreement(ar["outputs"], v["outputs"]),
+            "ours_acceptance_length": ours["acceptance_length"],
+            "ours_accept_rate_per_position": ours["accept_rate_per_position"],
+            "acceptance_check": acc}
+        if not acc["ok"]:
+            log.error("vLLM and our decoder disagree on %s (%s): per-position acceptance %s vs %s", e.label, name,
+                      acc["vllm"], acc["ours"])
+    (workdir / "vllm.json").write_text(json.dumps(out, indent=1))
+    return out
