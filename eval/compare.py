@@ -130,8 +130,9 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
                 vllm: dict | None = None) -> dict:
     """Run (or resume) one setting; returns {label: report} for the drafts plus the baselines' tokens/s.
 
-    vllm: {"timeout", "tolerance"} to run vLLM on this setting's prompts afterwards (eval/compare_vllm.py): the
-    result goes under the returned dict's "vllm" key ({"error": message} when vLLM could not run)."""
+    vllm: {"timeout", "tolerance", "enforce_eager"} to run vLLM on this setting's prompts afterwards
+    (eval/compare_vllm.py): the result goes under the returned dict's "vllm" key ({"error": message} when vLLM
+    could not run)."""
     model, tok = base.model, base.tokenizer
     ecfg = _heldout_skip(entries, ecfg)
     methods = _build_methods(entries, name, ecfg, base)
@@ -190,7 +191,7 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
 
         try:
             out["vllm"] = run_vllm_setting(name, ecfg, methods, entries, out["reports"], done, prompts, base,
-                                           out_dir, timeout=vllm["timeout"], tolerance=vllm["tolerance"])
+                                           out_dir, **vllm)
         except ServeCheckError as exc:  # our rows are kept; the tables say why the vLLM columns are missing
             log.error("vLLM columns of %s: %s", name, exc)
             out["vllm"] = {"error": str(exc)}
@@ -280,7 +281,8 @@ def run_compare(cfg: CompareConfig) -> dict:
     out_dir = Path(cfg.out_dir)
     summary = {"base": base.name, "base_fingerprint": base.fingerprint, "settings": {}}
     for name, ecfg in settings.items():
-        vllm = {"timeout": cfg.vllm_timeout, "tolerance": cfg.vllm_tolerance} if name in with_vllm else None
+        vllm = ({"timeout": cfg.vllm_timeout, "tolerance": cfg.vllm_tolerance, "enforce_eager": cfg.vllm_enforce_eager}
+                if name in with_vllm else None)
         res = run_setting(name, ecfg, entries, base, out_dir, vllm)
         summary["settings"][name] = res
         for label, v in (res.get("vllm") or {}).get("drafts", {}).items():

@@ -50,6 +50,7 @@ class CompareConfig:
     vllm_settings: list[str] = field(default_factory=list)  # greedy settings vLLM runs too ([] = no vLLM)
     vllm_timeout: float = 1800.0  # seconds per vLLM engine (a first run compiles the model)
     vllm_tolerance: float = 0.03  # max |vLLM - ours| per-position acceptance before the check fails
+    vllm_enforce_eager: bool = False  # skip vLLM's torch.compile: minutes saved per engine, slower decoding
 
 
 @dataclass

@@ -85,7 +85,7 @@ def _cached(path: Path, prompt_ids: list[str]) -> dict | None:
 
 
 def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dict, done: dict, prompts: list,
-                     base, out_dir: Path, *, timeout: float, tolerance: float) -> dict:
+                     base, out_dir: Path, *, timeout: float, tolerance: float, enforce_eager: bool = False) -> dict:
     """vLLM AR + every `vllm: true` row of one setting; returns the setting's "vllm" summary entry.
 
     methods: eval.compare.Method rows built for this setting; reports: {label: our report}; done: the setting's
@@ -117,7 +117,7 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "warmup_tokens": ecfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
            "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
            "max_model_len": longest + ecfg.max_new_tokens + depth_max + 16, "seed": ecfg.seed,
-           "enforce_eager": bool(ecfg.extra.get("vllm_enforce_eager", False))}
+           "enforce_eager": enforce_eager}
     ids = [p.id for p in prompts]
 
     def engine(label: str, spec: dict | None) -> dict:

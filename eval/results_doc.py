@@ -208,18 +208,19 @@ def headline_rows(settings: dict) -> dict[str, dict[str, tuple[str, dict]]]:
 def headline_table(settings: dict) -> list[str]:
     """One row per family: training, MT-bench tree / chain acceptance and speed, the verdict, vLLM, the hidden set.
 
-    Uses the first greedy mtbench setting and the first greedy sharegpt setting; empty when no row has a headline."""
+    Uses the first greedy mtbench setting (else the first greedy one) and the first greedy sharegpt setting (the
+    hidden set); empty when no row has a headline."""
     greedy = {n: st for n, st in settings.items() if st["config"]["temperature"] == 0}
-    mt = next((n for n, st in greedy.items() if st["config"]["dataset"] == "mtbench"), None)
-    sg = next((n for n, st in greedy.items() if st["config"]["dataset"] == "sharegpt"), None)
+    mt = next((n for n, st in greedy.items() if st["config"]["dataset"] == "mtbench"), next(iter(greedy), None))
+    sg = next((n for n, st in greedy.items() if st["config"]["dataset"] == "sharegpt" and n != mt), None)
     rows = headline_rows(settings)
     if mt is None or not rows:
         return []
     vllm = (settings[mt].get("vllm") or {}).get("drafts", {})
     out = ["| family | trainable params | tokens seen | train time | held-out top-1 by depth "
-           "| MT-bench AL tree / chain | speed vs own AR, tree / chain | vs `generate`, tree / chain "
+           f"| `{mt}` AL tree / chain | speed vs own AR, tree / chain | vs `generate`, tree / chain "
            "| losslessness (tree; chain) "
-           "| vLLM AL (chain) | vLLM vs vLLM AR | hidden set AL tree / chain |",
+           f"| vLLM AL (chain) | vLLM vs vLLM AR | {f'`{sg}` AL tree / chain' if sg else 'hidden set'} |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for fam, per in rows.items():
         shapes = per.get(mt, {})

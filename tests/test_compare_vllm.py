@@ -137,17 +137,19 @@ def test_compare_with_vllm_columns_end_to_end(tmp_path, capsys):
 
     if not _have_vllm():
         pytest.skip("no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
+    from vllm_fixtures import medusa_export_on_servable_base
+
     from eval.compare import run_compare
     from eval.results_doc import write_results
-    from vllm_fixtures import medusa_export_on_servable_base
 
     export = medusa_export_on_servable_base(tmp_path / "m")
     cfg = {"out_dir": str(tmp_path / "cmp"), "base_path": str(tmp_path / "m" / "base"),
            "eval": {"dataset": "tests/fixtures/eval_prompts.jsonl", "num_prompts": 3, "max_new_tokens": 24,
-                    "dtype": "fp32", "backend": "hf", "warmup_tokens": 2, "extra": {"vllm_enforce_eager": True}},
-           "settings": [{"name": "greedy"}], "vllm_settings": ["greedy"],
-           "drafts": [{"label": "Medusa-chain", "export": str(export), "eval": {"tree_choices": [[0], [0, 0], [0, 0, 0]]},
-                       "vllm": True, "headline": {"family": "Medusa", "draft": "chain"}},
+                    "dtype": "fp32", "backend": "hf", "warmup_tokens": 2},
+           "settings": [{"name": "greedy"}], "vllm_settings": ["greedy"], "vllm_enforce_eager": True,
+           "drafts": [{"label": "Medusa-chain", "export": str(export),
+                       "eval": {"tree_choices": [[0], [0, 0], [0, 0, 0]]}, "vllm": True,
+                       "headline": {"family": "Medusa", "draft": "chain"}},
                       {"label": "N-gram-chain", "method": "ngram", "vllm": True,
                        "eval": {"extra": {"k": 1, "w": 3, "q": 2, "q_min": 1, "strategy": "longest_match"}},
                        "headline": {"family": "N-gram", "draft": "chain"}}]}
