@@ -284,3 +284,40 @@ def test_bf16_dtype_runs_close_to_fp32():
     torch.testing.assert_close(logits, ref_logits, atol=0.02, rtol=0)
     step, _ = backend.forward_tree(torch.tensor([9, 10]), torch.tensor([0, 1]), torch.ones(2, 2).tril().bool())
     torch.testing.assert_close(step, _reference(model, prompt.tolist() + [9, 10])[0][-2:], atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("bias, residual", [(False, False), (True, False), (False, True), (True, True)])
+def test_transposed_product_matches_the_plain_one(bias, residual):
+    """_mm_wx ((W @ x^T)^T, the fp32 "wx" layout) is the fast twin of _mm_xw (x @ W_t): same values, same shape."""
+    from eval.backends.fast import _mm_wx, _mm_xw
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g)  # [out, in]
+    for n in (1, 2, 7):
+        x = torch.randn(n, 32, generator=g)
+        b = torch.randn(48, generator=g) if bias else None
+        r = torch.randn(n, 48, generator=g) if residual else None
+        want = _mm_xw(x, w.t().contiguous(), b, None if r is None else r.clone())
+        got = _mm_wx(x, w.t(), b, r)
+        assert got.shape == (n, 48) and got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["xw", "wx"])
+def test_both_fp32_layouts_match_the_hf_backend(monkeypatch, layout):
+    """Either fp32 matmul layout (SPECDRAFT_FP32_MATMUL; the default depends on the CPU) passes the step-by-step
+    parity with the hf backend: prefill, trees of 6, 1 and 4 nodes, commits, K/V."""
+    from eval.backends.fast import FP32_LAYOUT_ENV, fp32_layout
+
+    monkeypatch.setenv(FP32_LAYOUT_ENV, layout)
+    assert fp32_layout(torch.device("cpu")) == layout
+    assert FastLlamaBackend(tiny_llama(3), max_len=8)._core.wx == (layout == "wx")
+    test_fast_matches_hf_backend_step_by_step()
+
+
+def test_fp32_layout_override_is_checked(monkeypatch):
+    from eval.backends.fast import FP32_LAYOUT_ENV, fp32_layout
+
+    monkeypatch.setenv(FP32_LAYOUT_ENV, "zz")
+    with pytest.raises(ValueError, match="use xw"):
+        fp32_layout(torch.device("cpu"))
