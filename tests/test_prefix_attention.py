@@ -88,7 +88,11 @@ def test_bf16_keeps_fp32_rope_and_steps_match(base):
         cache = layer.new_cache(16, "cpu", torch.bfloat16)
         inc = torch.cat([layer.step(cache, hidden[0, :6]), layer.step(cache, hidden[0, 6:])]).float()
     assert full.dtype == torch.float32 and inc.shape == (10, D)
-    torch.testing.assert_close(inc, full, rtol=0.05, atol=0.1)
+    # bf16 rounding, not a wrong position or mask (those move most elements by O(1)): small on average, and no
+    # element far off. The single-element bound is loose because CPUs without bf16 matrix instructions (AVX2)
+    # emulate bf16 GEMMs and round differently for a 6- and a 10-row product (one element off by 0.2 seen there).
+    assert (inc - full).abs().mean() < 0.02
+    torch.testing.assert_close(inc, full, rtol=0.05, atol=0.3)
 
 
 def test_bad_shapes_are_explained(base):
