@@ -286,6 +286,9 @@ def run_compare(cfg: CompareConfig) -> dict:
         res = run_setting(name, ecfg, entries, base, out_dir, vllm)
         summary["settings"][name] = res
         for label, v in (res.get("vllm") or {}).get("drafts", {}).items():
+            if "error" in v:
+                print(f"[{name}] vLLM + {label}: could not run: {v['error']}", flush=True)
+                continue
             print(f"[{name}] vLLM + {label}: acceptance length {v['acceptance_length']:.2f}, "
                   f"{v['speedup_vs_vllm_ar'] or float('nan'):.2f}x vs vLLM AR | acceptance vs ours: "
                   f"{'agrees' if v['acceptance_check']['ok'] else 'DIFFERS'} (max |diff| "
@@ -321,8 +324,8 @@ def run_compare_cli(args) -> int:
         if v and "error" in v:
             bad.append(f"{name}: {v['error']}")
         elif v:
-            bad += [f"{name}: {k} acceptance differs from ours" for k, d in v["drafts"].items()
-                    if not d["acceptance_check"]["ok"]]
+            bad += [f"{name}: {k}: {d['error']}" if "error" in d else f"{name}: {k} acceptance differs from ours"
+                    for k, d in v["drafts"].items() if "error" in d or not d["acceptance_check"]["ok"]]
     for line in bad:
         print(f"specdraft compare: vLLM columns: {line}", file=sys.stderr)
     return 1 if bad else 0

@@ -135,8 +135,16 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "ar": {"tokens_per_second": ar["tokens_per_second"], "timing": ar["timing"],
                   "agreement_with_our_ar": agreement(ar["outputs"], our_ar)},
            "drafts": {}}
+    from eval.serve_check import ServeCheckError
+
     for e, m, depth, spec in plans:
-        v = vllm_engine_numbers(engine(f"vllm-{e.label}", spec))
+        try:
+            v = vllm_engine_numbers(engine(f"vllm-{e.label}", spec))
+        except ServeCheckError as exc:  # one draft vLLM cannot load: the others still run, the table says why
+            log.error("vLLM + %s (%s): %s", e.label, name, exc)
+            out["drafts"][e.label] = {"family": m.family, "depth": depth, "speculative_config": spec,
+                                      "error": str(exc).splitlines()[0]}
+            continue
         samples = [{"id": p.id, "tokens": done[(p.id, e.label)]["tokens"]} for p in prompts]
         ours = our_engine_numbers(reports[e.label], samples, ar=False)
         acc = compare_acceptance(v["accept_rate_per_position"], ours["accept_rate_per_position"], tolerance)

@@ -175,7 +175,7 @@ def target_table(st: dict) -> list[str]:
             s, label = max(speeds)
             out.append(f"| {what} | ≥ {target}× | {s:.2f}× ({label}) | {'yes' if s >= target else 'no'} |")
     v = [(d["speedup_vs_vllm_ar"], label) for label, d in (st.get("vllm") or {}).get("drafts", {}).items()
-         if d.get("speedup_vs_vllm_ar") is not None]
+         if d.get("speedup_vs_vllm_ar") is not None]  # drafts vLLM could not load have none
     if v:
         s, label = max(v)
         out.append(f"| vLLM + best draft vs vLLM AR | ≥ {TARGET_VLLM_SPEEDUP}× | {s:.2f}× ({label}) | "
@@ -241,6 +241,7 @@ def headline_table(settings: dict) -> list[str]:
         al = " / ".join(f"**{reps[k]['acceptance_length']:.2f}**" if k in reps else "—" for k in ("tree", "chain"))
         verdict = "; ".join(_verdict_short(reps[k]) if k in reps else "—" for k in ("tree", "chain"))
         v = vllm.get(shapes.get("chain", ""))
+        v = None if v and "error" in v else v
         v_al = f"{v['acceptance_length']:.2f}" if v else "—"
         v_speed = f"{v['speedup_vs_vllm_ar']:.2f}×" if v and v.get("speedup_vs_vllm_ar") else "—"
         hidden = "—"
@@ -270,6 +271,9 @@ def vllm_table(name: str, v: dict) -> list[str]:
            "| agrees | vLLM tok/s | vs vLLM AR | outputs identical to vLLM AR |",
            "|---|---|---|---|---|---|---|---|---|"]
     for label, d in v["drafts"].items():
+        if "error" in d:
+            out.append(f"| {label} | {d['depth']} | vLLM could not load it: {d['error'][:300]} | | | | | | |")
+            continue
         rates = " / ".join(f"{a:.3f}" for a in d["accept_rate_per_position"])
         ours = " / ".join(_f(a, ".3f") for a in d["ours_accept_rate_per_position"])
         acc = d["acceptance_check"]

@@ -107,6 +107,11 @@ def test_headline_vllm_and_target_tables():
     assert "vLLM AR 50.0 tok/s" in v and "| Medusa-chain | 4 | **1.45** (ours 1.40) | 0.400 / 0.050 / 0.000 / 0.000 " \
            "| 0.410 / 0.040 / 0.000 / 0.000 | yes (max diff 0.010) | 80.0 | 1.60× | 67% |" in v
     assert "could not run: no venv" in "\n".join(vllm_table("x", {"error": "no venv"}))
+    # one draft vLLM could not load: its row says why, the others and the targets are unaffected
+    settings["mtbench-greedy"]["vllm"]["drafts"]["EAGLE-3-chain"] = {"depth": 4, "error": "weights not initialized"}
+    assert "| EAGLE-3-chain | 4 | vLLM could not load it: weights not initialized |" in "\n".join(
+        vllm_table("mtbench-greedy", settings["mtbench-greedy"]["vllm"]))
+    assert "| EAGLE-3 |" in "\n".join(headline_table(settings))
     t = "\n".join(target_table(settings["mtbench-greedy"]))
     assert "| eagle3-chain | ≥ 2.2 | 2.30 (EAGLE-3-chain) | yes |" in t  # the tree's 2.90 does not count
     assert "| best speedup vs own AR | ≥ 1.5× | 1.60× (EAGLE-3-chain) | yes |" in t
