@@ -46,8 +46,10 @@ def chain_depth(family: str, info: dict, drafter) -> int:
                      "drop `vllm: true` from this row")
 
 
-def speculative_config(entry, family: str, info: dict, depth: int, base, workdir: Path) -> dict:
-    """vLLM's speculative_config for a compare row; a trained draft is exported once to workdir/export-<label>."""
+def speculative_config(entry, family: str, info: dict, depth: int, base, base_dir: Path, workdir: Path) -> dict:
+    """vLLM's speculative_config for a compare row; a trained draft is exported once to workdir/export-<label> and
+    must have been trained on the base in base_dir (the directory vLLM serves)."""
+    from eval.serve_check import check_fingerprint
     from models.draft import BaseView
     from train.export import load_draft, read_export_config
     from train.export_vllm import SPECULATIVE_CONFIG_FILE, export_vllm, read_speculative_config, vllm_ngram_config
@@ -59,16 +61,8 @@ def speculative_config(entry, family: str, info: dict, depth: int, base, workdir
         view = BaseView.from_model(base.model)
         draft, export_cfg = load_draft(entry.export, view, base.fingerprint)
         export_vllm(draft.float(), out, export_cfg, view)
-    from eval.serve_check import check_fingerprint
-
-    check_fingerprint(read_export_config(entry.export), base_hf_dir_of(base, workdir), str(entry.export))
+    check_fingerprint(read_export_config(entry.export), base_dir, str(entry.export))
     return {**read_speculative_config(out), "num_speculative_tokens": depth}
-
-
-def base_hf_dir_of(base, workdir: Path) -> Path:
-    from eval.serve_check import base_hf_dir
-
-    return base_hf_dir(base, workdir)
 
 
 def _cached(path: Path, prompt_ids: list[str]) -> dict | None:
@@ -93,12 +87,13 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
     import torch
 
     from eval.runner import eos_ids
-    from eval.serve_check import DTYPES, run_engine, vllm_python
+    from eval.serve_check import DTYPES, ServeCheckError, base_hf_dir, run_engine, vllm_python
     from eval.serve_check_report import agreement, compare_acceptance, our_engine_numbers, vllm_engine_numbers
 
     vllm_python()  # a missing venv fails before any export or engine work, with `make vllm` in the message
     workdir = (out_dir / name / "vllm").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    base_dir = base_hf_dir(base, workdir)  # once: for the tiny base this saves the model to workdir
     by_label = {m.label: m for m in methods}
     rows = [e for e in entries if e.vllm and e.label in by_label]
     plans = []
@@ -108,12 +103,12 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
             depth = chain_depth(m.family, m.info, m.drafter)
         except ValueError as exc:
             raise ValueError(f"compare row {e.label!r} has `vllm: true` but {exc}") from None
-        plans.append((e, m, depth, speculative_config(e, m.family, m.info, depth, base, workdir)))
+        plans.append((e, m, depth, speculative_config(e, m.family, m.info, depth, base, base_dir, workdir)))
 
     dtype = DTYPES[next(base.model.parameters()).dtype]
     longest = max(len(p.input_ids) for p in prompts)
     depth_max = max([d for _, _, d, _ in plans] or [0])
-    job = {"base_dir": str(base_hf_dir_of(base, workdir)), "dtype": dtype, "max_new_tokens": ecfg.max_new_tokens,
+    job = {"base_dir": str(base_dir), "dtype": dtype, "max_new_tokens": ecfg.max_new_tokens,
            "warmup_tokens": ecfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
            "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
            "max_model_len": longest + ecfg.max_new_tokens + depth_max + 16, "seed": ecfg.seed,
@@ -135,8 +130,6 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "ar": {"tokens_per_second": ar["tokens_per_second"], "timing": ar["timing"],
                   "agreement_with_our_ar": agreement(ar["outputs"], our_ar)},
            "drafts": {}}
-    from eval.serve_check import ServeCheckError
-
     for e, m, depth, spec in plans:
         try:
             v = vllm_engine_numbers(engine(f"vllm-{e.label}", spec))

@@ -194,8 +194,8 @@ def _verdict_short(r: dict) -> str:
     return f"{ok} ({ex['lossless_identical']}/{n} identical{ties})"
 
 
-def headline_rows(settings: dict) -> dict[str, dict[str, tuple[str, dict]]]:
-    """{family name: {"tree"|"chain": (setting name, label)}} from the reports' `headline` entries, per setting."""
+def headline_rows(settings: dict) -> dict[str, dict[str, dict[str, str]]]:
+    """{family name: {setting name: {"tree"|"chain": label}}} from the reports' `headline` entries."""
     out: dict[str, dict] = {}
     for name, st in settings.items():
         for label, r in st["reports"].items():

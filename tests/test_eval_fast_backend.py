@@ -288,8 +288,8 @@ def test_bf16_dtype_runs_close_to_fp32():
 
 @pytest.mark.parametrize("bias, residual", [(False, False), (True, False), (False, True), (True, True)])
 def test_transposed_product_matches_the_plain_one(bias, residual):
-    """_mm_wx ((W @ x^T)^T, the fp32 "wx" layout) is the fast twin of _mm_xw (x @ W_t): same values, same shape."""
-    from eval.backends.fast import _mm_wx, _mm_xw
+    """matmul_wx ((W @ x^T)^T, the fp32 "wx" layout) is the fast twin of matmul_xw (x @ W_t): same values and shape."""
+    from eval.backends.fast_matmul import matmul_wx, matmul_xw
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g)  # [out, in]
@@ -297,8 +297,8 @@ def test_transposed_product_matches_the_plain_one(bias, residual):
         x = torch.randn(n, 32, generator=g)
         b = torch.randn(48, generator=g) if bias else None
         r = torch.randn(n, 48, generator=g) if residual else None
-        want = _mm_xw(x, w.t().contiguous(), b, None if r is None else r.clone())
-        got = _mm_wx(x, w.t(), b, r)
+        want = matmul_xw(x, w.t().contiguous(), b, None if r is None else r.clone())
+        got = matmul_wx(x, w.t(), b, r)
         assert got.shape == (n, 48) and got.is_contiguous()
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
@@ -307,7 +307,7 @@ def test_transposed_product_matches_the_plain_one(bias, residual):
 def test_both_fp32_layouts_match_the_hf_backend(monkeypatch, layout):
     """Either fp32 matmul layout (SPECDRAFT_FP32_MATMUL; the default depends on the CPU) passes the step-by-step
     parity with the hf backend: prefill, trees of 6, 1 and 4 nodes, commits, K/V."""
-    from eval.backends.fast import FP32_LAYOUT_ENV, fp32_layout
+    from eval.backends.fast_matmul import FP32_LAYOUT_ENV, fp32_layout
 
     monkeypatch.setenv(FP32_LAYOUT_ENV, layout)
     assert fp32_layout(torch.device("cpu")) == layout
@@ -316,7 +316,7 @@ def test_both_fp32_layouts_match_the_hf_backend(monkeypatch, layout):
 
 
 def test_fp32_layout_override_is_checked(monkeypatch):
-    from eval.backends.fast import FP32_LAYOUT_ENV, fp32_layout
+    from eval.backends.fast_matmul import FP32_LAYOUT_ENV, fp32_layout
 
     monkeypatch.setenv(FP32_LAYOUT_ENV, "zz")
     with pytest.raises(ValueError, match="use xw"):

@@ -31,16 +31,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from eval.backends.base import BaseBackend
+from eval.backends.fast_matmul import fp32_layout, matmul_wx, matmul_xw
 
 # RoPE variants whose frequencies change with the sequence length; a static cos/sin table cannot
 # reproduce them.
@@ -113,59 +112,6 @@ def layer_windows(config) -> list[int | None]:
     return [int(window) if t == "sliding_attention" else None for t in cache_layer_types(config)]
 
 log = logging.getLogger("specdraft.eval")
-
-
-def _mm_xw(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [N, in] @ w_t [in, out] (+ bias [out]) (+ residual [N, out]), in as few kernels as possible."""
-    if residual is None:
-        return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
-    out = torch.addmm(residual, x, w_t)  # residual add fused into the GEMM
-    return out if bias is None else out.add_(bias)
-
-
-def _mm_wx(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product computed transposed, (W [out, in] @ x^T [in, N])^T, for w_t a transposed view of a
-    contiguous [out, in] weight (fp32 "wx" layout, see fp32_layout). Returns a contiguous [N, out].
-    1 and 3 rows get one padding row (a copy of the last): MKL's kernels on the AMD EPYC run those widths slowly,
-    a SmolLM2 step of 1 token took 41 ms against 33 ms as 2 rows (as fast as "xw"'s 1-row path), 3 tokens 42 ms
-    against 38 ms as 4; padding 5 to 6 rows made it slower (bench/demo_costs.py, docs/benchmarks.md "Which dtype")."""
-    n = x.shape[0]
-    if n in (1, 3):
-        res = None if residual is None else torch.cat([residual, residual[-1:]])
-        return _mm_wx(torch.cat([x, x[-1:]]), w_t, bias, res)[:n]
-    w, xt = w_t.t(), x.t()
-    if residual is None:
-        out = torch.mm(w, xt) if bias is None else torch.addmm(bias.unsqueeze(1), w, xt)
-    else:
-        out = torch.addmm(residual.t(), w, xt)  # residual add fused into the GEMM, [out, N]
-        if bias is not None:
-            out.add_(bias.unsqueeze(1))
-    return out.t().contiguous()
-
-
-FP32_LAYOUT_ENV = "SPECDRAFT_FP32_MATMUL"
-
-
-def fp32_layout(device: torch.device) -> str:
-    """How fp32 matmuls run on this CPU: "xw" (x @ W_t, W_t a contiguous [in, out] copy) or "wx" ((W @ x^T)^T
-    with W in its [out, in] layout). MKL on an AVX2-only AMD EPYC (docs/benchmarks.md, "Which dtype") runs the
-    2-16 row products of tree verification 1.4-4x faster as "wx" (lm_head at N=5: 6.4 vs 26 ms), and the body's
-    1-row products no slower; the Intel CPU with AVX512-BF16 these defaults were first tuned on ran "xw" 1.3-2x
-    faster for N=1. Default: "wx" on AMD, "xw" elsewhere; $SPECDRAFT_FP32_MATMUL=xw|wx overrides."""
-    forced = os.environ.get(FP32_LAYOUT_ENV)
-    if forced:
-        if forced not in ("xw", "wx"):
-            raise ValueError(f"{FP32_LAYOUT_ENV}={forced!r}: use xw (x @ W_t) or wx ((W @ x^T)^T)")
-        return forced
-    if device.type != "cpu":
-        return "xw"
-    try:
-        amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        amd = False
-    return "wx" if amd else "xw"
 
 
 # Spare slots after max_len for static-mode padding: enough for any tree of up to 65 nodes (the
@@ -252,7 +198,7 @@ class _LlamaCore(nn.Module):
         # (lm_head 1.9 ms as x @ W.T vs 4.4 ms from a transposed copy), so they keep F.linear's layout
         # and hand the matmul a transposed *view* (same `x @ W_t` call sites, no copy).
         # fp32 on a CPU whose MKL prefers the transposed product (fp32_layout "wx"): the body's weights keep their
-        # [out, in] layout too, and _mm_wx computes (W @ x^T)^T; the lm_head keeps both layouts (below).
+        # [out, in] layout too, and matmul_wx computes (W @ x^T)^T; the lm_head keeps both layouts (below).
         low_precision = dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
         self.wx = dtype == torch.float32 and fp32_layout(device) == "wx"
         row_layout = low_precision or self.wx
@@ -394,7 +340,7 @@ class _LlamaCore(nn.Module):
         aux_ids, aux = self.aux_layers, []
         layer_masks = [win_mask if sliding and win_mask is not None else mask for sliding in self.is_sliding]
         scale, act = self.scale, self.act
-        _mm = _mm_wx if self.wx else _mm_xw
+        _mm = matmul_wx if self.wx else matmul_xw
         for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, pan, ln2, wgu, bgu, wd, bd, pfn), (kc, vc), m, r) in enumerate(
                 zip(layers, caches, layer_masks, self.rope_ids)):
             if i in aux_ids:  # EAGLE-3: the residual stream after i layers, before layer i
