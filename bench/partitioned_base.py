@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from models.base import last_hidden_and_logits, load_base, resolve_dtype
-    from train.distributed import all_reduce_sum, barrier, init_distributed
+    from train.distributed import all_reduce_sum, barrier, finish_distributed, init_distributed
     from train.partitioned_base import load_partitioned_base
 
     info = init_distributed()
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if info.is_main and args.json:
         with open(args.json, "w") as f:
             json.dump({**row, "sum_over_ranks_max_abs_h_diff": float(worst)}, f, indent=1)
-    barrier()
+    finish_distributed()
     return 0
 
 

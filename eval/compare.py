@@ -315,7 +315,8 @@ def run_compare_cli(args) -> int:
     summary = None if args.results_only else run_compare(cfg)
     from eval.results_doc import write_results
 
-    md = write_results(Path(cfg.out_dir), Path(cfg.results_md), Path(cfg.results_img), " --config ".join(configs))
+    md = write_results(Path(cfg.out_dir), Path(cfg.results_md), Path(cfg.results_img), " --config ".join(configs),
+                       cfg.results_section, cfg.results_training_title)
     print(f"wrote {md}")
     # vLLM that could not run, or disagrees with our decoder on acceptance: the tables are written, the exit is not 0
     bad = []

@@ -42,6 +42,8 @@ class CompareConfig:
     base_path: str = "smollm2"
     results_md: str = "docs/results.md"  # regenerated between its markers after every compare run
     results_img: str = "docs/img/results"  # prefix of the plots
+    results_section: str = ""  # "" = the default markers of results_md; a name (e.g. "best") = its own part
+    results_training_title: str = "same data, same cache, same precision"  # heading of the training table
     eval: dict = field(default_factory=dict)
     settings: list[dict] = field(default_factory=list)
     drafts: list[dict] = field(default_factory=list)
@@ -183,4 +185,8 @@ def searched_tree(export: Path, nodes: int) -> list[list[int]]:
 
 
 def load_compare_config(config_paths: list[str] | None, overrides: list[str] | None = None) -> CompareConfig:
-    return load_typed(CompareConfig, config_paths, overrides)
+    cfg = load_typed(CompareConfig, config_paths, overrides)
+    if cfg.results_section and not re.fullmatch(r"[a-z0-9_]+", cfg.results_section):
+        raise ConfigError(f"results_section={cfg.results_section!r}: use lowercase letters, digits and _ (it names "
+                          "the HTML-comment markers of its part of results_md), or \"\" for the default part")
+    return cfg

@@ -9,7 +9,7 @@ import yaml
 from eval.compare import run_compare
 from eval.compare_config import load_compare_config
 from eval.report import REPORT_KEYS
-from eval.results_doc import RESULTS_BEGIN, RESULTS_END, splice, target_table, write_results
+from eval.results_doc import RESULTS_BEGIN, RESULTS_END, markers, splice, target_table, write_results
 from train.config_loader import ConfigError
 
 
@@ -105,6 +105,18 @@ def test_results_doc_keeps_hand_written_text_and_reports_targets(smoke_run, tmp_
     for png in ("results_acceptance.png", "results_speedup.png", "results_depth.png", "results_speed_vs_nodes.png"):
         assert (tmp_path / "docs" / "img" / png).read_bytes()[:4] == b"\x89PNG"
         assert f"](img/{png})" in text
+    # A second compare config writes its own part (results_section) and leaves the default part alone.
+    begin, end = markers("best")
+    write_results(tmp_path / "cmp", md, tmp_path / "docs" / "img" / "best", section="best",
+                  training_title="best recipe per family")
+    both = md.read_text()
+    assert both.startswith(text.rstrip()) and both.count(begin) == 1 and both.count(end) == 1
+    assert "### Training (best recipe per family)" in both.split(begin, 1)[1]
+    assert "### Training (best recipe" not in both.split(begin, 1)[0]
+    write_results(tmp_path / "cmp", md, tmp_path / "docs" / "img" / "best", section="best")  # replaced in place
+    assert md.read_text().count(begin) == 1 and md.read_text().split(begin, 1)[0] == both.split(begin, 1)[0]
+    with pytest.raises(ConfigError, match="results_section"):
+        load_compare_config([_config(tmp_path, run_dir / "export")], ["results_section=best--x"])
 
 
 def test_target_table_and_splice():
@@ -154,3 +166,18 @@ def test_compare_cli_errors_are_clear(tmp_path, clean_env):
     assert proc.returncode == 2 and "no such draft label" in proc.stderr and "N-gram" in proc.stderr
     proc = subprocess.run(cmd + ["--results-only"], capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 2 and "summary.json not found" in proc.stderr
+
+
+@pytest.mark.parametrize("path", ["configs/compare.yaml", "configs/compare_best.yaml",
+                                  "configs/compare_self_distill.yaml"])
+def test_shipped_compare_configs_parse(path):
+    """The settings and vLLM settings of every shipped compare config validate (the drafts' exports are built by
+    launch/compare.sh / launch/best.sh, so they are not checked here)."""
+    from eval.compare_config import setting_configs, vllm_setting_names
+
+    cfg = load_compare_config([path] if "self_distill" not in path else ["configs/compare.yaml", path])
+    settings = setting_configs(cfg)
+    assert "mtbench-greedy" in settings
+    assert set(vllm_setting_names(cfg, settings)) <= set(settings)
+    labels = [d["label"] for d in [*cfg.drafts, *cfg.extra_drafts]]
+    assert labels and len(labels) == len(set(labels))

@@ -166,3 +166,52 @@ def test_eagle3_training_from_the_cache_matches_online_training(tmp_path):
     online, cached = losses("online"), losses("cached")
     assert len(online) == 2
     assert cached == pytest.approx(online, rel=1e-4)
+
+
+def test_a_family_without_aux_layers_trains_from_an_eagle3_cache_of_the_same_rows(tmp_path):
+    """One base pass serves every family: Medusa finds the EAGLE-3 cache of its rows (no second build) and
+    trains exactly as from a cache of its own."""
+    from train.loop import train
+
+    common = ["train.max_steps=4", "train.log_every=2", "train.val_batches=0", "data.hidden_cache=auto",
+              "data.hidden_cache_dtype=fp32"]
+    shared = f"data.cache_dir={tmp_path / 'shared'}"
+    train(load_train_config(["configs/eagle3.yaml", "configs/smoke.yaml"], [f"run_dir={tmp_path / 'e3'}", shared,
+                                                                            *common]))
+    eagle3_cache = list((tmp_path / "shared" / "hidden").glob("*/manifest.json"))
+    assert len(eagle3_cache) == 1
+    mtime = eagle3_cache[0].stat().st_mtime_ns
+    train(load_train_config(SMOKE_RECIPE, [f"run_dir={tmp_path / 'reused'}", shared, *common]))
+    assert list((tmp_path / "shared" / "hidden").glob("*/manifest.json")) == eagle3_cache  # nothing new built
+    assert eagle3_cache[0].stat().st_mtime_ns == mtime
+    train(load_train_config(SMOKE_RECIPE, [f"run_dir={tmp_path / 'own'}", f"data.cache_dir={tmp_path / 'own_d'}",
+                                           *common]))
+    own = json.loads(next((tmp_path / "own_d" / "hidden").glob("*/manifest.json")).read_text())
+    assert own["aux_layers"] == []
+
+    def losses(run):
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    assert len(losses("own")) == 2
+    assert losses("reused") == losses("own")
+
+
+def test_the_superset_lookup_refuses_other_rows_and_caches_without_aux(tiny_data, tmp_path):
+    from data.hidden_cache import find_superset_cache
+
+    base, ds = tiny_data
+    look = dict(base_fingerprint=base.fingerprint, base_dtype=base.model.dtype, cache_dtype="fp32")
+    info = {"base_fingerprint": base.fingerprint, "base_dtype": str(base.model.dtype)}
+    root = tmp_path / "root"
+    _build(base, ds, root / "hidden" / "plain", info={**info, "key": cache_key(base.fingerprint, base.model.dtype,
+                                                                                  ds, "fp32")})
+    assert find_superset_cache(root, ds, **look) is None  # no aux layers: not a superset (it IS the cache)
+    aux_key = cache_key(base.fingerprint, base.model.dtype, ds, "fp32", [1, 0])
+    _build(base, ds, root / "hidden" / "aux", aux_layers=[1, 0], info={**info, "key": aux_key})
+    assert find_superset_cache(root, ds, **look) == root / "hidden" / "aux"
+    assert find_superset_cache(root, ds.select(range(len(ds) - 1)), **look) is None  # other rows
+    assert find_superset_cache(root, ds, **{**look, "cache_dtype": "bf16"}) is None
+    assert find_superset_cache(root, ds, **{**look, "base_fingerprint": "other"}) is None
+    cache = HiddenCache(root / "hidden" / "aux", read_aux=False)
+    assert "aux" not in cache[0] and "aux" in HiddenCache(root / "hidden" / "aux")[0]

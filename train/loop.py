@@ -25,7 +25,15 @@ from tqdm import tqdm
 
 from data.dataset import build_datasets, collate
 from data.draft_vocab import build_draft_vocab, vocab_report
-from data.hidden_cache import HiddenCache, RankGroup, build_hidden_cache, cache_key, collate_cached, resolve_cache_dir
+from data.hidden_cache import (
+    HiddenCache,
+    RankGroup,
+    build_hidden_cache,
+    cache_key,
+    collate_cached,
+    find_superset_cache,
+    resolve_cache_dir,
+)
 from data.packed import is_packed, load_packed, packed_train_data
 from data.self_distill import build_self_distilled, train_data_entry
 from models.base import default_cache_dir, draft_inputs, load_base
@@ -329,6 +337,13 @@ def _hidden_cache(cfg, base, train_ds, info, partitioned=None) -> HiddenCache:
     key = cache_key(base.fingerprint, base.model.dtype, train_ds, cfg.data.hidden_cache_dtype, aux_layers)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     directory = resolve_cache_dir(cfg.data.hidden_cache, root, key)
+    if not aux_layers and cfg.data.hidden_cache == "auto" and not (directory / "manifest.json").is_file():
+        superset = find_superset_cache(root, train_ds, base_fingerprint=base.fingerprint,
+                                       base_dtype=base.model.dtype, cache_dtype=cfg.data.hidden_cache_dtype)
+        if superset is not None:  # an EAGLE-3 cache of these rows: its h is this cache, the aux is skipped
+            log.info("training from the hidden-state cache %s (built with aux layers for EAGLE-3; same rows, "
+                     "base and dtype; only h is read)", superset)
+            return HiddenCache(superset, read_aux=False)
     pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
     ranks = RankGroup(info.rank, info.world_size, barrier, all_reduce_sum, collective_forward=partitioned is not None)
     build_hidden_cache(base.model, train_ds, directory, pad_id=pad_id, device=info.device,
