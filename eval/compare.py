@@ -284,6 +284,7 @@ def run_compare(cfg: CompareConfig) -> dict:
         vllm = ({"timeout": cfg.vllm_timeout, "tolerance": cfg.vllm_tolerance, "enforce_eager": cfg.vllm_enforce_eager}
                 if name in with_vllm else None)
         res = run_setting(name, ecfg, entries, base, out_dir, vllm)
+        res["base_dtype"] = str(base.model.dtype).removeprefix("torch.")  # what dtype "fast"/"auto" resolved to
         summary["settings"][name] = res
         for label, v in (res.get("vllm") or {}).get("drafts", {}).items():
             if "error" in v:

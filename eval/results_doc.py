@@ -131,8 +131,11 @@ def setting_table(name: str, st: dict) -> list[str]:
     c = st["config"]
     rule = "greedy" if c["temperature"] == 0 else f"{c['acceptance']} sampling, T={c['temperature']}"
     where = f"held-out ShareGPT (skip {c['heldout_skip']})" if c["dataset"] == "sharegpt" else c["dataset"]
+    dtype = st.get("base_dtype") or c["dtype"]  # the resolved dtype (older summaries: the setting as written)
+    if dtype != {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(c["dtype"], c["dtype"]):
+        dtype = f"{dtype} (dtype: {c['dtype']})"
     out = [f"### `{name}`: {where}, {st['num_prompts']} prompts, {c['max_new_tokens']} new tokens, {rule}, "
-           f"{c['dtype']} base", "",
+           f"{dtype} base", "",
            f"Own AR decoding {_f(st['ar_tokens_per_second'], '.1f')} tok/s; "
            + (f"transformers `generate` {st['hf_tokens_per_second']:.1f} tok/s (same run, same prompts)."
               if st["hf_tokens_per_second"] is not None else

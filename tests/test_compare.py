@@ -102,6 +102,9 @@ def test_results_doc_keeps_hand_written_text_and_reports_targets(smoke_run, tmp_
     assert "stale" not in text and text.count(RESULTS_BEGIN) == 1
     assert "### `greedy`" in text and "### `t0.7`" in text and "| Medusa-chain |" in text
     assert "rejection sampling, T=0.7" in text
+    # the setting heading names the dtype the base ran in, not only the setting as written ("fast", "auto")
+    heading = next(line for line in text.splitlines() if line.startswith("### `greedy`"))
+    assert heading.endswith(", float32 base")  # dtype fp32 (an alias: no "(dtype: ...)" note)
     for png in ("results_acceptance.png", "results_speedup.png", "results_depth.png", "results_speed_vs_nodes.png"):
         assert (tmp_path / "docs" / "img" / png).read_bytes()[:4] == b"\x89PNG"
         assert f"](img/{png})" in text
