@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Issue 19, part 2: the best draft per family at <= 2 CPU-hours each (configs/best_budget.yaml: 2400 ShareGPT
-# records, 100 min of training from one shared hidden-state cache), then `specdraft compare --config
+# records, 90 min of training from one shared hidden-state cache), then `specdraft compare --config
 # configs/compare_best.yaml`, which writes the best-per-family part of docs/results.md.
 # Resumable and incremental: the cache build resumes, a run cut short (session end, Ctrl-C) continues from its
-# last checkpoint with its clock (resume=auto; the 100 min count across restarts), a finished run is skipped,
+# last checkpoint with its clock (resume=auto; the 90 min count across restarts), a finished run is skipped,
 # and compare reuses every finished (prompt, method). One family per session fits a 3-hour session:
 #
-#   FAMILIES="eagle3" launch/best.sh          # cache (~30 min, once) + EAGLE-3 (100 min) + compare
+#   FAMILIES="eagle3" launch/best.sh          # cache (~30 min, once) + EAGLE-3 (90 min) + compare (~20 min)
 #   FAMILIES="hydra_pp medusa" TRAIN_ONLY=1 launch/best.sh
 #
 # compare_best.yaml lists the families trained so far; add a family's rows there once its export exists.
