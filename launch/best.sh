@@ -17,12 +17,7 @@ B="--config configs/cpu_budget.yaml --config configs/best_budget.yaml"
 FAMILIES=${FAMILIES:-"eagle3 hydra_pp medusa hydra redrafter ctc"}
 mkdir -p runs/logs
 
-. launch/train_once.sh  # train <run> <args...>
-search() {  # search <run>: greedy-grown trees up to 64 nodes; the throughput-best one is stored in the export
-  grep -q '"tree_search"' "runs/$1/export/config.json" 2>/dev/null && { echo "skip tree-search $1"; return; }
-  echo "=== tree-search $1 $(date +%T)"
-  $S tree-search --draft "runs/$1/export" > "runs/logs/ts-$1.log" 2>&1 || echo "!!! tree-search $1 failed"
-}
+. launch/train_once.sh  # train <run> <args...>, search <run>
 
 echo "=== hidden-state cache $(date +%T)"  # with EAGLE-3's aux layers: every family reads it
 $S cache --config configs/eagle3.yaml $B run_name=best-cache > runs/logs/best-cache.log 2>&1 \

@@ -16,12 +16,7 @@ S=${SPECDRAFT:-.venv/bin/specdraft}
 B="--config configs/cpu_budget.yaml"
 mkdir -p runs/logs
 
-. launch/train_once.sh  # train <run> <args...>
-search() {  # search <run>: greedy-grown trees up to 64 nodes; the throughput-best one is stored in the export
-  grep -q '"tree_search"' "runs/$1/export/config.json" 2>/dev/null && { echo "skip tree-search $1"; return; }
-  echo "=== tree-search $1 $(date +%T)"
-  $S tree-search --draft "runs/$1/export" > "runs/logs/ts-$1.log" 2>&1 || echo "!!! tree-search $1 failed"
-}
+. launch/train_once.sh  # train <run> <args...>, search <run>
 
 # Learning rates: the recipes' rates are for GPU runs of several epochs; one CPU epoch (82 steps) needs
 # larger steps. Medusa/Hydra/ReDrafter (zero-init MLP blocks): 5e-3, the demo's rate. Hydra++ / CTC (a
