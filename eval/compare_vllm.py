@@ -46,23 +46,31 @@ def chain_depth(family: str, info: dict, drafter) -> int:
                      "drop `vllm: true` from this row")
 
 
-def speculative_config(entry, family: str, info: dict, depth: int, base, base_dir: Path, workdir: Path) -> dict:
-    """vLLM's speculative_config for a compare row; a trained draft is exported once to workdir/export-<label> and
-    must have been trained on the base in base_dir (the directory vLLM serves)."""
+def speculative_config(entry, family: str, info: dict, depth: int, base, base_dir: Path, workdir: Path
+                       ) -> tuple[dict, dict]:
+    """vLLM's speculative_config for a compare row and the further engine arguments its export needs; a trained
+    draft is exported once to workdir/export-<label> and must have been trained on the base in base_dir (the
+    directory vLLM serves)."""
     from eval.serve_check import check_fingerprint
     from models.draft import BaseView
     from train.export import load_draft, read_export_config
-    from train.export_vllm import SPECULATIVE_CONFIG_FILE, export_vllm, read_speculative_config, vllm_ngram_config
+    from train.export_vllm import (
+        SPECULATIVE_CONFIG_FILE,
+        export_vllm,
+        read_engine_args,
+        read_speculative_config,
+        vllm_ngram_config,
+    )
 
     if family == "ngram":
-        return vllm_ngram_config({"w": depth, "q": info["q"], "q_min": info["q_min"]})
+        return vllm_ngram_config({"w": depth, "q": info["q"], "q_min": info["q_min"]}), {}
     out = workdir / f"export-{entry.label}"
     if not (out / SPECULATIVE_CONFIG_FILE).is_file():
         view = BaseView.from_model(base.model)
         draft, export_cfg = load_draft(entry.export, view, base.fingerprint)
         export_vllm(draft.float(), out, export_cfg, view)
     check_fingerprint(read_export_config(entry.export), base_dir, str(entry.export))
-    return {**read_speculative_config(out), "num_speculative_tokens": depth}
+    return {**read_speculative_config(out), "num_speculative_tokens": depth}, read_engine_args(out)
 
 
 def _cached(path: Path, prompt_ids: list[str]) -> dict | None:
@@ -103,11 +111,11 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
             depth = chain_depth(m.family, m.info, m.drafter)
         except ValueError as exc:
             raise ValueError(f"compare row {e.label!r} has `vllm: true` but {exc}") from None
-        plans.append((e, m, depth, speculative_config(e, m.family, m.info, depth, base, base_dir, workdir)))
+        plans.append((e, m, depth, *speculative_config(e, m.family, m.info, depth, base, base_dir, workdir)))
 
     dtype = DTYPES[next(base.model.parameters()).dtype]
     longest = max(len(p.input_ids) for p in prompts)
-    depth_max = max([d for _, _, d, _ in plans] or [0])
+    depth_max = max([d for _, _, d, _, _ in plans] or [0])
     job = {"base_dir": str(base_dir), "dtype": dtype, "max_new_tokens": ecfg.max_new_tokens,
            "warmup_tokens": ecfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
            "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
@@ -115,11 +123,12 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "enforce_eager": enforce_eager}
     ids = [p.id for p in prompts]
 
-    def engine(label: str, spec: dict | None) -> dict:
+    def engine(label: str, spec: dict | None, engine_args: dict | None = None) -> dict:
         result = _cached(workdir / f"{label}.result.json", ids)
         if result is None:
             print(f"[compare {name}] vLLM engine {label} on {len(prompts)} prompts", flush=True)
-            result = run_engine({**job, "label": label, "speculative_config": spec}, workdir, timeout)
+            result = run_engine({**job, "label": label, "speculative_config": spec, "engine_args": engine_args},
+                                workdir, timeout)
         return result
 
     ar_result = engine("vllm_ar", None)
@@ -130,20 +139,20 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "ar": {"tokens_per_second": ar["tokens_per_second"], "timing": ar["timing"],
                   "agreement_with_our_ar": agreement(ar["outputs"], our_ar)},
            "drafts": {}}
-    for e, m, depth, spec in plans:
+    for e, m, depth, spec, engine_args in plans:
         try:
-            v = vllm_engine_numbers(engine(f"vllm-{e.label}", spec))
+            v = vllm_engine_numbers(engine(f"vllm-{e.label}", spec, engine_args))
         except ServeCheckError as exc:  # one draft vLLM cannot load: the others still run, the table says why
             log.error("vLLM + %s (%s): %s", e.label, name, exc)
             out["drafts"][e.label] = {"family": m.family, "depth": depth, "speculative_config": spec,
-                                      "error": str(exc).splitlines()[0]}
+                                      "engine_args": engine_args, "error": str(exc).splitlines()[0]}
             continue
         samples = [{"id": p.id, "tokens": done[(p.id, e.label)]["tokens"]} for p in prompts]
         ours = our_engine_numbers(reports[e.label], samples, ar=False)
         acc = compare_acceptance(v["accept_rate_per_position"], ours["accept_rate_per_position"], tolerance)
         tps = v["tokens_per_second"]
         out["drafts"][e.label] = {
-            "family": m.family, "depth": depth, "speculative_config": spec,
+            "family": m.family, "depth": depth, "speculative_config": spec, "engine_args": engine_args,
             "acceptance_length": v["acceptance_length"], "accept_rate_per_position": v["accept_rate_per_position"],
             "tokens_per_second": tps, "num_drafts": v["num_drafts"],
             "speedup_vs_vllm_ar": tps / ar["tokens_per_second"] if tps and ar["tokens_per_second"] else None,

@@ -192,6 +192,7 @@ class _Plan:
     ngram_drafter: object = None  # ours with vLLM's n-gram rule, beside a draft (None for --method ngram)
     ngram_info: dict = dataclasses.field(default_factory=dict)
     note: str = ""  # printed first (e.g. why vLLM does not run the draft itself)
+    engine_args: dict = dataclasses.field(default_factory=dict)  # the draft export's engine_args.json
 
 
 def _longest_match(base, w: int, q: int, q_min: int):
@@ -214,7 +215,13 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     from models.base import load_base
     from models.draft import BaseView
     from train.export import load_draft, read_export_config
-    from train.export_vllm import VLLM_EXPORTERS, export_vllm, read_speculative_config, vllm_ngram_config
+    from train.export_vllm import (
+        VLLM_EXPORTERS,
+        export_vllm,
+        read_engine_args,
+        read_speculative_config,
+        vllm_ngram_config,
+    )
 
     export_cfg = read_export_config(draft_dir)
     cfg = resolve_heldout_skip(cfg, export_cfg)
@@ -224,7 +231,8 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     family = export_cfg["family"]
     if family not in VLLM_EXPORTERS:
         return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
-    spec = read_speculative_config(export_vllm(draft, workdir / "export", export_cfg, view))
+    vllm_dir = export_vllm(draft, workdir / "export", export_cfg, view)
+    spec = read_speculative_config(vllm_dir)
     depth = int(spec["num_speculative_tokens"])
     base_dir = base_hf_dir(base, workdir)
     check_fingerprint(export_cfg, base_dir, str(draft_dir))
@@ -239,7 +247,8 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     shape = _ngram_shape(cfg, depth)
     ngram_drafter, ngram_info = _longest_match(base, **shape)
     return _Plan(family, base, base_dir, drafter, info, ours_cfg, spec, vllm_ngram_config(shape), depth,
-                 f"{family} chain of {depth}", ngram_drafter, ngram_info), cfg
+                 f"{family} chain of {depth}", ngram_drafter, ngram_info,
+                 engine_args=read_engine_args(vllm_dir)), cfg
 
 
 def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Path) -> _Plan:
@@ -328,7 +337,9 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
     runs = [("vllm_ar", None)] + ([("vllm_draft", plan.spec)] if plan.spec else []) + [("vllm_ngram", plan.ngram_spec)]
     vllm_version = None
     for label, spec_cfg in runs:
-        result = run_engine({**job, "label": label, "speculative_config": spec_cfg}, workdir, timeout)
+        engine_args = plan.engine_args if label == "vllm_draft" else None
+        result = run_engine({**job, "label": label, "speculative_config": spec_cfg, "engine_args": engine_args},
+                            workdir, timeout)
         engines[label] = vllm_engine_numbers(result)
         vllm_version = result.get("vllm_version")
 

@@ -8,7 +8,8 @@ its core process, hence the `__main__` guard.
 
 JOB.json: {"label", "base_dir", "dtype" ("float32" | "bfloat16" | "float16"), "prompts": [{"id", "input_ids"}],
 "max_new_tokens", "warmup_tokens", "stop_token_ids", "speculative_config" (dict or null), "max_model_len",
-"seed", "enforce_eager" (skip torch.compile: minutes saved on a first run, slower decoding), "out"}.
+"seed", "enforce_eager" (skip torch.compile: minutes saved on a first run, slower decoding), "engine_args"
+(further LLM(...) keyword arguments the draft's export asks for in its engine_args.json, or null), "out"}.
 Writes to "out" a JSON result: per prompt the generated token ids and decode seconds, the spec-decode counters
 of the timed prompts only (warm-up subtracted), or {"error": "load", "message"} when the engine cannot be
 built (exit code 3). Progress lines start with "[serve-check]" (the parent shows them).
@@ -74,7 +75,8 @@ def run(job: dict) -> dict:
     try:
         llm = LLM(model=job["base_dir"], dtype=job["dtype"], speculative_config=job.get("speculative_config"),
                   disable_log_stats=False, max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)),
-                  max_num_seqs=1, enable_prefix_caching=False, enforce_eager=bool(job.get("enforce_eager", False)))
+                  max_num_seqs=1, enable_prefix_caching=False, enforce_eager=bool(job.get("enforce_eager", False)),
+                  **(job.get("engine_args") or {}))  # what the draft's export needs (engine_args.json)
     except Exception as exc:  # whatever vLLM raises, the user needs its reason
         return {"error": "load", "message": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc()[-4000:]}

@@ -147,7 +147,8 @@ def test_compare_with_vllm_columns_end_to_end(tmp_path, capsys):
     from eval.compare import run_compare
     from eval.results_doc import write_results
 
-    export = medusa_export_on_servable_base(tmp_path / "m")
+    # with a draft vocabulary (token_map): vLLM 0.32 loads it only with the export's engine_args.json
+    export = medusa_export_on_servable_base(tmp_path / "m", draft_vocab=160)
     cfg = {"out_dir": str(tmp_path / "cmp"), "base_path": str(tmp_path / "m" / "base"),
            "eval": {"dataset": "tests/fixtures/eval_prompts.jsonl", "num_prompts": 3, "max_new_tokens": 24,
                     "dtype": "fp32", "backend": "hf", "warmup_tokens": 2},
@@ -167,6 +168,7 @@ def test_compare_with_vllm_columns_end_to_end(tmp_path, capsys):
     med = v["drafts"]["Medusa-chain"]
     assert med["depth"] == 3 and med["speculative_config"]["num_speculative_tokens"] == 3
     assert med["acceptance_check"]["ok"] and med["num_drafts"] > 0
+    assert med["engine_args"] == {"model_loader_extra_config": {"enable_weights_track": False}}
     assert v["drafts"]["N-gram-chain"]["acceptance_check"]["ok"]
     work = tmp_path / "cmp" / "greedy" / "vllm"
     results = sorted(p.name for p in work.glob("*.result.json"))

@@ -19,6 +19,7 @@ from train.export_vllm import (
     SPECULATIVE_CONFIG_FILE,
     VLLM_EXPORTERS,
     export_vllm,
+    read_engine_args,
     vllm_ngram_config,
 )
 
@@ -122,6 +123,9 @@ def test_draft_vocabulary_token_map(tiny, tmp_path):
     assert t["token_map"].dtype == torch.int64 and torch.equal(t["token_map"], d2t)
     assert torch.equal(t["lm_head.weight"], view.lm_head_weight[d2t])
     assert cfg["truncated_vocab_size"] == n and cfg["vocab_size"] == view.vocab_size
+    # vLLM 0.32 reads token_map but never reports it loaded: the export asks for its strict check off
+    assert read_engine_args(out) == {"model_loader_extra_config": {"enable_weights_track": False}}
+    assert read_engine_args(export_vllm(_medusa(view, share=True), tmp_path / "full", _export_cfg(base), view)) == {}
     hidden = torch.randn(64, view.hidden_size)
     with torch.no_grad():
         ids = torch.stack([(draft.head_trunk(k, hidden) @ view.lm_head_weight[d2t].T).argmax(-1)

@@ -39,12 +39,20 @@ def tiny_medusa(view: BaseView, num_heads: int = 3, share_lm_head: bool = True, 
     return draft.eval()
 
 
-def medusa_export_on_servable_base(root: Path, num_heads: int = 3) -> Path:
-    """root/base (HF dir) + root/run/export (specdraft format, base_model = that dir). Returns the export dir."""
+def medusa_export_on_servable_base(root: Path, num_heads: int = 3, draft_vocab: int = 0) -> Path:
+    """root/base (HF dir) + root/run/export (specdraft format, base_model = that dir). Returns the export dir.
+    draft_vocab=N: the heads predict over N of the base's tokens (a random draft vocabulary, its d2t exported)."""
+    from dataclasses import replace
+
     base_dir = servable_tiny_base(root / "base")
     base = load_base(str(base_dir), dtype="fp32")
-    draft = tiny_medusa(BaseView.from_model(base.model), num_heads)
-    return export_specdraft(draft, root / "run" / "export", base.name, base.fingerprint)
+    view = BaseView.from_model(base.model)
+    if draft_vocab:
+        gen = torch.Generator().manual_seed(5)
+        view = replace(view, draft_vocab=torch.randperm(view.vocab_size, generator=gen)[:draft_vocab].sort().values)
+    draft = tiny_medusa(view, num_heads)
+    extra = {"draft_vocab_size": draft_vocab} if draft_vocab else None
+    return export_specdraft(draft, root / "run" / "export", base.name, base.fingerprint, extra)
 
 
 def hydra_export_on_servable_base(root: Path, num_heads: int = 2) -> Path:

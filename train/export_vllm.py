@@ -1,7 +1,8 @@
 """`specdraft export --format vllm`: a draft in the layout vLLM loads (DESIGN.md §1 serving engine, §8).
 
 Every vLLM export directory holds `speculative_config.json`: the dict to pass as
-`LLM(..., speculative_config=...)` (its "model" is this directory's absolute path at export time).
+`LLM(..., speculative_config=...)` (its "model" is this directory's absolute path at export time), and, where
+the draft needs more engine arguments, `engine_args.json`: further `LLM(...)` keyword arguments.
 One exporter per family in `VLLM_EXPORTERS`; a family vLLM cannot serve gets an error naming the formats
 it does have.
 
@@ -21,6 +22,11 @@ Draft vocabulary: a draft that predicts over N < V tokens carries a persistent b
 (draft id -> base id) and `"draft_vocab_size": N` in its specdraft config.json (0 or missing = the full
 vocabulary). vLLM scatters the N logits into a [V] row at `token_map` (-inf elsewhere). vLLM 0.32 sizes
 per-head LM heads by V even with a token map, so it reads a draft vocabulary only with the shared head.
+vLLM 0.32's `MedusaModel.load_weights` also never reports `token_map` as loaded, so the loader's strict
+check ("Following weights were not initialized from checkpoint: {'token_map'}") refuses every export with a
+draft vocabulary although the map was read. `engine_args.json` turns that check off for such an export
+(`model_loader_extra_config={"enable_weights_track": false}`); serve-check and compare then verify the
+engine's output token by token against plain decoding instead.
 
 N-gram: vLLM's `ngram` method is prompt lookup (one row of up to num_speculative_tokens tokens copied
 after the earliest match of the longest suffix of n tokens, prompt_lookup_min <= n <= prompt_lookup_max).
@@ -41,6 +47,9 @@ from models.vocab_map import check_fits
 from train.export import _atomic_dir_write, draft_tensors
 
 SPECULATIVE_CONFIG_FILE = "speculative_config.json"
+ENGINE_ARGS_FILE = "engine_args.json"  # extra LLM(...) keyword arguments the draft needs (absent = none)
+# vLLM 0.32 Medusa + token_map: load_weights reads the map but does not report it loaded (module docstring).
+MEDUSA_TOKEN_MAP_ENGINE_ARGS = {"model_loader_extra_config": {"enable_weights_track": False}}
 # The formats `specdraft export` writes for each family (named in the error for a family vLLM cannot serve).
 FORMATS_BY_FAMILY = {
     "medusa": ("specdraft", "medusa", "vllm"),
@@ -119,11 +128,14 @@ def export_vllm_medusa(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     config = medusa_vllm_config(draft, base, d2t, export_cfg)
     out_dir = Path(out_dir)
     spec = {"method": "medusa", "model": str(out_dir.resolve()), "num_speculative_tokens": draft.num_heads}
-    return _atomic_dir_write(out_dir, {
+    files = {
         "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
         SPECULATIVE_CONFIG_FILE: lambda p: p.write_text(json.dumps(spec, indent=2) + "\n"),
-    })
+    }
+    if d2t is not None:
+        files[ENGINE_ARGS_FILE] = lambda p: p.write_text(json.dumps(MEDUSA_TOKEN_MAP_ENGINE_ARGS, indent=2) + "\n")
+    return _atomic_dir_write(out_dir, files)
 
 
 def vllm_ngram_config(options: dict) -> dict:
@@ -172,6 +184,12 @@ def export_vllm(draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
                          f"formats for {family}: {have} (`specdraft export --format ...`), and our decoder "
                          "(`specdraft eval`) runs it")
     return VLLM_EXPORTERS[family](draft, out_dir, export_cfg, base)
+
+
+def read_engine_args(vllm_dir: Path) -> dict:
+    """The extra `LLM(...)` keyword arguments a vLLM export needs ({} for most drafts)."""
+    path = Path(vllm_dir) / ENGINE_ARGS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def read_speculative_config(vllm_dir: Path) -> dict:
