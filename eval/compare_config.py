@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval.config import EvalConfig, validate_eval
+from eval.results_doc import SAME_BUDGET_TITLE
 from train.config_loader import ConfigError, load_typed
 
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]*$")  # a directory name, no spaces or slashes
@@ -43,7 +44,7 @@ class CompareConfig:
     results_md: str = "docs/results.md"  # regenerated between its markers after every compare run
     results_img: str = "docs/img/results"  # prefix of the plots
     results_section: str = ""  # "" = the default markers of results_md; a name (e.g. "best") = its own part
-    results_training_title: str = "same data, same cache, same precision"  # heading of the training table
+    results_training_title: str = SAME_BUDGET_TITLE  # heading of the training table
     eval: dict = field(default_factory=dict)
     settings: list[dict] = field(default_factory=list)
     drafts: list[dict] = field(default_factory=list)
