@@ -64,26 +64,15 @@ def train_seconds(run: Path, export_cfg: dict) -> float | None:
     return int(hh or 0) * 3600 + int(mm) * 60 + int(ss)
 
 
-def _cache_manifest(run: Path) -> dict | None:
-    """The manifest of the hidden-state cache the run trained from (named in its log)."""
+def cache_manifest(run: Path) -> dict | None:
+    """The manifest of the hidden-state cache the run trained from (named in its log): its "tokens" and "rows"
+    are one epoch's tokens and training conversations."""
     log = run.parent / "logs" / f"{run.name}.log"
     if not log.is_file():
         return None
     m = re.search(r"training from the hidden-state cache (\S+) \(", log.read_text(errors="replace"))
     manifest = Path(m.group(1)) / "manifest.json" if m else None
     return json.loads(manifest.read_text()) if manifest and manifest.is_file() else None
-
-
-def cache_tokens(run: Path) -> int | None:
-    """Tokens per epoch: the hidden-state cache the run trained from."""
-    m = _cache_manifest(run)
-    return m["tokens"] if m else None
-
-
-def _cache_rows(run: Path) -> int | None:
-    """Training conversations per epoch: the rows of that cache."""
-    m = _cache_manifest(run)
-    return m["rows"] if m else None
 
 
 def family_key(report: dict) -> str:
@@ -103,8 +92,8 @@ def describe_training(export: Path) -> dict:
     cfg = json.loads((export / "config.json").read_text())
     run_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
     epochs = float((run_cfg.get("train") or {}).get("epochs") or 1)
-    per_epoch = cache_tokens(run)
-    rows = _cache_rows(run)
+    manifest = cache_manifest(run) or {}  # read once: the search runs over the whole training log
+    per_epoch, rows = manifest.get("tokens"), manifest.get("rows")
     batch = int((run_cfg.get("train") or {}).get("global_batch_size") or 0)
     if cfg.get("trained_steps") and rows and batch and rows >= batch:
         # the steps actually run (a time budget, train.max_minutes, stops a run before its configured epochs)
