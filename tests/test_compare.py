@@ -9,7 +9,7 @@ import yaml
 from eval.compare import run_compare
 from eval.compare_config import load_compare_config
 from eval.report import REPORT_KEYS
-from eval.results_doc import RESULTS_BEGIN, RESULTS_END, markers, splice, target_table, write_results
+from eval.results_doc import RESULTS_BEGIN, RESULTS_END, _shape, markers, splice, target_table, write_results
 from train.config_loader import ConfigError
 
 
@@ -131,9 +131,21 @@ def test_target_table_and_splice():
     rows = "\n".join(target_table(st))
     assert "| medusa | ≥ 2.0 | 2.10 (Medusa) | yes |" in rows
     assert "| hydra++ | ≥ 2.6 | 2.00 (Hydra++) | no |" in rows  # plain Hydra's 3.0 is not Hydra++
-    assert "| ctc | ≥ 2.4 | — () | no |" in rows
+    assert "| ctc | ≥ 2.4 | not measured (no row) | — |" in rows  # no CTC row: neither met nor missed
     assert "2.50× (Hydra++) | yes |" in rows
     assert splice("", "S").startswith("# Results") and splice("x", "S") == "x\n\nS\n"
+
+
+@pytest.mark.parametrize("extra, shape", [
+    ({"eagle3_mode": "chain", "chain_length": 4, "max_nodes": 5}, "chain of 4"),
+    ({"eagle3_mode": "tree", "max_nodes": 16}, "dynamic tree, 16 nodes"),
+    ({"tree": "custom", "tree_nodes": 17, "tree_search_nodes": 16}, "searched, 16 nodes"),
+    ({"tree": "export", "tree_nodes": 2}, "export's searched tree, 2 nodes"),
+    ({"tree": "chain4", "tree_nodes": 5}, "chain4, 5 nodes"),
+    ({"beam_width": 8, "beam_length": 3}, "8 beams × 3"),
+])
+def test_draft_shape_column_names_each_drafts_shape(extra, shape):
+    assert _shape({"extra": extra}) == shape
 
 
 @pytest.mark.parametrize("patch, message", [
