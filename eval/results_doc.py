@@ -124,8 +124,8 @@ def _shape(rep: dict) -> str:
         return f"dynamic tree, {ex.get('max_nodes', '?')} nodes"
     if ex.get("tree_search_nodes"):
         return f"searched, {ex['tree_search_nodes']} nodes"
-    if ex.get("tree") == "export":  # the tree `specdraft tree-search` stored in the export (root included)
-        return f"export's searched tree, {ex.get('tree_nodes', '?')} nodes"
+    if ex.get("tree") == "export":  # the tree stored in the export (`specdraft tree-search` writes it), root included
+        return f"export's tree, {ex.get('tree_nodes', '?')} nodes"
     return f"{ex.get('tree', '?')}, {ex.get('tree_nodes', '?')} nodes"
 
 

@@ -140,7 +140,7 @@ def test_target_table_and_splice():
     ({"eagle3_mode": "chain", "chain_length": 4, "max_nodes": 5}, "chain of 4"),
     ({"eagle3_mode": "tree", "max_nodes": 16}, "dynamic tree, 16 nodes"),
     ({"tree": "custom", "tree_nodes": 17, "tree_search_nodes": 16}, "searched, 16 nodes"),
-    ({"tree": "export", "tree_nodes": 2}, "export's searched tree, 2 nodes"),
+    ({"tree": "export", "tree_nodes": 2}, "export's tree, 2 nodes"),
     ({"tree": "chain4", "tree_nodes": 5}, "chain4, 5 nodes"),
     ({"beam_width": 8, "beam_length": 3}, "8 beams × 3"),
 ])
