@@ -22,7 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {"medusa": "configs/medusa.yaml", "hydra": "configs/hydra.yaml", "hydra_pp": "configs/hydra_pp.yaml",
-           "redrafter": "configs/redrafter.yaml", "ctc": "configs/ctc.yaml"}
+           "redrafter": "configs/redrafter.yaml", "ctc": "configs/ctc.yaml",
+           "eagle3": "configs/eagle3.yaml"}
 
 
 def run_one(family: str, zero: int, args, run_dir: Path) -> dict:
@@ -63,12 +64,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     rows = []
-    for family in args.families.split(","):
-        for zero in (int(z) for z in args.zero.split(",")):
-            row = run_one(family, zero, args, Path(args.runs) / f"{family}-zero{zero}")
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "error"}) +
-                  (f"\n  FAILED: {row['error'][-600:]}" if "error" in row else ""), flush=True)
     out = {"base": args.base, "data": args.data, "steps": args.steps, "overrides": args.set, "runs": rows}
     try:
         import torch
@@ -77,7 +72,14 @@ def main() -> None:
     except Exception:  # noqa: BLE001 (a report field only)
         pass
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    for family in args.families.split(","):
+        for zero in (int(z) for z in args.zero.split(",")):
+            row = run_one(family, zero, args, Path(args.runs) / f"{family}-zero{zero}")
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "error"}) +
+                  (f"\n  FAILED: {row['error'][-600:]}" if "error" in row else ""), flush=True)
+            # Written after every run: a caller's deadline that cuts the bench keeps the rows measured so far.
+            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"{'family':>10} {'ZeRO':>4} {'tokens/s':>10} {'wall s':>7}")
     for r in rows:
         tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "FAILED"

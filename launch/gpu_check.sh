@@ -5,6 +5,7 @@
 #
 #   launch/gpu_check.sh OUT_DIR [stage ...]      stages: setup tests decode gguf train fulldata evaldraft
 #                                                (default: setup tests decode)
+#   GPU_CHECK_DEADLINE=540 launch/gpu_check.sh OUT_DIR stage ...   every command ends within 540 s of the start
 #   GPU_CHECK_DRY=1 launch/gpu_check.sh /tmp/gpu-dry setup tests decode train fulldata evaldraft
 #                                                CPU dry run: the same stages at tiny sizes (also the mode on
 #                                                any machine without CUDA); cuda tests skip
@@ -20,7 +21,7 @@
 #              SmolLM2 (exact config) and a random-init LLaMA-3-8B shape; + the real SmolLM2 once `gguf` ran
 #   gguf       stash the GGUF half carried in .gpudata/gguf0 or gguf1; when both halves are on the machine,
 #              join them (sha256 checked) and convert: `load_base("smollm2")` works from then on
-#   train      bench/gpu_train.py: tokens/s per family, DeepSpeed bf16, ZeRO 0 and 2
+#   train      bench/gpu_train.py: tokens/s per family, DeepSpeed bf16, ZeRO 0 and 2 (GPU_TRAIN_FAMILIES=a,b: some)
 #   fulldata   hidden-state cache over the whole pack + Hydra++ (FULLDATA_EPOCHS, FULLDATA_MINUTES budget,
 #              resume=auto: a second call continues), export split into <= 16 MiB parts under OUT_DIR
 #   evaldraft  specdraft eval (MT-bench, bf16, fast backend) of the fulldata export and .gpudata/exports/*
@@ -53,11 +54,25 @@ if [ "$DRY" = 1 ]; then export PYTHONPATH=$REPO:$WORK/pkgs; else export PYTHONPA
 mkdir -p "$WORK/pkgs"
 
 log() { echo "[$(date -u +%H:%M:%S)] $*" | tee -a "$OUT_DIR/gpu_check.log"; }
+# GPU_CHECK_DEADLINE=S: every command must end S seconds after the script started (the device tool kills the whole
+# call at its limit, and then nothing is collected): each one runs under `timeout <seconds left>`, and one with
+# under 15 s left is skipped (exit 124 in status.txt).
+DEADLINE=${GPU_CHECK_DEADLINE:-0}
 run() {  # run NAME CMD...: output to OUT_DIR/NAME.txt and the console; status recorded
   local name=$1; shift
+  local limit=()
+  if [ "$DEADLINE" -gt 0 ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 15 ]; then
+      log "$name: skipped, ${left} s left before GPU_CHECK_DEADLINE=$DEADLINE"
+      echo "$name 124 0" >> "$OUT_DIR/status.txt"
+      return 124
+    fi
+    limit=(timeout "$left")
+  fi
   log "$name: $*"
   local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT_DIR/$name.txt"
+  "${limit[@]}" "$@" 2>&1 | tee "$OUT_DIR/$name.txt"
   local rc=${PIPESTATUS[0]}
   log "$name: exit $rc in $((SECONDS - t0)) s"
   echo "$name $rc $((SECONDS - t0))" >> "$OUT_DIR/status.txt"
@@ -184,9 +199,10 @@ stage_train() {
       --runs "$WORK/train-runs" --set train.precision=fp32 data.max_length=128 train.global_batch_size=2 \
       train.micro_batch_size=1 --zero 0,2 --out "$OUT_DIR/train.json"
   else
+    # ~45 s a run (start-up ~25 s): the 12 runs of all six families take ~9 min; GPU_TRAIN_FAMILIES picks some.
     run train "$PY" bench/gpu_train.py --base "$base" --data "$DATA/sharegpt" --steps 20 --log-every 5 \
       --runs "$WORK/train-runs" --set train.micro_batch_size=8 train.global_batch_size=32 --timeout 110 \
-      --out "$OUT_DIR/train.json"
+      --families "${GPU_TRAIN_FAMILIES:-medusa,hydra,hydra_pp,redrafter,ctc,eagle3}" --out "$OUT_DIR/train.json"
   fi
 }
 

@@ -157,6 +157,7 @@ FAMILIES = {  # name -> (registry family, DraftSection overrides, eval extra)
     "hydra_pp": ("hydra", {"num_heads": 4, "num_layers": 4, "prefix_layer": True}, {}),
     "redrafter": ("redrafter", {"num_heads": 4}, {"beam_width": 4, "beam_length": 4}),
     "ctc": ("ctc", {"num_heads": 3, "num_frames": 6}, {"ctc_num_paths": 8, "ctc_topk": 2}),
+    "eagle3": ("eagle3", {"num_heads": 3, "ttt_steps": 3}, {}),
 }
 
 
@@ -261,7 +262,7 @@ def test_bf16_lossless_or_documented_tie(fp32_model, bf16_compiled, name):
 # ---- DeepSpeed on one GPU: NCCL, bf16, ZeRO 0/2, resume ---------------------------------------------
 
 RECIPES = {"medusa": "configs/medusa.yaml", "hydra": "configs/hydra.yaml", "hydra_pp": "configs/hydra_pp.yaml",
-           "redrafter": "configs/redrafter.yaml", "ctc": "configs/ctc.yaml"}
+           "redrafter": "configs/redrafter.yaml", "ctc": "configs/ctc.yaml", "eagle3": "configs/eagle3.yaml"}
 # Constant LR (no warmup, no decay): a run of 2 steps resumed to 4 must equal an uninterrupted 4-step run.
 _CONST = ["train.warmup_ratio=0.0", "train.min_lr_ratio=1.0", "train.precision=bf16", "train.log_every=1",
           "train.val_batches=1", "wandb.enabled=false", "train.global_batch_size=4", "train.micro_batch_size=2"]
@@ -287,7 +288,7 @@ def test_deepspeed_bf16_nccl_step_and_resume(tmp_path, name, zero):
     from train.export import read_tensors
 
     extra = [f"deepspeed.zero_stage={zero}"]
-    if name == "hydra_pp":  # its recipe trains from the hidden-state cache: build it on CUDA here
+    if name in ("hydra_pp", "eagle3"):  # their recipes train from the hidden-state cache: build it on CUDA here
         extra += ["data.hidden_cache=auto", f"data.cache_dir={tmp_path / 'cache'}"]
     full = _train(RECIPES[name], tmp_path / "full", "train.max_steps=4", *extra)
     assert dist.get_backend() == ("nccl" if ON_CUDA else "gloo")
@@ -295,7 +296,7 @@ def test_deepspeed_bf16_nccl_step_and_resume(tmp_path, name, zero):
     assert export_cfg["train_dtype"] == "bfloat16"
     rows = _metrics(full)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["loss"] == r["loss"] for r in rows)  # no NaN
-    if name == "hydra_pp":
+    if name in ("hydra_pp", "eagle3"):
         assert export_cfg["hidden_cache"] and any((tmp_path / "cache" / "hidden").rglob("manifest.json"))
 
     part = _train(RECIPES[name], tmp_path / "part", "train.max_steps=2", *extra)

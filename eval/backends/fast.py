@@ -301,7 +301,10 @@ class _LlamaCore(nn.Module):
             o = F.scaled_dot_product_attention(q, kc.narrow(1, 0, kv_len).unsqueeze(0),
                                                vc.narrow(1, 0, kv_len).unsqueeze(0),
                                                attn_mask=m, scale=scale)  # [1, Hkv, G*N, hd]
-            o = o.view(H, n, hd).transpose(0, 1).reshape(n, H * hd)
+            # [Hkv, G*N, hd] -> [N, H*hd] with head h = j*G + g. unflatten, not view: CUDA's flash/efficient
+            # kernels return o laid out as [1, G*N, Hkv, hd] (transposed strides), which no view of
+            # [H, N, hd] can read; splitting one dim is a view for any strides.
+            o = o[0].unflatten(1, (G, n)).permute(2, 0, 1, 3).reshape(n, H * hd)
             if pan is None:
                 x = _mm(o, wo, bo, residual=x)
             else:  # Gemma: normalise the attention output before the residual add
