@@ -96,14 +96,16 @@ def _headline(e: DraftEntry) -> dict:
     return {"headline": list(e.headline)} if e.headline else {}
 
 
-def _heldout_skip(entries: list[DraftEntry], ecfg: EvalConfig) -> EvalConfig:
-    """sharegpt settings skip every conversation ANY compared draft trained on (the largest skip)."""
+def _heldout_skip(entries: list[DraftEntry], setting: str, ecfg: EvalConfig) -> EvalConfig:
+    """sharegpt settings skip every conversation ANY draft compared in this setting trained on (the largest
+    skip); a draft kept out of the setting (its `settings` list) has no say, e.g. one trained on all of ShareGPT
+    that only runs on MT-bench."""
     from train.export import read_export_config
 
     if ecfg.dataset != "sharegpt":
         return ecfg
     skips = [resolve_heldout_skip(ecfg, read_export_config(e.export)).heldout_skip or 0
-             for e in entries if e.export is not None]
+             for e in entries if e.export is not None and (e.settings is None or setting in e.settings)]
     return dataclasses.replace(ecfg, heldout_skip=max([ecfg.heldout_skip or 0, *skips]))
 
 
@@ -134,7 +136,7 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
     (eval/compare_vllm.py): the result goes under the returned dict's "vllm" key ({"error": message} when vLLM
     could not run)."""
     model, tok = base.model, base.tokenizer
-    ecfg = _heldout_skip(entries, ecfg)
+    ecfg = _heldout_skip(entries, name, ecfg)
     methods = _build_methods(entries, name, ecfg, base)
     backend, eos = make_backend(ecfg.backend, model), eos_ids(model, tok)
     prompts = config_prompts(ecfg, tok)

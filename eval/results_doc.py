@@ -65,8 +65,11 @@ def train_seconds(run: Path, export_cfg: dict) -> float | None:
 
 
 def cache_manifest(run: Path) -> dict | None:
-    """The manifest of the hidden-state cache the run trained from (named in its log): its "tokens" and "rows"
-    are one epoch's tokens and training conversations."""
+    """The manifest of the hidden-state cache the run trained from: its "tokens" and "rows" are one epoch's
+    tokens and training conversations. A run brought back from another machine carries a copy
+    (<run>/cache_manifest.json, launch/gpu_check.sh); else the cache named in runs/logs/<run>.log."""
+    if (run / "cache_manifest.json").is_file():
+        return json.loads((run / "cache_manifest.json").read_text())
     log = run.parent / "logs" / f"{run.name}.log"
     if not log.is_file():
         return None
@@ -130,7 +133,7 @@ def _shape(rep: dict) -> str:
 
 
 def training_table(rows: list[tuple[str, dict]]) -> list[str]:
-    out = ["| draft | run | family | trainable params | epochs | tokens seen | train time (2 CPU cores) | lr "
+    out = ["| draft | run | family | trainable params | epochs | tokens seen | train time | lr "
            "| held-out top-1 by depth (teacher forced) |", "|---|---|---|---|---|---|---|---|---|"]
     for label, t in rows:
         top1 = " / ".join(f"{a:.3f}" for a in t["heldout_top1"]) if t["heldout_top1"] else "—"
@@ -436,7 +439,8 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
     lines += training_table([(", ".join(labels), describe_training(Path(exp))) for exp, labels in exports.items()])
     lines += ["", "Train time: the training loop only (the one-off hidden-state cache build, and for self-distilled "
               "runs the generation of the answers, are not included), on this 2-core machine under whatever else "
-              "ran at the time. Held-out top-1: each run's own validation conversations (for a self-distilled run "
+              "ran at the time, except rows whose label names another machine (`GPU`: one H100, bf16). "
+              "Held-out top-1: each run's own validation conversations (for a self-distilled run "
               "these hold the base's own answers, so its column is not comparable with the others)."]
     head = headline_table(settings)
     if head:

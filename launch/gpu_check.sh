@@ -229,7 +229,12 @@ stage_fulldata() {
   [ -f "$FULL_RUN/export/model.safetensors" ] || { log "fulldata: no export yet (stopped early?)"; return 1; }
   rm -rf "$OUT_DIR/export_fulldata"
   mkdir -p "$OUT_DIR/export_fulldata"
-  cp "$FULL_RUN/export/config.json" "$FULL_RUN/heldout.json" "$FULL_RUN/metrics.jsonl" "$OUT_DIR/export_fulldata/" 2>/dev/null
+  cp "$FULL_RUN/export/config.json" "$FULL_RUN/heldout.json" "$FULL_RUN/metrics.jsonl" "$FULL_RUN/config.yaml" \
+    "$OUT_DIR/export_fulldata/" 2>/dev/null
+  # The cache's manifest (one epoch's tokens and rows) as <run>/cache_manifest.json: results tables read it there.
+  local cache
+  cache=$(grep -o "training from the hidden-state cache [^ ]*" "$OUT_DIR/fulldata.txt" | tail -1 | awk '{print $NF}')
+  [ -n "$cache" ] && cp "$cache/manifest.json" "$OUT_DIR/export_fulldata/cache_manifest.json" 2>/dev/null
   run fulldata_split "$PY" launch/split_files.py split "$FULL_RUN/export/model.safetensors" --max-mib 15 \
     --out "$OUT_DIR/export_fulldata"
 }

@@ -196,3 +196,30 @@ def test_shipped_compare_configs_parse(path):
     assert set(vllm_setting_names(cfg, settings)) <= set(settings)
     labels = [d["label"] for d in [*cfg.drafts, *cfg.extra_drafts]]
     assert labels and len(labels) == len(set(labels))
+
+
+def test_sharegpt_skip_counts_only_the_drafts_of_that_setting(tmp_path):
+    """A draft trained on every ShareGPT conversation (the GPU full-data run) may sit in a compare whose other
+    drafts also run a held-out ShareGPT setting, as long as its own `settings` leave that one out: it must not
+    decide (or break) that setting's skip, and it still breaks a setting it does run in."""
+    import json
+
+    from eval.compare import _heldout_skip
+    from eval.compare_config import DraftEntry
+    from eval.config import EvalConfig
+
+    def export(name: str, max_records):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"format": "specdraft", "family": "medusa", "train_data": {
+            "source": "sharegpt", "max_records": max_records}}))
+        return d
+
+    cpu = DraftEntry("cpu", export("cpu", 2400), None, None, None, {})
+    full = DraftEntry("full", export("full", None), None, ["mtbench-greedy"], None, {})
+    ecfg = EvalConfig(dataset="sharegpt")
+    assert _heldout_skip([cpu, full], "sharegpt-greedy", ecfg).heldout_skip == 2400
+    assert _heldout_skip([cpu, full], "mtbench-greedy", EvalConfig(dataset="mtbench")).heldout_skip is None
+    everywhere = DraftEntry("full", full.export, None, None, None, {})
+    with pytest.raises(ValueError, match="none is held out"):
+        _heldout_skip([cpu, everywhere], "sharegpt-greedy", ecfg)
