@@ -73,7 +73,7 @@ def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, ba
     dtype = next(base.model.parameters()).dtype
     out = []
     for e in entries:
-        if e.settings is not None and setting not in e.settings:
+        if not e.runs_in(setting):
             continue
         cfg = dataclasses.replace(ecfg, **{k: ({**ecfg.extra, **v} if k == "extra" else v) for k, v in e.eval.items()})
         if e.method is not None:
@@ -105,7 +105,7 @@ def _heldout_skip(entries: list[DraftEntry], setting: str, ecfg: EvalConfig) -> 
     if ecfg.dataset != "sharegpt":
         return ecfg
     skips = [resolve_heldout_skip(ecfg, read_export_config(e.export)).heldout_skip or 0
-             for e in entries if e.export is not None and (e.settings is None or setting in e.settings)]
+             for e in entries if e.export is not None and e.runs_in(setting)]
     return dataclasses.replace(ecfg, heldout_skip=max([ecfg.heldout_skip or 0, *skips]))
 
 

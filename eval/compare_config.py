@@ -67,6 +67,10 @@ class DraftEntry:
     headline: tuple[str, str] | None = None  # (family name, "tree" | "chain")
     vllm: bool = False
 
+    def runs_in(self, setting: str) -> bool:
+        """Whether this draft is compared in `setting` (no `settings` list = every setting)."""
+        return self.settings is None or setting in self.settings
+
 
 def _eval_config(where: str, *layers: dict) -> EvalConfig:
     """EvalConfig defaults + each overrides dict in order, validated (clear error naming `where`)."""
