@@ -5,6 +5,11 @@ transformers `generate` (greedy settings only; it has no rejection-sampling twin
 methods of a prompt run back to back, so machine noise (other processes, clock changes) hits all of them
 alike, and speedups are ratios measured in the same run. Each finished (prompt, method) is appended to
 <out>/<setting>/prompts.jsonl at once: a killed run resumes at the first missing pair, nothing is redone.
+
+Passes: every run of a setting is a pass with its own id, stored in each row. A pass that runs a draft on a
+prompt times that prompt's baselines again first, and each draft row's speedups are against the baselines of its
+own pass. Rows added later (a new draft in the config, a resumed run, `--redo`) are therefore never divided by
+an AR timing from another session, when the machine may have run at another speed.
 At the end every draft gets a normal report (<out>/<setting>/<label>/report.json, same keys as
 `specdraft eval`) whose baselines are the shared AR / generate numbers, then <out>/summary.json and
 docs/results.md (eval/results_doc.py) are regenerated.
@@ -17,6 +22,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 import zlib
 from pathlib import Path
 
@@ -109,10 +115,10 @@ def _heldout_skip(entries: list[DraftEntry], setting: str, ecfg: EvalConfig) -> 
     return dataclasses.replace(ecfg, heldout_skip=max([ecfg.heldout_skip or 0, *skips]))
 
 
-def _load_done(path: Path) -> dict[tuple[str, str], dict]:
-    """Finished (prompt, method) rows of a setting. A line cut by a kill mid-write is dropped from the file
-    too, so the next append starts on a fresh line."""
-    done = {}
+def _load_rows(path: Path) -> list[dict]:
+    """Finished (prompt, method) rows of a setting, in the order they ran. A line cut by a kill mid-write is
+    dropped from the file too, so the next append starts on a fresh line."""
+    rows = []
     if path.is_file():
         text = path.read_text()
         if text and not text.endswith("\n"):
@@ -121,20 +127,40 @@ def _load_done(path: Path) -> dict[tuple[str, str], dict]:
         for line in text.splitlines():
             if line.strip():
                 try:
-                    row = json.loads(line)
+                    rows.append(json.loads(line))
                 except json.JSONDecodeError:  # damaged line: redo that pair
                     continue
-                done[(row["prompt"], row["method"])] = row
-    return done
+    return rows
+
+
+class _Store:
+    """A setting's stored rows: the latest row per (prompt, method), and the baseline rows of every pass.
+
+    Rows written before passes existed have pass None and pair with each other, as they were measured then."""
+
+    def __init__(self, rows: list[dict]):
+        self.done: dict[tuple[str, str], dict] = {}
+        self.baselines: dict[tuple[str | None, str, str], dict] = {}
+        for row in rows:
+            self.add(row)
+
+    def add(self, row: dict) -> None:
+        self.done[(row["prompt"], row["method"])] = row
+        if row["method"] in (AR, HF):
+            self.baselines[(row.get("pass"), row["prompt"], row["method"])] = row
+
+    def paired(self, pid: str, row: dict, baseline: str) -> dict | None:
+        """The `baseline` row (AR or HF) timed in the same pass as `row`, else None."""
+        return self.baselines.get((row.get("pass"), pid, baseline))
 
 
 def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, out_dir: Path,
-                vllm: dict | None = None) -> dict:
+                vllm: dict | None = None, redo: tuple[str, ...] = ()) -> dict:
     """Run (or resume) one setting; returns {label: report} for the drafts plus the baselines' tokens/s.
 
     vllm: {"timeout", "tolerance", "enforce_eager"} to run vLLM on this setting's prompts afterwards
     (eval/compare_vllm.py): the result goes under the returned dict's "vllm" key ({"error": message} when vLLM
-    could not run)."""
+    could not run). redo: labels to run again although stored (with fresh baselines beside them)."""
     model, tok = base.model, base.tokenizer
     ecfg = _heldout_skip(entries, name, ecfg)
     methods = _build_methods(entries, name, ecfg, base)
@@ -144,7 +170,9 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
     sdir = out_dir / name
     sdir.mkdir(parents=True, exist_ok=True)
     store = sdir / "prompts.jsonl"
-    done = _load_done(store)
+    rows = _Store(_load_rows(store))
+    done = rows.done
+    this_pass = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{uuid.uuid4().hex[:6]}"
     # One generator per method, seeded per prompt, so a resumed run samples what an uninterrupted one would.
     sampling = dict(temperature=ecfg.temperature, top_p=ecfg.top_p)
 
@@ -163,8 +191,12 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
                                     acceptance=ecfg.acceptance, typical_eps=ecfg.typical_eps,
                                     typical_delta=ecfg.typical_delta, generator=gen_for(label, p.id), **sampling)
 
-    labels = [AR] + ([HF] if greedy and ecfg.hf_baseline else []) + [m.label for m in methods]
-    todo = [(p, lab) for p in prompts for lab in labels if (p.id, lab) not in done]
+    baselines = [AR] + ([HF] if greedy and ecfg.hf_baseline else [])
+    labels = baselines + [m.label for m in methods]
+    todo = []
+    for p in prompts:  # a prompt with drafts to run gets its baselines timed again, right before them
+        drafts = [m.label for m in methods if (p.id, m.label) not in done or m.label in redo]
+        todo += [(p, lab) for lab in baselines if drafts or (p.id, lab) not in done] + [(p, lab) for lab in drafts]
     if todo and ecfg.warmup_tokens > 0:  # one-off costs (allocator, oneDNN kernels) stay out of the timings
         for lab in labels:
             run_one(lab, prompts[0], ecfg.warmup_tokens)
@@ -172,7 +204,7 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
         for p, lab in tqdm(todo, desc=f"compare {name}", unit="run", dynamic_ncols=True):
             t0 = time.perf_counter()
             g = run_one(lab, p, ecfg.max_new_tokens)
-            row = {"prompt": p.id, "method": lab, "wall": time.perf_counter() - t0}
+            row = {"prompt": p.id, "method": lab, "pass": this_pass, "wall": time.perf_counter() - t0}
             if lab == HF:
                 row.update(tokens=list(g.tokens), decode_time=g.seconds, prefill_time=g.prefill_seconds)
             else:
@@ -184,16 +216,16 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
                     row.update(top2_gaps=g.top2_gaps, runner_up=g.runner_up)
             f.write(json.dumps(row) + "\n")
             f.flush()
-            done[(p.id, lab)] = row
+            rows.add(row)
     tol = _tolerance(ecfg, backend, model, prompts, sdir)
-    out = _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol)
+    out = _write_reports(name, ecfg, prompts, methods, rows, base, sdir, greedy, tol)
     if vllm is not None:
         from eval.compare_vllm import run_vllm_setting
         from eval.serve_check import ServeCheckError
 
         try:
             out["vllm"] = run_vllm_setting(name, ecfg, methods, entries, out["reports"], done, prompts, base,
-                                           out_dir, **vllm)
+                                           out_dir, **vllm, redo=redo, this_pass=this_pass)
         except ServeCheckError as exc:  # our rows are kept; the tables say why the vLLM columns are missing
             log.error("vLLM columns of %s: %s", name, exc)
             out["vllm"] = {"error": str(exc)}
@@ -218,8 +250,10 @@ def _tps(rows: list[dict]) -> float | None:
     return sum(len(r["tokens"]) - 1 for r in rows) / secs if secs > 0 else None  # prefill token excluded
 
 
-def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol=(None, {})) -> dict:
-    tok = base.tokenizer
+def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greedy, tol=(None, {})) -> dict:
+    """Every draft's report from the stored rows. The setting's own AR / generate numbers are the latest pass's;
+    each draft's speedups are against the baselines timed in its own rows' passes (_Store.paired)."""
+    tok, done = base.tokenizer, rows.done
     ar_rows = [done[(p.id, AR)] for p in prompts]
     hf_rows = [done[(p.id, HF)] for p in prompts if (p.id, HF) in done]
     ar_tps, hf_tps = _tps(ar_rows), (_tps(hf_rows) if len(hf_rows) == len(prompts) else None)
@@ -231,9 +265,12 @@ def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol=(
            "ar_tokens_per_second": ar_tps, "hf_tokens_per_second": hf_tps, "ar_matches_generate_fraction": ar_hf,
            "reports": {}}
     for m in methods:
-        results, tree_nodes, divs = [], 0, []
+        results, tree_nodes, divs, pair_ar, pair_hf = [], 0, [], [], []
         for p in prompts:
-            r, a = done[(p.id, m.label)], done[(p.id, AR)]
+            r = done[(p.id, m.label)]
+            a = rows.paired(p.id, r, AR) or done[(p.id, AR)]  # same tokens in every pass; the timing is its pass's
+            pair_ar.append(a)
+            pair_hf.append(rows.paired(p.id, r, HF))
             tree_nodes += r["tree_nodes"]
             g = _Gen(r)
             div = None
@@ -246,9 +283,11 @@ def _write_reports(name, ecfg, prompts, methods, done, base, sdir, greedy, tol=(
                  "hf_matches_spec_fraction": (sum(done[(p.id, HF)]["tokens"] == done[(p.id, m.label)]["tokens"]
                                                   for p in prompts) / len(prompts)) if hf_tps else None,
                  **lossless_extra(divs, *tol), **m.info}
+        extra["baseline_passes"] = sorted({str(r.get("pass")) for r in pair_ar})
+        m_hf = _tps(pair_hf) if hf_tps and all(pair_hf) else None
         report = build_report(results, method=m.family, base_model=base.name,
                               device=_device_name(next(base.model.parameters()).device), dataset=ecfg.dataset,
-                              ar_tokens_per_second=ar_tps, hf_tokens_per_second=hf_tps, extra=extra)
+                              ar_tokens_per_second=_tps(pair_ar), hf_tokens_per_second=m_hf, extra=extra)
         steps = [n for r in results for n in r.accept_lengths]
         write_report(sdir / m.label, report, [r.to_sample() for r in results], steps,
                      report["accept_rate_per_position"])
@@ -274,6 +313,9 @@ def run_compare(cfg: CompareConfig) -> dict:
 
     settings = setting_configs(cfg)
     entries = draft_entries(cfg, list(settings))
+    unknown = sorted(set(cfg.redo) - {e.label for e in entries})
+    if unknown:
+        raise ValueError(f"redo / --redo {unknown}: no such draft label; labels: {[e.label for e in entries]}")
     with_vllm = vllm_setting_names(cfg, settings)
     dtypes = {(c.dtype, c.backend, c.device) for c in settings.values()}
     if len(dtypes) != 1:
@@ -285,7 +327,7 @@ def run_compare(cfg: CompareConfig) -> dict:
     for name, ecfg in settings.items():
         vllm = ({"timeout": cfg.vllm_timeout, "tolerance": cfg.vllm_tolerance, "enforce_eager": cfg.vllm_enforce_eager}
                 if name in with_vllm else None)
-        res = run_setting(name, ecfg, entries, base, out_dir, vllm)
+        res = run_setting(name, ecfg, entries, base, out_dir, vllm, tuple(cfg.redo))
         res["base_dtype"] = str(base.model.dtype).removeprefix("torch.")  # what dtype "fast"/"auto" resolved to
         summary["settings"][name] = res
         for label, v in (res.get("vllm") or {}).get("drafts", {}).items():
@@ -315,6 +357,7 @@ def run_compare_cli(args) -> int:
             raise ValueError(f"--only {sorted(set(args.only) - set(labels))}: no such draft label; labels: {labels}")
         cfg.drafts = [d for d in cfg.drafts if d.get("label") in args.only]
         cfg.extra_drafts = [d for d in cfg.extra_drafts if d.get("label") in args.only]
+    cfg.redo = [*cfg.redo, *args.redo]
     summary = None if args.results_only else run_compare(cfg)
     from eval.results_doc import write_results
 

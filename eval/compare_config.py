@@ -54,6 +54,8 @@ class CompareConfig:
     vllm_timeout: float = 1800.0  # seconds per vLLM engine (a first run compiles the model)
     vllm_tolerance: float = 0.03  # max |vLLM - ours| per-position acceptance before the check fails
     vllm_enforce_eager: bool = False  # skip vLLM's torch.compile: minutes saved per engine, slower decoding
+    redo: list[str] = field(default_factory=list)  # labels to run again although stored (`--redo LABEL`): their
+    # new rows are timed beside freshly timed baselines, and replace the stored ones in every table
 
 
 @dataclass

@@ -10,7 +10,10 @@ For every setting named in `vllm_settings` (greedy), after our decoder has run i
 
 Each engine runs in a subprocess of .venv-vllm (eval/serve_check.run_engine; the main package never imports
 vllm). Results are kept in <out>/<setting>/vllm/<engine>.result.json: a resumed compare reruns only the missing
-engines. The setting's summary gets a "vllm" entry that eval/results_doc.py turns into the vLLM table.
+engines. A pass that runs any draft engine runs vLLM AR again first (vllm_ar-<pass>.result.json), and each draft
+result names the AR run it is timed against ("paired_ar"), so a draft added in a later session is never divided
+by an AR timing from another session. The setting's summary gets a "vllm" entry that eval/results_doc.py turns
+into the vLLM table.
 """
 
 from __future__ import annotations
@@ -87,11 +90,13 @@ def _cached(path: Path, prompt_ids: list[str]) -> dict | None:
 
 
 def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dict, done: dict, prompts: list,
-                     base, out_dir: Path, *, timeout: float, tolerance: float, enforce_eager: bool = False) -> dict:
+                     base, out_dir: Path, *, timeout: float, tolerance: float, enforce_eager: bool = False,
+                     redo: tuple[str, ...] = (), this_pass: str = "") -> dict:
     """vLLM AR + every `vllm: true` row of one setting; returns the setting's "vllm" summary entry.
 
     methods: eval.compare.Method rows built for this setting; reports: {label: our report}; done: the setting's
-    stored (prompt, method) rows (our AR and draft outputs)."""
+    stored (prompt, method) rows (our AR and draft outputs); redo: labels whose engines run again although
+    stored; this_pass: the compare pass's id (names a freshly timed vLLM AR)."""
     import torch
 
     from eval.runner import eos_ids
@@ -123,16 +128,41 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "enforce_eager": enforce_eager}
     ids = [p.id for p in prompts]
 
-    def engine(label: str, spec: dict | None, engine_args: dict | None = None) -> dict:
-        result = _cached(workdir / f"{label}.result.json", ids)
+    def engine(label: str, spec: dict | None, engine_args: dict | None = None, fresh: bool = False,
+               paired_ar: str | None = None) -> dict:
+        path = workdir / f"{label}.result.json"
+        result = None if fresh else _cached(path, ids)
         if result is None:
             print(f"[compare {name}] vLLM engine {label} on {len(prompts)} prompts", flush=True)
             result = run_engine({**job, "label": label, "speculative_config": spec, "engine_args": engine_args},
                                 workdir, timeout)
+            if paired_ar and not result.get("error"):  # the AR run this draft's speed is measured against
+                result["paired_ar"] = paired_ar
+                path.write_text(json.dumps(result))
         return result
 
-    ar_result = engine("vllm_ar", None)
+    # Draft engines to run in this pass: vLLM AR is timed again right before them (unless it never ran yet).
+    to_run = [e.label for e, *_ in plans
+              if e.label in redo or _cached(workdir / f"vllm-{e.label}.result.json", ids) is None]
+    ar_label = "vllm_ar"
+    if to_run and _cached(workdir / "vllm_ar.result.json", ids) is not None:
+        ar_label = f"vllm_ar-{this_pass or 'again'}"
+    elif not to_run:  # nothing runs: the setting's vLLM AR figure is the latest AR run's
+        stored = [p for p in workdir.glob("vllm_ar*.result.json") if _cached(p, ids) is not None]
+        if stored:
+            ar_label = max(stored, key=lambda p: p.stat().st_mtime_ns).name.removesuffix(".result.json")
+    ar_result = engine(ar_label, None, fresh=bool(to_run))
     ar = vllm_engine_numbers(ar_result)
+    ar_by_label = {ar_label: ar}
+
+    def paired(result: dict) -> dict:
+        """The vLLM AR numbers a draft result is timed against (results from before pairing: vllm_ar)."""
+        label = result.get("paired_ar", "vllm_ar")
+        if label not in ar_by_label:
+            cached = _cached(workdir / f"{label}.result.json", ids)
+            ar_by_label[label] = vllm_engine_numbers(cached) if cached else None
+        return ar_by_label[label]
+
     our_ar = {p.id: list(done[(p.id, "ar")]["tokens"]) for p in prompts}
     out = {"vllm_version": ar_result.get("vllm_version"), "dtype": dtype, "num_prompts": len(prompts),
            "threads": torch.get_num_threads(), "tolerance": tolerance,
@@ -141,7 +171,8 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "drafts": {}}
     for e, m, depth, spec, engine_args in plans:
         try:
-            v = vllm_engine_numbers(engine(f"vllm-{e.label}", spec, engine_args))
+            result = engine(f"vllm-{e.label}", spec, engine_args, fresh=e.label in redo, paired_ar=ar_label)
+            v = vllm_engine_numbers(result)
         except ServeCheckError as exc:  # one draft vLLM cannot load: the others still run, the table says why
             log.error("vLLM + %s (%s): %s", e.label, name, exc)
             out["drafts"][e.label] = {"family": m.family, "depth": depth, "speculative_config": spec,
@@ -151,12 +182,17 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
         ours = our_engine_numbers(reports[e.label], samples, ar=False)
         acc = compare_acceptance(v["accept_rate_per_position"], ours["accept_rate_per_position"], tolerance)
         tps = v["tokens_per_second"]
+        ar_run, d_ar = result.get("paired_ar", "vllm_ar"), paired(result)
+        if d_ar is None:  # its pass's AR result is gone (deleted by hand): the latest, and the table names it
+            ar_run, d_ar = ar_label, ar
         out["drafts"][e.label] = {
             "family": m.family, "depth": depth, "speculative_config": spec, "engine_args": engine_args,
             "acceptance_length": v["acceptance_length"], "accept_rate_per_position": v["accept_rate_per_position"],
             "tokens_per_second": tps, "num_drafts": v["num_drafts"],
-            "speedup_vs_vllm_ar": tps / ar["tokens_per_second"] if tps and ar["tokens_per_second"] else None,
-            "agreement_with_vllm_ar": agreement(ar["outputs"], v["outputs"]),
+            "speedup_vs_vllm_ar": tps / d_ar["tokens_per_second"] if tps and d_ar["tokens_per_second"] else None,
+            "vllm_ar_tokens_per_second": d_ar["tokens_per_second"],
+            "vllm_ar_run": ar_run,
+            "agreement_with_vllm_ar": agreement(d_ar["outputs"], v["outputs"]),
             "ours_acceptance_length": ours["acceptance_length"],
             "ours_accept_rate_per_position": ours["accept_rate_per_position"],
             "acceptance_check": acc}

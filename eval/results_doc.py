@@ -164,6 +164,13 @@ def setting_table(name: str, st: dict) -> list[str]:
            "| speedup vs generate | draft time share | lossless (greedy) | identical / ties / mismatches "
            "| draft shape |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # Rows timed in different passes (eval/compare.py) have different baselines: then each row shows its own.
+    passes = {_f(r["ar_tokens_per_second"], ".1f") for r in st["reports"].values()}
+    if len(passes) > 1:
+        out[2] = (f"{out[2]} Rows were timed in different runs of compare (passes), at different machine speeds: "
+                  "each row's speedups are against the own AR and `generate` timed beside it in its own pass, shown "
+                  "in the last column (the figures above are the latest pass's).")
+        out[4], out[5] = out[4] + " own AR tok/s, its pass |", out[5] + "---|"
     for label, r in st["reports"].items():
         ex = r.get("extra", {})
         rates = " / ".join(f"{a:.2f}" for a in r["accept_rate_per_position"][:5])
@@ -171,7 +178,8 @@ def setting_table(name: str, st: dict) -> list[str]:
         out.append(f"| {label} | **{r['acceptance_length']:.2f}** | {rates} | {nodes} "
                    f"| {_f(r['tokens_per_second'], '.1f')} | {_f(r['speedup'])}× | {_f(r['speedup_vs_hf'])}"
                    f"{'×' if r['speedup_vs_hf'] is not None else ''} | {_f(r['draft_time_fraction'])} "
-                   f"| {_f(r['lossless_fraction'])} | {_tie_counts(ex)} | {_shape(r)} |")
+                   f"| {_f(r['lossless_fraction'])} | {_tie_counts(ex)} | {_shape(r)} |"
+                   + (f" {_f(r['ar_tokens_per_second'], '.1f')} |" if len(passes) > 1 else ""))
     tols = {ex["tie_tolerance"] for r in st["reports"].values() if (ex := r.get("extra", {})).get("tie_tolerance")}
     if tols:
         out += ["", f"Ties: prompts whose output differs from plain greedy decoding only at a position where the "
@@ -303,9 +311,16 @@ def vllm_table(name: str, v: dict) -> list[str]:
            "| draft | chain | vLLM acceptance length | vLLM accept rate by position | ours, same chain "
            "| agrees | vLLM tok/s | vs vLLM AR | outputs identical to vLLM AR |",
            "|---|---|---|---|---|---|---|---|---|"]
+    # Draft engines run in different passes are each timed against the vLLM AR run of their pass.
+    runs = {d.get("vllm_ar_run", "vllm_ar") for d in v["drafts"].values() if "error" not in d}
+    if len(runs) > 1:
+        out[2] += (" Draft engines ran in different passes: each row's speed is against the vLLM AR timed in its "
+                   "own pass, shown in the last column.")
+        out[4], out[5] = out[4] + " vLLM AR tok/s, its pass |", out[5] + "---|"
     for label, d in v["drafts"].items():
         if "error" in d:
-            out.append(f"| {label} | {d['depth']} | vLLM could not load it: {d['error'][:300]} | | | | | | |")
+            out.append(f"| {label} | {d['depth']} | vLLM could not load it: {d['error'][:300]} | | | | | | |"
+                       + (" |" if len(runs) > 1 else ""))
             continue
         rates = " / ".join(f"{a:.3f}" for a in d["accept_rate_per_position"])
         ours = " / ".join(_f(a, ".3f") for a in d["ours_accept_rate_per_position"])
@@ -315,7 +330,8 @@ def vllm_table(name: str, v: dict) -> list[str]:
         out.append(f"| {label} | {d['depth']} | **{d['acceptance_length']:.2f}** "
                    f"(ours {d['ours_acceptance_length']:.2f}) | {rates} | {ours} | {ok} "
                    f"| {_f(d['tokens_per_second'], '.1f')} | {_f(d['speedup_vs_vllm_ar'])}× "
-                   f"| {_f(agr.get('identical_prompts'), '.0%')} |")
+                   f"| {_f(agr.get('identical_prompts'), '.0%')} |"
+                   + (f" {_f(d.get('vllm_ar_tokens_per_second'), '.1f')} |" if len(runs) > 1 else ""))
     return out
 
 
@@ -433,8 +449,8 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
     lines = [begin, "",
              f"Base `{summary['base']}` (fingerprint `{summary['base_fingerprint']}`). Regenerate everything below "
              f"with `specdraft compare --config {compare_config}` (runs what is missing, then rewrites this part); "
-             f"tables only: add `--results-only`. One row again: `specdraft compare --config {compare_config} "
-             "--only LABEL out_dir=runs/compare-rerun`.", "",
+             f"tables only: add `--results-only`. One row again, timed beside fresh baselines: `specdraft compare "
+             f"--config {compare_config} --redo LABEL`.", "",
              f"### Training ({training_title})", ""]
     lines += training_table([(", ".join(labels), describe_training(Path(exp))) for exp, labels in exports.items()])
     lines += ["", "Train time: the training loop only (the one-off hidden-state cache build, and for self-distilled "

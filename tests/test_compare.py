@@ -9,7 +9,16 @@ import yaml
 from eval.compare import run_compare
 from eval.compare_config import load_compare_config
 from eval.report import REPORT_KEYS
-from eval.results_doc import RESULTS_BEGIN, RESULTS_END, _shape, markers, splice, target_table, write_results
+from eval.results_doc import (
+    RESULTS_BEGIN,
+    RESULTS_END,
+    _shape,
+    markers,
+    setting_table,
+    splice,
+    target_table,
+    write_results,
+)
 from train.config_loader import ConfigError
 
 
@@ -70,13 +79,75 @@ def test_compare_runs_every_method_on_shared_baselines_and_resumes_exactly(smoke
     samples = {lab: [r["tokens"] for r in _rows(out / "t0.7" / lab / "samples.jsonl")] for lab in sampled["reports"]}
     again = run_compare(cfg)["settings"]["t0.7"]
     rows = _rows_ok(store)
-    assert len({(r["prompt"], r["method"]) for r in rows}) == 9 and len(rows) == 9  # the cut line was dropped
+    # The cut line was dropped; prompt 2, whose N-gram run was cut, gets its AR timed again beside it (10 rows).
+    assert len({(r["prompt"], r["method"]) for r in rows}) == 9 and len(rows) == 10
     assert all(r["wall"] == kept[(r["prompt"], r["method"])] for r in rows[:5])  # finished runs not redone
     assert len(kept) == 5
+    p2 = rows[3]["prompt"]
+    assert [r["method"] for r in rows[5:7]] == ["ar", "N-gram"] and rows[5]["prompt"] == p2
+    assert rows[5]["pass"] == rows[6]["pass"] != rows[3]["pass"] == rows[4]["pass"]  # same pass, side by side
     # Sampling is seeded per (prompt, method), so the redone runs draw exactly what they drew before.
     for label, rep in again["reports"].items():
         assert [r["tokens"] for r in _rows(out / "t0.7" / label / "samples.jsonl")] == samples[label]
         assert rep["acceptance_length"] == sampled["reports"][label]["acceptance_length"]
+
+
+def _tps(rows):
+    return sum(len(r["tokens"]) - 1 for r in rows) / sum(r["decode_time"] for r in rows)
+
+
+def test_rows_added_later_are_timed_against_baselines_of_their_own_pass(smoke_run, tmp_path):
+    """A draft added to the config after a first run, and a `redo`ne one, run beside freshly timed baselines and
+    are divided by those, not by the first run's (which another session's machine speed may have set)."""
+    run_dir, _ = smoke_run
+    path = _config(tmp_path, run_dir / "export", settings=[{"name": "greedy", "acceptance": "greedy",
+                                                             "temperature": 0.0, "hf_baseline": False}])
+    cfg = yaml.safe_load(open(path))
+    first, later = cfg["drafts"][:1], cfg["drafts"][1:2]  # Medusa, then N-gram
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({**cfg, "drafts": first}))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump({**cfg, "drafts": first + later}))
+    store = tmp_path / "cmp" / "greedy" / "prompts.jsonl"
+    run_compare(load_compare_config([str(tmp_path / "a.yaml")]))
+    one = _rows(store)
+    assert [r["method"] for r in one] == ["ar", "Medusa"] * 3 and len({r["pass"] for r in one}) == 1
+
+    st = run_compare(load_compare_config([str(tmp_path / "b.yaml")]))["settings"]["greedy"]
+    rows = _rows(store)
+    assert rows[:6] == one  # nothing stored is redone
+    two = rows[6:]
+    assert [r["method"] for r in two] == ["ar", "N-gram"] * 3 and len({r["pass"] for r in two}) == 1
+    assert two[0]["pass"] != one[0]["pass"]
+    old_ar, new_ar = [r for r in one if r["method"] == "ar"], [r for r in two if r["method"] == "ar"]
+    assert [r["tokens"] for r in old_ar] == [r["tokens"] for r in new_ar]  # the same decoding, timed again
+    assert st["reports"]["Medusa"]["ar_tokens_per_second"] == pytest.approx(_tps(old_ar))
+    assert st["reports"]["N-gram"]["ar_tokens_per_second"] == pytest.approx(_tps(new_ar))
+    assert st["ar_tokens_per_second"] == pytest.approx(_tps(new_ar))  # the setting's own figure: the latest pass
+    rep = st["reports"]["N-gram"]
+    assert rep["speedup"] == pytest.approx(rep["tokens_per_second"] / _tps(new_ar))
+
+    redo = load_compare_config([str(tmp_path / "b.yaml")], ["redo=[Medusa]"])
+    st = run_compare(redo)["settings"]["greedy"]
+    three = _rows(store)[12:]
+    assert [r["method"] for r in three] == ["ar", "Medusa"] * 3
+    assert st["reports"]["Medusa"]["ar_tokens_per_second"] == pytest.approx(_tps(three[::2]))
+    assert st["reports"]["N-gram"]["ar_tokens_per_second"] == pytest.approx(_tps(new_ar))  # kept its own pass
+    with pytest.raises(ValueError, match=r"redo.*'Nope'.*labels"):
+        run_compare(load_compare_config([str(tmp_path / "b.yaml")], ["redo=[Nope]"]))
+
+
+def test_setting_table_shows_each_rows_baseline_when_passes_differ():
+    rep = {"acceptance_length": 1.5, "accept_rate_per_position": [0.5], "tokens_per_second": 20.0,
+           "speedup": 1.0, "speedup_vs_hf": None, "draft_time_fraction": 0.1, "lossless_fraction": 1.0,
+           "ar_tokens_per_second": 20.0, "extra": {}}
+    st = {"config": {"temperature": 0.0, "dataset": "mtbench", "dtype": "fp32", "max_new_tokens": 8},
+          "num_prompts": 2, "ar_tokens_per_second": 25.0, "hf_tokens_per_second": None,
+          "reports": {"A": rep, "B": {**rep, "speedup": 0.8, "ar_tokens_per_second": 25.0}}}
+    lines = setting_table("s", st)
+    assert "timed beside it in its own pass" in lines[2] and lines[4].endswith("own AR tok/s, its pass |")
+    assert lines[6].endswith("| 20.0 |") and lines[7].endswith("| 25.0 |")
+    st["reports"]["A"] = {**rep, "ar_tokens_per_second": 25.0}
+    lines = setting_table("s", st)
+    assert "its own pass" not in lines[2] and lines[4].endswith("| draft shape |")
 
 
 def _rows_ok(path):

@@ -182,3 +182,72 @@ def test_compare_with_vllm_columns_end_to_end(tmp_path, capsys):
     text = md.read_text()
     assert "### vLLM on `greedy`" in text and "| Medusa-chain | 3 |" in text and "| N-gram |" in text
     assert json.loads((work / "vllm.json").read_text())["drafts"]["Medusa-chain"]["depth"] == 3
+
+
+def test_vllm_draft_engines_run_later_are_timed_against_their_own_vllm_ar(tmp_path, monkeypatch):
+    """No vLLM needed: a fake engine whose speed changes between passes (another session's machine). A draft
+    engine run in a later pass is divided by the vLLM AR timed in that pass; one run earlier keeps its own."""
+    import types
+
+    import eval.runner
+    import eval.serve_check
+    from eval.compare import Method
+    from eval.compare_config import DraftEntry
+    from eval.compare_vllm import run_vllm_setting
+
+    speed = {"s": 10.0}  # seconds per token of the current "machine"; AR is 1x, a draft 0.5x of it
+
+    def fake_engine(job, workdir, timeout):
+        draft = job["speculative_config"] is not None
+        per = speed["s"] * (0.5 if draft else 1.0)
+        res = {"label": job["label"], "vllm_version": "fake",
+               "results": [{"id": p["id"], "tokens": [1, 2, 3], "decode_seconds": 2 * per} for p in job["prompts"]],
+               "spec_decode": {"vllm:spec_decode_num_drafts": 4, "vllm:spec_decode_num_accepted_tokens": 2,
+                               "vllm:spec_decode_num_accepted_tokens_per_pos": [2, 0]} if draft else None}
+        (workdir / f"{job['label']}.result.json").write_text(json.dumps(res))
+        return res
+
+    monkeypatch.setattr(eval.serve_check, "run_engine", fake_engine)
+    monkeypatch.setattr(eval.serve_check, "vllm_python", lambda: tmp_path)
+    monkeypatch.setattr(eval.serve_check, "base_hf_dir", lambda base, workdir: tmp_path)
+    monkeypatch.setattr(eval.runner, "eos_ids", lambda model, tok: [0])
+    base = types.SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None)
+    prompts = [types.SimpleNamespace(id=f"p{i}", input_ids=[5, 6]) for i in range(2)]
+    ecfg = types.SimpleNamespace(max_new_tokens=2, warmup_tokens=0, seed=0)
+    info = {"k": 1, "strategy": "longest_match", "w": 2, "q": 2, "q_min": 1}
+    rows = ("A", "B")
+    methods = {lab: Method(lab, "ngram", None, info) for lab in rows}
+    entries = {lab: DraftEntry(lab, None, "ngram", None, None, {}, vllm=True) for lab in rows}
+    report = {"new_tokens": 4, "tokens_per_second": 1.0, "accept_rate_per_position": [0.5, 0.0],
+              "acceptance_length": 1.5, "extra": {}}
+    done = {(p.id, lab): {"tokens": [1, 2, 3]} for p in prompts for lab in ("ar", *rows)}
+
+    def run(labels, **kw):
+        return run_vllm_setting("s", ecfg, [methods[x] for x in labels], [entries[x] for x in labels],
+                                {x: report for x in labels}, done, prompts, base, tmp_path / "out", timeout=1,
+                                tolerance=0.03, **kw)
+
+    first = run(["A"], this_pass="one")
+    assert first["drafts"]["A"]["speedup_vs_vllm_ar"] == pytest.approx(2.0)
+    assert first["drafts"]["A"]["vllm_ar_run"] == "vllm_ar"
+    speed["s"] = 30.0  # a slower machine: B and its AR are timed on it, A's numbers stay what they were
+    second = run(["A", "B"], this_pass="two")
+    work = tmp_path / "out" / "s" / "vllm"
+    assert sorted(p.name for p in work.glob("*.result.json")) == [
+        "vllm-A.result.json", "vllm-B.result.json", "vllm_ar-two.result.json", "vllm_ar.result.json"]
+    a, b = second["drafts"]["A"], second["drafts"]["B"]
+    assert b["vllm_ar_run"] == "vllm_ar-two" and a["vllm_ar_run"] == "vllm_ar"
+    assert a["speedup_vs_vllm_ar"] == pytest.approx(2.0) and b["speedup_vs_vllm_ar"] == pytest.approx(2.0)
+    assert b["vllm_ar_tokens_per_second"] == pytest.approx(a["vllm_ar_tokens_per_second"] / 3)
+    assert second["ar"]["tokens_per_second"] == pytest.approx(b["vllm_ar_tokens_per_second"])  # the latest
+    table = vllm_table("s", second)
+    assert "its own pass" in table[2] and table[6].endswith(f" {a['vllm_ar_tokens_per_second']:.1f} |")
+    speed["s"] = 20.0  # redo A: it and a fresh AR run again in this pass
+    third = run(["A", "B"], this_pass="three", redo=("A",))
+    assert third["drafts"]["A"]["vllm_ar_run"] == "vllm_ar-three"
+    assert third["drafts"]["B"]["vllm_ar_run"] == "vllm_ar-two"
+    assert third["drafts"]["A"]["vllm_ar_tokens_per_second"] == pytest.approx(1 / 20.0)
+    nothing = run(["A", "B"], this_pass="four")  # everything stored: no engine runs, no new AR
+    assert not (work / "vllm_ar-four.result.json").exists()
+    assert nothing["drafts"]["A"]["vllm_ar_run"] == "vllm_ar-three"
+    assert nothing["ar"]["tokens_per_second"] == pytest.approx(1 / 20.0)  # the setting's figure: the latest AR

@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                        "docs/results.md")
     p.add_argument("--results-only", action="store_true", help="only regenerate docs/results.md from finished runs")
     p.add_argument("--only", action="append", default=[], metavar="LABEL", help="only these drafts (repeat)")
+    p.add_argument("--redo", action="append", default=[], metavar="LABEL",
+                   help="run these drafts again although stored, beside freshly timed baselines (repeat)")
     _add_config_args(p, "default configs/compare.yaml")
 
     p = sub.add_parser("export", help="convert a run's export to another format")
