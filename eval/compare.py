@@ -172,7 +172,7 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
     store = sdir / "prompts.jsonl"
     rows = _Store(_load_rows(store))
     done = rows.done
-    this_pass = f"{time.strftime('%Y-%m-%dT%H:%M:%S')}-{uuid.uuid4().hex[:6]}"
+    this_pass = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"  # also names files: no colons
     # One generator per method, seeded per prompt, so a resumed run samples what an uninterrupted one would.
     sampling = dict(temperature=ecfg.temperature, top_p=ecfg.top_p)
 
