@@ -9,9 +9,12 @@ alike, and speedups are ratios measured in the same run. Each finished (prompt, 
 Passes: every run of a setting is a pass with its own id, stored in each row. A pass that runs a draft on a
 prompt times that prompt's baselines again first, and each draft row's speedups are against the baselines of its
 own pass. Rows added later (a new draft in the config, a resumed run, `--redo`) are therefore never divided by
-an AR timing from another session, when the machine may have run at another speed.
+an AR timing from another session, when the machine may have run at another speed. `--redo LABEL` runs a
+stored row again in the current pass (a killed --redo run keeps what it finished; given --redo again it starts
+that row over).
+
 At the end every draft gets a normal report (<out>/<setting>/<label>/report.json, same keys as
-`specdraft eval`) whose baselines are the shared AR / generate numbers, then <out>/summary.json and
+`specdraft eval`) whose baselines are the AR / generate numbers of its own pass, then <out>/summary.json and
 docs/results.md (eval/results_doc.py) are regenerated.
 """
 
