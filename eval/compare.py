@@ -354,6 +354,10 @@ def run_compare_cli(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configs = args.config or ["configs/compare.yaml"]
     cfg = load_compare_config(configs, args.overrides)
+    if args.redo and args.results_only:
+        raise ValueError("--redo runs rows again and --results-only runs nothing: give one of them")
+    if args.only and sorted(set(args.redo) - set(args.only)):
+        raise ValueError(f"--redo {sorted(set(args.redo) - set(args.only))}: not among the --only rows {args.only}")
     if args.only:  # rerun some rows: same prompts, same settings, fresh baselines in the same run
         labels = [d.get("label") for d in [*cfg.drafts, *cfg.extra_drafts]]
         if sorted(set(args.only) - set(labels)):

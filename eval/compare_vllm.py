@@ -10,9 +10,10 @@ For every setting named in `vllm_settings` (greedy), after our decoder has run i
 
 Each engine runs in a subprocess of .venv-vllm (eval/serve_check.run_engine; the main package never imports
 vllm). Results are kept in <out>/<setting>/vllm/<engine>.result.json: a resumed compare reruns only the missing
-engines. A pass that runs any draft engine runs vLLM AR again first (vllm_ar-<pass>.result.json), and each draft
-result names the AR run it is timed against ("paired_ar"), so a draft added in a later session is never divided
-by an AR timing from another session. The setting's summary gets a "vllm" entry that eval/results_doc.py turns
+engines. A pass that starts a draft engine runs vLLM AR again just before the first one (vllm_ar-<pass>.result.json,
+or vllm_ar.result.json when no AR ran before), and each draft result names the AR run it is timed against
+("paired_ar", written by the runner with the result), so a draft added in a later session is never divided by an
+AR timing from another session. The setting's summary gets a "vllm" entry that eval/results_doc.py turns
 into the vLLM table.
 """
 
@@ -91,7 +92,7 @@ def _cached(path: Path, prompt_ids: list[str]) -> dict | None:
 
 def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dict, done: dict, prompts: list,
                      base, out_dir: Path, *, timeout: float, tolerance: float, enforce_eager: bool = False,
-                     redo: tuple[str, ...] = (), this_pass: str = "") -> dict:
+                     this_pass: str, redo: tuple[str, ...] = ()) -> dict:
     """vLLM AR + every `vllm: true` row of one setting; returns the setting's "vllm" summary entry.
 
     methods: eval.compare.Method rows built for this setting; reports: {label: our report}; done: the setting's
@@ -128,61 +129,68 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
            "enforce_eager": enforce_eager}
     ids = [p.id for p in prompts]
 
-    def engine(label: str, spec: dict | None, engine_args: dict | None = None, fresh: bool = False,
-               paired_ar: str | None = None) -> dict:
-        path = workdir / f"{label}.result.json"
-        result = None if fresh else _cached(path, ids)
-        if result is None:
-            print(f"[compare {name}] vLLM engine {label} on {len(prompts)} prompts", flush=True)
-            result = run_engine({**job, "label": label, "speculative_config": spec, "engine_args": engine_args},
-                                workdir, timeout)
-            if paired_ar and not result.get("error"):  # the AR run this draft's speed is measured against
-                result["paired_ar"] = paired_ar
-                path.write_text(json.dumps(result))
-        return result
+    def engine(label: str, spec: dict | None, engine_args: dict | None = None, paired_ar: str | None = None) -> dict:
+        print(f"[compare {name}] vLLM engine {label} on {len(prompts)} prompts", flush=True)
+        return run_engine({**job, "label": label, "speculative_config": spec, "engine_args": engine_args,
+                           "paired_ar": paired_ar}, workdir, timeout)
 
-    # Draft engines to run in this pass: vLLM AR is timed again right before them (unless it never ran yet).
-    to_run = [e.label for e, *_ in plans
-              if e.label in redo or _cached(workdir / f"vllm-{e.label}.result.json", ids) is None]
-    ar_label = "vllm_ar"
-    if to_run and _cached(workdir / "vllm_ar.result.json", ids) is not None:
-        ar_label = f"vllm_ar-{this_pass or 'again'}"
-    elif not to_run:  # nothing runs: the setting's vLLM AR figure is the latest AR run's
-        stored = [p for p in workdir.glob("vllm_ar*.result.json") if _cached(p, ids) is not None]
-        if stored:
-            ar_label = max(stored, key=lambda p: p.stat().st_mtime_ns).name.removesuffix(".result.json")
-    ar_result = engine(ar_label, None, fresh=bool(to_run))
-    ar = vllm_engine_numbers(ar_result)
-    ar_by_label = {ar_label: ar}
+    stored_ars = [p.name.removesuffix(".result.json") for p in workdir.glob("vllm_ar*.result.json")
+                  if _cached(p, ids) is not None]
+    fresh_ar: list[str] = []  # this pass's AR run, once one of its draft engines needs it
 
-    def paired(result: dict) -> dict:
-        """The vLLM AR numbers a draft result is timed against (results from before pairing: vllm_ar)."""
-        label = result.get("paired_ar", "vllm_ar")
-        if label not in ar_by_label:
+    def this_pass_ar() -> str:
+        """Runs vLLM AR in this pass (once, right before the first draft engine that starts); its label."""
+        if not fresh_ar:
+            label = f"vllm_ar-{this_pass}" if stored_ars else "vllm_ar"
+            engine(label, None)
+            fresh_ar.append(label)
+        return fresh_ar[0]
+
+    ar_numbers: dict[str, dict | None] = {}
+
+    def ar_of(label: str) -> dict | None:
+        """vLLM AR numbers of a stored run (None when its file is gone)."""
+        if label not in ar_numbers:
             cached = _cached(workdir / f"{label}.result.json", ids)
-            ar_by_label[label] = vllm_engine_numbers(cached) if cached else None
-        return ar_by_label[label]
+            ar_numbers[label] = vllm_engine_numbers(cached) if cached else None
+        return ar_numbers[label]
 
+    results = {}
+    for e, _, _, spec, engine_args in plans:
+        results[e.label] = None if e.label in redo else _cached(workdir / f"vllm-{e.label}.result.json", ids)
+        if results[e.label] is not None:
+            continue
+        ar_run = this_pass_ar()  # vLLM AR that cannot run fails the setting's vLLM columns (compare.py says why)
+        try:
+            results[e.label] = engine(f"vllm-{e.label}", spec, engine_args, paired_ar=ar_run)
+        except ServeCheckError as exc:  # one draft vLLM cannot load: the others still run, the table says why
+            log.error("vLLM + %s (%s): %s", e.label, name, exc)
+            results[e.label] = exc
+    # The setting's vLLM AR figure: this pass's run, else the latest stored one (pass ids start with the time).
+    if not fresh_ar and not stored_ars:
+        this_pass_ar()
+    ar_label = fresh_ar[0] if fresh_ar else max(stored_ars, key=lambda lab: "" if lab == "vllm_ar" else lab)
+    ar_result = _cached(workdir / f"{ar_label}.result.json", ids)
+    ar = ar_of(ar_label)
     our_ar = {p.id: list(done[(p.id, "ar")]["tokens"]) for p in prompts}
     out = {"vllm_version": ar_result.get("vllm_version"), "dtype": dtype, "num_prompts": len(prompts),
            "threads": torch.get_num_threads(), "tolerance": tolerance,
-           "ar": {"tokens_per_second": ar["tokens_per_second"], "timing": ar["timing"],
+           "ar": {"run": ar_label, "tokens_per_second": ar["tokens_per_second"], "timing": ar["timing"],
                   "agreement_with_our_ar": agreement(ar["outputs"], our_ar)},
            "drafts": {}}
     for e, m, depth, spec, engine_args in plans:
-        try:
-            result = engine(f"vllm-{e.label}", spec, engine_args, fresh=e.label in redo, paired_ar=ar_label)
-            v = vllm_engine_numbers(result)
-        except ServeCheckError as exc:  # one draft vLLM cannot load: the others still run, the table says why
-            log.error("vLLM + %s (%s): %s", e.label, name, exc)
+        result = results[e.label]
+        if isinstance(result, ServeCheckError):
             out["drafts"][e.label] = {"family": m.family, "depth": depth, "speculative_config": spec,
-                                      "engine_args": engine_args, "error": str(exc).splitlines()[0]}
+                                      "engine_args": engine_args, "error": str(result).splitlines()[0]}
             continue
+        v = vllm_engine_numbers(result)
         samples = [{"id": p.id, "tokens": done[(p.id, e.label)]["tokens"]} for p in prompts]
         ours = our_engine_numbers(reports[e.label], samples, ar=False)
         acc = compare_acceptance(v["accept_rate_per_position"], ours["accept_rate_per_position"], tolerance)
         tps = v["tokens_per_second"]
-        ar_run, d_ar = result.get("paired_ar", "vllm_ar"), paired(result)
+        ar_run = result.get("paired_ar") or "vllm_ar"  # results from before pairing: the one AR run there was
+        d_ar = ar_of(ar_run)
         if d_ar is None:  # its pass's AR result is gone (deleted by hand): the latest, and the table names it
             ar_run, d_ar = ar_label, ar
         out["drafts"][e.label] = {

@@ -165,11 +165,11 @@ def setting_table(name: str, st: dict) -> list[str]:
            "| draft shape |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     # Rows timed in different passes (eval/compare.py) have different baselines: then each row shows its own.
-    passes = {_f(r["ar_tokens_per_second"], ".1f") for r in st["reports"].values()}
+    passes = {_f(r["ar_tokens_per_second"], ".1f") for r in [st, *st["reports"].values()]}
     if len(passes) > 1:
         out[2] = (f"{out[2]} Rows were timed in different runs of compare (passes), at different machine speeds: "
-                  "each row's speedups are against the own AR and `generate` timed beside it in its own pass, shown "
-                  "in the last column (the figures above are the latest pass's).")
+                  "each row's speedups are against the own AR and `generate` timed beside it in its own pass; its "
+                  "own AR is in the last column (the figures above are each prompt's most recent timing).")
         out[4], out[5] = out[4] + " own AR tok/s, its pass |", out[5] + "---|"
     for label, r in st["reports"].items():
         ex = r.get("extra", {})
@@ -313,6 +313,7 @@ def vllm_table(name: str, v: dict) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|"]
     # Draft engines run in different passes are each timed against the vLLM AR run of their pass.
     runs = {d.get("vllm_ar_run", "vllm_ar") for d in v["drafts"].values() if "error" not in d}
+    runs |= {ar.get("run", "vllm_ar")} if runs else set()  # the header's AR, when it differs from every row's
     if len(runs) > 1:
         out[2] += (" Draft engines ran in different passes: each row's speed is against the vLLM AR timed in its "
                    "own pass, shown in the last column.")

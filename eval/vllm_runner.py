@@ -9,7 +9,9 @@ its core process, hence the `__main__` guard.
 JOB.json: {"label", "base_dir", "dtype" ("float32" | "bfloat16" | "float16"), "prompts": [{"id", "input_ids"}],
 "max_new_tokens", "warmup_tokens", "stop_token_ids", "speculative_config" (dict or null), "max_model_len",
 "seed", "enforce_eager" (skip torch.compile: minutes saved on a first run, slower decoding), "engine_args"
-(further LLM(...) keyword arguments the draft's export asks for in its engine_args.json, or null), "out"}.
+(further LLM(...) keyword arguments the draft's export asks for in its engine_args.json, or null), "out",
+optionally "paired_ar" (the vLLM AR run a draft's speed is measured against; copied into the result, so the result
+and its pairing are written at once)}.
 Writes to "out" a JSON result: per prompt the generated token ids and decode seconds, the spec-decode counters
 of the timed prompts only (warm-up subtracted), or {"error": "load", "message"} when the engine cannot be
 built (exit code 3). Progress lines start with "[serve-check]" (the parent shows them).
@@ -106,7 +108,8 @@ def run(job: dict) -> dict:
     import vllm
 
     return {"label": label, "vllm_version": vllm.__version__, "results": results, "spec_decode": spec,
-            "timing": "+".join(sorted(clocks)), "speculative_config": job.get("speculative_config")}
+            "timing": "+".join(sorted(clocks)), "speculative_config": job.get("speculative_config"),
+            **({"paired_ar": job["paired_ar"]} if job.get("paired_ar") else {})}
 
 
 def main(argv: list[str]) -> int:

@@ -79,7 +79,8 @@ def test_compare_runs_every_method_on_shared_baselines_and_resumes_exactly(smoke
     samples = {lab: [r["tokens"] for r in _rows(out / "t0.7" / lab / "samples.jsonl")] for lab in sampled["reports"]}
     again = run_compare(cfg)["settings"]["t0.7"]
     rows = _rows_ok(store)
-    # The cut line was dropped; prompt 2, whose N-gram run was cut, gets its AR timed again beside it (10 rows).
+    # The cut line was dropped; the second prompt, whose N-gram run was cut, gets its AR timed again beside it
+    # (10 rows).
     assert len({(r["prompt"], r["method"]) for r in rows}) == 9 and len(rows) == 10
     assert all(r["wall"] == kept[(r["prompt"], r["method"])] for r in rows[:5])  # finished runs not redone
     assert len(kept) == 5
@@ -148,6 +149,8 @@ def test_setting_table_shows_each_rows_baseline_when_passes_differ():
     st["reports"]["A"] = {**rep, "ar_tokens_per_second": 25.0}
     lines = setting_table("s", st)
     assert "its own pass" not in lines[2] and lines[4].endswith("| draft shape |")
+    st["ar_tokens_per_second"] = 20.0  # rows agree with each other but not with the header: still shown
+    assert setting_table("s", st)[4].endswith("own AR tok/s, its pass |")
 
 
 def _rows_ok(path):
@@ -252,6 +255,12 @@ def test_compare_cli_errors_are_clear(tmp_path, clean_env):
     assert proc.returncode == 2 and "no such draft label" in proc.stderr and "N-gram" in proc.stderr
     proc = subprocess.run(cmd + ["--results-only"], capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 2 and "summary.json not found" in proc.stderr
+    proc = subprocess.run(cmd + ["--results-only", "--redo", "N-gram"], capture_output=True, text=True, timeout=300,
+                          env=clean_env())
+    assert proc.returncode == 2 and "--results-only runs nothing" in proc.stderr
+    proc = subprocess.run(cmd + ["--only", "N-gram", "--redo", "Other"], capture_output=True, text=True, timeout=300,
+                          env=clean_env())
+    assert proc.returncode == 2 and "not among the --only rows" in proc.stderr
 
 
 @pytest.mark.parametrize("path", ["configs/compare.yaml", "configs/compare_best.yaml",

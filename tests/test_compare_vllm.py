@@ -203,7 +203,8 @@ def test_vllm_draft_engines_run_later_are_timed_against_their_own_vllm_ar(tmp_pa
         res = {"label": job["label"], "vllm_version": "fake",
                "results": [{"id": p["id"], "tokens": [1, 2, 3], "decode_seconds": 2 * per} for p in job["prompts"]],
                "spec_decode": {"vllm:spec_decode_num_drafts": 4, "vllm:spec_decode_num_accepted_tokens": 2,
-                               "vllm:spec_decode_num_accepted_tokens_per_pos": [2, 0]} if draft else None}
+                               "vllm:spec_decode_num_accepted_tokens_per_pos": [2, 0]} if draft else None,
+               **({"paired_ar": job["paired_ar"]} if job.get("paired_ar") else {})}  # as eval/vllm_runner.py
         (workdir / f"{job['label']}.result.json").write_text(json.dumps(res))
         return res
 
@@ -227,27 +228,28 @@ def test_vllm_draft_engines_run_later_are_timed_against_their_own_vllm_ar(tmp_pa
                                 {x: report for x in labels}, done, prompts, base, tmp_path / "out", timeout=1,
                                 tolerance=0.03, **kw)
 
-    first = run(["A"], this_pass="one")
+    first = run(["A"], this_pass="20261124T100000-one")
     assert first["drafts"]["A"]["speedup_vs_vllm_ar"] == pytest.approx(2.0)
     assert first["drafts"]["A"]["vllm_ar_run"] == "vllm_ar"
     speed["s"] = 30.0  # a slower machine: B and its AR are timed on it, A's numbers stay what they were
-    second = run(["A", "B"], this_pass="two")
+    second = run(["A", "B"], this_pass="20261124T110000-two")
     work = tmp_path / "out" / "s" / "vllm"
     assert sorted(p.name for p in work.glob("*.result.json")) == [
-        "vllm-A.result.json", "vllm-B.result.json", "vllm_ar-two.result.json", "vllm_ar.result.json"]
+        "vllm-A.result.json", "vllm-B.result.json", "vllm_ar-20261124T110000-two.result.json", "vllm_ar.result.json"]
     a, b = second["drafts"]["A"], second["drafts"]["B"]
-    assert b["vllm_ar_run"] == "vllm_ar-two" and a["vllm_ar_run"] == "vllm_ar"
+    assert b["vllm_ar_run"] == "vllm_ar-20261124T110000-two" and a["vllm_ar_run"] == "vllm_ar"
     assert a["speedup_vs_vllm_ar"] == pytest.approx(2.0) and b["speedup_vs_vllm_ar"] == pytest.approx(2.0)
     assert b["vllm_ar_tokens_per_second"] == pytest.approx(a["vllm_ar_tokens_per_second"] / 3)
     assert second["ar"]["tokens_per_second"] == pytest.approx(b["vllm_ar_tokens_per_second"])  # the latest
     table = vllm_table("s", second)
     assert "its own pass" in table[2] and table[6].endswith(f" {a['vllm_ar_tokens_per_second']:.1f} |")
     speed["s"] = 20.0  # redo A: it and a fresh AR run again in this pass
-    third = run(["A", "B"], this_pass="three", redo=("A",))
-    assert third["drafts"]["A"]["vllm_ar_run"] == "vllm_ar-three"
-    assert third["drafts"]["B"]["vllm_ar_run"] == "vllm_ar-two"
+    third = run(["A", "B"], this_pass="20261124T120000-three", redo=("A",))
+    assert third["drafts"]["A"]["vllm_ar_run"] == "vllm_ar-20261124T120000-three"
+    assert third["drafts"]["B"]["vllm_ar_run"] == "vllm_ar-20261124T110000-two"
     assert third["drafts"]["A"]["vllm_ar_tokens_per_second"] == pytest.approx(1 / 20.0)
-    nothing = run(["A", "B"], this_pass="four")  # everything stored: no engine runs, no new AR
-    assert not (work / "vllm_ar-four.result.json").exists()
-    assert nothing["drafts"]["A"]["vllm_ar_run"] == "vllm_ar-three"
+    nothing = run(["A", "B"], this_pass="20261124T130000-four")  # everything stored: no engine runs, no new AR
+    assert not (work / "vllm_ar-20261124T130000-four.result.json").exists()
+    assert nothing["drafts"]["A"]["vllm_ar_run"] == "vllm_ar-20261124T120000-three"
+    assert nothing["ar"]["run"] == "vllm_ar-20261124T120000-three"
     assert nothing["ar"]["tokens_per_second"] == pytest.approx(1 / 20.0)  # the setting's figure: the latest AR
