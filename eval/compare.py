@@ -254,8 +254,8 @@ def _tps(rows: list[dict]) -> float | None:
 
 
 def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greedy, tol=(None, {})) -> dict:
-    """Every draft's report from the stored rows. The setting's own AR / generate numbers are the latest pass's;
-    each draft's speedups are against the baselines timed in its own rows' passes (_Store.paired)."""
+    """Every draft's report from the stored rows. The setting's own AR / generate numbers are each prompt's most
+    recent timing; each draft's speedups are against the baselines timed in its own rows' passes (_Store.paired)."""
     tok, done = base.tokenizer, rows.done
     ar_rows = [done[(p.id, AR)] for p in prompts]
     hf_rows = [done[(p.id, HF)] for p in prompts if (p.id, HF) in done]

@@ -134,26 +134,18 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
         return run_engine({**job, "label": label, "speculative_config": spec, "engine_args": engine_args,
                            "paired_ar": paired_ar}, workdir, timeout)
 
-    stored_ars = [p.name.removesuffix(".result.json") for p in workdir.glob("vllm_ar*.result.json")
-                  if _cached(p, ids) is not None]
-    fresh_ar: list[str] = []  # this pass's AR run, once one of its draft engines needs it
+    # Every stored vLLM AR run of these prompts, by label; this pass's own run joins it once a draft engine needs it.
+    ar_results = {p.name.removesuffix(".result.json"): r for p in workdir.glob("vllm_ar*.result.json")
+                  if (r := _cached(p, ids)) is not None}
+    fresh_ar: list[str] = []
 
     def this_pass_ar() -> str:
         """Runs vLLM AR in this pass (once, right before the first draft engine that starts); its label."""
         if not fresh_ar:
-            label = f"vllm_ar-{this_pass}" if stored_ars else "vllm_ar"
-            engine(label, None)
+            label = f"vllm_ar-{this_pass}" if ar_results else "vllm_ar"
+            ar_results[label] = engine(label, None)
             fresh_ar.append(label)
         return fresh_ar[0]
-
-    ar_numbers: dict[str, dict | None] = {}
-
-    def ar_of(label: str) -> dict | None:
-        """vLLM AR numbers of a stored run (None when its file is gone)."""
-        if label not in ar_numbers:
-            cached = _cached(workdir / f"{label}.result.json", ids)
-            ar_numbers[label] = vllm_engine_numbers(cached) if cached else None
-        return ar_numbers[label]
 
     results = {}
     for e, _, _, spec, engine_args in plans:
@@ -167,11 +159,11 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
             log.error("vLLM + %s (%s): %s", e.label, name, exc)
             results[e.label] = exc
     # The setting's vLLM AR figure: this pass's run, else the latest stored one (pass ids start with the time).
-    if not fresh_ar and not stored_ars:
+    if not ar_results:
         this_pass_ar()
-    ar_label = fresh_ar[0] if fresh_ar else max(stored_ars, key=lambda lab: "" if lab == "vllm_ar" else lab)
-    ar_result = _cached(workdir / f"{ar_label}.result.json", ids)
-    ar = ar_of(ar_label)
+    ar_label = fresh_ar[0] if fresh_ar else max(ar_results, key=lambda lab: "" if lab == "vllm_ar" else lab)
+    ar_result = ar_results[ar_label]
+    ar = vllm_engine_numbers(ar_result)
     our_ar = {p.id: list(done[(p.id, "ar")]["tokens"]) for p in prompts}
     out = {"vllm_version": ar_result.get("vllm_version"), "dtype": dtype, "num_prompts": len(prompts),
            "threads": torch.get_num_threads(), "tolerance": tolerance,
@@ -190,8 +182,9 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
         acc = compare_acceptance(v["accept_rate_per_position"], ours["accept_rate_per_position"], tolerance)
         tps = v["tokens_per_second"]
         ar_run = result.get("paired_ar") or "vllm_ar"  # results from before pairing: the one AR run there was
-        d_ar = ar_of(ar_run)
-        if d_ar is None:  # its pass's AR result is gone (deleted by hand): the latest, and the table names it
+        if ar_run in ar_results:
+            d_ar = vllm_engine_numbers(ar_results[ar_run])
+        else:  # its pass's AR result is gone (deleted by hand): the latest, and the table names it
             ar_run, d_ar = ar_label, ar
         out["drafts"][e.label] = {
             "family": m.family, "depth": depth, "speculative_config": spec, "engine_args": engine_args,
