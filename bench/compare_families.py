@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eval.results_doc import train_seconds, trainable_params
+from eval.harness.results_doc import train_seconds, trainable_params
 
 
 def describe(run: Path, eval_names: list[str]) -> dict:

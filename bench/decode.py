@@ -6,7 +6,7 @@ speculative decoding vs both.
     python bench/decode.py --draft runs/demo/export             # + the demo's Medusa heads
     python bench/decode.py --draft runs/demo/export --prompts 20 --new-tokens 128 --tree chain4
 
-It drives the same code as `specdraft eval` (eval/runner.py) and writes its report under
+It drives the same code as `specdraft eval` (eval/harness/runner.py) and writes its report under
 <run>/eval/bench-decode/ (or runs/bench-decode/ without a draft). Targets (issue 3): own AR >= 1.5x HF
 generate; Medusa >= 1.3x own AR on MT-bench.
 """
@@ -34,9 +34,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from eval.config import load_eval_config
-    from eval.drafters.base import NoDrafter
-    from eval.runner import eval_export, evaluate, format_summary
+    from eval.engine.drafters.drafter import NoDrafter
+    from eval.harness.config import load_eval_config
+    from eval.harness.runner import eval_export, evaluate, format_summary
     from models.base import load_base
 
     overrides = ["name=bench-decode", f"dataset={args.dataset}", f"num_prompts={args.prompts}",

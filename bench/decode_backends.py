@@ -6,8 +6,8 @@
 Methods (same process, same prompt, fp32 on CPU by default, warm-up first, repetitions interleaved
 so that load from other processes hits all methods alike; the median repetition is reported):
   generate  transformers `model.generate(do_sample=False)`, no eos (exactly --new-tokens tokens);
-            its prefill is a separate `generate(max_new_tokens=1)` call, as in eval/hf_baseline.py
-  fast      FastLlamaBackend (default settings: on CPU it computes with 1 intra-op thread, see its
+            its prefill is a separate `generate(max_new_tokens=1)` call, as in eval/harness/hf_baseline.py
+  fast      FastBackend (default settings: on CPU it computes with 1 intra-op thread, see its
             `cpu_threads`) driven by the minimal greedy loop below (prefill, then per token one
             1-node forward_tree + commit)
   fast-glob (--fast-global-threads) the same with cpu_threads=None, i.e. torch's --threads setting
@@ -34,9 +34,9 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from eval.backends.base import BaseBackend  # noqa: E402
-from eval.backends.fast import FastLlamaBackend  # noqa: E402
-from eval.backends.hf import HFBackend  # noqa: E402
+from eval.engine.backends.backend import Backend  # noqa: E402
+from eval.engine.backends.fast import FastBackend  # noqa: E402
+from eval.engine.backends.hf import HFBackend  # noqa: E402
 
 # SmolLM2-135M(-Instruct) config.json, architecture fields.
 SMOLLM2_CONFIG = dict(
@@ -110,7 +110,7 @@ def run_generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int
 
 
 @torch.inference_mode()
-def run_loop(backend: BaseBackend, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], float, float]:
+def run_loop(backend: Backend, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], float, float]:
     """The minimal greedy AR loop on a backend: (tokens, prefill_s, total_s)."""
     dev = backend.device
     root = torch.zeros(1, dtype=torch.long, device=dev)  # depth 0, and "keep node 0"
@@ -153,13 +153,13 @@ def main(argv: list[str] | None = None) -> None:
 
     model, tokenizer, desc = load_model(args.base, device)
     prompt = make_prompt(tokenizer, args.prompt_len, model.config.vocab_size)
-    fast = FastLlamaBackend(model, max_len=prompt.numel() + args.new_tokens)
+    fast = FastBackend(model, max_len=prompt.numel() + args.new_tokens)
     methods = {
         "generate": lambda n: run_generate(model, prompt, n),
         "fast": lambda n: run_loop(fast, prompt, n),
     }
     if args.fast_global_threads:
-        fast_glob = FastLlamaBackend(model, max_len=prompt.numel() + args.new_tokens, cpu_threads=None)
+        fast_glob = FastBackend(model, max_len=prompt.numel() + args.new_tokens, cpu_threads=None)
         methods["fast-glob"] = lambda n: run_loop(fast_glob, prompt, n)
     if args.hf_loop:
         hf = HFBackend(model)

@@ -28,11 +28,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from eval.backends.fast import FastLlamaBackend
-    from eval.drafters.base import DecodeState
-    from eval.drafters.hydra import HydraDrafter
-    from eval.drafters.medusa import MedusaDrafter
-    from eval.tree import STATIC_TREES, StaticTree, chain_tree
+    from eval.engine.backends.fast import FastBackend
+    from eval.engine.drafters.drafter import DecodeState
+    from eval.engine.drafters.hydra import HydraDrafter
+    from eval.engine.drafters.medusa import MedusaDrafter
+    from eval.engine.tree import STATIC_TREES, StaticTree, chain_tree
     from models.base import load_base
     from models.draft import BaseView
     from models.hydra import HydraDraft
@@ -40,7 +40,7 @@ def main() -> None:
 
     base = load_base("smollm2", dtype=args.dtype)
     dtype = next(base.model.parameters()).dtype
-    backend = FastLlamaBackend(base.model)
+    backend = FastBackend(base.model)
     view = BaseView.from_model(base.model)
     prompt = torch.tensor(base.tokenizer("Explain how a bicycle stays upright, step by step.")["input_ids"])
     shapes = {"AR (1 node)": chain_tree(1), "chain 2": chain_tree(1, [2]), "chain 3": chain_tree(1, [2, 3]),

@@ -133,10 +133,11 @@ def main() -> None:
 
     import torch
 
+    from core.paths import default_cache_dir
     from data.dataset import build_datasets
     from data.draft_vocab import build_draft_vocab, count_targets
     from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key
-    from models.base import default_cache_dir, load_base
+    from models.base import HiddenStates, load_base
     from models.draft import BaseView
 
     t_start = time.perf_counter()
@@ -156,7 +157,7 @@ def main() -> None:
     caches = {}
     for name, ds in () if args.coverage_only else (("train", train_sub), ("val", val_sub)):
         key = cache_key(base.fingerprint, base.model.dtype, ds, "bf16")
-        d = build_hidden_cache(base.model, ds, root / "hidden" / key, pad_id=pad_id, device=torch.device("cpu"),
+        d = build_hidden_cache(HiddenStates(base.model), ds, root / "hidden" / key, pad_id=pad_id, device=torch.device("cpu"),
                                micro_batch_size=4, info={"key": key, "base": base.name,
                                                          "base_fingerprint": base.fingerprint,
                                                          "base_dtype": str(base.model.dtype)})
@@ -265,10 +266,10 @@ def _drafting_times(fam, variants, sizes, val_cache, steps):
 
     import torch
 
-    from eval.drafters.base import DecodeState
-    from eval.drafters.hydra import HydraDrafter
-    from eval.drafters.medusa import MedusaDrafter
-    from eval.tree import STATIC_TREES, StaticTree
+    from eval.engine.drafters.drafter import DecodeState
+    from eval.engine.drafters.hydra import HydraDrafter
+    from eval.engine.drafters.medusa import MedusaDrafter
+    from eval.engine.tree import STATIC_TREES, StaticTree
 
     tree = StaticTree(STATIC_TREES["tree16"])
     drafters = {}

@@ -101,11 +101,10 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    from eval.backends.fast import FastLlamaBackend
-    from eval.decoder import autoregressive_generate
-    from eval.hf_baseline import hf_generate_timed
-    from eval.prompts import load_eval_prompts
-    from eval.runner import eos_ids
+    from eval.engine.backends.fast import FastBackend
+    from eval.engine.decoder import autoregressive_generate, eos_ids
+    from eval.harness.hf_baseline import hf_generate_timed
+    from eval.harness.prompts import load_eval_prompts
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
@@ -120,7 +119,7 @@ def main() -> None:
     cost_prompt = 128
     longest = max(max(len(q.input_ids) for q in prompts) + args.new_tokens + 80, cost_prompt + args.reps + 80)
     t0 = time.perf_counter()
-    backend = FastLlamaBackend(model, max_len=longest, compile=False if args.no_compile else None)
+    backend = FastBackend(model, max_len=longest, compile=False if args.no_compile else None)
     backend.reset(longest)
 
     def ar(ids, n):

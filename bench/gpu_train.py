@@ -31,7 +31,7 @@ def run_one(family: str, zero: int, args, run_dir: Path) -> dict:
                  f"deepspeed.zero_stage={zero}", f"train.max_steps={args.steps}", f"train.log_every={args.log_every}",
                  "train.val_batches=0", "train.save_every=0", "wandb.enabled=false", "train.precision=bf16",
                  *args.set]
-    cmd = [sys.executable, "-m", "train.cli", "train", "--config", RECIPES[family], *overrides]
+    cmd = [sys.executable, "-m", "cli.main", "train", "--config", RECIPES[family], *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,

@@ -1,5 +1,5 @@
 """(k, w) sweep of the N-gram drafter from the command line (the same as `specdraft eval --method ngram
-extra.sweep_k=[...] extra.sweep_w=[...]`); the sweep itself lives in eval/ngram_sweep.py.
+extra.sweep_k=[...] extra.sweep_w=[...]`); the sweep itself lives in eval/harness/ngram_sweep.py.
 
     python bench/ngram_sweep.py --config configs/eval/ngram.yaml --k 1 5 10 20 --w 2 4 10 \
         --out runs/ngram/sweep num_prompts=8 max_new_tokens=64 [extra.strategy=mixed]
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from eval.config import load_eval_config
-from eval.ngram_sweep import sweep, write
+from eval.harness.config import load_eval_config
+from eval.harness.ngram_sweep import sweep, write
 
 
 def main() -> None:

@@ -59,7 +59,7 @@ def sample_rows(vocab: int, n: int, seed: int = 0) -> list[torch.Tensor]:
 
 def whole_vocab(path: str) -> int:
     """The base's vocabulary size from its config (no weights loaded)."""
-    from models.base import SMOLLM2_EXPECTED
+    from models.smollm2_gguf import SMOLLM2_EXPECTED
     from models.tiny import TINY_VOCAB_SIZE
 
     if path in ("tiny", "smollm2"):
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = p.parse_args(argv)
 
-    from models.base import last_hidden_and_logits, load_base, resolve_dtype
+    from core.hardware import resolve_dtype
+    from models.base import last_hidden_and_logits, load_base
     from train.distributed import all_reduce_sum, barrier, finish_distributed, init_distributed
     from train.partitioned_base import load_partitioned_base
 

@@ -100,21 +100,21 @@ def shard_owner(shard: int, world_size: int) -> int:
 
 
 @torch.no_grad()
-def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: int, device: torch.device,
+def build_hidden_cache(base_forward, dataset, directory: str | os.PathLike, *, pad_id: int, device: torch.device,
                        micro_batch_size: int = 4, shard_rows: int = 256, cache_dtype: str = "bf16",
                        info: dict | None = None, aux_layers: list[int] | None = None,
                        ranks: RankGroup | None = None) -> Path:
     """Write the cache for `dataset` (rows with input_ids / loss_mask) into `directory`; return it.
 
-    Runs `model` (frozen) over micro-batches of `micro_batch_size` right-padded rows; padding never
+    `base_forward(ids, attn, aux_layers) -> (h [b, T, d], aux [b, T, k*d] or None)` is the frozen base's forward
+    with a `hidden_size` attribute (models.base.HiddenStates): data/ runs it without knowing the model code.
+    Runs it over micro-batches of `micro_batch_size` right-padded rows; padding never
     changes a real token's h (causal attention, padding at the end), and only real tokens are stored.
     Skips work already done: a complete cache returns at once, finished shards of a killed build are kept.
     With `ranks` (N processes, a directory every rank sees) each rank builds its own shards, rank 0 shows
     the whole job's progress (the done-token count is all-reduced after every micro-batch step) and writes
     the manifest once every rank has finished; collective: every rank of the group must call it.
     """
-    from models.base import draft_inputs  # late: data/ stays importable without the model code
-
     ranks = ranks or RankGroup()
     if cache_dtype not in _DTYPES:
         raise ValueError(f"hidden cache dtype {cache_dtype!r}: use one of {', '.join(_DTYPES)}")
@@ -129,7 +129,7 @@ def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: 
     ranks.barrier()
     n_rows = len(dataset)
     n_shards = (n_rows + shard_rows - 1) // shard_rows
-    hidden_size = int(model.config.hidden_size)  # not the lm_head's shape: a ZeRO-3 partition is empty
+    hidden_size = int(base_forward.hidden_size)
     done = [i for i in range(n_shards) if _shard_path(directory, i).is_file()]
     aux_layers = [int(i) for i in aux_layers or []]
     size = estimate_bytes(dataset, hidden_size, cache_dtype, len(aux_layers))
@@ -162,7 +162,7 @@ def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: 
             chunk = [dataset[i] for i in range(lo, hi)]
             batch = collate(chunk, pad_id)
             ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            h, aux = draft_inputs(model, ids, attn, aux_layers)  # [b, T, d], [b, T, k*d] or None
+            h, aux = base_forward(ids, attn, aux_layers)  # [b, T, d], [b, T, k*d] or None
             for b, r in enumerate(chunk):
                 n = len(r["input_ids"])
                 hidden_parts.append(h[b, :n].to("cpu", dtype))
@@ -175,7 +175,7 @@ def build_hidden_cache(model, dataset, directory: str | os.PathLike, *, pad_id: 
                 hidden_parts, aux_parts, lengths = [], [], []
         elif ranks.collective_forward:  # out of work: keep the other ranks' all-gathers company
             one = torch.full((1, 1), pad_id, dtype=torch.long, device=device)
-            draft_inputs(model, one, torch.ones_like(one), aux_layers)
+            base_forward(one, torch.ones_like(one), aux_layers)
         bar.update(int(ranks.all_reduce_sum(torch.tensor([float(n_tok)], dtype=torch.float64)).item()))
     bar.close()
     ranks.barrier()  # every rank's shards are on disk

@@ -72,7 +72,7 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
                          f" {temperature})")
     key = distill_key(base, source, max_records, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens)
     if out is None:
-        from models.base import default_cache_dir  # late: data/ stays importable without the model code
+        from core.paths import default_cache_dir  # late: data/ stays importable without the model code
 
         out = Path(cache_dir or default_cache_dir()).expanduser() / "selfdistill" / f"{key}.jsonl"
     out = Path(out).expanduser()

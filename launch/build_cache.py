@@ -7,7 +7,7 @@ Every rank runs the frozen base over its own shards of the train rows; the resul
 
 import sys
 
-from train.cli import main
+from cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["cache", *sys.argv[1:]]))

@@ -27,7 +27,7 @@ WHEELS=(
   annotated-types==0.8.0
   typing-inspection==0.4.5
   typing-extensions==4.16.0    # pydantic 2.14 needs >= 4.16; shadows the image's (backward compatible)
-  omegaconf==2.4.0             # train/config_loader.py (vendors its antlr4 runtime)
+  omegaconf==2.4.0             # core/config_loader.py (vendors its antlr4 runtime)
   gguf==0.19.0                 # transformers' GGUF loader (the SmolLM2 GGUF, when carried)
   datasets==5.2.0              # data/dataset.py for raw ShareGPT; the packed data path (data/packed.py) needs none
   dill==0.4.1

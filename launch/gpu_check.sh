@@ -118,7 +118,7 @@ for name in ("transformers", "tokenizers", "deepspeed", "datasets", "pyarrow", "
         info[name] = f"{version(name.replace('_', '-'))} ({module.__file__.rsplit('/', 2)[0]})"
     except Exception as err:  # noqa: BLE001 (a report)
         info[name] = f"FAILED: {type(err).__name__}: {err}"
-for mod in ("train.loop", "train.cli", "eval.runner", "eval.backends.fast", "data.packed", "data.hidden_cache"):
+for mod in ("train.loop", "cli.main", "eval.harness.runner", "eval.engine.backends.fast", "data.packed", "data.hidden_cache"):
     importlib.import_module(mod)
 print(json.dumps(info, indent=1))
 EOF
@@ -218,11 +218,11 @@ stage_fulldata() {
   local common=(--config configs/hydra_pp.yaml "run_dir=$FULL_RUN" "base.path=$base" "data.source=$DATA/sharegpt"
                 data.hidden_cache=auto draft.share_lm_head=true wandb.enabled=false resume=auto train.save_every=200)
   if [ "$DRY" = 1 ]; then
-    run fulldata "$PY" -m train.cli train "${common[@]}" train.max_steps=3 train.precision=fp32 data.max_length=128 \
+    run fulldata "$PY" -m cli.main train "${common[@]}" train.max_steps=3 train.precision=fp32 data.max_length=128 \
       train.global_batch_size=2 train.micro_batch_size=1 train.val_batches=1 || return 1
   else
     # share_lm_head: heads on the frozen lm_head, so the export is small enough to bring back (<= 64 MiB).
-    run fulldata timeout 450 "$PY" -m train.cli train "${common[@]}" "train.epochs=${FULLDATA_EPOCHS:-10}" \
+    run fulldata timeout 450 "$PY" -m cli.main train "${common[@]}" "train.epochs=${FULLDATA_EPOCHS:-10}" \
       "train.max_minutes=${FULLDATA_MINUTES:-5}" train.micro_batch_size=16 train.global_batch_size=32 \
       train.lr=1e-3 train.val_batches=20 || return 1
   fi
@@ -250,10 +250,10 @@ stage_evaldraft() {
   for e in "${exports[@]}"; do
     name=$(basename "$(dirname "$e")")
     if [ "$DRY" = 1 ]; then
-      run "eval_$name" "$PY" -m train.cli eval --draft "$e" "dataset=$prompts" num_prompts=2 max_new_tokens=8 \
+      run "eval_$name" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" num_prompts=2 max_new_tokens=8 \
         dtype=fp32 device=cpu "name=gpu-$name" || rc=1
     else
-      run "eval_$name" timeout 240 "$PY" -m train.cli eval --draft "$e" "dataset=$prompts" num_prompts=10 \
+      run "eval_$name" timeout 240 "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" num_prompts=10 \
         max_new_tokens=256 dtype=bf16 device=cuda backend=fast "name=gpu-$name" || rc=1
     fi
     cp "$e/../eval/gpu-$name/report.json" "$OUT_DIR/eval_$name.json" 2>/dev/null

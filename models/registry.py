@@ -8,7 +8,7 @@ from models.hydra import HydraDraft
 from models.medusa import MedusaDraft
 from models.redrafter import ReDrafterDraft
 
-DRAFTERS = {
+DRAFT_MODELS = {
     "medusa": MedusaDraft,
     "redrafter": ReDrafterDraft,
     "ctc": CTCDraft,

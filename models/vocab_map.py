@@ -6,7 +6,7 @@ losses, top-k and teacher distributions live over those N ids. The verifier neve
 maps them back to base ids first, so the base still decides and losslessness is untouched.
 
 Two index tensors, the same convention as EAGLE-3 / speculators (which export d2t as offsets, see
-train/export_speculators.py):
+models/export/speculators.py):
     d2t [N] int64  draft id -> base id, most frequent first (ties by smaller base id)
     t2d [V] int64  base id -> draft id, -1 for base ids outside the map
 

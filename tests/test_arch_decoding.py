@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.backends.fast import FastLlamaBackend, supports
-from eval.backends.hf import HFBackend
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState, Drafter
-from eval.tree import Tree, tree_from_paths
+from eval.engine.backends.fast import FastBackend, supports
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.tree import Tree, tree_from_paths
 from models.tiny import TINY_ARCHS, tiny_config, tiny_model
 
 NEW = 24
@@ -81,4 +81,4 @@ FAST_CASES = [(a, w) for a, w in CASES if supports(tiny_config(a))[0] and a != "
 @pytest.mark.parametrize(("arch", "window"), FAST_CASES, ids=[a if w is None else f"{a}-w{w}" for a, w in FAST_CASES])
 def test_fast_backend_greedy_lossless(arch, window, arch_prompts):
     model = make_model(arch, window)
-    check_lossless(model, FastLlamaBackend(model, max_len=64), arch_prompts)
+    check_lossless(model, FastBackend(model, max_len=64), arch_prompts)

@@ -9,14 +9,14 @@ import torch
 from conftest import fit_draft
 from test_arch_decoding import greedy_reference, make_model
 
-from eval.backends.fast import FastLlamaBackend, supports
-from eval.backends.hf import HFBackend
-from eval.config import EvalConfig
-from eval.decoder import speculative_generate
-from eval.drafters.registry import build_drafter
-from models.base import last_hidden_and_logits
+from eval.engine.backends.fast import FastBackend, supports
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import speculative_generate
+from eval.engine.drafters.registry import build_drafter
+from eval.harness.config import EvalConfig
+from models.base import HiddenStates, last_hidden_and_logits
 from models.draft import BaseView, DraftBatch
-from models.registry import DRAFTERS
+from models.registry import DRAFT_MODELS
 from train.config import DraftSection, LossSection
 
 ARCHS = ["qwen2", "qwen3", "mistral", "gemma3"]
@@ -55,14 +55,14 @@ def test_family_trains_and_decodes_losslessly(arch_setup, family):
     arch, model, batch, prompts, refs = arch_setup
     view = BaseView.from_model(model)
     torch.manual_seed(0)
-    draft = DRAFTERS[FAMILIES[family]["family"]].from_config(DraftSection(**FAMILIES[family]), view)
+    draft = DRAFT_MODELS[FAMILIES[family]["family"]].from_config(DraftSection(**FAMILIES[family]), view)
     first, out = fit_draft(draft, [batch], view, LossSection(), steps=4, lr=3e-3)
     assert torch.isfinite(out.loss) and float(out.loss.detach()) < first  # it trains
     draft.eval()
     drafter, _ = build_drafter(draft, {"family": FAMILIES[family]["family"], **draft.export_config()}, EvalConfig())
     backends = [HFBackend(model)]
     if supports(model.config)[0]:
-        backends.append(FastLlamaBackend(model, max_len=128))
+        backends.append(FastBackend(model, max_len=128))
     for backend in backends:
         for prompt, ref in zip(prompts, refs):
             res = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW, eos_ids=None)
@@ -79,7 +79,7 @@ def test_hidden_cache_rows_equal_the_base_forward(arch, tmp_path):
     base = load_base(f"tiny-{arch}")
     ds, _ = build_datasets(base.tokenizer, "tests/fixtures/sharegpt_tiny.json", max_records=None, max_length=96,
                            val_fraction=0.2, seed=0, cache_dir=tmp_path / "data", min_assistant_tokens=1)
-    cache = HiddenCache(build_hidden_cache(base.model, ds, tmp_path / "c", pad_id=0, device=torch.device("cpu"),
+    cache = HiddenCache(build_hidden_cache(HiddenStates(base.model), ds, tmp_path / "c", pad_id=0, device=torch.device("cpu"),
                                            micro_batch_size=3, shard_rows=4, cache_dtype="fp32"))
     lengths = [len(ds[i]["input_ids"]) for i in range(len(ds))]
     assert max(lengths) > 2 * 16 and len(set(lengths[:3])) > 1  # windows crossed, rows really padded
@@ -97,8 +97,8 @@ def test_train_loop_smoke_on_arch(arch, tmp_path, monkeypatch):
 
     from conftest import SMOKE_RECIPE
 
-    from eval.config import load_eval_config
-    from eval.runner import eval_export
+    from eval.harness.config import load_eval_config
+    from eval.harness.runner import eval_export
     from train.config import load_train_config
     from train.loop import train
 

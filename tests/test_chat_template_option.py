@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from core.config_loader import ConfigError
 from data.template import (
     NAMED_CHAT_TEMPLATES,
     ChatTemplateError,
@@ -17,7 +18,6 @@ from data.template import (
 from models.base import load_base
 from models.tiny import tiny_llama, tiny_tokenizer
 from train.config import load_train_config
-from train.config_loader import ConfigError
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

@@ -1,4 +1,4 @@
-"""`specdraft compare` (eval/compare.py) on the tiny base: shared baselines, losslessness, exact resume,
+"""`specdraft compare` (eval/harness/compare.py) on the tiny base: shared baselines, losslessness, exact resume,
 config errors, and docs/results.md generation that keeps the hand-written text."""
 
 import json
@@ -6,10 +6,11 @@ import json
 import pytest
 import yaml
 
-from eval.compare import run_compare
-from eval.compare_config import load_compare_config
-from eval.report import REPORT_KEYS
-from eval.results_doc import (
+from core.config_loader import ConfigError
+from eval.harness.compare import run_compare
+from eval.harness.compare_config import load_compare_config
+from eval.harness.report import REPORT_KEYS
+from eval.harness.results_doc import (
     RESULTS_BEGIN,
     RESULTS_END,
     _shape,
@@ -19,7 +20,6 @@ from eval.results_doc import (
     target_table,
     write_results,
 )
-from train.config_loader import ConfigError
 
 
 def _config(tmp_path, export, **extra) -> str:
@@ -63,7 +63,7 @@ def test_compare_runs_every_method_on_shared_baselines_and_resumes_exactly(smoke
     assert greedy["ar_matches_generate_fraction"] == 1.0 and sampled["ar_matches_generate_fraction"] is None
     for rep in greedy["reports"].values():  # fp32 greedy: token-identical to own AR decoding
         assert rep["lossless_fraction"] == 1.0 and rep["speedup_vs_hf"] is not None
-        # tie-aware verdict (eval/lossless.py): fp32 = exact, tolerance 0, every prompt identical
+        # tie-aware verdict (eval/harness/lossless.py): fp32 = exact, tolerance 0, every prompt identical
         ex = rep["extra"]
         assert ex["tie_tolerance"] == 0.0 and ex["lossless_up_to_ties"] is True and ex["lossless_identical"] == 3
     ar_rows = [r for r in _rows(out / "greedy" / "prompts.jsonl") if r["method"] == "ar"]
@@ -233,7 +233,7 @@ def test_draft_shape_column_names_each_drafts_shape(extra, shape):
     ({"settings": []}, "`settings` is empty"),
 ])
 def test_compare_config_errors_are_clear(tmp_path, patch, message):
-    from eval.compare_config import draft_entries, setting_configs
+    from eval.harness.compare_config import draft_entries, setting_configs
 
     cfg = load_compare_config([_config(tmp_path, tmp_path / "no-export")])
     for k, v in patch.items():
@@ -250,7 +250,7 @@ def test_compare_cli_errors_are_clear(tmp_path, clean_env):
            "drafts": [{"label": "N-gram", "method": "ngram"}]}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "train.cli", "compare", "--config", str(path)]
+    cmd = [sys.executable, "-m", "cli.main", "compare", "--config", str(path)]
     proc = subprocess.run(cmd + ["--only", "Nope"], capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 2 and "no such draft label" in proc.stderr and "N-gram" in proc.stderr
     proc = subprocess.run(cmd + ["--results-only"], capture_output=True, text=True, timeout=300, env=clean_env())
@@ -268,7 +268,7 @@ def test_compare_cli_errors_are_clear(tmp_path, clean_env):
 def test_shipped_compare_configs_parse(path):
     """The settings and vLLM settings of every shipped compare config validate (the drafts' exports are built by
     launch/compare.sh / launch/best.sh, so they are not checked here)."""
-    from eval.compare_config import setting_configs, vllm_setting_names
+    from eval.harness.compare_config import setting_configs, vllm_setting_names
 
     cfg = load_compare_config([path] if "self_distill" not in path else ["configs/compare.yaml", path])
     settings = setting_configs(cfg)
@@ -284,9 +284,9 @@ def test_sharegpt_skip_counts_only_the_drafts_of_that_setting(tmp_path):
     decide (or break) that setting's skip, and it still breaks a setting it does run in."""
     import json
 
-    from eval.compare import _heldout_skip
-    from eval.compare_config import DraftEntry
-    from eval.config import EvalConfig
+    from eval.harness.compare import _heldout_skip
+    from eval.harness.compare_config import DraftEntry
+    from eval.harness.config import EvalConfig
 
     def export(name: str, max_records):
         d = tmp_path / name

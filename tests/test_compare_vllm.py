@@ -1,5 +1,5 @@
 """Issue 19's parts of `specdraft compare`: headline rows (tree + chain per family), the vLLM columns
-(eval/compare_vllm.py), the new targets and plots, and the `fast` dtype the CPU recipes use.
+(eval/serving/compare_vllm.py), the new targets and plots, and the `fast` dtype the CPU recipes use.
 
 The vLLM end-to-end test (marker `vllm`) runs the real engine from .venv-vllm on a tiny servable base."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 import yaml
 
-from eval.compare_config import draft_entries, load_compare_config, setting_configs, vllm_setting_names
-from eval.compare_vllm import chain_depth
-from eval.results_doc import headline_table, target_table, vllm_table
-from eval.tree import STATIC_TREES, StaticTree
-from train.config_loader import ConfigError
+from core.config_loader import ConfigError
+from eval.engine.tree import STATIC_TREES, StaticTree
+from eval.harness.compare_config import draft_entries, load_compare_config, setting_configs, vllm_setting_names
+from eval.harness.results_doc import headline_table, target_table, vllm_table
+from eval.serving.compare_vllm import chain_depth, vllm_columns
 
 
 class _Tree:  # what chain_depth reads of a static-tree drafter: its tree
@@ -120,7 +120,7 @@ def test_headline_vllm_and_target_tables():
 
 
 def test_fast_dtype_follows_the_cpu_flags(monkeypatch):
-    from models import base
+    from core import hardware as base
     from train.ds_config import resolve_precision
 
     assert base.cpu_has_fast_bf16("flags : fpu avx2 avx512f avx512_bf16 amx_tile") is True
@@ -144,8 +144,8 @@ def test_compare_with_vllm_columns_end_to_end(tmp_path, capsys):
         pytest.skip("no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
     from vllm_fixtures import medusa_export_on_servable_base
 
-    from eval.compare import run_compare
-    from eval.results_doc import write_results
+    from eval.harness.compare import run_compare
+    from eval.harness.results_doc import write_results
 
     # with a draft vocabulary (token_map): vLLM 0.32 loads it only with the export's engine_args.json
     export = medusa_export_on_servable_base(tmp_path / "m", draft_vocab=160)
@@ -161,7 +161,7 @@ def test_compare_with_vllm_columns_end_to_end(tmp_path, capsys):
                        "headline": {"family": "N-gram", "draft": "chain"}}]}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    summary = run_compare(load_compare_config([str(path)]))
+    summary = run_compare(load_compare_config([str(path)]), vllm_columns)
     v = summary["settings"]["greedy"]["vllm"]
     assert set(v["drafts"]) == {"Medusa-chain", "N-gram-chain"}
     assert v["ar"]["agreement_with_our_ar"]["identical_prompts"] == 1.0  # fp32 greedy: the same tokens
@@ -174,7 +174,7 @@ def test_compare_with_vllm_columns_end_to_end(tmp_path, capsys):
     results = sorted(p.name for p in work.glob("*.result.json"))
     assert results == ["vllm-Medusa-chain.result.json", "vllm-N-gram-chain.result.json", "vllm_ar.result.json"]
     stamps = {p: p.stat().st_mtime_ns for p in work.glob("*.result.json")}
-    again = run_compare(load_compare_config([str(path)]))["settings"]["greedy"]["vllm"]
+    again = run_compare(load_compare_config([str(path)]), vllm_columns)["settings"]["greedy"]["vllm"]
     assert {p: p.stat().st_mtime_ns for p in work.glob("*.result.json")} == stamps  # nothing re-run
     assert again["drafts"]["Medusa-chain"]["acceptance_length"] == med["acceptance_length"]
     md = tmp_path / "results.md"
@@ -189,11 +189,11 @@ def test_vllm_draft_engines_run_later_are_timed_against_their_own_vllm_ar(tmp_pa
     engine run in a later pass is divided by the vLLM AR timed in that pass; one run earlier keeps its own."""
     import types
 
-    import eval.runner
-    import eval.serve_check
-    from eval.compare import Method
-    from eval.compare_config import DraftEntry
-    from eval.compare_vllm import run_vllm_setting
+    import eval.engine.decoder
+    import eval.serving.serve_check
+    from eval.harness.compare import Method
+    from eval.harness.compare_config import DraftEntry
+    from eval.serving.compare_vllm import run_vllm_setting
 
     speed = {"s": 10.0}  # seconds per token of the current "machine"; AR is 1x, a draft 0.5x of it
 
@@ -204,14 +204,14 @@ def test_vllm_draft_engines_run_later_are_timed_against_their_own_vllm_ar(tmp_pa
                "results": [{"id": p["id"], "tokens": [1, 2, 3], "decode_seconds": 2 * per} for p in job["prompts"]],
                "spec_decode": {"vllm:spec_decode_num_drafts": 4, "vllm:spec_decode_num_accepted_tokens": 2,
                                "vllm:spec_decode_num_accepted_tokens_per_pos": [2, 0]} if draft else None,
-               **({"paired_ar": job["paired_ar"]} if job.get("paired_ar") else {})}  # as eval/vllm_runner.py
+               **({"paired_ar": job["paired_ar"]} if job.get("paired_ar") else {})}  # as eval/serving/vllm_runner.py
         (workdir / f"{job['label']}.result.json").write_text(json.dumps(res))
         return res
 
-    monkeypatch.setattr(eval.serve_check, "run_engine", fake_engine)
-    monkeypatch.setattr(eval.serve_check, "vllm_python", lambda: tmp_path)
-    monkeypatch.setattr(eval.serve_check, "base_hf_dir", lambda base, workdir: tmp_path)
-    monkeypatch.setattr(eval.runner, "eos_ids", lambda model, tok: [0])
+    monkeypatch.setattr(eval.serving.serve_check, "run_engine", fake_engine)
+    monkeypatch.setattr(eval.serving.serve_check, "vllm_python", lambda: tmp_path)
+    monkeypatch.setattr(eval.serving.serve_check, "base_hf_dir", lambda base, workdir: tmp_path)
+    monkeypatch.setattr(eval.engine.decoder, "eos_ids", lambda model, tok: [0])
     base = types.SimpleNamespace(model=torch.nn.Linear(1, 1), tokenizer=None)
     prompts = [types.SimpleNamespace(id=f"p{i}", input_ids=[5, 6]) for i in range(2)]
     ecfg = types.SimpleNamespace(max_new_tokens=2, warmup_tokens=0, seed=0)

@@ -2,8 +2,8 @@
 
 import pytest
 
+from core.config_loader import ConfigError
 from train.config import TrainConfig, load_train_config
-from train.config_loader import ConfigError
 
 
 def _yaml(tmp_path, text, name="c.yaml"):
@@ -32,10 +32,10 @@ def test_shipped_recipes_load():
 
 
 def test_demo_recipe_and_its_eval_tree_fit_together():
-    """`specdraft demo` stacks configs/demo.yaml on train.demo.RECIPE; its eval tree must fit the draft's heads
+    """`specdraft demo` stacks configs/demo.yaml on cli.demo.RECIPE; its eval tree must fit the draft's heads
     (build_drafter refuses a tree deeper than num_heads) and the draft must train from the hidden cache."""
-    from eval.config import load_eval_config
-    from train.demo import RECIPE
+    from cli.demo import RECIPE
+    from eval.harness.config import load_eval_config
 
     cfg = load_train_config([f"configs/{RECIPE}", "configs/demo.yaml"])
     assert cfg.base.path == "smollm2" and cfg.data.hidden_cache == "auto" and cfg.train.epochs > 1

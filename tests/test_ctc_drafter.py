@@ -8,11 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from eval.backends.hf import HFBackend
-from eval.config import EvalConfig
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState
-from eval.drafters.ctc import (
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.ctc import (
     CTCDrafter,
     ctc_collapse,
     ctc_collapse_reference,
@@ -20,8 +18,10 @@ from eval.drafters.ctc import (
     joint_top_paths,
     joint_top_paths_reference,
 )
-from eval.drafters.registry import build_drafter
-from eval.tree import tree_from_paths
+from eval.engine.drafters.drafter import DecodeState
+from eval.engine.drafters.registry import build_drafter
+from eval.engine.tree import tree_from_paths
+from eval.harness.config import EvalConfig
 from models.ctc import CTCDraft
 from models.draft import BaseView
 

@@ -19,15 +19,15 @@ import pytest
 import torch
 from conftest import SMOKE_RECIPE
 
-from eval.backends.fast import FastLlamaBackend
-from eval.backends.hf import HFBackend
-from eval.config import EvalConfig
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.ngram import NgramDrafter
-from eval.drafters.registry import build_drafter
+from eval.engine.backends.fast import FastBackend
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.ngram import NgramDrafter
+from eval.engine.drafters.registry import build_drafter
+from eval.harness.config import EvalConfig
 from models.draft import BaseView
 from models.ngram import build_bigram_table
-from models.registry import DRAFTERS
+from models.registry import DRAFT_MODELS
 from models.tiny import diverse_tiny_llama, tiny_llama
 from train.config import DraftSection
 
@@ -82,7 +82,7 @@ def compiled(fp32_model):
     for knob in ("recompile_limit", "cache_size_limit"):  # one graph per bucket: allow more than the default 8
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
-    backend = FastLlamaBackend(fp32_model, max_len=256, compile=ON_CUDA, static=True)
+    backend = FastBackend(fp32_model, max_len=256, compile=ON_CUDA, static=True)
     assert backend.static and backend.compile == ON_CUDA
     return backend
 
@@ -121,7 +121,7 @@ def test_compiled_static_step_matches_from_scratch_forwards(fp32_model, compiled
 def test_compiled_matches_hf_backend_in_bf16(fp32_model, compiled):
     """bf16 (the GPU decode setting): compiled fast vs the hf backend on the same bf16 weights."""
     model = diverse_tiny_llama(0).to(CUDA, torch.bfloat16)
-    fast, hf = FastLlamaBackend(model, max_len=64, compile=ON_CUDA, static=True), HFBackend(model)
+    fast, hf = FastBackend(model, max_len=64, compile=ON_CUDA, static=True), HFBackend(model)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, VOCAB, (7,), generator=gen)
     for b in (fast, hf):
@@ -166,7 +166,7 @@ def _random_drafter(name: str, model, tree: str = "auto"):
     family, overrides, extra = FAMILIES[name]
     view = BaseView.from_model(model)
     torch.manual_seed(0)
-    draft = DRAFTERS[family].from_config(DraftSection(family=family, **overrides), view)
+    draft = DRAFT_MODELS[family].from_config(DraftSection(family=family, **overrides), view)
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -184,7 +184,7 @@ def _prompts() -> list[torch.Tensor]:
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_fp32_lossless_every_family_compiled_and_eager(fp32_model, compiled, name):
     hf = HFBackend(fp32_model)
-    eager = FastLlamaBackend(fp32_model, max_len=256, compile=False)
+    eager = FastBackend(fp32_model, max_len=256, compile=False)
     drafter = _random_drafter(name, fp32_model)
     for prompt in _prompts():
         want = autoregressive_generate(hf, prompt, max_new_tokens=NEW, eos_ids=None).tokens
@@ -200,7 +200,7 @@ def test_fp32_lossless_with_accepting_drafts(fp32_model, compiled, tree):
     runs on CUDA graph memory; the 63-node tree uses the 64 bucket."""
     from test_eval_decoder import StaticNoisyOracle
 
-    from eval.tree import STATIC_TREES, StaticTree
+    from eval.engine.tree import STATIC_TREES, StaticTree
 
     for prompt in _prompts():
         with torch.no_grad():
@@ -241,7 +241,7 @@ def _tie_aware_equal(model_fp32, prompt: torch.Tensor, got: list[int], want: lis
 def bf16_compiled():
     """(bf16 model, its compiled fast backend), shared so each bucket compiles once for all families."""
     model = diverse_tiny_llama(0).to(CUDA, torch.bfloat16)
-    return model, FastLlamaBackend(model, max_len=256, compile=ON_CUDA, static=True)
+    return model, FastBackend(model, max_len=256, compile=ON_CUDA, static=True)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -285,7 +285,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_deepspeed_bf16_nccl_step_and_resume(tmp_path, name, zero):
     import torch.distributed as dist
 
-    from train.export import read_tensors
+    from models.export.specdraft import read_tensors
 
     extra = [f"deepspeed.zero_stage={zero}"]
     if name in ("hydra_pp", "eagle3"):  # their recipes train from the hidden-state cache: build it on CUDA here
@@ -318,6 +318,7 @@ def test_deepspeed_bf16_nccl_step_and_resume(tmp_path, name, zero):
 def test_hidden_cache_built_on_cuda_matches_cpu(tmp_path):
     from data.dataset import collate
     from data.hidden_cache import HiddenCache, build_hidden_cache
+    from models.base import HiddenStates
 
     gen = torch.Generator().manual_seed(7)
     rows = [{"input_ids": torch.randint(3, VOCAB, (n,), generator=gen).tolist(), "loss_mask": [0] * 3 + [1] * (n - 3)}
@@ -325,7 +326,7 @@ def test_hidden_cache_built_on_cuda_matches_cpu(tmp_path):
     caches = {}
     for name, dev in (("cpu", "cpu"), ("gpu", CUDA.type)):
         model = tiny_llama(0).to(dev)
-        directory = build_hidden_cache(model, rows, tmp_path / name, pad_id=0, device=torch.device(dev),
+        directory = build_hidden_cache(HiddenStates(model), rows, tmp_path / name, pad_id=0, device=torch.device(dev),
                                        micro_batch_size=4, shard_rows=4, cache_dtype="fp32")
         caches[name] = HiddenCache(directory)
     assert len(caches["gpu"]) == len(rows)

@@ -128,7 +128,7 @@ def test_split_and_join_round_trip_and_refuse_bad_parts(tmp_path):
 
 _NO_IMPORT_CHILD = """
 import json, sys
-from train.cli import main
+from cli.main import main
 rc = main(sys.argv[1:])
 print("IMPORTED " + json.dumps({m: m in sys.modules for m in ("datasets", "wandb")}))
 sys.exit(rc)

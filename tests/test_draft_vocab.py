@@ -11,26 +11,26 @@ import pytest
 import torch
 from conftest import assert_chunked_matches_reference
 
+from core.config_loader import ConfigError
 from data.draft_vocab import build_draft_vocab, count_targets, coverage, top_n_map, vocab_cache_key
-from eval.backends.hf import HFBackend
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState
-from eval.drafters.ctc import CTCDrafter
-from eval.drafters.hydra import HydraDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.drafters.redrafter import ReDrafterDrafter
-from eval.tree import STATIC_TREES, StaticTree
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.ctc import CTCDrafter
+from eval.engine.drafters.drafter import DecodeState
+from eval.engine.drafters.hydra import HydraDrafter
+from eval.engine.drafters.medusa import MedusaDrafter
+from eval.engine.drafters.redrafter import ReDrafterDrafter
+from eval.engine.tree import STATIC_TREES, StaticTree
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from models.ctc import CTCDraft
 from models.draft import BaseView, DraftBatch
+from models.export.redrafter_trtllm import export_redrafter_trtllm
+from models.export.specdraft import export_medusa, export_specdraft, load_draft, read_tensors
 from models.hydra import HydraDraft
 from models.medusa import MedusaDraft
 from models.redrafter import ReDrafterDraft
 from models.vocab_map import inverse_map
 from train.config import LossSection, load_train_config
-from train.config_loader import ConfigError
-from train.export import export_medusa, export_specdraft, load_draft, read_tensors
-from train.export_redrafter import export_redrafter_trtllm
 
 V, D = 320, 64
 TREE3 = [c for c in STATIC_TREES["tree16"] if len(c) <= 3]  # the 3-head drafts below

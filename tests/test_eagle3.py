@@ -12,9 +12,9 @@ from losses.ttt import ttt_step_weights, ttt_weighted_loss
 from models.base import _decoder, last_hidden_and_aux
 from models.draft import BaseView, DraftBatch
 from models.eagle3 import Eagle3Draft, default_aux_layers, ttt_attention, ttt_attention_reference
+from models.export.specdraft import export_specdraft, load_draft
 from models.tiny import tiny_llama, tiny_llama_config
 from train.config import LossSection
-from train.export import export_specdraft, load_draft
 
 
 @pytest.fixture(scope="module")

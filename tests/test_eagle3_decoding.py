@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import fit_draft
 
-from eval.backends.base import BaseBackend
-from eval.backends.fast import FastLlamaBackend
-from eval.backends.hf import HFBackend
-from eval.config import EvalConfig
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.eagle3 import Eagle3Drafter
-from eval.drafters.registry import build_drafter
+from eval.engine.backends.backend import Backend
+from eval.engine.backends.fast import FastBackend
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.eagle3 import Eagle3Drafter
+from eval.engine.drafters.registry import build_drafter
+from eval.harness.config import EvalConfig
 from models.base import last_hidden_and_aux
 from models.draft import BaseView, DraftBatch
 from models.eagle3 import Eagle3Draft
@@ -68,7 +68,7 @@ def trained(model, view, prompts):
 
 
 def test_fast_backend_aux_states_match_hf(model, prompts):
-    hf, fast = HFBackend(model), FastLlamaBackend(model, max_len=64)
+    hf, fast = HFBackend(model), FastBackend(model, max_len=64)
     for be in (hf, fast):
         be.reset(64)
         be.set_aux_layers([1, 0])  # any order: the draft's order is kept
@@ -88,7 +88,7 @@ def test_fast_backend_aux_states_match_hf(model, prompts):
 
 
 def test_compiled_fast_backend_falls_back_to_eager_for_aux(model, prompts):
-    be = FastLlamaBackend(model, max_len=64, compile=True)  # torch.compile is lazy: nothing compiled yet
+    be = FastBackend(model, max_len=64, compile=True)  # torch.compile is lazy: nothing compiled yet
     be.set_aux_layers([0, 1])
     assert not be.compile and be._step == be._core.forward
     be.reset(64)
@@ -101,7 +101,7 @@ def test_compiled_fast_backend_falls_back_to_eager_for_aux(model, prompts):
 def test_lossless_with_random_drafts(model, view, prompts, ar_outputs, mode, backend_kind):
     drafter = Eagle3Drafter(_random_draft(view), mode=mode, chain_length=3, tree_topk=3, tree_depth=3,
                             tree_nodes=10)
-    backend = HFBackend(model) if backend_kind == "hf" else FastLlamaBackend(model, max_len=128)
+    backend = HFBackend(model) if backend_kind == "hf" else FastBackend(model, max_len=128)
     for prompt, want in zip(prompts, ar_outputs):
         got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW)
         assert got.tokens == want
@@ -153,7 +153,7 @@ def test_tree_with_top1_is_the_chain_and_trees_keep_their_ancestors(model, view,
     hf.reset(64)
     hf.set_aux_layers(draft.aux_layers)
     logits, hidden = hf.prefill(prompts[1])
-    from eval.drafters.base import DecodeState
+    from eval.engine.drafters.drafter import DecodeState
 
     state = DecodeState(ids=prompts[1], root=int(logits[-1].argmax()), new_hidden=hidden, new_ids=prompts[1],
                         new_aux=hf.last_aux)
@@ -193,7 +193,7 @@ V = 5
 BOS = 4
 
 
-class BigramAuxBackend(BaseBackend):
+class BigramAuxBackend(Backend):
     """Toy base: p(next | ..., a) = softmax(table[a]); hidden / aux states are fixed per token."""
 
     def __init__(self, table, hidden, aux):
@@ -273,7 +273,7 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
     import sys
 
     run_dir = tmp_path / "eagle3"
-    proc = subprocess.run([sys.executable, "-m", "train.cli", "train", "--config", "configs/eagle3.yaml", "--config",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "train", "--config", "configs/eagle3.yaml", "--config",
                            "configs/smoke.yaml", f"run_dir={run_dir}", "train.max_steps=4"],
                           capture_output=True, text=True, timeout=900, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -281,7 +281,7 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
     assert any(math.isfinite(r.get("loss/head3", math.nan)) for r in rows)
     assert json.loads((run_dir / "export" / "config.json").read_text())["family"] == "eagle3"
     for mode, extra in (("chain", ["extra.eagle3_mode=chain", "extra.chain_length=3"]), ("tree", [])):
-        proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--draft", str(run_dir / "export"),
+        proc = subprocess.run([sys.executable, "-m", "cli.main", "eval", "--draft", str(run_dir / "export"),
                                "--config", "configs/eval/smoke.yaml", f"name={mode}", *extra],
                               capture_output=True, text=True, timeout=900, env=clean_env())
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-import eval.acceptance as acc
-from eval.acceptance import (
+import eval.engine.acceptance as acc
+from eval.engine.acceptance import (
     greedy_accept,
     greedy_accept_reference,
     rejection_chain,
@@ -18,8 +18,8 @@ from eval.acceptance import (
     typical_accept_reference,
     typical_threshold,
 )
-from eval.sampling import warp, warped_probs
-from eval.tree import StaticTree, Tree, chain_tree, tree_from_paths
+from eval.engine.sampling import warp, warped_probs
+from eval.engine.tree import StaticTree, Tree, chain_tree, tree_from_paths
 
 # ---------------------------------------------------------------------------------------------------
 # sampling.warp

@@ -1,4 +1,4 @@
-"""backend=auto: the fast backend where eval.backends.fast.supports the base, the hf backend otherwise; the
+"""backend=auto: the fast backend where eval.engine.backends.fast.supports the base, the hf backend otherwise; the
 report says which and why."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, OlmoConfig, OlmoForCausalLM
 
-from eval.backends.fast import FastLlamaBackend, supports
-from eval.backends.hf import HFBackend
-from eval.config import EvalConfig, load_eval_config
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.runner import choose_backend, make_backend, run_context
+from core.config_loader import ConfigError
+from eval.engine.backends.choice import choose_backend, make_backend
+from eval.engine.backends.fast import FastBackend, supports
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.harness.config import EvalConfig, load_eval_config
+from eval.harness.runner import run_context
 from models.tiny import diverse_tiny_llama
-from train.config_loader import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def test_tiny_llama_gets_the_fast_backend(model):
     assert ok and "llama" in why
     kind, reason = choose_backend("auto", model)
     assert kind == "fast" and reason.startswith("auto:")
-    assert isinstance(make_backend("auto", model), FastLlamaBackend)
+    assert isinstance(make_backend("auto", model), FastBackend)
 
 
 def test_gpt2_gets_the_hf_backend(gpt2):
@@ -56,7 +57,7 @@ def test_gpt2_gets_the_hf_backend(gpt2):
     kind, reason = choose_backend("auto", gpt2)
     assert kind == "hf" and "gpt2" in reason
     with pytest.raises(ValueError, match="backend=hf"):  # asked for explicitly, fast still refuses clearly
-        FastLlamaBackend(gpt2)
+        FastBackend(gpt2)
 
 
 def test_a_non_llama_base_decodes_through_auto_losslessly(olmo):
@@ -73,7 +74,7 @@ def test_a_non_llama_base_decodes_through_auto_losslessly(olmo):
             pass
 
         def propose(self, state):
-            from eval.tree import chain_tree
+            from eval.engine.tree import chain_tree
 
             i = len(state.ids) - prompt.numel()  # index of the root in ar.tokens
             return chain_tree(state.root, ar.tokens[i + 1: i + 3] or [0])

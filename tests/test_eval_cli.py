@@ -4,12 +4,12 @@ import json
 import subprocess
 import sys
 
-from eval.report import PLOT_FILES, REPORT_KEYS
+from eval.harness.report import PLOT_FILES, REPORT_KEYS
 
 
 def test_eval_cli_writes_the_contract_report(smoke_run, clean_env):
     run_dir, _ = smoke_run
-    proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--draft", str(run_dir / "export"),
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "eval", "--draft", str(run_dir / "export"),
                            "--config", "configs/eval/smoke.yaml", "backend=hf"],
                           capture_output=True, text=True, timeout=600, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -29,10 +29,10 @@ def test_eval_cli_writes_the_contract_report(smoke_run, clean_env):
 
 
 def test_eval_cli_errors_are_clear(tmp_path, clean_env):
-    proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--draft", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "eval", "--draft", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 2 and "no config.json" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "train.cli", "eval", "--draft", str(tmp_path), "tree=nope"],
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "eval", "--draft", str(tmp_path), "tree=nope"],
                           capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 2 and "tree" in proc.stderr
 
@@ -40,8 +40,8 @@ def test_eval_cli_errors_are_clear(tmp_path, clean_env):
 def test_sharegpt_eval_skips_exactly_the_training_conversations():
     import pytest
 
-    from eval.config import load_eval_config
-    from eval.runner import resolve_heldout_skip
+    from eval.harness.config import load_eval_config
+    from eval.harness.runner import resolve_heldout_skip
 
     cfg = load_eval_config(["configs/eval/sharegpt.yaml"])
     trained = {"train_data": {"source": "sharegpt", "max_records": 1500}}

@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from eval.backends.hf import HFBackend
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState, Drafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.tree import STATIC_TREES, StaticTree, Tree, chain_tree, tree_from_paths
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.medusa import MedusaDrafter
+from eval.engine.tree import STATIC_TREES, StaticTree, Tree, chain_tree, tree_from_paths
 
 VOCAB = 320
 NEW = 24

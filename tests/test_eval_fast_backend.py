@@ -1,4 +1,4 @@
-"""`fast` backend (eval/backends/fast.py) against its slow reference: full-sequence forwards of the
+"""`fast` backend (eval/engine/backends/fast.py) against its slow reference: full-sequence forwards of the
 transformers model, recomputed from scratch for every node's path (so a wrong mask, position, cache
 slot or commit shows up as a logits mismatch)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from eval.backends.fast import FastLlamaBackend
-from eval.backends.hf import HFBackend
+from eval.engine.backends.fast import FastBackend
+from eval.engine.backends.hf import HFBackend
 from models.tiny import tiny_llama, tiny_llama_config
 
 ATOL = 1e-5
@@ -98,7 +98,7 @@ def _custom_llama(**changes) -> LlamaForCausalLM:
 def test_prefill_tree_commit_match_full_forward(name, static):
     model = MODELS[name]()
     gen = torch.Generator().manual_seed(0)
-    backend = FastLlamaBackend(model, max_len=64, static=static)
+    backend = FastBackend(model, max_len=64, static=static)
     backend.reset(64)
     prompt = torch.randint(3, model.config.vocab_size, (9,), generator=gen).tolist()
 
@@ -121,7 +121,7 @@ def test_prefill_tree_commit_match_full_forward(name, static):
 def test_commit_compaction_equals_recomputing():
     model = tiny_llama(0)
     gen = torch.Generator().manual_seed(1)
-    backend = FastLlamaBackend(model, max_len=48)
+    backend = FastBackend(model, max_len=48)
     prompt = torch.randint(3, 320, (6,), generator=gen)
     backend.prefill(prompt)
     tokens = torch.randint(3, 320, (8,), generator=gen)
@@ -135,7 +135,7 @@ def test_commit_compaction_equals_recomputing():
     backend.commit(torch.tensor(keep))
     length = backend.cache_len
 
-    fresh = FastLlamaBackend(model, max_len=48)
+    fresh = FastBackend(model, max_len=48)
     fresh.prefill(torch.cat([prompt, tokens[keep]]))
     assert fresh.cache_len == length == 10
     for name in ("k_cache", "v_cache"):
@@ -148,7 +148,7 @@ def test_ar_greedy_matches_hf_generate():
     """The minimal AR loop the benchmark runs (1-node tree + commit) reproduces `generate`."""
     model = tiny_llama(0)
     prompt = torch.randint(3, 320, (5,), generator=torch.Generator().manual_seed(2))
-    backend = FastLlamaBackend(model, max_len=32)
+    backend = FastBackend(model, max_len=32)
     logits, _ = backend.prefill(prompt)
     out, root = [], torch.zeros(1, dtype=torch.long)
     tok = logits[-1].argmax().view(1)
@@ -165,7 +165,7 @@ def test_ar_greedy_matches_hf_generate():
 
 def test_max_len_overflow_raises():
     model = tiny_llama(0)
-    backend = FastLlamaBackend(model, max_len=64)
+    backend = FastBackend(model, max_len=64)
     backend.reset(10)
     with pytest.raises(ValueError, match="exceed max_len=10"):
         backend.prefill(torch.arange(3, 14))  # 11 > 10
@@ -186,7 +186,7 @@ def test_fast_matches_hf_backend_step_by_step():
     """Same calls on both backends: same logits / hidden, same committed K/V (post-RoPE)."""
     model = tiny_llama(3)
     gen = torch.Generator().manual_seed(3)
-    fast, hf = FastLlamaBackend(model, max_len=40), HFBackend(model)
+    fast, hf = FastBackend(model, max_len=40), HFBackend(model)
     for b in (fast, hf):
         b.reset(40)
     prompt = torch.randint(3, 320, (7,), generator=gen)
@@ -209,7 +209,7 @@ def test_fast_matches_hf_backend_step_by_step():
 
 
 def test_commit_and_call_order_errors():
-    backend = FastLlamaBackend(tiny_llama(0), max_len=16)
+    backend = FastBackend(tiny_llama(0), max_len=16)
     backend.prefill(torch.tensor([4, 5, 6]))
     with pytest.raises(RuntimeError, match="forward_tree first"):
         backend.commit(torch.tensor([0]))
@@ -227,25 +227,25 @@ def test_commit_and_call_order_errors():
 def test_unsupported_models_fail_clearly():
     config = tiny_llama_config()
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    # eval.backends.fast.supports (what backend=auto asks) rejects it from the config alone, and so does the
+    # eval.engine.backends.fast.supports (what backend=auto asks) rejects it from the config alone, and so does the
     # constructor, with the fix in the message
-    from eval.backends.fast import supports
+    from eval.engine.backends.fast import supports
 
     assert not supports(config)[0]
     with pytest.raises(ValueError, match="rope_type='dynamic'.*backend=hf"):
-        FastLlamaBackend(LlamaForCausalLM(config))
+        FastBackend(LlamaForCausalLM(config))
     model = tiny_llama(0)
     model.config.model_type = "gpt2"
     assert not supports(model.config)[0]
     with pytest.raises(ValueError, match="supports llama, qwen2, qwen3, mistral.*not 'gpt2'.*backend=hf"):
-        FastLlamaBackend(model)
+        FastBackend(model)
 
 
 def test_cpu_threads_is_scoped_to_the_call():
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        backend = FastLlamaBackend(tiny_llama(0), max_len=16, cpu_threads=1)
+        backend = FastBackend(tiny_llama(0), max_len=16, cpu_threads=1)
         seen = []
         real = backend._core.forward
         backend._core.forward = lambda *a: (seen.append(torch.get_num_threads()), real(*a))[1]
@@ -254,7 +254,7 @@ def test_cpu_threads_is_scoped_to_the_call():
     finally:
         torch.set_num_threads(saved)
     with pytest.raises(ValueError, match="cpu_threads=0"):
-        FastLlamaBackend(tiny_llama(0), cpu_threads=0)
+        FastBackend(tiny_llama(0), cpu_threads=0)
 
 
 @pytest.mark.slow
@@ -263,7 +263,7 @@ def test_compiled_static_step_matches_full_forward():
     of compilation on a 2-core CPU, hence `slow`."""
     model = tiny_llama(0)
     gen = torch.Generator().manual_seed(4)
-    backend = FastLlamaBackend(model, max_len=32, compile=True)
+    backend = FastBackend(model, max_len=32, compile=True)
     prompt = torch.randint(3, 320, (5,), generator=gen).tolist()
     backend.prefill(torch.tensor(prompt))
     tokens, parents = _check_tree_step(model, backend, prompt, 3, gen)
@@ -277,7 +277,7 @@ def test_bf16_dtype_runs_close_to_fp32():
     Tiny logits have std ~0.16; bf16 rounding moves them by ~3e-3, a real bug by far more."""
     model = tiny_llama(0)
     prompt = torch.randint(3, 320, (7,), generator=torch.Generator().manual_seed(5))
-    backend = FastLlamaBackend(model, max_len=16, dtype=torch.bfloat16)
+    backend = FastBackend(model, max_len=16, dtype=torch.bfloat16)
     logits, hidden = backend.prefill(prompt)
     assert logits.dtype == torch.float32 and hidden.dtype == torch.bfloat16
     ref_logits, _ = _reference(model, prompt.tolist())
@@ -289,7 +289,7 @@ def test_bf16_dtype_runs_close_to_fp32():
 @pytest.mark.parametrize("bias, residual", [(False, False), (True, False), (False, True), (True, True)])
 def test_transposed_product_matches_the_plain_one(bias, residual):
     """matmul_wx ((W @ x^T)^T, the fp32 "wx" layout) is the fast twin of matmul_xw (x @ W_t): same values and shape."""
-    from eval.backends.fast_matmul import matmul_wx, matmul_xw
+    from eval.engine.backends.fast_matmul import matmul_wx, matmul_xw
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 32, generator=g)  # [out, in]
@@ -307,16 +307,16 @@ def test_transposed_product_matches_the_plain_one(bias, residual):
 def test_both_fp32_layouts_match_the_hf_backend(monkeypatch, layout):
     """Either fp32 matmul layout (SPECDRAFT_FP32_MATMUL; the default depends on the CPU) passes the step-by-step
     parity with the hf backend: prefill, trees of 6, 1 and 4 nodes, commits, K/V."""
-    from eval.backends.fast_matmul import FP32_LAYOUT_ENV, fp32_layout
+    from eval.engine.backends.fast_matmul import FP32_LAYOUT_ENV, fp32_layout
 
     monkeypatch.setenv(FP32_LAYOUT_ENV, layout)
     assert fp32_layout(torch.device("cpu")) == layout
-    assert FastLlamaBackend(tiny_llama(3), max_len=8)._core.wx == (layout == "wx")
+    assert FastBackend(tiny_llama(3), max_len=8)._core.wx == (layout == "wx")
     test_fast_matches_hf_backend_step_by_step()
 
 
 def test_fp32_layout_override_is_checked(monkeypatch):
-    from eval.backends.fast_matmul import FP32_LAYOUT_ENV, fp32_layout
+    from eval.engine.backends.fast_matmul import FP32_LAYOUT_ENV, fp32_layout
 
     monkeypatch.setenv(FP32_LAYOUT_ENV, "zz")
     with pytest.raises(ValueError, match="use xw"):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.backends.hf import HFBackend
-from eval.tree import TREE_16, StaticTree
+from eval.engine.backends.hf import HFBackend
+from eval.engine.tree import TREE_16, StaticTree
 from models.tiny import TINY_ARCHS, tiny_llama, tiny_model
 
 TOL = 1e-5  # fp32 tiny models; measured differences are ~1e-7

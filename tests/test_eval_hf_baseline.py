@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from eval.hf_baseline import TimedGeneration, hf_generate_timed, prompt_lookup_generate_timed, warmup
-from eval.prompts import render_chat
+from eval.harness.hf_baseline import TimedGeneration, hf_generate_timed, prompt_lookup_generate_timed, warmup
+from eval.harness.prompts import render_chat
 from models.tiny import tiny_llama_config, tiny_tokenizer
 
 MAX_NEW = 16

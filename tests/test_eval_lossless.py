@@ -1,4 +1,4 @@
-"""Tie-aware losslessness (eval/lossless.py): the classification rules, the decoder's top-2 record, a
+"""Tie-aware losslessness (eval/harness/lossless.py): the classification rules, the decoder's top-2 record, a
 constructed rounding tie that must be reported as a tie, and a broken verifier that must be reported as
 a real failure whatever the tolerance."""
 
@@ -9,13 +9,14 @@ import dataclasses
 import pytest
 import torch
 
-import eval.decoder as decoder
-import eval.runner as runner
-from eval.acceptance import Accepted
-from eval.backends.hf import HFBackend
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState, Drafter
-from eval.lossless import (
+import eval.engine.decoder as decoder
+import eval.harness.runner as runner
+from eval.engine.acceptance import Accepted
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.tree import Tree, chain_tree
+from eval.harness.lossless import (
     IDENTICAL,
     MISMATCH,
     TIE,
@@ -25,7 +26,6 @@ from eval.lossless import (
     measure_tolerance,
     verdict,
 )
-from eval.tree import Tree, chain_tree
 
 # ---------------------------------------------------------------------------------------------------
 # rules
@@ -138,9 +138,9 @@ def test_measured_tolerance_sees_the_rounding(model, prompts):
 
 
 def _eval(monkeypatch, tmp_path, backend_factory, drafter_factory, low_precision: bool):
-    """specdraft eval's own path (eval.runner.evaluate) on a tiny base with varied greedy continuations (and
+    """specdraft eval's own path (eval.harness.runner.evaluate) on a tiny base with varied greedy continuations (and
     top-2 gaps from 0 to ~2) with the tiny tokenizer, through a chosen backend."""
-    from eval.config import load_eval_config
+    from eval.harness.config import load_eval_config
     from models.base import load_base
     from models.tiny import diverse_tiny_llama
 
@@ -193,7 +193,7 @@ def test_top2_runner_up_is_never_the_committed_token_at_an_exact_tie():
     """bf16 logits tie exactly; whatever order topk lists tied tokens in, the runner-up is the other one.
     On a SmolLM2-sized row CPU topk lists this pair as [12947, 6910] while argmax commits 6910 (the demo run
     where topk's second index named the committed token and a tie was reported as a mismatch)."""
-    from eval.lossless import top2
+    from eval.engine.top2 import top2
 
     row = torch.full((49152,), -5.0)
     row[[6910, 12947]] = 3.0  # exact tie; argmax commits the first index, 6910
@@ -204,9 +204,9 @@ def test_top2_runner_up_is_never_the_committed_token_at_an_exact_tie():
 
 
 def test_decoder_records_the_runner_up_other_than_the_committed_token():
-    """The decoder's own record (what the verdict reads): the first fix changed only eval.lossless.top2, and a
+    """The decoder's own record (what the verdict reads): the first fix changed only eval.harness.lossless.top2, and a
     second demo run again reported an exact bf16 tie (gap 0.0, runner-up = the committed 6910) as a mismatch."""
-    from eval.decoder import GenerationResult, _record_top2
+    from eval.engine.decoder import GenerationResult, _record_top2
 
     rows = torch.full((3, 49152), -5.0)
     rows[0, [6910, 12947]] = 3.0  # exact tie: argmax commits 6910

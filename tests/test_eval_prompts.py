@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-import eval.prompts as prompts_mod
-from eval.prompts import (
+import eval.harness.prompts as prompts_mod
+from eval.harness.prompts import (
     TURN1_PLACEHOLDER_ANSWER,
     EvalPrompt,
     load_eval_prompts,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eval.report import (
+from eval.harness.report import (
     PLOT_FILES,
     REPORT_KEYS,
     PromptResult,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.tree import (
+from eval.engine.tree import (
     CHAIN_4,
     MEDUSA_63,
     STATIC_TREES,

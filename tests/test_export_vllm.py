@@ -11,17 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cli.main import main
 from models.base import load_base
 from models.draft import BaseView
-from models.medusa import MedusaDraft
-from train.cli import main
-from train.export_vllm import (
+from models.export.vllm import (
     SPECULATIVE_CONFIG_FILE,
     VLLM_EXPORTERS,
     export_vllm,
     read_engine_args,
     vllm_ngram_config,
 )
+from models.medusa import MedusaDraft
 
 K, L = 3, 2
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.backends.fast import FastLlamaBackend, supports
-from eval.backends.hf import HFBackend
+from eval.engine.backends.fast import FastBackend, supports
+from eval.engine.backends.hf import HFBackend
 from models.tiny import tiny_config, tiny_model
 
 ATOL = 5e-5  # diverse weights give logits of ~6: fp32 reorderings differ by ~5e-6; any real bug by >1e-2
@@ -62,7 +62,7 @@ def test_fast_matches_hf_backend_step_by_step(name, static):
     model = _model(name)
     assert supports(model.config)[0]
     gen = torch.Generator().manual_seed(3)
-    fast, hf = FastLlamaBackend(model, max_len=64, static=static), HFBackend(model)
+    fast, hf = FastBackend(model, max_len=64, static=static), HFBackend(model)
     for b in (fast, hf):
         b.reset(64)
     prompt = torch.randint(3, 320, (7,), generator=gen)

@@ -8,7 +8,7 @@ from conftest import SMOKE_RECIPE
 
 from data.dataset import build_datasets, collate
 from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, estimate_bytes
-from models.base import last_hidden_and_logits, load_base
+from models.base import HiddenStates, last_hidden_and_logits, load_base
 from models.draft import BaseView, DraftBatch
 from models.medusa import MedusaDraft
 from train.config import LossSection, load_train_config
@@ -24,7 +24,7 @@ def tiny_data(tmp_path_factory):
 
 
 def _build(base, ds, directory, **kw):
-    return build_hidden_cache(base.model, ds, directory, pad_id=0, device=torch.device("cpu"),
+    return build_hidden_cache(HiddenStates(base.model), ds, directory, pad_id=0, device=torch.device("cpu"),
                               micro_batch_size=3, shard_rows=4, cache_dtype="fp32", **kw)
 
 

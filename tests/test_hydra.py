@@ -8,10 +8,10 @@ from torch.nn import functional as F
 
 from data.targets import offset_labels
 from models.draft import BaseView, DraftBatch
+from models.export.specdraft import export_specdraft, load_draft
 from models.hydra import HydraDraft
 from models.tiny import tiny_llama
 from train.config import LossSection
-from train.export import export_specdraft, load_draft
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import fit_draft
 
-from eval.backends.hf import HFBackend
-from eval.config import EvalConfig
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState
-from eval.drafters.hydra import HydraDrafter
-from eval.drafters.registry import build_drafter
-from eval.tree import STATIC_TREES, StaticTree
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.drafter import DecodeState
+from eval.engine.drafters.hydra import HydraDrafter
+from eval.engine.drafters.registry import build_drafter
+from eval.engine.tree import STATIC_TREES, StaticTree
+from eval.harness.config import EvalConfig
 from models.draft import BaseView, DraftBatch
 from models.hydra import HydraDraft
 from train.config import LossSection
@@ -170,8 +170,8 @@ def test_true_path_ranks_match_propose(model, view, prompts, prefix):
 
 def test_hydra_pp_smoke_run_exports_and_decodes(tmp_path, model):
     from models.base import load_base
+    from models.export.specdraft import load_draft
     from train.config import load_train_config
-    from train.export import load_draft
     from train.loop import train
 
     run_dir = tmp_path / "hydra_pp"

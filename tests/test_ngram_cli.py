@@ -4,11 +4,11 @@ import json
 import subprocess
 import sys
 
-from eval.report import REPORT_KEYS
+from eval.harness.report import REPORT_KEYS
 
 
 def _eval(args, env):
-    return subprocess.run([sys.executable, "-m", "train.cli", "eval", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli.main", "eval", *args], capture_output=True, text=True,
                           timeout=300, env=env)
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.backends.fast import FastLlamaBackend
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState
-from eval.drafters.ngram import (
+from eval.engine.backends.fast import FastBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.drafter import DecodeState
+from eval.engine.drafters.ngram import (
     NgramDrafter,
     context_rows,
     context_rows_reference,
@@ -139,7 +139,7 @@ def test_bad_options_say_how_to_fix():
 def test_greedy_is_lossless_through_the_decoder(strategy):
     model = diverse_tiny_llama(0)
     table = build_bigram_table(model, 6, progress=False)
-    backend = FastLlamaBackend(model)
+    backend = FastBackend(model)
     gen = torch.Generator().manual_seed(5)
     base = torch.randint(3, 320, (6,), generator=gen)
     prompt = torch.cat([base, base, base[:3]])  # repeats: context rows exist from the first step
@@ -154,7 +154,7 @@ def test_greedy_is_lossless_through_the_decoder(strategy):
 def test_context_drafts_are_accepted_on_repetitive_output():
     """The default tiny model's greedy output repeats one token: context rows predict it exactly."""
     model = tiny_llama(0)
-    backend = FastLlamaBackend(model)
+    backend = FastBackend(model)
     prompt = torch.tensor([5, 9, 11, 13, 17])
     ar = autoregressive_generate(backend, prompt, max_new_tokens=30)
     spec = speculative_generate(backend, NgramDrafter(k=2, w=4, strategy="context"), prompt, max_new_tokens=30)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from eval.config import load_eval_config
-from eval.runner import eval_export
+from eval.harness.config import load_eval_config
+from eval.harness.runner import eval_export
 from train.config import load_train_config
 
 pytestmark = pytest.mark.slow
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 def test_eagle3_trains_from_the_cache_and_decodes_losslessly(tmp_path):
     from models.base import load_base
     from models.draft import BaseView
-    from train.export import load_draft
-    from train.export_speculators import export_speculators, load_speculators
+    from models.export.specdraft import load_draft
+    from models.export.speculators import export_speculators, load_speculators
     from train.loop import train
 
     run_dir = tmp_path / "eagle3"

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from eval.config import load_eval_config
-from eval.runner import eval_export
+from eval.harness.config import load_eval_config
+from eval.harness.runner import eval_export
 from train.config import load_train_config
 
 pytestmark = pytest.mark.slow
@@ -47,8 +47,8 @@ def test_family_trains_from_the_cache_and_decodes_losslessly(family, cache_dir, 
     assert report["acceptance_length"] >= 1.0
 
     if family == "hydra_pp":
-        from eval.tree_search import load_tree_search_config
-        from eval.tree_search_cli import search
+        from eval.harness.tree_search import load_tree_search_config
+        from eval.harness.tree_search_cli import search
 
         ts_cfg = load_tree_search_config(None, ["num_prompts=2", "new_tokens=8", "sizes=[1,2]", "timing_prompts=1",
                                                 "timing_new_tokens=8", "timing_repeats=1", "warmup_tokens=0",

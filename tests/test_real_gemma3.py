@@ -26,9 +26,9 @@ def gemma3():
 
 
 def test_gemma3_270m_backends_are_lossless_past_the_window(gemma3):
-    from eval.backends.fast import FastLlamaBackend, supports
-    from eval.backends.hf import HFBackend
-    from eval.decoder import autoregressive_generate
+    from eval.engine.backends.fast import FastBackend, supports
+    from eval.engine.backends.hf import HFBackend
+    from eval.engine.decoder import autoregressive_generate
 
     model = gemma3.model
     assert model.config.model_type == "gemma3_text" and supports(model.config)[0]
@@ -39,10 +39,10 @@ def test_gemma3_270m_backends_are_lossless_past_the_window(gemma3):
     with torch.inference_mode():
         want = model.generate(prompt[None], max_new_tokens=new, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, prompt.numel():].tolist()
-    for backend in (HFBackend(model), FastLlamaBackend(model, max_len=prompt.numel() + new + 8)):
+    for backend in (HFBackend(model), FastBackend(model, max_len=prompt.numel() + new + 8)):
         out = autoregressive_generate(backend, prompt, max_new_tokens=new, eos_ids=None)
         assert out.tokens == want, type(backend).__name__
-    hf, fast = HFBackend(model), FastLlamaBackend(model, max_len=prompt.numel() + 8)
+    hf, fast = HFBackend(model), FastBackend(model, max_len=prompt.numel() + 8)
     for b in (hf, fast):
         b.reset(prompt.numel() + 8)
     a, b = hf.prefill(prompt), fast.prefill(prompt)

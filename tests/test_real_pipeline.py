@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from eval.config import load_eval_config
-from eval.report import REPORT_KEYS
-from eval.runner import eval_export
+from eval.harness.config import load_eval_config
+from eval.harness.report import REPORT_KEYS
+from eval.harness.runner import eval_export
 from train.config import load_train_config
 
 pytestmark = pytest.mark.slow
@@ -16,7 +16,7 @@ def test_train_then_eval_on_smollm2(tmp_path):
     from train.loop import train
 
     run_dir = tmp_path / "real"
-    from train.demo import RECIPE
+    from cli.demo import RECIPE
 
     cfg = load_train_config([f"configs/{RECIPE}", "configs/demo.yaml"], [
         f"run_dir={run_dir}", "data.max_records=200", "data.max_length=256", "train.max_steps=3",

@@ -7,12 +7,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from core.config_loader import ConfigError
 from data.targets import offset_labels
 from models.draft import BaseView, DraftBatch
 from models.redrafter import ReDrafterDraft
 from models.tiny import tiny_llama
 from train.config import LossSection, load_train_config
-from train.config_loader import ConfigError
 
 
 def _view(seed=0):
@@ -152,7 +152,7 @@ def test_prefix_layer_is_rejected_for_redrafter():
 
 
 def test_smoke_training_loss_decreases_and_exports(tmp_path):
-    from train.export import load_draft
+    from models.export.specdraft import load_draft
     from train.loop import train
 
     run_dir = tmp_path / "redrafter"

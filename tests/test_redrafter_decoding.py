@@ -11,14 +11,14 @@ import pytest
 import torch
 from conftest import fit_draft
 
-import eval.acceptance as acc
-from eval.backends.base import BaseBackend
-from eval.backends.hf import HFBackend
-from eval.beam_search import beam_search, beam_search_reference
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState
-from eval.drafters.redrafter import ReDrafterDrafter
-from eval.drafters.registry import build_drafter
+import eval.engine.acceptance as acc
+from eval.engine.backends.backend import Backend
+from eval.engine.backends.hf import HFBackend
+from eval.engine.beam_search import beam_search, beam_search_reference
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.drafter import DecodeState
+from eval.engine.drafters.redrafter import ReDrafterDrafter
+from eval.engine.drafters.registry import build_drafter
 from models.draft import BaseView, DraftBatch
 from models.redrafter import ReDrafterDraft
 from train.config import LossSection
@@ -198,7 +198,7 @@ V = 5
 BOS = 4  # prompt token: its row forces t1 = 0, so (t2, t3) is the first tree step's output
 
 
-class BigramBackend(BaseBackend):
+class BigramBackend(Backend):
     """Toy base: p(next | ..., a) = softmax(table[a]) (a Markov chain); node hidden state = H[token]."""
 
     def __init__(self, table: torch.Tensor, hidden: torch.Tensor):
@@ -271,8 +271,8 @@ def test_the_same_check_catches_a_wrong_residual(monkeypatch):
 
 
 def test_eval_report_records_the_prefix_sharing_compression(tmp_path):
-    from eval.config import load_eval_config
-    from eval.runner import evaluate
+    from eval.harness.config import load_eval_config
+    from eval.harness.runner import evaluate
     from models.base import load_base
 
     base = load_base("tiny")

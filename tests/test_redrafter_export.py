@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
+from cli.main import main as cli_main
 from models.base import load_base
 from models.draft import BaseView
+from models.export.redrafter_trtllm import export_redrafter_trtllm, load_redrafter_trtllm
+from models.export.specdraft import export_specdraft, load_draft, read_tensors
 from models.medusa import MedusaDraft
 from models.redrafter import ReDrafterDraft
-from train.cli import main as cli_main
-from train.export import export_specdraft, load_draft, read_tensors
-from train.export_redrafter import export_redrafter_trtllm, load_redrafter_trtllm
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import data.self_distill as sd
+from core.config_loader import ConfigError
 from data.self_distill import build_self_distilled, sidecar, train_data_entry
 from data.sharegpt import read_sharegpt
 from models.base import fingerprint_model
 from models.tiny import diverse_tiny_llama, tiny_tokenizer
-from train.config_loader import ConfigError
 
 FIXTURE = "tests/fixtures/sharegpt_tiny.json"
 
@@ -100,8 +100,8 @@ def test_resume_after_crash_generates_only_the_rest(base, tmp_path, monkeypatch)
 
 
 def test_derived_from_makes_eval_skip_the_distilled_prompts(base, tmp_path):
-    from eval.config import load_eval_config
-    from eval.runner import resolve_heldout_skip
+    from eval.harness.config import load_eval_config
+    from eval.harness.runner import resolve_heldout_skip
 
     out = _build(base, tmp_path)
     meta = json.loads(sidecar(out).read_text())

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eval.serve_check import (
+from cli.main import main
+from eval.serving.serve_check import (
     ServeCheckError,
     chain_choices,
     check_fingerprint,
@@ -17,14 +18,13 @@ from eval.serve_check import (
     run_engine,
     vllm_python,
 )
-from eval.serve_check_report import (
+from eval.serving.serve_check_report import (
     agreement,
     build_serve_report,
     compare_acceptance,
     mismatch_message,
     vllm_engine_numbers,
 )
-from train.cli import main
 
 
 def _runner_result(per_pos, drafts, accepted, rows):
@@ -231,7 +231,7 @@ def test_longest_match_proposes_what_vllms_ngram_proposer_proposes():
 
     import torch
 
-    from eval.drafters.ngram import longest_match_row
+    from eval.engine.drafters.ngram import longest_match_row
 
     gen = torch.Generator().manual_seed(0)
     cases = []

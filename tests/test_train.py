@@ -15,7 +15,7 @@ from conftest import child_env
 
 from models.base import load_base
 from models.draft import BaseView
-from train.export import load_draft, read_tensors
+from models.export.specdraft import load_draft, read_tensors
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -24,7 +24,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _cli(args: list[str], env_extra: dict | None = None, **kw) -> subprocess.Popen:
     env = child_env(env_extra)
-    return subprocess.Popen([sys.executable, "-m", "train.cli", *args], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 

@@ -10,12 +10,13 @@ from collections import Counter
 import pytest
 import torch
 
-from eval.backends.hf import HFBackend
-from eval.decoder import autoregressive_generate, speculative_generate
-from eval.drafters.base import DecodeState, Drafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.tree import STATIC_TREES, StaticTree, Tree
-from eval.tree_search import (
+from core.config_loader import ConfigError
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.medusa import MedusaDrafter
+from eval.engine.tree import STATIC_TREES, StaticTree, Tree
+from eval.harness.tree_search import (
     acceptance_curve,
     candidate_sizes,
     grow_tree,
@@ -29,7 +30,6 @@ from eval.tree_search import (
 )
 from models.draft import BaseView
 from models.medusa import MedusaDraft
-from train.config_loader import ConfigError
 
 VOCAB, DEPTH, NEW = 320, 4, 40
 
@@ -273,7 +273,7 @@ TINY_ARGS = ["dataset=tests/fixtures/eval_prompts.jsonl", "num_prompts=2", "new_
 @pytest.fixture
 def tiny_export(tmp_path):
     from models.base import load_base
-    from train.export import export_specdraft
+    from models.export.specdraft import export_specdraft
 
     base = load_base("tiny")
     draft = MedusaDraft(num_heads=3, num_layers=1, base=BaseView.from_model(base.model))
@@ -282,7 +282,7 @@ def tiny_export(tmp_path):
 
 
 def test_cli_stores_the_tree_and_eval_uses_it(tiny_export, capsys):
-    from train.cli import main
+    from cli.main import main
 
     assert main(["tree-search", "--draft", str(tiny_export), *TINY_ARGS]) == 0, capsys.readouterr().err
     config = json.loads((tiny_export / "config.json").read_text())
@@ -307,7 +307,7 @@ def test_cli_stores_the_tree_and_eval_uses_it(tiny_export, capsys):
 
 
 def test_cli_refuses_a_drafter_without_rank_statistics(tiny_export, capsys, monkeypatch):
-    from train.cli import main
+    from cli.main import main
 
     monkeypatch.delattr(MedusaDrafter, "true_path_ranks")
     assert main(["tree-search", "--draft", str(tiny_export), *TINY_ARGS]) == 2

@@ -13,9 +13,9 @@ import torch
 
 from models.base import load_base
 from models.draft import BaseView
+from models.export.specdraft import export_specdraft
 from models.medusa import MedusaDraft
 from models.tiny import tiny_llama, tiny_tokenizer
-from train.export import export_specdraft
 
 
 def servable_tiny_base(out: Path, std: float = 0.15, seed: int = 0) -> Path:

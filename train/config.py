@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from train.config_loader import ConfigError, load_typed
+from core.config_loader import ConfigError, load_typed
 
 
 @dataclass
@@ -69,7 +69,7 @@ class LossSection:
 
 
 @dataclass
-class OptimSection:
+class TrainSection:
     epochs: float = 1.0
     max_steps: int = 0  # > 0 overrides epochs
     max_minutes: float = 0.0  # > 0: stop (and save) after this much training wall time
@@ -117,7 +117,7 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     draft: DraftSection = field(default_factory=DraftSection)
     loss: LossSection = field(default_factory=LossSection)
-    train: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     wandb: WandbSection = field(default_factory=WandbSection)
 
@@ -132,7 +132,7 @@ def _fail(key: str, value, fix: str) -> None:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check values that types alone cannot; raise ConfigError naming the key and the fix."""
-    from models.registry import DRAFTERS  # late import: models/ imports torch
+    from models.registry import DRAFT_MODELS  # late import: models/ imports torch
 
     t, d = cfg.train, cfg.draft
     if cfg.base.dtype not in ("auto", "fast", "fp32", "bf16", "fp16"):
@@ -145,8 +145,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("base.partition", "zero3", "data.self_distill generates with the base, which a ZeRO-3-partitioned "
               "base does not do here; build the self-distilled file first (`specdraft self-distill`, a whole base) "
               "and train on it with data.source=<file>")
-    if d.family not in DRAFTERS:
-        _fail("draft.family", d.family, f"use one of {', '.join(sorted(DRAFTERS))}")
+    if d.family not in DRAFT_MODELS:
+        _fail("draft.family", d.family, f"use one of {', '.join(sorted(DRAFT_MODELS))}")
     if d.num_heads < 1:
         _fail("draft.num_heads", d.num_heads, "a draft needs at least one head (Medusa default 4)")
     if d.num_layers < 0:

@@ -11,7 +11,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     """auto = bf16 on CUDA devices that support it, fp32 elsewhere; fast = bf16 also on CPUs with bf16 matrix
     instructions (models.base.cpu_has_fast_bf16), fp32 on the others, where bf16 matmuls are emulated and slower."""
     if precision == "fast":
-        from models.base import cpu_has_fast_bf16
+        from core.hardware import cpu_has_fast_bf16
 
         if device.type == "cpu":
             return "bf16" if cpu_has_fast_bf16() else "fp32"

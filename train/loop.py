@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from core.config_loader import to_dict, to_yaml
+from core.paths import default_cache_dir
 from data.dataset import build_datasets, collate
 from data.draft_vocab import build_draft_vocab, vocab_report
 from data.hidden_cache import (
@@ -36,16 +38,15 @@ from data.hidden_cache import (
 )
 from data.packed import is_packed, load_packed, packed_train_data
 from data.self_distill import build_self_distilled, train_data_entry
-from models.base import default_cache_dir, draft_inputs, load_base
+from models.base import HiddenStates, draft_inputs, load_base
 from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_length
-from models.registry import DRAFTERS
+from models.export.specdraft import export_specdraft
+from models.registry import DRAFT_MODELS
 from train import checkpoint
 from train.config import TrainConfig
-from train.config_loader import to_dict, to_yaml
 from train.data_order import DataOrder
 from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_distributed
 from train.ds_config import build_deepspeed_config, resolve_precision
-from train.export import export_specdraft
 from train.heldout import evaluate_heldout, format_heldout_table
 from train.schedule import TimeBudgetedSchedule
 from train.tracking import Tracker
@@ -125,7 +126,7 @@ def train(cfg: TrainConfig) -> Path:
     torch.manual_seed(cfg.train.seed)  # same initial draft on every rank
     # Hydra++ / CTC copy the base's last decoder layer: gathered whole while the draft is built.
     with partitioned.gathered_last_layer() if partitioned else contextlib.nullcontext():
-        draft = DRAFTERS[cfg.draft.family].from_config(cfg.draft, view)
+        draft = DRAFT_MODELS[cfg.draft.family].from_config(cfg.draft, view)
     aux_layers = list(getattr(draft, "aux_layers", None) or [])  # base layers the draft reads besides h
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
@@ -346,7 +347,7 @@ def _hidden_cache(cfg, base, train_ds, info, partitioned=None) -> HiddenCache:
             return HiddenCache(superset, read_aux=False)
     pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
     ranks = RankGroup(info.rank, info.world_size, barrier, all_reduce_sum, collective_forward=partitioned is not None)
-    build_hidden_cache(base.model, train_ds, directory, pad_id=pad_id, device=info.device,
+    build_hidden_cache(HiddenStates(base.model), train_ds, directory, pad_id=pad_id, device=info.device,
                        micro_batch_size=cfg.train.micro_batch_size, cache_dtype=cfg.data.hidden_cache_dtype,
                        shard_rows=cfg.data.hidden_cache_shard_rows,
                        info={"key": key, "base": base.name, "base_fingerprint": base.fingerprint,
@@ -361,7 +362,7 @@ def _hidden_cache(cfg, base, train_ds, info, partitioned=None) -> HiddenCache:
 
 def resolve_aux_layers(cfg, model) -> list[int]:
     """Base layers the configured family reads besides h (EAGLE-3: draft.aux_layers or its default); [] else."""
-    resolve = getattr(DRAFTERS[cfg.draft.family], "resolve_aux_layers", None)
+    resolve = getattr(DRAFT_MODELS[cfg.draft.family], "resolve_aux_layers", None)
     return resolve(cfg.draft, model) if resolve is not None else []
 
 

@@ -178,7 +178,9 @@ def _convert_smollm2_first(path: str, dtype: torch.dtype, cache_dir: str | None)
     under zero.Init: rank 0 converts it (a whole load of the small base) before the partitioned load."""
     import torch.distributed as dist
 
-    from models.base import MARKER_FILE, SMOLLM2_NAME, default_cache_dir, smollm2_cache_path
+    from core.paths import default_cache_dir
+    from models.base import SMOLLM2_NAME
+    from models.smollm2_gguf import MARKER_FILE, smollm2_cache_path
 
     if path != SMOLLM2_NAME:
         return

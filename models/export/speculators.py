@@ -1,0 +1,148 @@
+"""EAGLE-3 in the `speculators` format, the one vLLM serves with `method: eagle3` (DESIGN.md §5).
+
+Layout (checked against speculators 0.9.0 `models/eagle3/{config,core,model_definitions}.py` and vLLM 0.32
+`model_executor/models/llama_eagle3.py`, `transformers_utils/configs/speculators/{base,algos}.py`):
+
+    model.safetensors
+        fc.weight                     [d, k*d]   over the aux layers side by side, in eagle_aux_... order
+        layers.0.input_layernorm.weight, layers.0.hidden_norm.weight, layers.0.post_attention_layernorm.weight
+        layers.0.self_attn.{q,k,v}_proj.weight  [*, 2d]   input = [norm(embedding); norm(feature)]
+        layers.0.self_attn.o_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight
+        norm.weight                   [d]
+        lm_head.weight                [N, d]     N = draft_vocab_size
+        d2t                           [N] int64  target_id - draft_id (vLLM: target = arange(N) + d2t)
+        t2d                           [V] bool   which target ids are in the draft vocabulary
+      (d2t / t2d only with a draft vocabulary; no embed_tokens: vLLM and speculators take the base's.)
+    config.json
+        speculators_model_type "eagle3", architectures ["Eagle3Speculator"], transformer_layer_config (the
+        base's LlamaConfig with num_hidden_layers 1), draft_vocab_size, norm_before_residual false (written
+        explicitly: vLLM's reader defaults it to true, speculators to false), eagle_aux_hidden_state_layer_ids,
+        target_hidden_size, speculators_config {algorithm, proposal_methods [greedy, speculative_tokens],
+        default_proposal_method, verifier {name_or_path, architectures}}.
+
+Draft-id order: speculators builds its LM head as W[t2d] (rows in ascending target id), so the rows are
+written sorted by target id; d2t offsets are then increasing and both readers agree. Our own draft
+vocabulary keeps "most frequent first"; the permutation is undone by `load_speculators`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from models.draft import BaseView
+from models.eagle3 import Eagle3Draft
+from models.export.specdraft import _atomic_dir_write, read_tensors
+
+_DROP_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
+                    "auto_map", "quantization_config", "_commit_hash")
+
+
+def verifier_path(base_name: str) -> str:
+    """What vLLM loads as the target: the cached HF directory for "smollm2", the name itself otherwise."""
+    if base_name == "smollm2":
+        from models.smollm2_gguf import smollm2_cache_path
+
+        return str(smollm2_cache_path())
+    return base_name
+
+
+def speculators_config(draft: Eagle3Draft, verifier: str, speculative_tokens: int) -> dict:
+    layer = draft.layer_config.to_dict()
+    arch = list(layer.get("architectures") or ["LlamaForCausalLM"])
+    for key in _DROP_LAYER_KEYS:
+        layer.pop(key, None)
+    layer.update(num_hidden_layers=1, tie_word_embeddings=False, vocab_size=draft.vocab_size)
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": draft.draft_vocab_size or draft.vocab_size,
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "target_hidden_size": draft.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(draft.aux_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": arch},
+        },
+    }
+
+
+def speculators_tensors(draft: Eagle3Draft, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The draft's tensors under speculators' names, rows of a draft vocabulary sorted by target id."""
+    out = {}
+    for name, value in draft.state_dict().items():
+        if name == "d2t":
+            continue
+        value = value.detach().to("cpu")
+        out[name] = (value.to(dtype) if dtype is not None and value.is_floating_point() else value).contiguous()
+    if draft.d2t is not None:
+        ids, order = torch.sort(draft.d2t.cpu())
+        out["lm_head.weight"] = out["lm_head.weight"][order].contiguous()
+        out["d2t"] = (ids - torch.arange(ids.numel())).contiguous()
+        t2d = torch.zeros(draft.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        out["t2d"] = t2d
+    return {k: v.clone() for k, v in out.items()}
+
+
+def export_speculators(draft, out_dir: Path, base_name: str, *, verifier: str | None = None,
+                       speculative_tokens: int | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write `draft` (an EAGLE-3 draft) as a speculators checkpoint that vLLM serves with method eagle3.
+
+    verifier: the target model vLLM / speculators load (default: `verifier_path(base_name)`);
+    speculative_tokens: the chain length written as the default proposal (default: the draft's ttt_steps);
+    dtype: cast floating tensors (e.g. torch.bfloat16 for serving); None keeps the training dtype.
+    """
+    if getattr(draft, "family", None) != "eagle3":
+        raise ValueError(f"--format speculators needs an EAGLE-3 draft, this run is {getattr(draft, 'family', None)!r}")
+    config = speculators_config(draft, verifier or verifier_path(base_name),
+                                speculative_tokens or draft.ttt_steps)
+    tensors = speculators_tensors(draft, dtype)
+    return _atomic_dir_write(Path(out_dir), {
+        "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+        "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
+    })
+
+
+def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
+    """Read a speculators EAGLE-3 checkpoint back into an Eagle3Draft on `base` (the round trip; also loads
+    checkpoints trained by speculators itself when they use this layout)."""
+    export_dir = Path(export_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{export_dir} is not a speculators EAGLE-3 checkpoint "
+                         f"(speculators_model_type={config.get('speculators_model_type')!r})")
+    for key in ("norm_before_fc", "fc_norm", "norm_output"):
+        if config.get(key):
+            raise ValueError(f"{export_dir}: {key}=true is an EAGLE-3 variant specdraft does not implement")
+    if config.get("norm_before_residual") is not False:
+        raise ValueError(f"{export_dir}: norm_before_residual must be false (the layout specdraft trains)")
+    if int(config["transformer_layer_config"].get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{export_dir}: specdraft's EAGLE-3 has one decoder layer")
+    tensors = read_tensors(export_dir / "model.safetensors")
+    n = int(config["draft_vocab_size"])
+    d2t = None
+    if "d2t" in tensors:
+        d2t = tensors.pop("d2t") + torch.arange(n)  # offsets -> target ids
+        tensors.pop("t2d", None)
+        tensors["d2t"] = d2t
+    elif n != base.vocab_size:
+        raise ValueError(f"{export_dir}: draft_vocab_size={n} < V={base.vocab_size} but no d2t tensor")
+    view = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model, d2t)
+    steps = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    draft = Eagle3Draft(view, config["eagle_aux_hidden_state_layer_ids"], min(max(steps, 1), 7), init_from_base=False)
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{export_dir}: tensors do not match an EAGLE-3 draft (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    return draft.eval()
