@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="an export directory (runs/<run>/export)")
     p.add_argument("--method", default=None, help="learning-free method instead of --draft (ngram)")
     p.add_argument("--tolerance", type=float, default=None,
-                   help="max |acceptance difference| per position (default 0.03, or extra.serve_tolerance)")
+                   help="max |acceptance difference| per position (default 0.03, or the eval config's serve_tolerance)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per vLLM engine run (default 1800)")
     _add_config_args(p, "default configs/eval/mtbench.yaml")
 

@@ -44,6 +44,7 @@ from torch import nn
 from data.targets import IGNORE_INDEX, offset_labels
 from losses.ctc import fused_linear_ctc, linear_ctc_reference
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
+from models.family import FamilyFacts
 from models.layers import stack_resblocks
 from models.prefix_attention import PrefixAttention
 from models.vocab_map import DraftVocabMixin, placeholder_map
@@ -111,7 +112,16 @@ def distilled_labels_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
 
 
 class CTCDraft(DraftVocabMixin, DraftModel):
-    family = "ctc"
+    facts = FamilyFacts("ctc", "CTC drafter", ("specdraft",))
+
+    @classmethod
+    def check_config(cls, cfg, fail) -> None:
+        d = cfg.draft
+        if d.num_frames < 1 or d.num_heads > d.num_frames:
+            fail("draft.num_frames", d.num_frames, f"the CTC drafter needs num_frames M >= 1 and the label length "
+                 f"draft.num_heads={d.num_heads} <= M (the paper uses N=3-4 with M=6)")
+        if cfg.loss.token_weight < 0:
+            fail("loss.token_weight", cfg.loss.token_weight, "use 0 (CTC only) or a positive weight, e.g. 0.1")
     prefix_accuracy = True  # per-depth top1 = prefix accuracy of the collapsed greedy draft
 
     def __init__(self, num_frames: int, label_length: int, num_layers: int, base: BaseView,

@@ -3,10 +3,13 @@ and the per-depth statistics its loss reports. Single-device code: the training 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from models.family import FamilyFacts
 
 
 @dataclass
@@ -107,10 +110,21 @@ def estimated_acceptance_length(top1_acc: list[float], prefix: bool = False) -> 
 class DraftModel(nn.Module):
     """Interface of a draft family (see models/medusa.py for the reference implementation)."""
 
-    family: str = "?"
+    facts: FamilyFacts  # what other layers need to know about the family (models/family.py)
+    family: str = "?"  # = facts.name, set for every subclass that declares facts
     # True when DepthStats.top1 of depth k counts "depths 1..k all right" (CTC's collapsed draft), not
     # depth k alone: the acceptance estimate then sums them instead of multiplying.
     prefix_accuracy: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "facts" in cls.__dict__:
+            cls.family = cls.facts.name
+
+    @classmethod
+    def check_config(cls, cfg, fail: Callable[[str, object, str], None]) -> None:  # noqa: B027 - optional hook
+        """The training-config rules only this family has (cfg: train.config.TrainConfig); call
+        fail(key, value, fix) for a bad value. Shared rules live in train/config.py."""
 
     def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
         raise NotImplementedError

@@ -47,6 +47,7 @@ from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.ttt import ttt_step_weights, ttt_weighted_loss
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
+from models.family import FamilyFacts
 from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
 
 MAX_TTT_STEPS = 7
@@ -216,7 +217,20 @@ class Eagle3Cache:
 
 
 class Eagle3Draft(DraftVocabMixin, DraftModel):
-    family = "eagle3"
+    facts = FamilyFacts("eagle3", "EAGLE-3", ("specdraft", "speculators", "vllm"), vllm_method="eagle3")
+
+    @classmethod
+    def check_config(cls, cfg, fail) -> None:
+        d = cfg.draft
+        if not 1 <= d.ttt_steps <= 7:
+            fail("draft.ttt_steps", d.ttt_steps, "EAGLE-3 unrolls 1..7 training-time-test steps (default 3)")
+        if d.num_heads != d.ttt_steps:
+            fail("draft.num_heads", d.num_heads, f"EAGLE-3 reports one depth per TTT step: set draft.num_heads="
+                 f"{d.ttt_steps} (= draft.ttt_steps), as configs/eagle3.yaml does")
+        if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
+            fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
+        if cfg.deepspeed.zero_stage == 3:
+            fail("deepspeed.zero_stage", 3, "EAGLE-3's loss reads its LM-head weight directly; use stage 0-2")
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, ttt_steps: int = 3,
                  init_from_base: bool = True, share_lm_head: bool = False):

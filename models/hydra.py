@@ -42,6 +42,7 @@ from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.weighted_ce import head_weights
 from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
+from models.family import FamilyFacts
 from models.layers import stack_resblocks
 from models.prefix_attention import PrefixAttention
 from models.vocab_map import DraftVocabMixin, placeholder_map
@@ -92,7 +93,13 @@ class HydraHead(nn.Module):
 
 
 class HydraDraft(DraftVocabMixin, DraftModel):
-    family = "hydra"
+    facts = FamilyFacts("hydra", "Hydra", ("specdraft",))
+
+    @classmethod
+    def check_config(cls, cfg, fail) -> None:
+        if cfg.draft.num_layers < 1:
+            fail("draft.num_layers", cfg.draft.num_layers, "a Hydra head needs its first block (it maps the (k+1)·d "
+                 "input to d); use 1 (Hydra) or 4 (Hydra++)")
 
     def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
                  dropout: float = 0.0, prefix_layer: bool = False, d2t: torch.Tensor | None = None):

@@ -26,12 +26,13 @@ from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.weighted_ce import head_weights
 from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
+from models.family import FamilyFacts
 from models.layers import stack_resblocks
 from models.vocab_map import DraftVocabMixin, placeholder_map
 
 
 class MedusaDraft(DraftVocabMixin, DraftModel):
-    family = "medusa"
+    facts = FamilyFacts("medusa", "Medusa", ("specdraft", "medusa", "vllm"), vllm_method="medusa")
 
     def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
                  dropout: float = 0.0, d2t: torch.Tensor | None = None):

@@ -22,8 +22,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from models.family import FamilyFacts
+
 log = logging.getLogger("specdraft.ngram")
 CACHE_SUBDIR = "ngram"
+
+# Learning-free: nothing to train or export but vLLM's own n-gram config (`--format vllm --method ngram`).
+NGRAM_FACTS = FamilyFacts("ngram", "N-gram", ("vllm",), vllm_method="ngram", trainable=False)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.weighted_ce import head_weights
 from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
+from models.family import FamilyFacts
 from models.layers import stack_resblocks
 from models.vocab_map import DraftVocabMixin, placeholder_map
 
@@ -46,7 +47,14 @@ DEFAULT_BEAM_LENGTH = 5  # counts the root: 4 draft tokens per beam
 
 
 class ReDrafterDraft(DraftVocabMixin, DraftModel):
-    family = "redrafter"
+    facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"))
+
+    @classmethod
+    def check_config(cls, cfg, fail) -> None:
+        if cfg.draft.prefix_layer:
+            # ReDrafter's only context is h_t; share_lm_head there means input_proj(2d->d) + the frozen base head.
+            fail("draft.prefix_layer", cfg.draft.prefix_layer, "ReDrafter has no prefix-attention layer (a Hydra++ "
+                 "option); set draft.prefix_layer=false")
 
     def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
                  dropout: float = 0.0, rnn: bool = True, beam_width: int = DEFAULT_BEAM_WIDTH,

@@ -1,17 +1,30 @@
-"""Draft families by name. Adding a family = one file in models/ and one line here."""
+"""Draft families by name: the trainable models (DRAFT_MODELS) and every family's declared facts (FAMILIES).
+
+Adding a family: one file in models/, one line in DRAFT_MODELS (docs/howto/add_a_family.md has the checklist)."""
 
 from __future__ import annotations
 
 from models.ctc import CTCDraft
 from models.eagle3 import Eagle3Draft
+from models.family import FamilyFacts
 from models.hydra import HydraDraft
 from models.medusa import MedusaDraft
+from models.ngram import NGRAM_FACTS
 from models.redrafter import ReDrafterDraft
 
-DRAFT_MODELS = {
-    "medusa": MedusaDraft,
-    "redrafter": ReDrafterDraft,
-    "ctc": CTCDraft,
-    "hydra": HydraDraft,
-    "eagle3": Eagle3Draft,
-}
+DRAFT_MODELS = {cls.facts.name: cls for cls in (MedusaDraft, HydraDraft, ReDrafterDraft, CTCDraft, Eagle3Draft)}
+
+# Every family, learning-free ones included.
+FAMILIES: dict[str, FamilyFacts] = {**{name: cls.facts for name, cls in DRAFT_MODELS.items()},
+                                    NGRAM_FACTS.name: NGRAM_FACTS}
+
+
+def family_facts(name: str) -> FamilyFacts:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown draft family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def vllm_families() -> tuple[str, ...]:
+    """Families vLLM serves (a `vllm_method` declared)."""
+    return tuple(name for name, f in FAMILIES.items() if f.vllm_method)

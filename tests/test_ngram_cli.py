@@ -15,7 +15,7 @@ def _eval(args, env):
 def test_ngram_method_writes_the_contract_report(tmp_path, clean_env):
     env = clean_env({"SPECDRAFT_CACHE": str(tmp_path / "cache")})
     args = ["--method", "ngram", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path / 'run'}"]
-    proc = _eval(args + ["extra.prompt_lookup=true"], env)
+    proc = _eval(args + ["prompt_lookup=true"], env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "eval" / "ngram-smoke" / "report.json").read_text())
     assert set(report) - {"extra"} == set(REPORT_KEYS)
@@ -45,7 +45,7 @@ def test_ngram_method_errors_are_clear(tmp_path, clean_env):
 def test_ngram_sweep_mode_writes_grid_table_and_heatmap(tmp_path, clean_env):
     env = clean_env({"SPECDRAFT_CACHE": str(tmp_path / "cache")})
     proc = _eval(["--method", "ngram", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path / 'run'}",
-                  "extra.sweep_k=[1,2]", "extra.sweep_w=[1,3]"], env)
+                  "sweep_k=[1,2]", "sweep_w=[1,3]"], env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     out = tmp_path / "run" / "eval" / "ngram-smoke" / "sweep"
     result = json.loads((out / "sweep.json").read_text())

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from cli.main import main
+from eval.engine.tree import chain_choices
 from eval.serving.serve_check import (
     ServeCheckError,
-    chain_choices,
     check_fingerprint,
     root_cause,
     run_engine,
@@ -174,7 +174,7 @@ def test_serve_check_end_to_end(tmp_path, capsys):
 
     export = medusa_export_on_servable_base(tmp_path)
     rc = main(["serve-check", "--draft", str(export), "--config", "configs/eval/smoke.yaml", "max_new_tokens=32",
-               "extra.vllm_enforce_eager=true"])
+               "serve_enforce_eager=true"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "vllm_draft: prompt 3/3" in out and "| vLLM + draft |" in out
@@ -202,7 +202,7 @@ def test_serve_check_of_a_family_vllm_cannot_serve(tmp_path, capsys):
 
     export = hydra_export_on_servable_base(tmp_path)
     rc = main(["serve-check", "--draft", str(export), "--config", "configs/eval/smoke.yaml", "max_new_tokens=32",
-               "extra.vllm_enforce_eager=true", "num_prompts=2"])
+               "serve_enforce_eager=true", "num_prompts=2"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "no method for a hydra draft" in out and "| ours + draft |" in out and "| vLLM + draft |" not in out

@@ -156,29 +156,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
               "the upper bound V is checked against the base when the map is built")
     if not 0.0 <= d.dropout < 1.0:
         _fail("draft.dropout", d.dropout, "use a probability in [0, 1)")
-    if d.family == "ctc":
-        if d.num_frames < 1 or d.num_heads > d.num_frames:
-            _fail("draft.num_frames", d.num_frames, f"the CTC drafter needs num_frames M >= 1 and the label length "
-                  f"draft.num_heads={d.num_heads} <= M (the paper uses N=3-4 with M=6)")
-        if cfg.loss.token_weight < 0:
-            _fail("loss.token_weight", cfg.loss.token_weight, "use 0 (CTC only) or a positive weight, e.g. 0.1")
-    if d.family == "redrafter" and d.prefix_layer:
-        # ReDrafter's only context is h_t; share_lm_head there means input_proj(2d->d) + the frozen base head.
-        _fail("draft.prefix_layer", d.prefix_layer, "ReDrafter has no prefix-attention layer (a Hydra++ "
-              "option); set draft.prefix_layer=false")
-    if d.family == "hydra" and d.num_layers < 1:
-        _fail("draft.num_layers", d.num_layers, "a Hydra head needs its first block (it maps the (k+1)·d input "
-              "to d); use 1 (Hydra) or 4 (Hydra++)")
-    if d.family == "eagle3":
-        if not 1 <= d.ttt_steps <= 7:
-            _fail("draft.ttt_steps", d.ttt_steps, "EAGLE-3 unrolls 1..7 training-time-test steps (default 3)")
-        if d.num_heads != d.ttt_steps:
-            _fail("draft.num_heads", d.num_heads, f"EAGLE-3 reports one depth per TTT step: set draft.num_heads="
-                  f"{d.ttt_steps} (= draft.ttt_steps), as configs/eagle3.yaml does")
-        if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
-            _fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
-        if cfg.deepspeed.zero_stage == 3:
-            _fail("deepspeed.zero_stage", 3, "EAGLE-3's loss reads its LM-head weight directly; use stage 0-2")
+    if d.family in DRAFT_MODELS:
+        DRAFT_MODELS[d.family].check_config(cfg, _fail)
     if t.lr <= 0:
         _fail("train.lr", t.lr, "the learning rate must be > 0 (Medusa uses 1e-3)")
     if t.micro_batch_size < 1:

@@ -279,3 +279,8 @@ def tree_from_paths_reference(root: int, paths: torch.Tensor, pad: int = -1) -> 
                 depths.append(depths[node] + 1)
             node = trie[(node, tok)]
     return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
+
+
+def chain_choices(depth: int) -> list[list[int]]:
+    """The top-1 chain of `depth` drafts as tree choices: [[0], [0, 0], ...]."""
+    return [[0] * j for j in range(1, depth + 1)]

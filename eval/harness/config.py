@@ -36,7 +36,18 @@ class EvalConfig:
     base_path: str = ""  # "" = the base named in the export's config.json (or smollm2 for --method)
     run_dir: str = ""  # where a learning-free eval (--method) writes; "" = runs/<method>
     num_threads: int = 0  # CPU threads; 0 = torch's default
-    extra: dict = field(default_factory=dict)  # method-specific options (e.g. N-gram k, w)
+    # The drafter's own options, typed by its family (eval/engine/drafters/<family>.py `Options`; unknown keys are an
+    # error): e.g. extra.beam_width (ReDrafter), extra.eagle3_mode (EAGLE-3), extra.k / extra.w (N-gram).
+    extra: dict = field(default_factory=dict)
+    prompt_lookup: bool = False  # --method ngram: also time transformers' prompt-lookup decoding (w tokens per step)
+    sweep_k: list[int] = field(default_factory=list)  # --method ngram: a (k, w) grid instead of one run
+    sweep_w: list[int] = field(default_factory=list)
+    serve_tolerance: float = 0.03  # serve-check: max |engine - ours| acceptance per position before it fails
+    serve_timeout: float = 1800.0  # serve-check: seconds per engine (a first run compiles the model)
+    serve_enforce_eager: bool = False  # serve-check: skip vLLM's torch.compile (minutes saved, slower decoding)
+    serve_ngram_w: int = 0  # serve-check: the engines' n-gram row length; 0 = the draft's chain depth
+    serve_ngram_q: int = 2  # serve-check: longest n-gram query of that row
+    serve_ngram_q_min: int = 1  # serve-check: shortest n-gram query
     # "" = the template the draft was trained with (export's chat_template) or the tokenizer's own;
     # else chatml | llama3 | gemma | a .jinja file (bases that ship no chat template)
     chat_template: str = ""
@@ -69,6 +80,16 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
     if cfg.dtype not in ("fp32", "bf16", "fp16", "auto", "fast"):
         fail("dtype", cfg.dtype, "use fp32, bf16, fp16, auto (fp32 on CPU) or fast (bf16 where the hardware "
              "runs it fast, else fp32)")
+    if any(k < 1 for k in cfg.sweep_k) or any(w < 1 for w in cfg.sweep_w):
+        fail("sweep_k/sweep_w", (cfg.sweep_k, cfg.sweep_w), "give lists of positive row counts / row lengths")
+    if cfg.serve_tolerance < 0 or cfg.serve_timeout <= 0:
+        fail("serve_tolerance/serve_timeout", (cfg.serve_tolerance, cfg.serve_timeout),
+             "use a tolerance >= 0 and a timeout > 0 seconds")
+    if cfg.serve_ngram_w < 0 or cfg.serve_ngram_q < 1 or not 1 <= cfg.serve_ngram_q_min <= cfg.serve_ngram_q:
+        fail("serve_ngram_w/q/q_min", (cfg.serve_ngram_w, cfg.serve_ngram_q, cfg.serve_ngram_q_min),
+             "use w >= 0 (0 = the draft's depth) and 1 <= q_min <= q")
+    if not isinstance(cfg.extra, dict):
+        fail("extra", cfg.extra, "give a mapping of the drafter's options, e.g. {beam_width: 8}")
     return cfg
 
 

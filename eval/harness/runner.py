@@ -201,14 +201,14 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
     base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device),
                      chat_template=cfg.chat_template or None)
     drafter, info = build_ngram_drafter(base, cfg.extra)
-    if cfg.extra.get("prompt_lookup"):  # transformers' prompt lookup drafting w tokens per step
+    if cfg.prompt_lookup:  # transformers' prompt lookup drafting w tokens per step
         info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))
     out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name
     return evaluate(cfg, base, drafter, method, out_dir, info), out_dir
 
 
 def sweep_method(method: str, cfg: EvalConfig) -> Path:
-    """The (k, w) grid of a learning-free method (extra.sweep_k / extra.sweep_w lists): table + heat map
+    """The (k, w) grid of a learning-free method (sweep_k / sweep_w lists): table + heat map
     under <run_dir or runs/<method>>/eval/<name>/sweep/."""
     from eval.engine.drafters.ngram import ngram_options
     from eval.harness.ngram_sweep import sweep, write
@@ -216,8 +216,8 @@ def sweep_method(method: str, cfg: EvalConfig) -> Path:
     if method != "ngram":
         raise ValueError(f"a (k, w) sweep exists for --method ngram only, not {method!r}")
     opts = ngram_options(cfg.extra)
-    ks = [int(k) for k in cfg.extra.get("sweep_k", [opts["k"]])]
-    ws = [int(w) for w in cfg.extra.get("sweep_w", [opts["w"]])]
+    ks = [int(k) for k in cfg.sweep_k or [opts["k"]]]
+    ws = [int(w) for w in cfg.sweep_w or [opts["w"]]]
     out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name / "sweep"
     write(sweep(cfg, ks, ws), ks, ws, out_dir)
     return out_dir
@@ -269,7 +269,7 @@ def run_eval_cli(args) -> int:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.method and ("sweep_k" in cfg.extra or "sweep_w" in cfg.extra):
+    if args.method and (cfg.sweep_k or cfg.sweep_w):
         out_dir = sweep_method(args.method, cfg)
         print((out_dir / "sweep.md").read_text() + f"\nwrote {out_dir}/sweep.md, sweep.json, sweep_heatmap.png")
         return 0

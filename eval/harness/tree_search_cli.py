@@ -228,7 +228,7 @@ SUMMARY_KEYS = ("sizes", "predicted_acceptance", "step_time_s", "measured_accept
 
 def store_tree(export_dir: Path, result: dict) -> None:
     """Put the chosen tree under "tree" (and a summary under "tree_search") in config.json, every other
-    key unchanged; eval/engine/drafters/registry.py resolve_tree uses it when the eval asks for tree=auto."""
+    key unchanged; eval/engine/drafters/static.py resolve_tree uses it when the eval asks for tree=auto."""
     path = Path(export_dir) / "config.json"
     config = json.loads(path.read_text())
     config["tree"] = result["chosen_tree"]

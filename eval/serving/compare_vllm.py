@@ -24,31 +24,17 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from eval.engine.drafters.registry import drafter_family
+from models.registry import vllm_families
+
 log = logging.getLogger("specdraft.compare")
-VLLM_FAMILIES = ("medusa", "eagle3", "ngram")
-
-
 def chain_depth(family: str, info: dict, drafter) -> int:
-    """Drafted tokens per step of a row shaped like vLLM's draft, or a ValueError saying how to make it one."""
-    if family == "medusa":
-        choices = [tuple(c) for c in drafter.tree.choices]
-        chain = [(0,) * j for j in range(1, len(choices) + 1)]
-        if not choices or choices != chain:
-            raise ValueError("vLLM drafts Medusa as the chain of each head's top-1: give this row "
-                             "`eval: {tree: chain4}` (or tree_choices [[0], [0, 0], ...])")
-        return len(choices)
-    if family == "eagle3":
-        if info.get("eagle3_mode") != "chain":
-            raise ValueError("vLLM drafts EAGLE-3 as a chain: give this row `eval: {extra: {eagle3_mode: chain, "
-                             "chain_length: K}}`")
-        return int(info["chain_length"])
-    if family == "ngram":
-        if info.get("k") != 1 or info.get("strategy") != "longest_match":
-            raise ValueError("vLLM's n-gram is one prompt-lookup row: give this row `eval: {extra: {k: 1, "
-                             "strategy: longest_match, w: W, q: Q, q_min: QMIN}}`")
-        return int(info["w"])
-    raise ValueError(f"vLLM 0.32 has no method for a {family} draft (it serves {', '.join(VLLM_FAMILIES)}); "
-                     "drop `vllm: true` from this row")
+    """Drafted tokens per step of a row shaped like vLLM's draft (a chain of top-1 tokens, as the family declares
+    it), or a ValueError saying how to make it one."""
+    if family not in vllm_families():
+        raise ValueError(f"vLLM 0.32 has no method for a {family} draft (it serves {', '.join(vllm_families())}); "
+                         "drop `vllm: true` from this row")
+    return drafter_family(family).chain_depth(info, drafter)
 
 
 def speculative_config(entry, family: str, info: dict, depth: int, base, base_dir: Path, workdir: Path

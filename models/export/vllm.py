@@ -3,8 +3,8 @@
 Every vLLM export directory holds `speculative_config.json`: the dict to pass as
 `LLM(..., speculative_config=...)` (its "model" is this directory's absolute path at export time), and, where
 the draft needs more engine arguments, `engine_args.json`: further `LLM(...)` keyword arguments.
-One exporter per family in `VLLM_EXPORTERS`; a family vLLM cannot serve gets an error naming the formats
-it does have.
+One exporter per vLLM method in `VLLM_EXPORTERS` (a family declares its method in its FamilyFacts); a family
+vLLM cannot serve gets an error naming the formats it does have.
 
 Medusa, read from vLLM 0.32's `model_executor/models/medusa.py` + `transformers_utils/configs/medusa.py`:
     model.safetensors
@@ -44,21 +44,13 @@ from safetensors.torch import save_file
 
 from models.draft import BaseView
 from models.export.specdraft import _atomic_dir_write, draft_tensors
+from models.registry import FAMILIES
 from models.vocab_map import check_fits
 
 SPECULATIVE_CONFIG_FILE = "speculative_config.json"
 ENGINE_ARGS_FILE = "engine_args.json"  # extra LLM(...) keyword arguments the draft needs (absent = none)
 # vLLM 0.32 Medusa + token_map: load_weights reads the map but does not report it loaded (module docstring).
 MEDUSA_TOKEN_MAP_ENGINE_ARGS = {"model_loader_extra_config": {"enable_weights_track": False}}
-# The formats `specdraft export` writes for each family (named in the error for a family vLLM cannot serve).
-FORMATS_BY_FAMILY = {
-    "medusa": ("specdraft", "medusa", "vllm"),
-    "hydra": ("specdraft",),
-    "redrafter": ("specdraft", "redrafter-trtllm"),
-    "ctc": ("specdraft",),
-    "eagle3": ("specdraft", "speculators", "vllm"),
-    "ngram": ("vllm",),
-}
 
 
 def draft_vocabulary(draft: torch.nn.Module, export_cfg: dict, vocab_size: int) -> torch.Tensor | None:
@@ -166,8 +158,8 @@ def export_vllm_eagle3(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     return Path(out_dir)
 
 
-# family -> exporter(draft, out_dir, export_cfg, base_view) -> out_dir. N-gram has no draft to export: its
-# entry takes the eval options instead (export_vllm_ngram).
+# vLLM method -> exporter(draft, out_dir, export_cfg, base_view) -> out_dir. A family names its method in its
+# FamilyFacts. N-gram has no draft to export: its entry takes the eval options instead (export_vllm_ngram).
 VLLM_EXPORTERS = {
     "medusa": export_vllm_medusa,
     "eagle3": export_vllm_eagle3,
@@ -176,14 +168,16 @@ VLLM_EXPORTERS = {
 
 
 def export_vllm(draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
-    """Dispatch a trained draft to its family's vLLM exporter, or fail naming the formats it does have."""
+    """Dispatch a trained draft to the exporter of its family's vLLM method, or fail naming the formats it has."""
     family = export_cfg.get("family", getattr(draft, "family", "?"))
-    if family not in VLLM_EXPORTERS or family == "ngram":
-        have = ", ".join(FORMATS_BY_FAMILY.get(family, ("specdraft",)))
-        raise ValueError(f"vLLM cannot serve a {family!r} draft (vLLM 0.32 serves medusa, eagle3 and its own ngram); "
-                         f"formats for {family}: {have} (`specdraft export --format ...`), and our decoder "
+    facts = FAMILIES.get(family)
+    if facts is None or not facts.trainable or facts.vllm_method not in VLLM_EXPORTERS:
+        have = ", ".join(facts.export_formats if facts else ("specdraft",))
+        servable = ", ".join(n for n, f in FAMILIES.items() if f.trainable and f.vllm_method in VLLM_EXPORTERS)
+        raise ValueError(f"vLLM cannot serve a {family!r} draft (vLLM 0.32 serves {servable} drafts and its own "
+                         f"ngram); formats for {family}: {have} (`specdraft export --format ...`), and our decoder "
                          "(`specdraft eval`) runs it")
-    return VLLM_EXPORTERS[family](draft, out_dir, export_cfg, base)
+    return VLLM_EXPORTERS[facts.vllm_method](draft, out_dir, export_cfg, base)
 
 
 def read_engine_args(vllm_dir: Path) -> dict:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -197,3 +198,34 @@ class CTCDrafter(Drafter):
         if d2t is not None:  # draft vocabulary: kept draft ids -> base ids (the verifier sees base ids only)
             paths = torch.where(paths >= 0, d2t.cpu()[paths.clamp(min=0)], paths)
         return tree_from_paths(state.root, paths)
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    """Raw candidates: `static` rank paths over the frames (ctc_paths, else ctc_num_paths of the top-ctc_topk per
+    frame) or the `joint` best paths; the tree is built per step from the collapsed candidates, so the eval
+    config's `tree` / `tree_choices` do not apply."""
+
+    ctc_search: str = "static"  # static | joint
+    ctc_paths: list | None = None  # explicit rank tuples over the frames, e.g. [[0, 0, 0, 0, 0, 0], [1, 0, ...]]
+    ctc_num_paths: int = 24
+    ctc_topk: int = 4
+
+
+def build(draft, export_cfg: dict, eval_cfg, options: Options):
+    paths = options.ctc_paths
+    drafter = CTCDrafter(draft, [tuple(c) for c in paths] if paths else None, search=options.ctc_search,
+                         num_paths=options.ctc_num_paths, topk=options.ctc_topk)
+    return drafter, {"ctc_search": options.ctc_search, "ctc_num_paths": drafter.num_paths, "ctc_topk": drafter.topk,
+                     "max_nodes": drafter.max_nodes}
+
+
+def chain(depth: int) -> dict:
+    raise ValueError("the CTC drafter has no fixed-depth chain (a collapsed candidate is as long as its distinct "
+                     "frames), so no serving engine drafts it")
+
+
+def chain_depth(info: dict, drafter) -> int:
+    return chain(0)

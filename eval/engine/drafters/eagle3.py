@@ -23,6 +23,8 @@ before they enter the tree or the embedding, so the verifier never sees a draft 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from eval.engine.drafters.drafter import DecodeState, Drafter
@@ -135,3 +137,38 @@ class Eagle3Drafter(Drafter):
         return Tree(torch.tensor([tokens[i] for i in kept]),
                     torch.tensor([-1] + [new_index[parents[i]] for i in kept[1:]]),
                     torch.tensor([depths[i] for i in kept]))
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    """`tree` (EAGLE-2: expand the tree_topk best nodes per depth, keep the best tree_nodes, root counted) or
+    `chain` (chain_length autoregressive top-1 drafts, what vLLM and llama.cpp run). The tree is built per step from
+    the draft's scores, so the eval config's `tree` / `tree_choices` do not apply."""
+
+    eagle3_mode: str = "tree"  # tree | chain
+    chain_length: int = 4
+    tree_topk: int = 4
+    tree_depth: int = 4
+    tree_nodes: int = 16  # the size tree16 has: what a 2-core CPU verifies for about the price of one token
+
+
+def build(draft, export_cfg: dict, eval_cfg, options: Options):
+    drafter = Eagle3Drafter(draft, mode=options.eagle3_mode, chain_length=options.chain_length,
+                            tree_topk=options.tree_topk, tree_depth=options.tree_depth, tree_nodes=options.tree_nodes)
+    info = {"eagle3_mode": drafter.mode, "max_nodes": drafter.max_nodes}
+    info.update({"chain_length": drafter.chain_length} if drafter.mode == "chain" else
+                {"tree_topk": drafter.tree_topk, "tree_depth": drafter.tree_depth, "tree_nodes": drafter.tree_nodes})
+    return drafter, info
+
+
+def chain(depth: int) -> dict:
+    return {"tree_choices": None, "extra": {"eagle3_mode": "chain", "chain_length": depth}}
+
+
+def chain_depth(info: dict, drafter) -> int:
+    if info.get("eagle3_mode") != "chain":
+        raise ValueError("serving engines draft EAGLE-3 as a chain: give this row `eval: {extra: {eagle3_mode: chain, "
+                         "chain_length: K}}`")
+    return int(info["chain_length"])

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.options import NoOptions
+from eval.engine.drafters.static import build_static_tree_drafter, static_chain, static_chain_depth
 from eval.engine.tree import StaticTree, Tree
 from models.vocab_map import to_draft_labels
 
@@ -130,3 +132,16 @@ class HydraDrafter(Drafter):
                 rank = (logits > target).sum(dim=-1).clamp(max=max_rank)
                 out[t, k - 1] = rank.masked_fill(outside, max_rank)
         return out.cpu()
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+Options = NoOptions  # the tree comes from the eval config's own keys (tree, tree_choices)
+
+
+def build(draft, export_cfg: dict, eval_cfg, options: Options):
+    return build_static_tree_drafter(HydraDrafter, draft, export_cfg, eval_cfg)
+
+
+chain = static_chain
+chain_depth = static_chain_depth

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.options import NoOptions
+from eval.engine.drafters.static import build_static_tree_drafter, static_chain, static_chain_depth
 from eval.engine.tree import StaticTree, Tree
 from models.vocab_map import to_base_ids, to_draft_labels
 
@@ -84,3 +86,16 @@ class MedusaDrafter(Drafter):
                 rank = (lk > true_logit).sum(dim=1).clamp(max=max_rank).masked_fill(outside, max_rank)  # [c']
                 ranks[rows[ok].cpu(), k - 1] = rank.cpu()
         return ranks
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+Options = NoOptions  # the tree comes from the eval config's own keys (tree, tree_choices)
+
+
+def build(draft, export_cfg: dict, eval_cfg, options: Options):
+    return build_static_tree_drafter(MedusaDrafter, draft, export_cfg, eval_cfg)
+
+
+chain = static_chain
+chain_depth = static_chain_depth

@@ -17,9 +17,13 @@ Rows that add no node (equal to, or a prefix of, an earlier row) are dropped bef
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.options import parse_options
 from eval.engine.tree import Tree, chain_tree, tree_from_paths
 from models.ngram import BigramTable, extend_bigram
 
@@ -181,16 +185,24 @@ class NgramDrafter(Drafter):
         return tree_from_paths(int(state.root), paths, pad=PAD)
 
 
-NGRAM_OPTIONS = {"k": 10, "w": 10, "q": 1, "q_min": 0, "strategy": "mixed", "table_k": 32, "batch_size": 256}
+@dataclass(frozen=True)
+class Options:
+    """k rows of up to w tokens; context n-grams query the last q tokens (down to q_min, 0 = q); strategy mixed |
+    context | bigram | unigram | longest_match (vLLM's prompt lookup with k=1); the model bigram table keeps the
+    top table_k successors of every token, built in batches of batch_size forwards."""
+
+    k: int = 10
+    w: int = 10
+    q: int = 1
+    q_min: int = 0
+    strategy: str = "mixed"
+    table_k: int = 32
+    batch_size: int = 256
 
 
 def ngram_options(extra: dict) -> dict:
-    """EvalConfig.extra -> the N-gram options, defaults filled; unknown keys are an error (typos)."""
-    allowed = set(NGRAM_OPTIONS) | {"prompt_lookup", "sweep_k", "sweep_w"}  # sweep: eval/harness/ngram_sweep.py
-    unknown = set(extra) - allowed
-    if unknown:
-        raise ValueError(f"unknown ngram option(s) {sorted(unknown)} in extra; known: {sorted(allowed)}")
-    return {**NGRAM_OPTIONS, **{k: v for k, v in extra.items() if k in NGRAM_OPTIONS}}
+    """EvalConfig.extra -> the N-gram options as a dict, defaults filled; unknown keys are an error (typos)."""
+    return dataclasses.asdict(parse_options(Options, "ngram", extra))
 
 
 def build_ngram_drafter(base, extra: dict, *, cache_dir=None) -> tuple[NgramDrafter, dict]:
@@ -209,3 +221,15 @@ def build_ngram_drafter(base, extra: dict, *, cache_dir=None) -> tuple[NgramDraf
     return drafter, {"k": drafter.k, "w": drafter.w, "q": drafter.q, "q_min": drafter.q_min,
                      "strategy": drafter.strategy,
                      "max_nodes": drafter.max_nodes, **info}
+
+
+def chain(depth: int) -> dict:
+    """One prompt-lookup row of up to `depth` tokens: what vLLM's and llama.cpp's n-gram methods draft."""
+    return {"extra": {"k": 1, "strategy": "longest_match", "w": depth}}
+
+
+def chain_depth(info: dict, drafter) -> int:
+    if info.get("k") != 1 or info.get("strategy") != "longest_match":
+        raise ValueError("serving engines' n-gram is one prompt-lookup row: give this row `eval: {extra: {k: 1, "
+                         "strategy: longest_match, w: W, q: Q, q_min: QMIN}}`")
+    return int(info["w"])

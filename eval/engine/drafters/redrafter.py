@@ -18,6 +18,8 @@ W'·(L-1)+1 (the beams' tokens without prefix sharing, root once) to `total_toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from eval.engine.beam_search import BeamResult, beam_search
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.tree import Tree, chain_tree, tree_from_paths
@@ -57,3 +59,32 @@ class ReDrafterDrafter(Drafter):
         self.total_tokens_unpacked += unpacked
         self.steps += 1
         return tree
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    """Beam shape; None = the export's defaults (W=4, L=5). The tree is built per step from the beams, so the eval
+    config's `tree` / `tree_choices` do not apply."""
+
+    beam_width: int | None = None  # W beams
+    beam_length: int | None = None  # L tokens per beam, the root counted (L-1 drafts)
+
+
+def build(draft, export_cfg: dict, eval_cfg, options: Options):
+    width = options.beam_width if options.beam_width is not None else draft.beam_width
+    length = options.beam_length if options.beam_length is not None else draft.beam_length
+    drafter = ReDrafterDrafter(draft, width, length)
+    return drafter, {"beam_width": width, "beam_length": length, "max_nodes": drafter.max_nodes}
+
+
+def chain(depth: int) -> dict:
+    """One beam of depth + 1 tokens (root counted): the chain of top-1 drafts engines run."""
+    return {"extra": {"beam_width": 1, "beam_length": depth + 1}}
+
+
+def chain_depth(info: dict, drafter) -> int:
+    if info.get("beam_width") != 1:
+        raise ValueError("a chain is one beam: give this row `eval: {extra: {beam_width: 1, beam_length: L}}`")
+    return int(info["beam_length"]) - 1
