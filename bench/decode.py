@@ -7,7 +7,7 @@ speculative decoding vs both.
     python bench/decode.py --draft runs/demo/export --prompts 20 --new-tokens 128 --tree chain4
 
 It drives the same code as `specdraft eval` (eval/harness/runner.py) and writes its report under
-<run>/eval/bench-decode/ (or runs/bench-decode/ without a draft). Targets (issue 3): own AR >= 1.5x HF
+<run>/eval/bench-decode/ (or runs/bench-decode/ without a draft). Targets: own AR >= 1.5x HF
 generate; Medusa >= 1.3x own AR on MT-bench.
 """
 

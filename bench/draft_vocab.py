@@ -1,4 +1,4 @@
-"""Draft vocabulary on the real SmolLM2 (issue 20): training tokens/s, peak step memory, coverage, held-out
+"""Draft vocabulary on the real SmolLM2: training tokens/s, peak step memory, coverage, held-out
 top-1 at equal tokens and drafting time per decode step, for Medusa and Hydra++ at N in {full, 32k, 16k,
 8k, 4k}, in ONE process with every variant interleaved step by step (the machine is shared: a load spike
 then hits every N alike instead of one of them).

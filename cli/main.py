@@ -36,9 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export)")
     _add_config_args(p, "default configs/eval/tree_search.yaml")
 
-    p = sub.add_parser("compare", help="all drafts of configs/compare.yaml side by side on the same prompts -> "
-                       "docs/results.md")
-    p.add_argument("--results-only", action="store_true", help="only regenerate docs/results.md from finished runs")
+    p = sub.add_parser("compare", help="all drafts of a compare config side by side on the same prompts -> tables "
+                       "and plots in <out_dir>/results.md")
+    p.add_argument("--results-only", action="store_true", help="only regenerate the tables from finished runs")
+    p.add_argument("--update-docs", action="store_true",
+                   help="write the tables into the config's checked-in results document (docs_md) instead")
     p.add_argument("--only", action="append", default=[], metavar="LABEL", help="only these drafts (repeat)")
     p.add_argument("--redo", action="append", default=[], metavar="LABEL",
                    help="run these drafts again although stored, beside freshly timed baselines (repeat)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 19, part 2: the best draft per family at <= 2 CPU-hours each (configs/best_budget.yaml: 2400 ShareGPT
+# The best draft per family at <= 2 CPU-hours each (configs/best_budget.yaml: 2400 ShareGPT
 # records, 90 min of training from one shared hidden-state cache), then `specdraft compare --config
-# configs/compare_best.yaml`, which writes the best-per-family part of docs/results.md.
+# configs/compare_best.yaml`, which writes the best-per-family part of docs/lab/results.md (--update-docs).
 # Resumable and incremental: the cache build resumes, a run cut short (session end, Ctrl-C) continues from its
 # last checkpoint with its clock (resume=auto; the 90 min count across restarts), a finished run is skipped,
 # and compare reuses every finished (prompt, method). One family per session fits a 3-hour session:
@@ -40,4 +40,4 @@ for f in $FAMILIES; do
 done
 [ "${TRAIN_ONLY:-0}" = 1 ] && exit 0
 echo "=== compare $(date +%T)"
-$S compare --config configs/compare_best.yaml 2>&1 | tee runs/logs/compare-best.log | grep -v "run/s\]\|s/run\]"
+$S compare --config configs/compare_best.yaml --update-docs 2>&1 | tee runs/logs/compare-best.log | grep -v "run/s\]\|s/run\]"

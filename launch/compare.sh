@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One table for all families (issue 8): same base (SmolLM2-135M-Instruct), same data (configs/cpu_budget.yaml:
+# One table for all families: same base (SmolLM2-135M-Instruct), same data (configs/cpu_budget.yaml:
 # the first 800 ShareGPT records, one shared hidden-state cache built once), same token budget (one epoch, bf16),
 # then a searched tree per static-tree family, then `specdraft compare` (configs/compare.yaml): every draft
 # and the N-gram baseline side by side on MT-bench (80) and held-out ShareGPT, greedy and T=0.7 rejection
@@ -38,4 +38,4 @@ if [ "${SELF_DISTILL:-0}" = 1 ]; then
 fi
 [ "${TRAIN_ONLY:-0}" = 1 ] && exit 0
 echo "=== compare $(date +%T)"
-$S compare $CONFIGS 2>&1 | tee runs/logs/compare.log | grep -v "run/s\]\|s/run\]"
+$S compare $CONFIGS --update-docs 2>&1 | tee runs/logs/compare.log | grep -v "run/s\]\|s/run\]"

@@ -2,6 +2,7 @@
 config errors, and docs/results.md generation that keeps the hand-written text."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +14,7 @@ from eval.harness.report import REPORT_KEYS
 from eval.harness.results_doc import (
     RESULTS_BEGIN,
     RESULTS_END,
+    Targets,
     _shape,
     markers,
     setting_table,
@@ -20,6 +22,9 @@ from eval.harness.results_doc import (
     target_table,
     write_results,
 )
+
+# The targets configs/compare.yaml sets (the library sets none).
+PROJECT_TARGETS = Targets.from_config(yaml.safe_load(Path("configs/compare.yaml").read_text())["targets"])
 
 
 def _config(tmp_path, export, **extra) -> str:
@@ -202,7 +207,7 @@ def test_target_table_and_splice():
 
     st = {"reports": {"Medusa": rep("medusa", "Medusa", 2.1, 1.2), "Hydra++": rep("hydra", "Hydra++", 2.0, 2.5),
                       "Hydra": rep("hydra", "Hydra", 3.0)}}
-    rows = "\n".join(target_table(st))
+    rows = "\n".join(target_table(st, PROJECT_TARGETS))
     assert "| medusa | ≥ 2.0 | 2.10 (Medusa) | yes |" in rows
     assert "| hydra++ | ≥ 2.6 | 2.00 (Hydra++) | no |" in rows  # plain Hydra's 3.0 is not Hydra++
     assert "| ctc | ≥ 2.4 | not measured (no row) | — |" in rows  # no CTC row: neither met nor missed
@@ -303,3 +308,17 @@ def test_sharegpt_skip_counts_only_the_drafts_of_that_setting(tmp_path):
     everywhere = DraftEntry("full", full.export, None, None, None, {})
     with pytest.raises(ValueError, match="none is held out"):
         _heldout_skip([cpu, everywhere], "sharegpt-greedy", ecfg)
+
+
+def test_compare_writes_its_tables_under_its_out_dir_unless_asked_to_update_docs(tmp_path):
+    from eval.harness.compare_config import CompareConfig, results_paths
+
+    cfg = CompareConfig(out_dir=str(tmp_path / "cmp"))
+    assert results_paths(cfg) == (tmp_path / "cmp" / "results.md", tmp_path / "cmp" / "img" / "results")
+    with pytest.raises(ConfigError, match="names no results document"):
+        results_paths(cfg, update_docs=True)
+    cfg.docs_md, cfg.docs_img = "docs/lab/results.md", "docs/lab/img/results"
+    assert results_paths(cfg, update_docs=True) == (Path("docs/lab/results.md"), Path("docs/lab/img/results"))
+    with pytest.raises(ValueError, match="unknown key"):
+        Targets.from_config({"speedup": 1.5})
+    assert not Targets() and Targets.from_config({"speedup_vs_ar": 1.5})

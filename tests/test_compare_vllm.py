@@ -1,4 +1,4 @@
-"""Issue 19's parts of `specdraft compare`: headline rows (tree + chain per family), the vLLM columns
+"""The parts of `specdraft compare`: headline rows (tree + chain per family), the vLLM columns
 (eval/serving/compare_vllm.py), the new targets and plots, and the `fast` dtype the CPU recipes use.
 
 The vLLM end-to-end test (marker `vllm`) runs the real engine from .venv-vllm on a tiny servable base."""
@@ -12,8 +12,10 @@ import yaml
 from core.config_loader import ConfigError
 from eval.engine.tree import STATIC_TREES, StaticTree
 from eval.harness.compare_config import draft_entries, load_compare_config, setting_configs, vllm_setting_names
-from eval.harness.results_doc import headline_table, target_table, vllm_table
+from eval.harness.results_doc import Targets, headline_table, target_table, vllm_table
 from eval.serving.compare_vllm import chain_depth, vllm_columns
+
+PROJECT_TARGETS = Targets.from_config(yaml.safe_load(open("configs/compare.yaml").read())["targets"])
 
 
 class _Tree:  # what chain_depth reads of a static-tree drafter: its tree
@@ -112,7 +114,7 @@ def test_headline_vllm_and_target_tables():
     assert "| EAGLE-3-chain | 4 | vLLM could not load it: weights not initialized |" in "\n".join(
         vllm_table("mtbench-greedy", settings["mtbench-greedy"]["vllm"]))
     assert "| EAGLE-3 |" in "\n".join(headline_table(settings))
-    t = "\n".join(target_table(settings["mtbench-greedy"]))
+    t = "\n".join(target_table(settings["mtbench-greedy"], PROJECT_TARGETS))
     assert "| eagle3-chain | ≥ 2.2 | 2.30 (EAGLE-3-chain) | yes |" in t  # the tree's 2.90 does not count
     assert "| best speedup vs own AR | ≥ 1.5× | 1.60× (EAGLE-3-chain) | yes |" in t
     assert "| vLLM + best draft vs vLLM AR | ≥ 1.5× | 1.60× (Medusa-chain) | yes |" in t

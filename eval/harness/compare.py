@@ -39,8 +39,10 @@ from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_ge
 from eval.harness.compare_config import (
     CompareConfig,
     DraftEntry,
+    compare_targets,
     draft_entries,
     load_compare_config,
+    results_paths,
     searched_tree,
     setting_configs,
     vllm_setting_names,
@@ -360,8 +362,9 @@ def run_compare_cli(args, engine_columns: Callable[[CompareConfig], Callable] | 
     summary = None if args.results_only else run_compare(cfg, engine_columns)
     from eval.harness.results_doc import write_results
 
-    md = write_results(Path(cfg.out_dir), Path(cfg.results_md), Path(cfg.results_img), " --config ".join(configs),
-                       cfg.results_section, cfg.results_training_title)
+    md_path, img_prefix = results_paths(cfg, getattr(args, "update_docs", False))
+    md = write_results(Path(cfg.out_dir), md_path, img_prefix, " --config ".join(configs), cfg.results_section,
+                       cfg.results_training_title, compare_targets(cfg))
     print(f"wrote {md}")
     # vLLM that could not run, or disagrees with our decoder on acceptance: the tables are written, the exit is not 0
     bad = []

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from core.config_loader import ConfigError, load_typed
 from eval.harness.config import EvalConfig, validate_eval
-from eval.harness.results_doc import SAME_BUDGET_TITLE
+from eval.harness.results_doc import SAME_BUDGET_TITLE, Targets
 
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]*$")  # a directory name, no spaces or slashes
 _DRAFT_KEYS = {"label", "export", "method", "settings", "tree_nodes", "eval", "headline", "vllm"}
@@ -41,8 +41,13 @@ _PER_DRAFT_EVAL = {"tree", "tree_choices", "extra", "acceptance", "typical_eps",
 class CompareConfig:
     out_dir: str = "runs/compare"  # <out_dir>/<setting>/{prompts.jsonl, <label>/report.json}, summary.json
     base_path: str = "smollm2"
-    results_md: str = "docs/results.md"  # regenerated between its markers after every compare run
-    results_img: str = "docs/img/results"  # prefix of the plots
+    results_md: str = ""  # regenerated between its markers after every compare run; "" = <out_dir>/results.md
+    results_img: str = ""  # prefix of the plots; "" = <out_dir>/img/results
+    # Where `specdraft compare --update-docs` writes the same tables instead (a checked-in results document);
+    # "" = this config has none, and --update-docs is an error.
+    docs_md: str = ""
+    docs_img: str = ""
+    targets: dict = field(default_factory=dict)  # results_doc.Targets: what the tables mark met or missed
     results_section: str = ""  # "" = the default markers of results_md; a name (e.g. "best") = its own part
     results_training_title: str = SAME_BUDGET_TITLE  # heading of the training table
     eval: dict = field(default_factory=dict)
@@ -197,3 +202,22 @@ def load_compare_config(config_paths: list[str] | None, overrides: list[str] | N
         raise ConfigError(f"results_section={cfg.results_section!r}: use lowercase letters, digits and _ (it names "
                           "the HTML-comment markers of its part of results_md), or \"\" for the default part")
     return cfg
+
+
+def results_paths(cfg: CompareConfig, update_docs: bool = False) -> tuple[Path, Path]:
+    """(results markdown, plot prefix) a compare run writes: under its out_dir by default, the config's docs_md /
+    docs_img with --update-docs."""
+    if update_docs:
+        if not cfg.docs_md:
+            raise ConfigError("--update-docs: this compare config names no results document (docs_md, docs_img); "
+                              f"its tables are in {cfg.results_md or Path(cfg.out_dir) / 'results.md'}")
+        return Path(cfg.docs_md), Path(cfg.docs_img or Path(cfg.docs_md).with_suffix("").as_posix() + "_img/results")
+    out = Path(cfg.out_dir)
+    return Path(cfg.results_md or out / "results.md"), Path(cfg.results_img or out / "img" / "results")
+
+
+def compare_targets(cfg: CompareConfig) -> Targets:
+    try:
+        return Targets.from_config(cfg.targets)
+    except ValueError as exc:
+        raise ConfigError(f"compare config: {exc}") from exc

@@ -1,4 +1,4 @@
-"""The vLLM columns of `specdraft compare`: vLLM serves the same drafts on the same prompts (issue 19).
+"""The vLLM columns of `specdraft compare`: vLLM serves the same drafts on the same prompts.
 
 For every setting named in `vllm_settings` (greedy), after our decoder has run it:
 1. vLLM AR on the setting's prompts (token ids as our decoder saw them), batch 1, the compare's dtype.
