@@ -118,19 +118,23 @@ def cmd_cache(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from models.base import load_base
-    from models.draft import BaseView
-    from models.export.specdraft import export_medusa, export_specdraft, load_draft, read_export_config
+    from models.export.load import load_export
+    from models.export.specdraft import export_medusa, export_specdraft, read_export_config
+    from models.registry import FAMILIES, family_facts
 
     if args.format == "vllm" and args.method:
         return _export_vllm_method(args)
     if not args.run:
         raise ValueError("pass --run runs/<run> (or, with --format vllm, --method ngram)")
     src = Path(args.run) / "export"
-    config = read_export_config(src)
-    base = load_base(config["base_model"])
-    view = BaseView.from_model(base.model)
-    draft, config = load_draft(src, view, base.fingerprint)
+    family = read_export_config(src).get("family", "?")
+    formats = family_facts(family).export_formats
+    if args.format not in formats:
+        table = "; ".join(f"{n}: {', '.join(f.export_formats)}" for n, f in FAMILIES.items())
+        raise ValueError(f"--format {args.format}: a {family} draft exports as {', '.join(formats)} (formats by family: "
+                         f"{table})")
+    loaded = load_export(src)
+    draft, config, view = loaded.draft, loaded.config, loaded.view
     if args.format == "medusa":
         out = export_medusa(draft, Path(args.out), config["base_model"], view)
     elif args.format == "redrafter-trtllm":
@@ -147,7 +151,7 @@ def cmd_export(args) -> int:
         out = export_vllm(draft, Path(args.out), config, view)
     else:
         extra = {k: v for k, v in config.items() if k not in draft.export_config()}
-        out = export_specdraft(draft, Path(args.out), config["base_model"], base.fingerprint, extra=extra)
+        out = export_specdraft(draft, Path(args.out), config["base_model"], loaded.base.fingerprint, extra=extra)
     print(f"wrote {args.format} export to {out}")
     return 0
 

@@ -42,7 +42,7 @@ def test_demo_recipe_and_its_eval_tree_fit_together():
     ecfg = load_eval_config(["configs/eval/demo.yaml"])
     assert ecfg.tree_choices and max(len(c) for c in ecfg.tree_choices) <= cfg.draft.num_heads
     assert ecfg.dtype == "fast" and ecfg.ar_baseline and ecfg.hf_baseline  # both baselines, side by side
-    assert cfg.train.precision == "fast"  # bf16 only where the CPU runs it fast (models.base.fast_dtype)
+    assert cfg.train.precision == "fast"  # bf16 only where the CPU runs it fast (core.hardware.fast_dtype)
 
 
 @pytest.mark.parametrize("text, key, suggestion", [

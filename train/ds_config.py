@@ -9,7 +9,7 @@ from train.config import TrainConfig
 
 def resolve_precision(precision: str, device: torch.device) -> str:
     """auto = bf16 on CUDA devices that support it, fp32 elsewhere; fast = bf16 also on CPUs with bf16 matrix
-    instructions (models.base.cpu_has_fast_bf16), fp32 on the others, where bf16 matmuls are emulated and slower."""
+    instructions (core.hardware.cpu_has_fast_bf16), fp32 on the others, where bf16 matmuls are emulated and slower."""
     if precision == "fast":
         from core.hardware import cpu_has_fast_bf16
 

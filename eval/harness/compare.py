@@ -72,10 +72,8 @@ def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, ba
     """Drafters for the entries that run in `setting` (each with its own per-draft eval overrides)."""
     from eval.engine.drafters.ngram import build_ngram_drafter
     from eval.engine.drafters.registry import build_drafter
-    from models.draft import BaseView
-    from models.export.specdraft import load_draft
+    from models.export.load import load_export
 
-    dtype = next(base.model.parameters()).dtype
     out = []
     for e in entries:
         if not e.runs_in(setting):
@@ -87,12 +85,11 @@ def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, ba
             continue
         if e.tree_nodes is not None:
             cfg = dataclasses.replace(cfg, tree_choices=searched_tree(e.export, e.tree_nodes))
-        draft, export_cfg = load_draft(e.export, BaseView.from_model(base.model), base.fingerprint)
-        draft = draft.to(device=next(base.model.parameters()).device, dtype=dtype)
-        drafter, info = build_drafter(draft, export_cfg, cfg)
+        loaded = load_export(e.export, base=base)
+        drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
         info = {"export": str(e.export), **info, **({"tree_search_nodes": e.tree_nodes} if e.tree_nodes else {}),
                 **_headline(e)}
-        out.append(Method(e.label, export_cfg["family"], drafter, info))
+        out.append(Method(e.label, loaded.family, drafter, info))
     return out
 
 

@@ -167,21 +167,16 @@ def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
 def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
     from eval.engine.drafters.registry import build_drafter
-    from models.base import load_base
-    from models.draft import BaseView
-    from models.export.specdraft import load_draft, read_export_config
+    from models.export.load import load_export
+    from models.export.specdraft import read_export_config
 
     export_dir = Path(export_dir)
-    export_cfg = read_export_config(export_dir)
-    cfg = resolve_heldout_skip(cfg, export_cfg)
-    device = resolve_device(cfg.device)
-    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device,
-                     chat_template=cfg.chat_template or export_cfg.get("chat_template"))
-    draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
-    draft = draft.to(device=device, dtype=next(base.model.parameters()).dtype)
-    drafter, info = build_drafter(draft, export_cfg, cfg)
+    cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))  # a bad heldout_skip fails before any load
+    loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                         chat_template=cfg.chat_template)
+    drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
     out_dir = export_dir.parent / "eval" / cfg.name
-    report = evaluate(cfg, base, drafter, export_cfg["family"], out_dir, {"export": str(export_dir), **info})
+    report = evaluate(cfg, loaded.base, drafter, loaded.family, out_dir, {"export": str(export_dir), **info})
     return report, out_dir
 
 

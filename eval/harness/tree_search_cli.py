@@ -141,18 +141,12 @@ def search(export_dir: Path, cfg: TreeSearchConfig) -> tuple[dict, Path]:
     from eval.engine.backends.choice import choose_backend, make_backend
     from eval.engine.decoder import eos_ids
     from eval.engine.drafters.registry import build_drafter
-    from models.base import load_base
-    from models.draft import BaseView
-    from models.export.specdraft import load_draft, read_export_config
+    from models.export.load import load_export
 
     export_dir = Path(export_dir)
-    export_cfg = read_export_config(export_dir)
     device = resolve_device(cfg.device)
-    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device,
-                     chat_template=export_cfg.get("chat_template"))
-    draft, export_cfg = load_draft(export_dir, BaseView.from_model(base.model), base.fingerprint)
-    draft = draft.to(device=device, dtype=base.dtype)
-    family = export_cfg["family"]
+    loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=device)
+    base, draft, export_cfg, family = loaded.base, loaded.draft, loaded.config, loaded.family
     probe, _ = build_drafter(draft, export_cfg, _eval_view(cfg, tree_choices=[[0]]))
     if not hasattr(probe, "true_path_ranks"):
         raise ValueError(f"tree search needs rank statistics (drafter.true_path_ranks), which the {family!r} "

@@ -43,8 +43,8 @@ def speculative_config(entry, family: str, info: dict, depth: int, base, base_di
     draft is exported once to workdir/export-<label> and must have been trained on the base in base_dir (the
     directory vLLM serves)."""
     from eval.serving.serve_check import check_fingerprint
-    from models.draft import BaseView
-    from models.export.specdraft import load_draft, read_export_config
+    from models.export.load import load_export
+    from models.export.specdraft import read_export_config
     from models.export.vllm import (
         SPECULATIVE_CONFIG_FILE,
         export_vllm,
@@ -57,9 +57,8 @@ def speculative_config(entry, family: str, info: dict, depth: int, base, base_di
         return vllm_ngram_config({"w": depth, "q": info["q"], "q_min": info["q_min"]}), {}
     out = workdir / f"export-{entry.label}"
     if not (out / SPECULATIVE_CONFIG_FILE).is_file():
-        view = BaseView.from_model(base.model)
-        draft, export_cfg = load_draft(entry.export, view, base.fingerprint)
-        export_vllm(draft.float(), out, export_cfg, view)
+        loaded = load_export(entry.export, base=base)
+        export_vllm(loaded.draft.float(), out, loaded.config, loaded.view)  # fp32 files, whatever the run dtype
     check_fingerprint(read_export_config(entry.export), base_dir, str(entry.export))
     return {**read_speculative_config(out), "num_speculative_tokens": depth}, read_engine_args(out)
 

@@ -212,9 +212,8 @@ def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
 def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tuple[_Plan, EvalConfig]:
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.runner import resolve_heldout_skip
-    from models.base import load_base
-    from models.draft import BaseView
-    from models.export.specdraft import load_draft, read_export_config
+    from models.export.load import load_export
+    from models.export.specdraft import read_export_config
     from models.export.vllm import (
         export_vllm,
         read_engine_args,
@@ -222,20 +221,17 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
         vllm_ngram_config,
     )
 
-    export_cfg = read_export_config(draft_dir)
-    cfg = resolve_heldout_skip(cfg, export_cfg)
-    base = load_base(cfg.base_path or export_cfg["base_model"], dtype=cfg.dtype, device=device)
-    view = BaseView.from_model(base.model)
-    draft, export_cfg = load_draft(draft_dir, view, base.fingerprint)
+    cfg = resolve_heldout_skip(cfg, read_export_config(draft_dir))
+    loaded = load_export(draft_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=device)
+    base, draft, export_cfg, view = loaded.base, loaded.draft, loaded.config, loaded.view
     family = export_cfg["family"]
     if family not in vllm_families():
         return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
-    vllm_dir = export_vllm(draft, workdir / "export", export_cfg, view)
+    vllm_dir = export_vllm(draft.float(), workdir / "export", export_cfg, view)  # fp32 files, whatever the run dtype
     spec = read_speculative_config(vllm_dir)
     depth = int(spec["num_speculative_tokens"])
     base_dir = base_hf_dir(base, workdir)
     check_fingerprint(export_cfg, base_dir, str(draft_dir))
-    draft = draft.to(dtype=next(base.model.parameters()).dtype)
     # vLLM drafts a chain of top-1 tokens (Medusa: head k's argmax at depth k; EAGLE-3: num_speculative_tokens
     # autoregressive steps): ours runs the same chain, in the shape the family declares (chain_overrides).
     ours_cfg = _cfg_for_chain(cfg, family, depth)
