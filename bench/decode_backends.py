@@ -18,7 +18,7 @@ All three must produce the same tokens (greedy, fp32); the script says so if the
 
 --base smollm2 loads the real SmolLM2-135M-Instruct via models.base.load_base; if that fails (package
 not installed, no converted cache yet) it falls back to a randomly initialised LLaMA of SmolLM2's
-exact config, which times the same (DESIGN §1).
+exact config, which times the same (docs/howto/gpu_kit.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ top-1 at equal tokens and drafting time per decode step, for Medusa and Hydra++ 
 8k, 4k}, in ONE process with every variant interleaved step by step (the machine is shared: a load spike
 then hits every N alike instead of one of them).
 
-    python bench/draft_vocab.py                                   # the docs/benchmarks.md run
+    python bench/draft_vocab.py                                   # the docs/lab/benchmarks.md run
     python bench/draft_vocab.py --train-rows 64 --val-rows 8 --tp-rounds 2 --draft-steps 10   # quick look
 
 Data: the demo's ShareGPT set (1,500 records, <= 512 tokens, SmolLM2 chat template, assistant-only

@@ -1,4 +1,4 @@
-"""ZeRO-3-partitioned frozen base vs the whole base, per rank (DESIGN.md §10):
+"""ZeRO-3-partitioned frozen base vs the whole base, per rank (docs/howto/large_bases.md):
 
     deepspeed --num_gpus 2 bench/partitioned_base.py --base smollm2 [--dtype fp32] [--rows 4] [--json out.json]
     deepspeed --num_gpus 2 bench/partitioned_base.py --base smollm2 --mode partitioned   # clean RSS, one kind

@@ -53,10 +53,12 @@ def field_comments(cls: type) -> dict[str, str]:
             continue
         text = [comments[i]] if i in comments else []
         block, after = block_from(i + 1)
-        # A comment block between two fields continues this field's comment, unless the field below has no comment
-        # of its own: then the block is written above that field and describes it.
+        # A comment block between two fields continues this field's comment when it reads as a continuation (it
+        # starts in lower case or with a parenthesis) and the field below has a comment of its own; otherwise it is
+        # a heading, or the description written above the next field.
         below = field_at(after)
-        if block and text and not (below and after not in comments):
+        continues = bool(block) and (block[0][:1].islower() or block[0].startswith("("))
+        if continues and text and not (below and after not in comments):
             text += block
         if not text:
             k = i - 1

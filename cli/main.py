@@ -1,4 +1,5 @@
-"""`specdraft` command line: train, cache, eval, tree-search, export, demo, self-distill (DESIGN.md §3)."""
+"""`specdraft` command line: train, cache, eval, tree-search, compare, export, serve-check, self-distill, demo,
+config-reference (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: train a Hydra draft on SmolLM2 + ShareGPT on this machine, evaluate")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the training recipe")
+
+    p = sub.add_parser("config-reference", help="every config key with its type, default and meaning (Markdown), "
+                       "generated from the typed configs")
+    p.add_argument("--out", help="write to this file (docs/reference/config.md) instead of stdout")
     return parser
 
 
@@ -187,6 +192,12 @@ def cmd_tree_search(args) -> int:
     return run_tree_search_cli(args)
 
 
+def cmd_config_reference(args) -> int:
+    from cli.config_reference import run
+
+    return run(args.out)
+
+
 def cmd_compare(args) -> int:
     from eval.harness.compare import run_compare_cli
     from eval.serving.compare_vllm import vllm_columns
@@ -223,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
                "self-distill": cmd_self_distill, "cache": cmd_cache, "serve-check": cmd_serve_check,
-               "tree-search": cmd_tree_search, "compare": cmd_compare}[args.command]
+               "tree-search": cmd_tree_search, "compare": cmd_compare,
+               "config-reference": cmd_config_reference}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

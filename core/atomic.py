@@ -44,7 +44,11 @@ def atomic_path(path: str | os.PathLike):
     to `path` and renames it into place when the block ends without error; the temp file is removed otherwise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    # Unique per writer (two processes or threads never share a temp file); the suffix is kept because some
+    # writers add one when it is missing (numpy's savez: .npz).
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
         yield tmp
         _chmod_file_like_umask(tmp)
@@ -52,6 +56,38 @@ def atomic_path(path: str | os.PathLike):
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, binary: bool = False):
+    """`with atomic_open(path) as f: f.write(...)`: an open temp file that takes `path`'s name when the block ends
+    without error (text mode writes UTF-8)."""
+    with atomic_path(path) as tmp, open(tmp, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+        yield f
+
+
+def write_dir_atomic(out_dir: str | os.PathLike, files: dict[str, Callable[[Path], None]]) -> Path:
+    """A directory of files written whole or not at all: each `files[name](path)` writes one file into a temp dir
+    next to `out_dir`, which then replaces `out_dir` (an existing one is moved aside first, then removed)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for name, write in files.items():
+            write(tmp / name)
+        _chmod_tree_like_umask(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
 
 
 def _umask() -> int:

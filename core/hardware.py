@@ -16,7 +16,7 @@ DTYPES = {
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     """True when this CPU has bf16 matrix instructions (avx512_bf16 or AMX). Without them torch emulates bf16
     GEMMs: on an AVX2-only AMD EPYC a [512, 576] x [576, 1536] bf16 matmul took 47 ms against 5 ms in fp32,
-    while with AVX512-BF16 bf16 runs SmolLM2 ~2.5-3x faster than fp32 (docs/benchmarks.md, "Which dtype")."""
+    while with AVX512-BF16 bf16 runs SmolLM2 ~2.5-3x faster than fp32 (docs/lab/benchmarks.md, "Which dtype")."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.atomic import write_json_atomic
 from data.sharegpt import read_sharegpt, source_path
 from data.template import ChatTemplateError, render_with_assistant_mask
 
@@ -183,9 +184,7 @@ def _render_and_cache(tokenizer, source, max_records, max_length, cache_dir: Pat
     # With num_proc > 1 datasets writes one file per shard: record them, then mark the cache complete.
     files = [Path(f["filename"]).name for f in rendered.cache_files]
     manifest = {"files": files, "rows": len(rendered), "read": stats.summary()}
-    tmp = cache_dir / f"render-{key}.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1))
-    os.replace(tmp, cache_dir / f"render-{key}.json")
+    write_json_atomic(cache_dir / f"render-{key}.json", manifest)
     return rendered
 
 
@@ -215,7 +214,7 @@ def _render_batch(batch: dict, tokenizer, max_length: int) -> dict:
         try:
             ids, mask = render_with_assistant_mask(tokenizer, messages, max_length=max_length)
             error = ""
-        except ChatTemplateError as err:  # skipped with a count, never fatal (DESIGN §6)
+        except ChatTemplateError as err:  # skipped with a count, never fatal (docs/howto/train.md)
             ids, mask, error = [], [], err.reason
         out["input_ids"].append(ids)
         out["loss_mask"].append(mask)

@@ -1,4 +1,4 @@
-"""Build the draft vocabulary of a run (DESIGN.md §5 "Draft vocabulary"; the map itself: models/vocab_map.py).
+"""Build the draft vocabulary of a run (docs/concepts.md#draft-vocabulary; the map itself: models/vocab_map.py).
 
 The map keeps the N most frequent *target* tokens of the training rows: every token a draft is ever
 trained to predict is an assistant token after the chat template (loss_mask == 1), so those are counted
@@ -10,7 +10,7 @@ CTC drafter: its labels are the base's own greedy tokens, not the data tokens. C
 full [T, V] LM-head pass over every training row (the cost of one hidden-state cache build) before
 training starts, so the map is counted on the data targets for every family; the coverage logged at
 train start is the coverage of those targets. On an instruct base trained on similar chat data the two
-token sets largely coincide (the base's greedy tokens are mostly the data tokens, docs/benchmarks.md).
+token sets largely coincide (the base's greedy tokens are mostly the data tokens, docs/lab/benchmarks.md).
 
 The map is cached as a small safetensors file under <cache>/draft_vocab/<key>.safetensors, key = the
 base fingerprint + the exact train rows + N (like the data and hidden-state caches).
@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from core.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +90,8 @@ def build_draft_vocab(rows, n: int, vocab_size: int, *, base_fingerprint: str,
             log.warning("draft vocabulary cache %s does not match N=%d / V=%d; rebuilding it", path, n, vocab_size)
     d2t = top_n_map(count_targets(rows, vocab_size), n)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        save_file({"d2t": d2t.contiguous()}, str(tmp))
-        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+        with atomic_path(path) as tmp:  # a concurrent reader never sees half a file
+            save_file({"d2t": d2t.contiguous()}, str(tmp))
     return d2t, False
 
 

@@ -1,5 +1,5 @@
 """Split a file into parts under a size limit, and join them back with a checksum. Why: the device tool
-(docs/gpu.md) moves at most 64 MiB per call to the GPU machine and 16 MiB per returned file, so the
+(docs/howto/gpu_kit.md) moves at most 64 MiB per call to the GPU machine and 16 MiB per returned file, so the
 SmolLM2 GGUF (98 MB) goes there in two calls and a trained export comes back in parts.
 CLI: launch/split_files.py. Each part directory gets a copy of `<name>.split.json` (name, size, sha256,
 part names), so any one of them describes the whole; `join` refuses a missing or corrupted part.
@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from pathlib import Path
+
+from core.atomic import atomic_path
 
 _CHUNK = 1 << 22
 
@@ -59,15 +60,13 @@ def join(dirs: list[Path], out: Path) -> Path:
                                 " carry every part directory (on the device tool: one call each while the machine "
                                 "is warm)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".joining")
-    with open(tmp, "wb") as dst:
-        for name in index["parts"]:
-            with open(found[name], "rb") as src:
-                for block in iter(lambda: src.read(_CHUNK), b""):  # noqa: B023 (src is read in this iteration)
-                    dst.write(block)
-    if tmp.stat().st_size != index["size"] or _sha256(tmp) != index["sha256"]:
-        tmp.unlink()
-        raise ValueError(f"join: {index['name']} reassembled to a different size or sha256 than it was split from; "
-                         "a part is corrupted or from another split: split the file again")
-    os.replace(tmp, out)
+    with atomic_path(out) as tmp:  # checked before it takes the final name; removed if it fails the check
+        with open(tmp, "wb") as dst:
+            for name in index["parts"]:
+                with open(found[name], "rb") as src:
+                    for block in iter(lambda: src.read(_CHUNK), b""):  # noqa: B023 (src is read in this iteration)
+                        dst.write(block)
+        if tmp.stat().st_size != index["size"] or _sha256(tmp) != index["sha256"]:
+            raise ValueError(f"join: {index['name']} reassembled to a different size or sha256 than it was split "
+                             "from; a part is corrupted or from another split: split the file again")
     return out

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from core.atomic import atomic_path, write_text_atomic
 from data.dataset import collate
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def build_hidden_cache(base_forward, dataset, directory: str | os.PathLike, *, p
         return directory
     if ranks.is_main:
         directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(directory / "key.json", json.dumps({"key": key}) + "\n")  # claims the dir for this data
+        write_text_atomic(directory / "key.json", json.dumps({"key": key}) + "\n")  # claims the dir for this data
     ranks.barrier()
     n_rows = len(dataset)
     n_shards = (n_rows + shard_rows - 1) // shard_rows
@@ -187,7 +188,7 @@ def build_hidden_cache(base_forward, dataset, directory: str | os.PathLike, *, p
         manifest = {"version": CACHE_VERSION, "rows": n_rows, "tokens": tokens, "hidden_size": hidden_size,
                     "shard_rows": shard_rows, "shards": n_shards, "dtype": cache_dtype, "aux_layers": aux_layers,
                     **(info or {})}
-        _write_atomic(directory / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+        write_text_atomic(directory / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     ranks.barrier()  # nobody opens the cache before the manifest exists
     return directory
 
@@ -207,16 +208,8 @@ def _write_shard(directory: Path, shard: int, dataset, shard_rows: int, hidden_p
     }
     if aux_parts:
         tensors["aux"] = torch.cat(aux_parts).contiguous()
-    final = _shard_path(directory, shard)
-    tmp = final.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, final)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with atomic_path(_shard_path(directory, shard)) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def _check_key(directory: Path, key: str | None) -> None:

@@ -1,5 +1,5 @@
 """Pre-tokenized training rows in a compact file set: what a machine without `datasets`, the ShareGPT
-package or a tokenizer run trains from (the GPU machine, DESIGN.md §9; written by launch/pack_data.py).
+package or a tokenizer run trains from (the GPU machine, docs/howto/gpu_kit.md; written by launch/pack_data.py).
 
 Layout of a pack directory (train with `data.source=<dir>`):
     manifest.json              format, rows, tokens, the tokenizer's fingerprint, how the rows were made
@@ -27,6 +27,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from core.atomic import atomic_path, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +79,9 @@ def write_packed(rows, out_dir: str | os.PathLike, *, vocab_size: int, info: dic
         lengths = np.array([len(x) for x in ids_buf], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         path = out / f"shard-{len(shards):05d}.npz"
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez_compressed(tmp, ids=np.concatenate(ids_buf), mask=np.packbits(np.concatenate(mask_buf)),
-                            offsets=offsets)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            np.savez_compressed(tmp, ids=np.concatenate(ids_buf), mask=np.packbits(np.concatenate(mask_buf)),
+                                offsets=offsets)
         shards.append({"file": path.name, "rows": len(ids_buf), "tokens": int(offsets[-1]),
                        "bytes": path.stat().st_size})
         ids_buf.clear()
@@ -111,9 +112,7 @@ def write_packed(rows, out_dir: str | os.PathLike, *, vocab_size: int, info: dic
         raise ValueError("write_packed: no rows to pack")
     manifest = {"format": PACK_FORMAT, "rows": n_rows, "tokens": n_tokens, "supervised_tokens": n_supervised,
                 "vocab_size": vocab_size, "shards": shards, **(info or {})}
-    tmp = out / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, out / "manifest.json")
+    write_json_atomic(out / "manifest.json", manifest)
     return manifest
 
 

@@ -1,4 +1,4 @@
-"""Self-distillation (Medusa-2 §2.3, DESIGN §6): replace ShareGPT's ChatGPT answers with the base's own.
+"""Self-distillation (Medusa-2 §2.3; docs/concepts.md#on-policy-data): replace ShareGPT's ChatGPT answers with the base's own.
 
 A draft head learns to predict what the *base* will say next; trained on ChatGPT's answers it learns a
 different distribution, and acceptance suffers. So we keep the ShareGPT prompts and regenerate every
@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from core.atomic import write_text_atomic
 from data.sharegpt import PACKAGED_SOURCE, read_sharegpt, source_path
 
 SELFDISTILL_VERSION = 1  # bump when generation or the record format changes what a file contains
@@ -118,7 +119,7 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
     bar.close()
     seconds = time.perf_counter() - t0
     tokens += new_tokens
-    records = _finalize(partial, out)
+    text, records = _finalize(partial)
     if records == 0:
         raise ValueError(f"self-distill: the base gave no usable answer for any of the {len(conversations)} "
                          f"conversations of {source!r} (empty: {skipped.get(EMPTY, 0)}, prompt too long: "
@@ -128,8 +129,8 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
             "max_new_tokens": max_new_tokens, "temperature": temperature, "max_turns": max_turns, "seed": seed,
             "max_prompt_tokens": max_prompt_tokens, "records": records, "skipped_empty": skipped.get(EMPTY, 0),
             "skipped_long": skipped.get(TOO_LONG, 0), "generated_tokens": tokens}
-    _atomic_write(meta_path, json.dumps(meta, indent=2) + "\n")  # before <out>: <out> present => meta present
-    os.replace(out.with_name(out.name + ".tmp"), out)
+    write_text_atomic(meta_path, json.dumps(meta, indent=2) + "\n")  # before <out>: <out> present => meta present
+    write_text_atomic(out, text)
     partial.unlink()
     print(f"self-distill: {records} records ({skipped.get(EMPTY, 0)} empty answers, {skipped.get(TOO_LONG, 0)} "
           f"prompts too long skipped); {new_tokens:,} tokens generated in {seconds:.1f} s "
@@ -201,7 +202,7 @@ def _plan(conv: list[dict], max_turns: int) -> tuple[list[dict], list[str]]:
 def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
     """(conversations done, skip counts, tokens) from a partial file; keeps only its complete lines."""
     if not partial.is_file():
-        _atomic_write(partial, json.dumps({"selfdistill_key": key}) + "\n")
+        write_text_atomic(partial, json.dumps({"selfdistill_key": key}) + "\n")
         return 0, {}, 0
     raw = partial.read_bytes()
     good = raw[:raw.rfind(b"\n") + 1]  # a line cut by the crash is dropped and regenerated
@@ -222,22 +223,14 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
     return len(lines) - 1, skipped, tokens
 
 
-def _finalize(partial: Path, out: Path) -> int:
-    """Write `<out>.tmp` with the clean records of the partial file (header, skip markers and counters
-    dropped); the caller renames it to `<out>`. Returns the record count."""
+def _finalize(partial: Path) -> tuple[str, int]:
+    """The clean records of the partial file (header, skip markers and counters dropped) as JSONL text, and their
+    count; the caller writes them to `<out>` once the metadata is on disk."""
     records = [rec for line in partial.read_text(encoding="utf-8").splitlines()[1:]
                if "conversations" in (rec := json.loads(line))]
     text = "".join(json.dumps({"id": r["id"], "conversations": r["conversations"]}, ensure_ascii=False) + "\n"
                    for r in records)
-    out.with_name(out.name + ".tmp").write_text(text, encoding="utf-8")
-    return len(records)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    return text, len(records)
 
 
 def _as_list(x) -> list:

@@ -6,7 +6,7 @@ over a text buffer that is refilled chunk by chunk: every complete record is kep
 reported (bytes lost, records lost) instead of raising, and reading stops as soon as `max_records`
 valid conversations are collected (a demo that wants 2,000 conversations reads ~15 MB, not 125 MB).
 
-Validation (DESIGN §6): roles human -> user, gpt -> assistant, system -> system. A record is skipped,
+Validation (docs/howto/train.md): roles human -> user, gpt -> assistant, system -> system. A record is skipped,
 with a count per reason, when it is not an object with a non-empty `conversations` list, when a turn
 has another role (chatgpt, bing, bard, ...), an empty or non-string value, or when no assistant turn
 is left. Assistant turns before the first user turn are dropped (the record is kept and counted).

@@ -1,4 +1,4 @@
-"""Multi-offset labels: the one offset rule of DESIGN §4 as a pure tensor function.
+"""Multi-offset labels: the one offset rule (docs/concepts.md#the-offset-rule) as a pure tensor function.
 
 The base predicts x_{t+1} from h_t (offset 1); a draft at depth k predicts x_{t+1+k} (offset 1+k).
 A target is only valid when every token between the input position and the target, t+1 .. t+offset,

@@ -3,7 +3,7 @@
 # the first 800 ShareGPT records, one shared hidden-state cache built once), same token budget (one epoch, bf16),
 # then a searched tree per static-tree family, then `specdraft compare` (configs/compare.yaml): every draft
 # and the N-gram baseline side by side on MT-bench (80) and held-out ShareGPT, greedy and T=0.7 rejection
-# sampling, which regenerates docs/results.md.
+# sampling, which regenerates docs/lab/results.md.
 # Resumable: a trained export, a stored tree search and every finished (prompt, method) are kept and skipped.
 #
 #   launch/compare.sh                  # everything (~60 min training + ~60 min comparing on 2 CPU cores)

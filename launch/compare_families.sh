@@ -3,7 +3,7 @@
 # trains through launch/compare.sh (same budget), then evaluates each export with `specdraft eval`.
 # The full comparison (80 questions + held-out ShareGPT, greedy and T=0.7, one run) is launch/compare.sh.
 # Resumable: a stage whose output exists is skipped, so re-running after a crash continues.
-# This produced the "families on one CPU budget" section of docs/benchmarks.md (~75 min on 2 cores, +40 min for the 3-epoch Hydra++).
+# This produced the "families on one CPU budget" section of docs/lab/benchmarks.md (~75 min on 2 cores, +40 min for the 3-epoch Hydra++).
 #
 #   launch/compare_families.sh            # runs under runs/cmp-<family>, logs in runs/logs/
 set -uo pipefail
@@ -44,4 +44,4 @@ if [ ! -f runs/cmp-ngram/eval/mtbench-cpu/report.json ]; then
 fi
 evaluate cmp-hydra_pp-3ep mtbench-cpu-searched16 "tree_choices=$(searched16 cmp-hydra_pp-3ep)"
 $PY bench/compare_families.py runs/cmp-medusa runs/cmp-hydra runs/cmp-hydra_pp runs/cmp-hydra_pp-3ep runs/cmp-redrafter runs/cmp-ctc \
-  --eval mtbench-cpu --eval mtbench-cpu-searched16 --eval mtbench-cpu-tree16 --eval fp32-lossless --out docs/img/cmp
+  --eval mtbench-cpu --eval mtbench-cpu-searched16 --eval mtbench-cpu-tree16 --eval fp32-lossless --out docs/lab/img/cmp

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # EAGLE-3 on the real SmolLM2-135M-Instruct on this 2-core CPU, two runs:
-#   cmp-eagle3   the common budget of docs/results.md (configs/cpu_budget.yaml: 800 ShareGPT records -> 660
+#   cmp-eagle3   the common budget of docs/lab/results.md (configs/cpu_budget.yaml: 800 ShareGPT records -> 660
 #                training conversations, 312k tokens, one epoch, 16k draft vocabulary, frozen shared LM head);
 #   eagle3-best  the same conversations for 5 epochs from the same hidden-state cache, capped at 55 min of
 #                training (the LR anneals by the deadline, train/schedule.py); what an hour of this CPU buys.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Wheel bundle for the GPU machine (DESIGN.md §9, docs/gpu.md): everything specdraft needs there that the
+# Wheel bundle for the GPU machine (docs/howto/gpu_kit.md, docs/howto/gpu_kit.md): everything specdraft needs there that the
 # GPU image ('cuda', Python 3.12, torch 2.11+cu130, transformers 5.17, ...) lacks, downloaded here for
 # CPython 3.12 / manylinux x86-64 into the git-ignored folder .whl/ (carry it with the device tool).
 #

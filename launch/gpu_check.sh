@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for the GPU machine (docs/gpu.md, DESIGN.md §9): install the carried bundle, run the CUDA tests
+# One command for the GPU machine (docs/howto/gpu_kit.md, docs/howto/gpu_kit.md): install the carried bundle, run the CUDA tests
 # and the GPU benchmarks, write everything under OUT_DIR. Stages run in the order given; each one ends well
 # inside the device tool's 10-minute limit, so a call runs one or two of them.
 #

@@ -1,5 +1,5 @@
 """Split a file into parts under a size limit, and join them back with a checksum (the device tool moves
-at most 64 MiB per call there and 16 MiB per returned file; docs/gpu.md).
+at most 64 MiB per call there and 16 MiB per returned file; docs/howto/gpu_kit.md).
 
     python launch/split_files.py split FILE --max-mib 16 --out DIR        # DIR/<name>.part000 ... + <name>.split.json
     python launch/split_files.py split FILE --parts 2 --out DIR0 DIR1     # one part per directory (one per call)

@@ -1,4 +1,4 @@
-"""CTC loss for the CTC drafter (papers/ctc-drafter.txt §3.2, DESIGN.md §5 "CTC drafter").
+"""CTC loss for the CTC drafter (the CTC drafter paper §3.2, docs/families/ctc.md).
 
 A start position t owns M frames, each a distribution over V+1 classes (class V = the blank). Its label
 is y = (y_1..y_N), N <= M (the base's greedy tokens x_{t+2}..x_{t+1+N}). The CTC loss is

@@ -20,7 +20,7 @@ with ``z = hidden @ weightᵀ`` (student) and ``t = teacher_hidden @ teacher_wei
 Valid rows are those with ``labels != -100``; the soft term uses the same rows.
 
 The slow twin :func:`linear_cross_entropy_reference` materializes everything with plain autograd and
-is what the parity tests compare against (DESIGN.md §2, principle 6).
+is what the parity tests compare against (docs/architecture.md).
 """
 
 from __future__ import annotations

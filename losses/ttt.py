@@ -1,4 +1,4 @@
-"""Training-time-test (TTT) step weighting for EAGLE-3 (DESIGN.md §5).
+"""Training-time-test (TTT) step weighting for EAGLE-3 (docs/families/eagle3.md).
 
 EAGLE-3 unrolls its one decoder layer T times per position; step j (0-based) predicts depth j+1. Later
 steps are harder and matter less (acceptance stops at the first miss), so step j's mean loss is weighted

@@ -1,4 +1,4 @@
-"""Hard cross-entropy and the Medusa-style weighted sum over K draft heads (DESIGN.md §5, Medusa).
+"""Hard cross-entropy and the Medusa-style weighted sum over K draft heads (docs/families/medusa.md, Medusa).
 
 Every function here returns *sums and counts* (or means built from them) rather than a pre-averaged
 loss, so the training loop can all-reduce sums and counts across ranks before dividing. Nothing is

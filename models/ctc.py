@@ -1,4 +1,4 @@
-"""CTC drafter (papers/ctc-drafter.txt; DESIGN.md §5 "CTC drafter"): an attention draft module over the
+"""CTC drafter (the CTC drafter paper; docs/families/ctc.md): an attention draft module over the
 base hidden states, M frames over V+1 classes (class V = blank), trained with CTC on distilled labels.
 
     z_t      = PrefixAttention(h_1..h_t)              one decoder layer of the base's architecture, causal

@@ -1,5 +1,5 @@
 """EAGLE-3: fused low/mid/high base features + one decoder layer, autoregressive in feature space
-(DESIGN.md §5; the layout is the one `speculators` trains and vLLM serves, see models/export/speculators.py).
+(docs/families/eagle3.md; the layout is the one `speculators` trains and vLLM serves, see models/export/speculators.py).
 
 At base position t (the base has committed x_0..x_t and its aux states at t are known):
 

@@ -1,4 +1,4 @@
-"""Hydra and Hydra++: sequentially dependent draft heads (papers/hydra.txt, DESIGN.md §5).
+"""Hydra and Hydra++: sequentially dependent draft heads (the Hydra paper, docs/families/hydra.md).
 
 Head k (k = 1..K, stored at index k-1) predicts x_{t+1+k} from
 

@@ -1,4 +1,4 @@
-"""Medusa: K independent heads on the base's last hidden state h_t (DESIGN.md §5).
+"""Medusa: K independent heads on the base's last hidden state h_t (docs/families/medusa.md).
 
 Head k (k = 1..K, stored at index k-1) = `num_layers` distinct ResBlocks, then an LM head Linear(d -> V)
 copied from the base lm_head (or, with share_lm_head, the frozen base lm_head itself). It predicts

@@ -1,4 +1,4 @@
-"""Model-derived N-gram tables for the learning-free N-gram drafts (DESIGN.md §5, N-grammys §4.1).
+"""Model-derived N-gram tables for the learning-free N-gram drafts (docs/families/ngram.md, N-grammys §4.1).
 
 - bigram: top-k of p_M(. | a) for every vocabulary token a, the base run on the one-token sequence [a]
   (batched forwards, a one-off cost; cached on disk keyed by the base fingerprint, dtype and k);
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from core.atomic import atomic_path
 from models.family import FamilyFacts
 
 log = logging.getLogger("specdraft.ngram")
@@ -118,17 +118,9 @@ def _find_cached(cache_dir: Path, fingerprint: str, dtype: torch.dtype, k: int) 
 
 def save_bigram_table(table: BigramTable, path: Path, fingerprint: str) -> None:
     """Atomic: written to a temp file next to `path`, then renamed (readers never see half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:  # made readable like a plain file: the cache is shared like the base's
         save_file({"tokens": table.tokens.to(torch.int32).contiguous(), "probs": table.probs.contiguous()},
-                  tmp, metadata={"fingerprint": fingerprint, "k": str(table.k)})
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache is shared like the base's
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+                  str(tmp), metadata={"fingerprint": fingerprint, "k": str(table.k)})
 
 
 def load_bigram_table(path: Path) -> BigramTable:

@@ -1,6 +1,6 @@
 """One extra decoder layer of the base's own architecture, run causally over the base hidden states.
 
-Hydra++ (papers/hydra.txt, §3.1 and App. A.2 "PrefixMLP") adds a trainable self-attention decoder layer
+Hydra++ (the Hydra paper, §3.1 and App. A.2 "PrefixMLP") adds a trainable self-attention decoder layer
 whose only job is to turn the base's last hidden states h_1..h_t into a better summary z_t of the whole
 context for the draft heads; it runs once per decoding step, over the tokens committed since the last
 step, with its own KV cache. The CTC drafter's attention module is the same thing, so both import this.

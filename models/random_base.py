@@ -1,4 +1,4 @@
-"""Randomly initialised LLaMA bases for timing on the GPU machine (DESIGN.md §9: for speed, a random-init model
+"""Randomly initialised LLaMA bases for timing on the GPU machine (docs/howto/gpu_kit.md: for speed, a random-init model
 of SmolLM2's exact config behaves like the real one; an 8B LLaMA shape shows the large-base regime).
 
 - `random_llama(config, dtype=, device=)`: the model in memory, initialised directly on `device` (an 8B model

@@ -1,4 +1,4 @@
-"""ReDrafter: one recurrent draft head shared by every depth (DESIGN.md §5, papers/redrafter.txt).
+"""ReDrafter: one recurrent draft head shared by every depth (docs/families/redrafter.md, the ReDrafter paper).
 
     s_0 = 0
     s_i = SiLU(W·e(x_{t+i}) + U·s_{i-1} + b)        (rnn=False ablation: s_i = s_{i-1} + e(x_{t+i}))
@@ -8,7 +8,7 @@ e = the frozen base input embedding, h_t = the base's last hidden state (post fi
 x_{t+1} is the root (the base's own token), so depth i's RNN input is the root for i = 1 and the beam's
 own previous draft after that; in training the data tokens are fed (teacher forcing).
 
-Layout (Apple's reference drafter, which TensorRT-LLM's converter reads; see docs/redrafter.md):
+Layout (Apple's reference drafter, which TensorRT-LLM's converter reads; see docs/families/redrafter.md):
 - `rnn_w` Linear(d, d, no bias) = W and `rnn_u` Linear(d, d, bias) = U and b (absent with rnn=False);
 - ResBlocks of width exit_dim = 2d over [h_t; s_i] (`layers.{i}.linear`), then `lm_head` Linear(2d, V,
   no bias). The paper does not say how the head is initialised; the reference initialises it randomly.
@@ -41,7 +41,7 @@ from models.vocab_map import DraftVocabMixin, placeholder_map
 # Beam search defaults stored in the export (eval's extra.beam_width / extra.beam_length override them).
 # CPU-sized: 4 beams of 4 drafts = at most 17 tree nodes before prefix sharing (fewer after), about
 # the 16-token tree a bf16 SmolLM2 verifies for the price of one token on this project's CPU
-# (docs/benchmarks.md), and 4 sequential drafter steps of one [4, 2d] x [2d, V] matmul each.
+# (docs/lab/benchmarks.md), and 4 sequential drafter steps of one [4, 2d] x [2d, V] matmul each.
 DEFAULT_BEAM_WIDTH = 4
 DEFAULT_BEAM_LENGTH = 5  # counts the root: 4 draft tokens per beam
 

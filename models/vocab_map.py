@@ -1,4 +1,4 @@
-"""Draft vocabulary: a draft predicts over N of the base's V tokens (DESIGN.md §5, "Draft vocabulary").
+"""Draft vocabulary: a draft predicts over N of the base's V tokens (docs/concepts.md#draft-vocabulary).
 
 A base's LM head dominates a draft head's FLOPs (SmolLM2: 49,152 rows x 576). A draft vocabulary keeps the
 N most frequent assistant target tokens of the training data; the draft's LM head then has N rows and its

@@ -1,5 +1,5 @@
 """`specdraft compare` (eval/harness/compare.py) on the tiny base: shared baselines, losslessness, exact resume,
-config errors, and docs/results.md generation that keeps the hand-written text."""
+config errors, and docs/lab/results.md generation that keeps the hand-written text."""
 
 import json
 from pathlib import Path

@@ -1,5 +1,5 @@
 """The CUDA paths, run for real (marked `cuda`; skipped without a GPU; run by `launch/gpu_check.sh OUT tests`
-on the GPU machine, docs/gpu.md):
+on the GPU machine, docs/howto/gpu_kit.md):
 
 - the `fast` backend's static mode with torch.compile + CUDA graphs ("reduce-overhead") against from-scratch
   transformers forwards (logits parity), and that the compiled graphs are really what runs;

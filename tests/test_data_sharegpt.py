@@ -130,7 +130,7 @@ def test_not_sharegpt_json_is_rejected(tmp_path):
 @pytest.mark.slow
 def test_packaged_sharegpt_full_read_reports_the_cut():
     conversations, stats = read_sharegpt("sharegpt")
-    # DESIGN §1: 17,671 complete records, 126 of them empty; the 125 MB file is cut inside the next one.
+    # The packaged file: 17,671 complete records, 126 of them empty; the 125 MB file is cut inside the next one.
     assert stats.records_read == 17_671
     assert stats.skipped["no_conversations"] == 126
     assert stats.truncated and stats.lost_records == 1 and stats.lost_bytes > 0

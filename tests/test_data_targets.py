@@ -1,4 +1,4 @@
-"""offset_labels against a brute-force loop and hand-made cases (DESIGN §4, the one offset rule)."""
+"""offset_labels against a brute-force loop and hand-made cases (docs/concepts.md#the-offset-rule)."""
 
 import pytest
 import torch

@@ -92,7 +92,7 @@ def _vllm_python() -> str | None:
 @pytest.mark.xfail(strict=False, reason=(
     "speculators 0.9.0's own CPU model on the same export and inputs gives the same tokens in some processes and "
     "different ones in others (it depended on the working directory / process in runs on 2026-11-23; not "
-    "understood yet); vLLM serving the same export matched our decoder exactly (docs/eagle3.md)"))
+    "understood yet); vLLM serving the same export matched our decoder exactly (docs/families/eagle3.md)"))
 def test_speculators_loads_the_export_and_drafts_the_same_tokens(base, tmp_path):
     """speculators' own Eagle3DraftModel (eager attention on CPU) on our export: identical TTT draft tokens
     at every step; vLLM's config reader maps it to Eagle3LlamaForCausalLM with our settings."""

@@ -16,7 +16,7 @@ from eval.harness.report import (
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-DESIGN_KEYS = {"method", "base_model", "device", "dataset", "num_prompts", "new_tokens", "base_steps",
+CONTRACT_KEYS = {"method", "base_model", "device", "dataset", "num_prompts", "new_tokens", "base_steps",
                "acceptance_length", "accept_rate_per_position", "tokens_per_second", "ar_tokens_per_second",
                "hf_tokens_per_second", "speedup", "speedup_vs_hf", "draft_time_fraction", "lossless",
                "lossless_fraction"}
@@ -61,7 +61,7 @@ def test_aggregate_math():
     assert r["lossless"] is False and r["lossless_fraction"] == pytest.approx(0.5)
     assert r["extra"]["prefill_seconds"] == pytest.approx(0.75)
     assert r["extra"]["tree_size"] == 7 and r["extra"]["lossless_checked"] == 2
-    assert set(r) == DESIGN_KEYS | {"extra"}
+    assert set(r) == CONTRACT_KEYS | {"extra"}
 
 
 def test_aggregate_edge_cases():
@@ -102,7 +102,7 @@ def test_write_report_files(tmp_path):
                          report["accept_rate_per_position"], default_speeds(report), extra={"note": "hi"})
     out = tmp_path / "eval" / "x"
     saved = json.loads((out / "report.json").read_text())
-    assert set(saved) == DESIGN_KEYS | {"extra"} and tuple(k for k in saved if k != "extra") == REPORT_KEYS
+    assert set(saved) == CONTRACT_KEYS | {"extra"} and tuple(k for k in saved if k != "extra") == REPORT_KEYS
     assert saved["extra"]["note"] == "hi" and saved["acceptance_length"] == pytest.approx(11 / 5)
     lines = (out / "samples.jsonl").read_text().splitlines()
     assert [json.loads(x)["id"] for x in lines] == ["a", "b"]

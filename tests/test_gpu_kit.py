@@ -1,6 +1,6 @@
 """The GPU kit's CPU-checkable parts: random-init bases (models/random_base.py) that load like any base and
 keep the pack's tokenizer, and the kit's shell scripts parse. The kit itself runs end to end on CPU with
-`GPU_CHECK_DRY=1 launch/gpu_check.sh OUT ...` (docs/gpu.md)."""
+`GPU_CHECK_DRY=1 launch/gpu_check.sh OUT ...` (docs/howto/gpu_kit.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bases larger than one device (DESIGN.md §10), on 2 DeepSpeed CPU ranks with the tiny base:
+"""Bases larger than one device (docs/howto/large_bases.md), on 2 DeepSpeed CPU ranks with the tiny base:
 a ZeRO-3-partitioned frozen base gives the whole base's h with half the parameters per rank and trains to
 the same losses; a 2-rank hidden-state cache build equals a 1-rank build byte for byte and resumes."""
 

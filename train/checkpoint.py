@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from core.atomic import write_text_atomic
+
 PARTIAL = ".partial"
 
 
@@ -56,9 +58,7 @@ def save(engine, ckpt_root: Path, step: int, client_state: dict, keep: int, rank
             os.replace(final, aside)
         os.replace(partial / tag, final)
         shutil.rmtree(aside, ignore_errors=True)
-        tmp = ckpt_root / "latest.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, ckpt_root / "latest")
+        write_text_atomic(ckpt_root / "latest", tag)
         _prune(ckpt_root, keep)
     _barrier()
     return final

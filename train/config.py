@@ -19,7 +19,7 @@ from core.config_loader import ConfigError, load_typed
 class BaseSection:
     path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" / "tiny-<arch>" (random, tests), or an HF model directory
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16
-    partition: str = "none"  # none = whole base on every rank | zero3 = ZeRO-3 partitions, gathered per layer (§10)
+    partition: str = "none"  # none = whole base on every rank | zero3 = ZeRO-3 partitions, gathered per layer (docs/howto/large_bases.md)
 
 
 @dataclass
@@ -27,11 +27,11 @@ class DataSection:
     source: str = "sharegpt"  # "sharegpt" (the PyPI package) or a ShareGPT .json/.jsonl path
     max_records: int | None = None  # read at most this many valid conversations (None = all)
     max_length: int = 1024  # tokens per conversation after the chat template (truncated)
-    val_fraction: float = 0.05
+    val_fraction: float = 0.05  # share of the conversations held out for validation (per-depth accuracy)
     min_assistant_tokens: int = 8  # drop conversations with fewer supervised tokens
     seed: int = 0  # train/val split seed
     cache_dir: str = ""  # "" = $SPECDRAFT_CACHE or ~/.cache/specdraft, subdir data/
-    num_proc: int = 1
+    num_proc: int = 1  # processes for tokenizing the data set (datasets.map)
     hidden_cache: str = ""  # "" = run the base every step; "auto" = cache h under cache_dir; or a directory
     hidden_cache_dtype: str = "bf16"  # storage dtype of the cached h: bf16 (half the disk) | fp32 (exact)
     hidden_cache_shard_rows: int = 256  # rows per cache shard: the unit of resume and of the ranks' work split
@@ -45,11 +45,11 @@ class DataSection:
 
 @dataclass
 class DraftSection:
-    family: str = "medusa"
+    family: str = "medusa"  # the draft family: a key of models.registry.DRAFT_MODELS (configs/<family>.yaml)
     num_heads: int = 4  # K: depths 1..K predict x_{t+2} .. x_{t+1+K}
     num_layers: int = 1  # ResBlocks per head
     share_lm_head: bool = False  # True: every head uses the frozen base lm_head (far fewer parameters)
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout inside the heads (Hydra++ recipe: 0.2)
     prefix_layer: bool = False  # Hydra++: a trainable decoder layer over the base hidden states feeds all heads
     rnn: bool = True  # ReDrafter: False = the no-RNN ablation s_i = s_{i-1} + e(x_{t+i})
     num_frames: int = 6  # CTC drafter: M frames, each over V+1 classes (the extra one is the blank)
@@ -61,7 +61,7 @@ class DraftSection:
 @dataclass
 class LossSection:
     lambda0: float = 1.0  # head k weight = lambda0 * decay**k (k = 1..K)
-    decay: float = 0.8
+    decay: float = 0.8  # see lambda0
     teacher_weight: float = 0.0  # alpha: loss = (1-alpha)*hard CE + alpha*soft CE to the base at t+k
     chunked: bool = True  # fused chunked CE (never holds K*T*V logits); False = plain reference
     chunk_size: int = 1024  # tokens per chunk in the fused loss
@@ -70,23 +70,23 @@ class LossSection:
 
 @dataclass
 class TrainSection:
-    epochs: float = 1.0
+    epochs: float = 1.0  # passes over the training conversations (fractions allowed)
     max_steps: int = 0  # > 0 overrides epochs
     max_minutes: float = 0.0  # > 0: stop (and save) after this much training wall time
     global_batch_size: int = 16  # conversations per optimizer step, over all ranks
     micro_batch_size: int = 4  # conversations per forward on one rank
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_ratio: float = 0.05
+    lr: float = 1e-3  # peak learning rate (AdamW), reached after warmup
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    warmup_ratio: float = 0.05  # share of the steps spent warming the LR up linearly
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max gradient norm; 0 = off
     precision: str = "auto"  # auto = bf16 on CUDA with bf16 support, else fp32; or fp32 | bf16
-    log_every: int = 10
+    log_every: int = 10  # steps between metrics.jsonl / W&B rows
     save_every: int = 0  # steps between checkpoints; 0 = only at the end (and on SIGTERM)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # newest checkpoints kept in checkpoints/
     val_batches: int = 16  # held-out micro-batches for the per-head accuracy table (0 = skip)
-    seed: int = 0
+    seed: int = 0  # model init, data order and dropout
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default
 
 
@@ -94,23 +94,23 @@ class TrainSection:
 class DeepSpeedSection:
     zero_stage: int = 0  # 0-3 (3 shards the draft's parameters; works, rarely worth it for heads)
     offload_optimizer: str = "none"  # none | cpu
-    overlap_comm: bool = False
+    overlap_comm: bool = False  # overlap gradient reduction with the backward (multi-GPU)
     bucket_size: int = 50_000_000  # reduce/allgather bucket (elements)
     extra: dict[str, Any] = field(default_factory=dict)  # merged verbatim into the DeepSpeed JSON
 
 
 @dataclass
 class WandbSection:
-    enabled: bool = True
-    project: str = "specdraft"
+    enabled: bool = True  # false: no W&B at all (metrics.jsonl is always written)
+    project: str = "specdraft"  # W&B project
     mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins
-    entity: str | None = None
-    tags: list[str] = field(default_factory=list)
+    entity: str | None = None  # W&B entity (team); None = your default
+    tags: list[str] = field(default_factory=list)  # W&B run tags
 
 
 @dataclass
 class TrainConfig:
-    run_name: str = "medusa"
+    run_name: str = "medusa"  # names the run directory runs/<run_name> and the W&B run
     run_dir: str = ""  # "" = runs/<run_name>
     resume: str = "none"  # none | auto (latest checkpoint in run_dir) | path to a checkpoint dir
     base: BaseSection = field(default_factory=BaseSection)

@@ -306,7 +306,7 @@ def load_base_and_data(cfg, info: DistInfo, base_dtype) -> tuple:
 
 def _training_source(cfg, base) -> tuple[str, int | None]:
     """(source, max_records) build_datasets reads: with data.self_distill, the cached file of the base's own
-    answers to the first data.max_records conversations (built once, resumable; DESIGN.md §6)."""
+    answers to the first data.max_records conversations (built once, resumable; docs/concepts.md#on-policy-data)."""
     d = cfg.data
     if not d.self_distill:
         return d.source, d.max_records
@@ -333,7 +333,7 @@ def _draft_vocab(cfg, base, train_ds, vocab: int) -> torch.Tensor | None:
 
 def _hidden_cache(cfg, base, train_ds, info, partitioned=None) -> HiddenCache:
     """Build (every rank its shards; resumable) or open the hidden-state cache of this run's train rows
-    (DESIGN.md §6, §10). Collective: every rank calls it."""
+    (docs/concepts.md#hidden-state-cache, docs/howto/large_bases.md). Collective: every rank calls it."""
     aux_layers = resolve_aux_layers(cfg, base.model)
     key = cache_key(base.fingerprint, base.model.dtype, train_ds, cfg.data.hidden_cache_dtype, aux_layers)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()

@@ -1,4 +1,4 @@
-"""A frozen base partitioned over the ranks with ZeRO-3 (`base.partition=zero3`, DESIGN.md §10).
+"""A frozen base partitioned over the ranks with ZeRO-3 (`base.partition=zero3`, docs/howto/large_bases.md).
 
 Why: a base that does not fit one device (70B in bf16 = 140 GB) cannot be loaded whole on every rank.
 ZeRO-3 keeps 1/N of every parameter on each of N ranks and all-gathers one layer's parameters just

@@ -1,4 +1,4 @@
-"""ReDrafter's beam search over its recurrent draft head (papers/redrafter.txt §2 "Beam search").
+"""ReDrafter's beam search over its recurrent draft head (the ReDrafter paper §2 "Beam search").
 
 Beam shape W x L, where L counts the root: every beam is [root, d_1, ..., d_{L-1}]. Step 1 expands only
 the root (s_1 = RNN(0, e(root))), giving min(W, V) beams from its top tokens; each later step feeds every

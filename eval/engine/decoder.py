@@ -1,4 +1,4 @@
-"""The speculative decoding loop, shared by every drafter and by the AR baseline (DESIGN.md §8).
+"""The speculative decoding loop, shared by every drafter and by the AR baseline (docs/concepts.md#verification).
 
     prefill(prompt) -> root = the base's token after the prompt        (counted as a new token,
                                                                           not as a decode step)

@@ -3,7 +3,7 @@ deduplicated from arbitrary candidate paths (ReDrafter's tensor prefix matching)
 
 Conventions (every drafter and the verifier rely on them):
 - node 0 is the root: the base's own next token x_{t+1}, depth 0, parent -1;
-- a depth-k node is a draft of x_{t+1+k} (DESIGN.md §4);
+- a depth-k node is a draft of x_{t+1+k} (docs/concepts.md#the-offset-rule);
 - nodes are in topological order: parents[i] < i for i >= 1, so a node's ancestors all have smaller
   indices and "sorted ancestor indices" is already the path order root first;
 - trees live on the CPU (they are a few hundred ints); only `draft_probs` may live on the accelerator.

@@ -15,7 +15,7 @@ that row over).
 
 At the end every draft gets a normal report (<out>/<setting>/<label>/report.json, same keys as
 `specdraft eval`) whose baselines are the AR / generate numbers of its own pass, then <out>/summary.json and
-docs/results.md (eval/harness/results_doc.py) are regenerated.
+docs/lab/results.md (eval/harness/results_doc.py) are regenerated.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ methods share the same machine state and the speed ratios are measured in one ru
       tree_nodes  use the first N nodes grown by `specdraft tree-search` (<run>/tree_search/tree_search.json)
       eval        EvalConfig overrides for this draft only (tree, extra.beam_width, extra.k, ...)
       headline    {family: NAME, draft: tree | chain}: this row is that family's tree (or chain) column in
-                  the one-row-per-family headline table of docs/results.md
+                  the one-row-per-family headline table of docs/lab/results.md
       vllm        true: vLLM serves this draft too, in every setting of `vllm_settings` (eval/serving/compare_vllm.py);
                   the row must be the chain vLLM drafts (Medusa: top-1 per head, EAGLE-3: chain mode, N-gram:
                   k=1 with strategy=longest_match, vLLM's prompt lookup), so the acceptance must match ours
@@ -40,19 +40,19 @@ _PER_DRAFT_EVAL = {"tree", "tree_choices", "extra", "acceptance", "typical_eps",
 @dataclass
 class CompareConfig:
     out_dir: str = "runs/compare"  # <out_dir>/<setting>/{prompts.jsonl, <label>/report.json}, summary.json
-    base_path: str = "smollm2"
+    base_path: str = "smollm2"  # the base every row decodes with (loaded once)
     results_md: str = ""  # regenerated between its markers after every compare run; "" = <out_dir>/results.md
     results_img: str = ""  # prefix of the plots; "" = <out_dir>/img/results
     # Where `specdraft compare --update-docs` writes the same tables instead (a checked-in results document);
     # "" = this config has none, and --update-docs is an error.
     docs_md: str = ""
-    docs_img: str = ""
+    docs_img: str = ""  # plot prefix that goes with docs_md
     targets: dict = field(default_factory=dict)  # results_doc.Targets: what the tables mark met or missed
     results_section: str = ""  # "" = the default markers of results_md; a name (e.g. "best") = its own part
     results_training_title: str = SAME_BUDGET_TITLE  # heading of the training table
-    eval: dict = field(default_factory=dict)
-    settings: list[dict] = field(default_factory=list)
-    drafts: list[dict] = field(default_factory=list)
+    eval: dict = field(default_factory=dict)  # EvalConfig keys shared by every setting
+    settings: list[dict] = field(default_factory=list)  # [{name, <EvalConfig keys>}]: the prompt sets and rules
+    drafts: list[dict] = field(default_factory=list)  # the rows (module docstring: label, export | method, ...)
     extra_drafts: list[dict] = field(default_factory=list)  # appended to drafts: lets an overlay YAML add rows
     # (a second --config's `drafts` list would replace the first's, as lists do not merge)
     vllm_settings: list[str] = field(default_factory=list)  # greedy settings vLLM runs too ([] = no vLLM)

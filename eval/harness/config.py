@@ -17,22 +17,22 @@ class EvalConfig:
     both_turns: bool = False  # MT-bench: the second turn too (its history holds our own turn-1 answer)
     heldout_skip: int | None = None  # sharegpt: skip the first N conversations; None = what the draft trained on
     max_prompt_tokens: int | None = 1024  # longer prompts are skipped
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # tokens generated per prompt
     backend: str = "auto"  # auto (fast where it supports the base, else hf) | fast (static KV) | hf (any causal LM)
     dtype: str = "fp32"  # base dtype: fp32 (exact losslessness check) | bf16 | auto
     device: str = "auto"  # auto = cuda if available else cpu
     acceptance: str = "greedy"  # greedy | typical | rejection
-    temperature: float = 0.0
-    top_p: float = 1.0
-    typical_eps: float = 0.09
-    typical_delta: float = 0.3
+    temperature: float = 0.0  # 0 = greedy; > 0 needs acceptance=rejection (or typical)
+    top_p: float = 1.0  # nucleus sampling of the base distribution (T > 0)
+    typical_eps: float = 0.09  # typical acceptance: accept x if p(x) > min(eps, delta * exp(-H(p)))
+    typical_delta: float = 0.3  # see typical_eps
     tree: str = "auto"  # auto = the export's tree, else the family default; or a name in eval.engine.tree.STATIC_TREES
     tree_choices: list[list[int]] | None = None  # explicit Medusa-style choices (wins over `tree`)
     ar_baseline: bool = True  # own AR decoding, same engine, same run (also the losslessness reference)
     hf_baseline: bool = True  # transformers generate (greedy), same run
     tie_prompts: int = 3  # bf16/fp16: prompts used to measure the tie tolerance (eval/harness/lossless.py); 0 = none
     warmup_tokens: int = 16  # one untimed warm-up generation of this length per method
-    seed: int = 0
+    seed: int = 0  # prompt draw (num_prompts of a larger set) and sampling
     base_path: str = ""  # "" = the base named in the export's config.json (or smollm2 for --method)
     run_dir: str = ""  # where a learning-free eval (--method) writes; "" = runs/<method>
     num_threads: int = 0  # CPU threads; 0 = torch's default
@@ -41,7 +41,7 @@ class EvalConfig:
     extra: dict = field(default_factory=dict)
     prompt_lookup: bool = False  # --method ngram: also time transformers' prompt-lookup decoding (w tokens per step)
     sweep_k: list[int] = field(default_factory=list)  # --method ngram: a (k, w) grid instead of one run
-    sweep_w: list[int] = field(default_factory=list)
+    sweep_w: list[int] = field(default_factory=list)  # the grid's row lengths (sweep_k: its row counts)
     serve_tolerance: float = 0.03  # serve-check: max |engine - ours| acceptance per position before it fails
     serve_timeout: float = 1800.0  # serve-check: seconds per engine (a first run compiles the model)
     serve_enforce_eager: bool = False  # serve-check: skip vLLM's torch.compile (minutes saved, slower decoding)

@@ -1,4 +1,4 @@
-"""transformers `generate` baselines, timed the same way as our decoder (DESIGN §8).
+"""transformers `generate` baselines, timed the same way as our decoder (docs/concepts.md#baselines).
 
 Both functions return `TimedGeneration(tokens, seconds, prefill_seconds)`:
   tokens: the new token ids, including the eos token when generation stopped on one (the same

@@ -1,4 +1,4 @@
-"""Losslessness verdicts: exact, and tie-aware for low-precision bases (DESIGN.md §8).
+"""Losslessness verdicts: exact, and tie-aware for low-precision bases (docs/concepts.md#losslessness-and-ties).
 
 Greedy speculative decoding is lossless in exact arithmetic: it emits exactly plain greedy decoding's
 tokens. In bf16 a verification forward over N tree tokens and a one-token decode forward round their

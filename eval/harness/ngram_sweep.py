@@ -1,4 +1,4 @@
-"""(k, w) sweep of the N-gram drafter (DESIGN.md §5: "Report a (k, w) sweep"): acceptance length and
+"""(k, w) sweep of the N-gram drafter (docs/families/ngram.md): acceptance length and
 speedup over own AR on the same engine, written as sweep.json, sweep.md and sweep_heatmap.png.
 
 Used by `specdraft eval --method ngram extra.sweep_k=[1,2,4] extra.sweep_w=[1,2,3]` and by

@@ -1,6 +1,6 @@
 """Benchmark report: aggregate per-prompt results, then write report.json/.md, samples.jsonl and plots.
 
-`report.json` has exactly the keys of DESIGN §3 (`REPORT_KEYS`), plus one optional `"extra"` object
+`report.json` has exactly the contract keys (`REPORT_KEYS`, docs/howto/evaluate.md), plus one optional `"extra"` object
 for everything else (prefill time, config, tree size, ...), so tools reading the contract keys never
 meet a surprise. All files are written atomically (temp file in the same directory, then rename), so a
 crashed run never leaves a half-written report that looks complete.
@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.atomic import atomic_open
 from eval.harness.lossless import format_verdict
 
 REPORT_KEYS = (
@@ -129,7 +129,7 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 def build_report(results: Sequence[PromptResult], *, method: str, base_model: str, device: str,
                  dataset: str, ar_tokens_per_second: float | None = None,
                  hf_tokens_per_second: float | None = None, extra: dict | None = None) -> dict:
-    """Aggregate per-prompt results into the DESIGN §3 report dict (contract keys + "extra").
+    """Aggregate per-prompt results into the report dict (contract keys + "extra").
 
     Totals over prompts (token-weighted, not a mean of per-prompt ratios):
       acceptance_length = Σ new_tokens / Σ base_steps.
@@ -202,7 +202,7 @@ def validate_report(report: dict) -> None:
     missing = [k for k in REPORT_KEYS if k not in report]
     unknown = sorted(set(report) - set(REPORT_KEYS) - {"extra"})
     if missing or unknown:
-        raise ValueError(f"report.json keys must be exactly DESIGN §3's: missing {missing}, unknown "
+        raise ValueError(f"report.json keys must be exactly the contract's (REPORT_KEYS): missing {missing}, unknown "
                          f"{unknown}. Set missing ones (None if not measured), move other keys under "
                          "\"extra\"")
     if "extra" in report and not isinstance(report["extra"], dict):
@@ -265,15 +265,9 @@ def default_speeds(report: dict) -> dict[str, float | None]:
 
 
 def _atomic_write(path: Path, write: Callable, binary: bool = False) -> None:
-    """Write via a temp file in the same directory, then rename over `path` (atomic on POSIX)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """`write(f)` into a temp file that then takes `path`'s name: a killed run never leaves half a report."""
+    with atomic_open(path, binary) as f:
+        write(f)
 
 
 def _figure():

@@ -34,7 +34,7 @@ class Targets:
     as dotted lines in the plots; the library itself sets none. acceptance: family key (as family_key gives it:
     medusa, hydra++, eagle3-chain, ...) -> minimum acceptance length on the first greedy MT-bench setting."""
 
-    acceptance: dict = field(default_factory=dict)
+    acceptance: dict = field(default_factory=dict)  # family key -> minimum acceptance length
     speedup_vs_ar: float | None = None  # best draft vs own AR decoding
     speedup_vs_generate: float | None = None  # best draft vs transformers `generate`
     vllm_speedup_vs_ar: float | None = None  # vLLM + best draft vs vLLM AR
@@ -475,9 +475,9 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
     begin, end = markers(section)
     lines = [begin, "",
              f"Base `{summary['base']}` (fingerprint `{summary['base_fingerprint']}`). Regenerate everything below "
-             f"with `specdraft compare --config {compare_config}` (runs what is missing, then rewrites this part); "
-             f"tables only: add `--results-only`. One row again, timed beside fresh baselines: `specdraft compare "
-             f"--config {compare_config} --redo LABEL`.", "",
+             f"with `specdraft compare --config {compare_config} --update-docs` (runs what is missing, then rewrites "
+             f"this part); tables only: add `--results-only`. One row again, timed beside fresh baselines: "
+             f"`specdraft compare --config {compare_config} --redo LABEL --update-docs`.", "",
              f"### Training ({training_title})", ""]
     lines += training_table([(", ".join(labels), describe_training(Path(exp))) for exp, labels in exports.items()])
     lines += ["", "Train time: the training loop only (the one-off hidden-state cache build, and for self-distilled "

@@ -1,5 +1,5 @@
 """`specdraft eval`: one draft (or learning-free method) on one prompt set, with both baselines in the
-same run, written as report.json / report.md / samples.jsonl / plots (DESIGN.md §3, §8).
+same run, written as report.json / report.md / samples.jsonl / plots (docs/howto/evaluate.md).
 
 Per prompt, in this order and on the same engine: speculative decoding, own AR decoding (the speed
 baseline and the losslessness reference), transformers `generate` (greedy). Every method gets one
@@ -143,7 +143,7 @@ def run_context(cfg: EvalConfig, base, results: list[PromptResult], tree_nodes: 
 
 
 def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
-    """For dataset=sharegpt, skip exactly the conversations the draft was trained on (DESIGN §8: held-out
+    """For dataset=sharegpt, skip exactly the conversations the draft was trained on (held-out
     prompts), and refuse a skip that would evaluate on training data."""
     if cfg.dataset != "sharegpt":
         return cfg

@@ -1,4 +1,4 @@
-"""Data-driven static tree search (Hydra §4, DESIGN.md §5): grow a tree node by node from rank statistics,
+"""Data-driven static tree search (Hydra §4, docs/howto/tree_search.md): grow a tree node by node from rank statistics,
 then pick its size by measured throughput (the measuring part lives in eval/harness/tree_search_cli.py).
 
 Why rank statistics are enough under greedy decoding. At a decode step with committed ids[..t] and root
@@ -39,7 +39,7 @@ class TreeSearchConfig:
 
     # Tuning data: held-out ShareGPT prompts (never the eval set), the base's own greedy continuations.
     dataset: str = "sharegpt"  # sharegpt (held-out part) | a .jsonl of prompts
-    num_prompts: int = 16
+    num_prompts: int = 16  # tuning prompts whose rank statistics grow the tree
     new_tokens: int = 64  # greedy continuation per prompt = number of positions per prompt
     max_prompt_tokens: int | None = 512  # longer prompts are skipped
     heldout_skip: int | None = None  # None = the conversations the draft trained on (export's train_data)
@@ -52,12 +52,12 @@ class TreeSearchConfig:
     # Throughput: sizes timed with real decode steps on this machine.
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48, 64])
     timing_prompts: int = 2  # the first N tuning prompts
-    timing_new_tokens: int = 48
+    timing_new_tokens: int = 48  # tokens per timing run (with timing_prompts, timing_repeats)
     timing_repeats: int = 2  # timed passes per size; the fastest counts (robust to other processes' noise)
     warmup_tokens: int = 8  # one untimed generation per size first
     backend: str = "auto"  # auto (fast where supported, else hf) | fast | hf
     dtype: str = "fast"  # base dtype to tune for: bf16 where the hardware runs it fast, else fp32 (fast_dtype)
-    device: str = "auto"
+    device: str = "auto"  # auto = cuda if available, else cpu
     base_path: str = ""  # "" = the base named in the export's config.json
     num_threads: int = 0  # CPU threads; 0 = torch's default
     out_dir: str = ""  # "" = <export>/../tree_search

@@ -20,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from core.atomic import atomic_open, write_text_atomic
 from core.paths import REPO_ROOT
 from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.harness.config import EvalConfig, load_eval_config
@@ -204,16 +203,6 @@ def search(export_dir: Path, cfg: TreeSearchConfig) -> tuple[dict, Path]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Temp file in the same directory, then os.replace: readers never see a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 SUMMARY_KEYS = ("sizes", "predicted_acceptance", "step_time_s", "measured_acceptance", "chosen_size",
@@ -227,14 +216,14 @@ def store_tree(export_dir: Path, result: dict) -> None:
     config = json.loads(path.read_text())
     config["tree"] = result["chosen_tree"]
     config["tree_search"] = {k: result[k] for k in SUMMARY_KEYS}
-    _atomic_write_text(path, json.dumps(config, indent=2) + "\n")
+    write_text_atomic(path, json.dumps(config, indent=2) + "\n")
 
 
 def write_outputs(result: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(out_dir / "tree_search.md", markdown(result))
+    write_text_atomic(out_dir / "tree_search.md", markdown(result))
     _plot(result, out_dir / "tree_search.png")
-    _atomic_write_text(out_dir / "tree_search.json", json.dumps(result, indent=2, allow_nan=False) + "\n")
+    write_text_atomic(out_dir / "tree_search.json", json.dumps(result, indent=2, allow_nan=False) + "\n")
 
 
 def markdown(r: dict) -> str:
@@ -257,7 +246,7 @@ def markdown(r: dict) -> str:
     lines += ["", f"Chosen tree ({r['chosen_size']} nodes + root): `{json.dumps(r['chosen_tree'])}`", "",
               "Predicted acceptance = 1 + sum of the tree's node hit rates over every position (exact per greedy "
               "step; a real decode only drafts at step boundaries, so the measured number on the few timing "
-              "prompts scatters around it). See docs/tree_search.md.", ""]
+              "prompts scatters around it). See docs/howto/tree_search.md.", ""]
     return "\n".join(lines)
 
 
@@ -283,14 +272,8 @@ def _plot(r: dict, path: Path) -> None:
     ax_tps.set_ylabel("new tokens / s")
     ax_tps.set_title(f"Throughput vs tree size ({r['dtype']}, {r['machine']})", fontsize=9)
     ax_tps.legend(fontsize=8)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, binary=True) as f:
+        fig.savefig(f, format="png")
 
 
 def run_tree_search_cli(args) -> int:

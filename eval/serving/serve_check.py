@@ -1,4 +1,4 @@
-"""`specdraft serve-check`: serve an export in vLLM beside our decoder, on the same prompts (DESIGN.md §8).
+"""`specdraft serve-check`: serve an export in vLLM beside our decoder, on the same prompts (docs/howto/serve.md).
 
     specdraft serve-check --draft runs/<run>/export [--config configs/eval/...] [key=value ...]
     specdraft serve-check --method ngram [extra.w=4 extra.q=1 ...]

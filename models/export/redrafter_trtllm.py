@@ -18,7 +18,7 @@ layout (ml-recurrent-drafter `Drafter` / `DrafterConfig`), which is what this wr
 input_proj exists only when exit_dim != 2·hidden_size (our share_lm_head layout); rnn_* only with
 rnn=true. With share_lm_head the frozen base lm_head is written as the drafter's head (the reference
 drafter always carries its own). TensorRT-LLM's draft length excludes the root token, so
-redrafter_draft_len_per_beam = beam_length - 1. Mapping sources are cited in docs/redrafter.md.
+redrafter_draft_len_per_beam = beam_length - 1. Mapping sources are cited in docs/families/redrafter.md.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from core.atomic import write_dir_atomic
 from models.draft import BaseView
-from models.export.specdraft import _atomic_dir_write, draft_tensors, read_tensors
+from models.export.specdraft import draft_tensors, read_tensors
 from models.redrafter import DEFAULT_BEAM_LENGTH, DEFAULT_BEAM_WIDTH, ReDrafterDraft
 
 MODEL_TYPE = "recurrent_drafting_drafter"  # Apple's DrafterConfig.model_type
@@ -74,7 +75,7 @@ def export_redrafter_trtllm(draft, out_dir: Path, base_name: str, base: BaseView
               "exit_dim": draft.exit_dim, "num_draft_layers": draft.num_layers, "rnn": draft.rnn,
               "redrafter_num_beams": width, "redrafter_draft_len_per_beam": length - 1,
               "base_model_name_or_path": base_name, "specdraft_num_heads": draft.num_heads}
-    return _atomic_dir_write(out_dir, {
+    return write_dir_atomic(out_dir, {
         "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
     })

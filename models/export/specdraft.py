@@ -15,9 +15,6 @@ medusa format (for Medusa-compatible serving stacks):
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,33 +22,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from core.atomic import write_dir_atomic
 from models.draft import BaseView
 from models.registry import DRAFT_MODELS
 from models.vocab_map import check_fits
 
 FORMAT_VERSION = 1
-
-
-def _atomic_dir_write(out_dir: Path, files: dict[str, callable]) -> Path:
-    """Write files into a temp dir next to out_dir, then swap it in (no half-written exports)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        for name, write in files.items():
-            write(tmp / name)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
 
 
 def draft_tensors(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -63,7 +39,7 @@ def export_specdraft(draft, out_dir: Path, base_name: str, base_fingerprint: str
     config = {"format": "specdraft", "format_version": FORMAT_VERSION, **draft.export_config(),
               "base_model": base_name, "base_fingerprint": base_fingerprint, **(extra or {})}
     tensors = draft_tensors(draft)
-    return _atomic_dir_write(out_dir, {
+    return write_dir_atomic(out_dir, {
         "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"family": config["family"]}),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
     })
@@ -144,7 +120,7 @@ def export_medusa(draft, out_dir: Path, base_name: str, base: BaseView) -> Path:
     config = {"medusa_num_heads": draft.num_heads, "medusa_num_layers": draft.num_layers,
               "base_model_name_or_path": base_name, "hidden_size": draft.hidden_size,
               "vocab_size": draft.vocab_size}
-    return _atomic_dir_write(out_dir, {
+    return write_dir_atomic(out_dir, {
         "medusa_lm_head.safetensors": lambda p: save_file(tensors, str(p)),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
     })

@@ -1,4 +1,4 @@
-"""EAGLE-3 in the `speculators` format, the one vLLM serves with `method: eagle3` (DESIGN.md §5).
+"""EAGLE-3 in the `speculators` format, the one vLLM serves with `method: eagle3` (docs/concepts.md#draft-families).
 
 Layout (checked against speculators 0.9.0 `models/eagle3/{config,core,model_definitions}.py` and vLLM 0.32
 `model_executor/models/llama_eagle3.py`, `transformers_utils/configs/speculators/{base,algos}.py`):
@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from core.atomic import write_dir_atomic
 from models.draft import BaseView
 from models.eagle3 import Eagle3Draft
-from models.export.specdraft import _atomic_dir_write, read_tensors
+from models.export.specdraft import read_tensors
 
 _DROP_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
                     "auto_map", "quantization_config", "_commit_hash")
@@ -108,7 +109,7 @@ def export_speculators(draft, out_dir: Path, base_name: str, *, verifier: str | 
     config = speculators_config(draft, verifier or verifier_path(base_name),
                                 speculative_tokens or draft.ttt_steps)
     tensors = speculators_tensors(draft, dtype)
-    return _atomic_dir_write(Path(out_dir), {
+    return write_dir_atomic(Path(out_dir), {
         "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
     })

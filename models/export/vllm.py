@@ -1,4 +1,4 @@
-"""`specdraft export --format vllm`: a draft in the layout vLLM loads (DESIGN.md §1 serving engine, §8).
+"""`specdraft export --format vllm`: a draft in the layout vLLM loads (docs/howto/serve.md).
 
 Every vLLM export directory holds `speculative_config.json`: the dict to pass as
 `LLM(..., speculative_config=...)` (its "model" is this directory's absolute path at export time), and, where
@@ -42,8 +42,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from core.atomic import write_dir_atomic
 from models.draft import BaseView
-from models.export.specdraft import _atomic_dir_write, draft_tensors
+from models.export.specdraft import draft_tensors
 from models.registry import FAMILIES
 from models.vocab_map import check_fits
 
@@ -127,13 +128,14 @@ def export_vllm_medusa(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     }
     if d2t is not None:
         files[ENGINE_ARGS_FILE] = lambda p: p.write_text(json.dumps(MEDUSA_TOKEN_MAP_ENGINE_ARGS, indent=2) + "\n")
-    return _atomic_dir_write(out_dir, files)
+    return write_dir_atomic(out_dir, files)
 
 
 def vllm_ngram_config(options: dict) -> dict:
     """Our N-gram options (eval extra: w tokens per row, q query tokens) -> vLLM's speculative_config.
 
-    vLLM proposes one row: its counterpart is our strategy=context with k=1 (eval/serving/serve_check.py runs that)."""
+    vLLM proposes one row: its counterpart is our strategy=longest_match with k=1 (eval/serving/serve_check.py runs
+    that)."""
     w, q = int(options.get("w", 10)), int(options.get("q", 1))
     q_min = int(options.get("q_min") or q)  # 0 / missing: exactly q query tokens
     if w < 1 or not 1 <= q_min <= q:
@@ -143,7 +145,7 @@ def vllm_ngram_config(options: dict) -> dict:
 
 def export_vllm_ngram(options: dict, out_dir: Path) -> Path:
     spec = vllm_ngram_config(options)
-    return _atomic_dir_write(Path(out_dir), {
+    return write_dir_atomic(Path(out_dir), {
         SPECULATIVE_CONFIG_FILE: lambda p: p.write_text(json.dumps(spec, indent=2) + "\n")})
 
 

@@ -2,7 +2,7 @@
 
 "xw": x [N, in] @ W_t, W_t a contiguous [in, out] copy (what MKL on Intel runs fastest for 1-row decode steps).
 "wx": (W [out, in] @ x^T)^T with W in its own layout (what MKL on an AVX2-only AMD EPYC runs fastest for the
-2-16 rows of tree verification; docs/benchmarks.md, "Which dtype").
+2-16 rows of tree verification; docs/lab/benchmarks.md, "Which dtype").
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def matmul_wx(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = No
     contiguous [out, in] weight (fp32 "wx" layout, see fp32_layout). Returns a contiguous [N, out].
     1 and 3 rows get one padding row (a copy of the last): MKL's kernels on the AMD EPYC run those widths slowly,
     a SmolLM2 step of 1 token took 41 ms against 33 ms as 2 rows (as fast as "xw"'s 1-row path), 3 tokens 42 ms
-    against 38 ms as 4; padding 5 to 6 rows made it slower (bench/demo_costs.py, docs/benchmarks.md "Which dtype")."""
+    against 38 ms as 4; padding 5 to 6 rows made it slower (bench/demo_costs.py, docs/lab/benchmarks.md "Which dtype")."""
     n = x.shape[0]
     if n in (1, 3):
         res = None if residual is None else torch.cat([residual, residual[-1:]])
@@ -48,7 +48,7 @@ FP32_LAYOUT_ENV = "SPECDRAFT_FP32_MATMUL"
 
 def fp32_layout(device: torch.device) -> str:
     """How fp32 matmuls run on this CPU: "xw" (x @ W_t, W_t a contiguous [in, out] copy) or "wx" ((W @ x^T)^T
-    with W in its [out, in] layout). MKL on an AVX2-only AMD EPYC (docs/benchmarks.md, "Which dtype") runs the
+    with W in its [out, in] layout). MKL on an AVX2-only AMD EPYC (docs/lab/benchmarks.md, "Which dtype") runs the
     2-16 row products of tree verification 1.4-4x faster as "wx" (lm_head at N=5: 6.4 vs 26 ms), and the body's
     1-row products no slower; the Intel CPU with AVX512-BF16 these defaults were first tuned on ran "xw" 1.3-2x
     faster for N=1. Default: "wx" on AMD, "xw" elsewhere; $SPECDRAFT_FP32_MATMUL=xw|wx overrides."""

@@ -1,4 +1,4 @@
-"""CTC drafter at inference (papers/ctc-drafter.txt §3.3, DESIGN.md §5 "CTC drafter").
+"""CTC drafter at inference (the CTC drafter paper §3.3, docs/families/ctc.md).
 
 Per decode step (t = last committed token, root = x_{t+1} chosen by the base):
     z_t      = the draft's attention module over the committed hidden states (its own KV cache:
@@ -210,8 +210,8 @@ class Options:
 
     ctc_search: str = "static"  # static | joint
     ctc_paths: list | None = None  # explicit rank tuples over the frames, e.g. [[0, 0, 0, 0, 0, 0], [1, 0, ...]]
-    ctc_num_paths: int = 24
-    ctc_topk: int = 4
+    ctc_num_paths: int = 24  # raw candidates per step before collapsing
+    ctc_topk: int = 4  # ranks considered per frame
 
 
 def build(draft, export_cfg: dict, eval_cfg, options: Options):

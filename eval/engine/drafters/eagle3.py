@@ -148,9 +148,9 @@ class Options:
     the draft's scores, so the eval config's `tree` / `tree_choices` do not apply."""
 
     eagle3_mode: str = "tree"  # tree | chain
-    chain_length: int = 4
-    tree_topk: int = 4
-    tree_depth: int = 4
+    chain_length: int = 4  # chain mode: drafted tokens per step
+    tree_topk: int = 4  # tree mode: nodes expanded per depth, children per expanded node
+    tree_depth: int = 4  # tree mode: draft steps per verification
     tree_nodes: int = 16  # the size tree16 has: what a 2-core CPU verifies for about the price of one token
 
 

@@ -1,4 +1,4 @@
-"""Learning-free N-gram drafts (N-grammys §4; DESIGN.md §5 "N-gram"): k rows of up to w tokens each,
+"""Learning-free N-gram drafts (N-grammys §4; docs/families/ngram.md): k rows of up to w tokens each,
 verified in one pass as the paths of a prefix-merged tree (`eval.engine.tree.tree_from_paths`).
 
 Row sources, all continuations AFTER the root (a depth-j node drafts x_{t+1+j}):
@@ -191,13 +191,13 @@ class Options:
     context | bigram | unigram | longest_match (vLLM's prompt lookup with k=1); the model bigram table keeps the
     top table_k successors of every token, built in batches of batch_size forwards."""
 
-    k: int = 10
-    w: int = 10
-    q: int = 1
-    q_min: int = 0
-    strategy: str = "mixed"
-    table_k: int = 32
-    batch_size: int = 256
+    k: int = 10  # rows (candidate continuations) per step
+    w: int = 10  # tokens per row
+    q: int = 1  # longest context n-gram query, in tokens
+    q_min: int = 0  # shortest query for longest_match; 0 = q
+    strategy: str = "mixed"  # mixed | context | bigram | unigram | longest_match
+    table_k: int = 32  # successors kept per token in the model bigram table
+    batch_size: int = 256  # tokens per forward while building the bigram table
 
 
 def ngram_options(extra: dict) -> dict:

@@ -1,4 +1,4 @@
-"""ReDrafter at inference: beam search over the recurrent head, then a dynamic tree (papers/redrafter.txt).
+"""ReDrafter at inference: beam search over the recurrent head, then a dynamic tree (the ReDrafter paper).
 
 Each step: W beams of length L (root + L-1 drafts) from `eval.engine.beam_search.beam_search` on h_t and the
 root; beams share prefixes, so `eval.engine.tree.tree_from_paths` (the paper's tensor prefix matching) packs them
@@ -9,7 +9,7 @@ Acceptance: greedy is lossless through the common verifier. For rejection sampli
 deterministic picks (no randomness, made before verification), so the tree is passed with
 draft_probs=None and `eval.engine.acceptance.rejection_tree` treats each child as a point mass: accept child x
 with prob r(x), else zero r(x) and renormalise. That rule is exact for any fixed set of distinct children
-(docs/redrafter.md), so sampling stays lossless. The drafter's own log-probabilities are kept per beam
+(docs/families/redrafter.md), so sampling stays lossless. The drafter's own log-probabilities are kept per beam
 (`last_beams`) for analysis; they are not needed for acceptance.
 
 Compression (the paper's Figure 5b): every step adds the tree's node count to `total_tokens_packed` and
