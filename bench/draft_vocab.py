@@ -157,7 +157,8 @@ def main() -> None:
     caches = {}
     for name, ds in () if args.coverage_only else (("train", train_sub), ("val", val_sub)):
         key = cache_key(base.fingerprint, base.model.dtype, ds, "bf16")
-        d = build_hidden_cache(HiddenStates(base.model), ds, root / "hidden" / key, pad_id=pad_id, device=torch.device("cpu"),
+        d = build_hidden_cache(HiddenStates(base.model), ds, root / "hidden" / key, pad_id=pad_id,
+                               device=torch.device("cpu"),
                                micro_batch_size=4, info={"key": key, "base": base.name,
                                                          "base_fingerprint": base.fingerprint,
                                                          "base_dtype": str(base.model.dtype)})

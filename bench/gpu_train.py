@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from train.config import family_recipes
+
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = {"medusa": "configs/medusa.yaml", "hydra": "configs/hydra.yaml", "hydra_pp": "configs/hydra_pp.yaml",
-           "redrafter": "configs/redrafter.yaml", "ctc": "configs/ctc.yaml",
-           "eagle3": "configs/eagle3.yaml"}
+RECIPES = family_recipes()  # every configs/*.yaml that names a draft family
 
 
 def run_one(family: str, zero: int, args, run_dir: Path) -> dict:

@@ -132,7 +132,8 @@ def generate() -> str:
         if not dataclasses.fields(spec.options):
             lines += ["No options of its own: " + (doc or "it drafts with the eval config's keys.") + "", ""]
             continue
-        lines += [doc, "", "| key | type | default | meaning |", "|---|---|---|---|", *table(spec.options, "extra."), ""]
+        lines += [doc, "", "| key | type | default | meaning |", "|---|---|---|---|", *table(spec.options, "extra."),
+                  ""]
     lines += section("Compare (`specdraft compare`)",
                      "Configs: `configs/compare*.yaml`. Class `eval.harness.compare_config.CompareConfig`; the rows "
                      "(`drafts`) and `settings` are described in its module docstring.", CompareConfig)

@@ -136,8 +136,8 @@ def cmd_export(args) -> int:
     formats = family_facts(family).export_formats
     if args.format not in formats:
         table = "; ".join(f"{n}: {', '.join(f.export_formats)}" for n, f in FAMILIES.items())
-        raise ValueError(f"--format {args.format}: a {family} draft exports as {', '.join(formats)} (formats by family: "
-                         f"{table})")
+        raise ValueError(f"--format {args.format}: a {family} draft exports as {', '.join(formats)} (formats by "
+                         f"family: {table})")
     loaded = load_export(src)
     draft, config, view = loaded.draft, loaded.config, loaded.view
     if args.format == "medusa":

@@ -1,4 +1,5 @@
-"""Self-distillation (Medusa-2 §2.3; docs/concepts.md#on-policy-data): replace ShareGPT's ChatGPT answers with the base's own.
+"""Self-distillation (Medusa-2 §2.3; docs/concepts.md#on-policy-data): replace ShareGPT's ChatGPT answers with
+the base's own.
 
 A draft head learns to predict what the *base* will say next; trained on ChatGPT's answers it learns a
 different distribution, and acceptance suffers. So we keep the ShareGPT prompts and regenerate every

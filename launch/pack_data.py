@@ -1,4 +1,4 @@
-"""Prepare, on this machine, the data a GPU run carries (docs/howto/gpu_kit.md; docs/howto/gpu_kit.md): everything lands in the
+"""Prepare, on this machine, the data a GPU run carries (docs/howto/gpu_kit.md): everything lands in the
 git-ignored folder .gpudata/ (or --out), in pieces that each fit one device-tool call (64 MiB in all).
 
     python launch/pack_data.py                        # all three pieces below (or: make gpu-data)

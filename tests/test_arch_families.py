@@ -79,8 +79,9 @@ def test_hidden_cache_rows_equal_the_base_forward(arch, tmp_path):
     base = load_base(f"tiny-{arch}")
     ds, _ = build_datasets(base.tokenizer, "tests/fixtures/sharegpt_tiny.json", max_records=None, max_length=96,
                            val_fraction=0.2, seed=0, cache_dir=tmp_path / "data", min_assistant_tokens=1)
-    cache = HiddenCache(build_hidden_cache(HiddenStates(base.model), ds, tmp_path / "c", pad_id=0, device=torch.device("cpu"),
-                                           micro_batch_size=3, shard_rows=4, cache_dtype="fp32"))
+    cache = HiddenCache(build_hidden_cache(HiddenStates(base.model), ds, tmp_path / "c", pad_id=0,
+                                           device=torch.device("cpu"), micro_batch_size=3, shard_rows=4,
+                                           cache_dtype="fp32"))
     lengths = [len(ds[i]["input_ids"]) for i in range(len(ds))]
     assert max(lengths) > 2 * 16 and len(set(lengths[:3])) > 1  # windows crossed, rows really padded
     for i in range(min(len(ds), 6)):

@@ -1,4 +1,5 @@
-"""models/base.py and models/smollm2_gguf.py: loading the frozen base, the hidden-state helper, fingerprints, the GGUF cache."""
+"""models/base.py and models/smollm2_gguf.py: loading the frozen base, the hidden-state helper, fingerprints, the
+GGUF cache."""
 
 from __future__ import annotations
 

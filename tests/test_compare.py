@@ -215,16 +215,18 @@ def test_target_table_and_splice():
     assert splice("", "S").startswith("# Results") and splice("x", "S") == "x\n\nS\n"
 
 
-@pytest.mark.parametrize("extra, shape", [
-    ({"eagle3_mode": "chain", "chain_length": 4, "max_nodes": 5}, "chain of 4"),
-    ({"eagle3_mode": "tree", "max_nodes": 16}, "dynamic tree, 16 nodes"),
-    ({"tree": "custom", "tree_nodes": 17, "tree_search_nodes": 16}, "searched, 16 nodes"),
-    ({"tree": "export", "tree_nodes": 2}, "export's tree, 2 nodes"),
-    ({"tree": "chain4", "tree_nodes": 5}, "chain4, 5 nodes"),
-    ({"beam_width": 8, "beam_length": 3}, "8 beams × 3"),
+@pytest.mark.parametrize("method, extra, shape", [
+    ("eagle3", {"eagle3_mode": "chain", "chain_length": 4, "max_nodes": 5}, "chain of 4"),
+    ("eagle3", {"eagle3_mode": "tree", "max_nodes": 16}, "dynamic tree, 16 nodes"),
+    ("hydra", {"tree": "custom", "tree_nodes": 17, "tree_search_nodes": 16}, "searched, 16 nodes"),
+    ("medusa", {"tree": "export", "tree_nodes": 2}, "export's tree, 2 nodes"),
+    ("medusa", {"tree": "chain4", "tree_nodes": 5}, "chain4, 5 nodes"),
+    ("redrafter", {"beam_width": 8, "beam_length": 3}, "8 beams × 3"),
+    ("ctc", {"ctc_num_paths": 8}, "8 CTC paths"),
+    ("ngram", {"k": 4, "w": 4}, "k=4 w=4"),
 ])
-def test_draft_shape_column_names_each_drafts_shape(extra, shape):
-    assert _shape({"extra": extra}) == shape
+def test_draft_shape_column_names_each_drafts_shape(method, extra, shape):
+    assert _shape({"method": method, "extra": extra}) == shape
 
 
 @pytest.mark.parametrize("patch, message", [

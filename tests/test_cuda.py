@@ -29,7 +29,7 @@ from models.draft import BaseView
 from models.ngram import build_bigram_table
 from models.registry import DRAFT_MODELS
 from models.tiny import diverse_tiny_llama, tiny_llama
-from train.config import DraftSection
+from train.config import DraftSection, family_recipes
 
 # SPECDRAFT_CUDA_TESTS_ON_CPU=1 runs this module's logic on the CPU (no compile, gloo instead of NCCL): a check
 # of the tests themselves where no GPU is available. It proves nothing about CUDA.
@@ -261,8 +261,7 @@ def test_bf16_lossless_or_documented_tie(fp32_model, bf16_compiled, name):
 
 # ---- DeepSpeed on one GPU: NCCL, bf16, ZeRO 0/2, resume ---------------------------------------------
 
-RECIPES = {"medusa": "configs/medusa.yaml", "hydra": "configs/hydra.yaml", "hydra_pp": "configs/hydra_pp.yaml",
-           "redrafter": "configs/redrafter.yaml", "ctc": "configs/ctc.yaml", "eagle3": "configs/eagle3.yaml"}
+RECIPES = family_recipes()  # every configs/*.yaml that names a draft family
 # Constant LR (no warmup, no decay): a run of 2 steps resumed to 4 must equal an uninterrupted 4-step run.
 _CONST = ["train.warmup_ratio=0.0", "train.min_lr_ratio=1.0", "train.precision=bf16", "train.log_every=1",
           "train.val_batches=1", "wandb.enabled=false", "train.global_batch_size=4", "train.micro_batch_size=2"]

@@ -85,7 +85,8 @@ def test_ranks_write_disjoint_round_robin_shards_that_add_up_to_a_one_rank_build
                            val_fraction=0.2, seed=0, cache_dir=tmp_path / "data", min_assistant_tokens=1)
 
     def build(directory, ranks=None):
-        return build_hidden_cache(HiddenStates(base.model), ds, directory, pad_id=0, device=torch.device("cpu"), micro_batch_size=3,
+        return build_hidden_cache(HiddenStates(base.model), ds, directory, pad_id=0, device=torch.device("cpu"),
+                                  micro_batch_size=3,
                                   shard_rows=4, cache_dtype="fp32", info={"key": "k"}, ranks=ranks)
 
     reference = _files(build(tmp_path / "one"))

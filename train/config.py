@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from core.config_loader import ConfigError, load_typed
+from core.paths import CONFIGS
 
 
 @dataclass
 class BaseSection:
     path: str = "smollm2"  # "smollm2" (packaged GGUF), "tiny" / "tiny-<arch>" (random, tests), or an HF model directory
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16
-    partition: str = "none"  # none = whole base on every rank | zero3 = ZeRO-3 partitions, gathered per layer (docs/howto/large_bases.md)
+    partition: str = "none"  # none = whole base on every rank | zero3 = ZeRO-3 partitions, gathered per layer
+    # (docs/howto/large_bases.md)
 
 
 @dataclass
@@ -234,3 +236,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def load_train_config(config_paths: list[str] | None = None, overrides: list[str] | None = None) -> TrainConfig:
     return validate(load_typed(TrainConfig, config_paths, overrides))
+
+
+def family_recipes(configs_dir: Path | None = None) -> dict[str, str]:
+    """Recipe name -> path (relative to the checkout) of every family recipe: a configs/<name>.yaml whose name starts
+    with the draft family it sets (medusa, hydra, hydra_pp, ...; an overlay such as demo.yaml that also sets one is
+    not a recipe). A new family's recipe is picked up by the benchmarks and GPU checks that train every one."""
+    import yaml
+
+    configs_dir = configs_dir or CONFIGS
+    out = {}
+    for path in sorted(configs_dir.glob("*.yaml")):
+        draft = (yaml.safe_load(path.read_text()) or {}).get("draft") or {}
+        if "family" in draft and path.stem.split("_")[0] == draft["family"]:
+            out[path.stem] = str(path.relative_to(configs_dir.parent))
+    return out

@@ -157,7 +157,8 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
     engine_columns: runs a serving engine on this setting's prompts afterwards (the CLI passes vLLM's,
     eval/serving/compare_vllm.py; the harness never imports an engine): called as
     engine_columns(name, ecfg, methods, entries, reports, done, prompts, base, out_dir, redo=, this_pass=), its
-    result goes under the returned dict's "vllm" key ({"error": message} when the engine could not run). redo: labels to run again although stored (with fresh baselines beside them)."""
+    result goes under the returned dict's "vllm" key ({"error": message} when the engine could not run).
+    redo: labels to run again although stored (with fresh baselines beside them)."""
     model, tok = base.model, base.tokenizer
     ecfg = _heldout_skip(entries, name, ecfg)
     methods = _build_methods(entries, name, ecfg, base)
@@ -287,7 +288,8 @@ def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greed
 
 
 class _Gen:
-    """A stored prompts.jsonl row seen through the decoder's result interface (what eval.harness.runner._result reads)."""
+    """A stored prompts.jsonl row seen through the decoder's result interface (what eval.harness.runner._result
+    reads)."""
 
     def __init__(self, row: dict):
         self.tokens = row["tokens"]

@@ -135,22 +135,11 @@ def _f(x, spec=".2f", none="—") -> str:
 
 
 def _shape(rep: dict) -> str:
-    ex = rep.get("extra", {})
-    if "beam_width" in ex:
-        return f"{ex['beam_width']} beams × {ex['beam_length']}"
-    if "ctc_num_paths" in ex:
-        return f"{ex['ctc_num_paths']} CTC paths"
-    if "k" in ex and "w" in ex:
-        return f"k={ex['k']} w={ex['w']}"
-    if ex.get("eagle3_mode") == "chain":
-        return f"chain of {ex.get('chain_length', '?')}"
-    if ex.get("eagle3_mode") == "tree":  # EAGLE-2's dynamic tree: top-k expansions, reranked to max_nodes
-        return f"dynamic tree, {ex.get('max_nodes', '?')} nodes"
-    if ex.get("tree_search_nodes"):
-        return f"searched, {ex['tree_search_nodes']} nodes"
-    if ex.get("tree") == "export":  # the tree stored in the export (`specdraft tree-search` writes it), root included
-        return f"export's tree, {ex.get('tree_nodes', '?')} nodes"
-    return f"{ex.get('tree', '?')}, {ex.get('tree_nodes', '?')} nodes"
+    """The row's draft shape, as its family describes it (eval/engine/drafters/<family>.py `shape`)."""
+    from eval.engine.drafters.registry import DRAFTERS
+
+    spec = DRAFTERS.get(rep.get("method"))
+    return spec.shape(rep.get("extra", {})) if spec else "?"
 
 
 def training_table(rows: list[tuple[str, dict]]) -> list[str]:
@@ -205,7 +194,8 @@ def setting_table(name: str, st: dict) -> list[str]:
     if tols:
         out += ["", f"Ties: prompts whose output differs from plain greedy decoding only at a position where the "
                 f"base's top-2 logits are within the measured {c['dtype']} rounding difference between a tree and a "
-                f"one-token forward (tolerance {max(tols):.3g}; eval/harness/lossless.py); mismatches are real failures."]
+                f"one-token forward (tolerance {max(tols):.3g}; eval/harness/lossless.py); mismatches are real "
+                "failures."]
     return out
 
 
@@ -243,7 +233,8 @@ def target_table(st: dict, targets: Targets) -> list[str]:
     if v and targets.vllm_speedup_vs_ar is not None:
         s, label = max(v)
         goal = targets.vllm_speedup_vs_ar
-        out.append(f"| vLLM + best draft vs vLLM AR | ≥ {goal}× | {s:.2f}× ({label}) | {'yes' if s >= goal else 'no'} |")
+        met = "yes" if s >= goal else "no"
+        out.append(f"| vLLM + best draft vs vLLM AR | ≥ {goal}× | {s:.2f}× ({label}) | {met} |")
     return out
 
 
@@ -494,7 +485,9 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
                   "vLLM: the chain row served by vLLM (table below). Hidden set: held-out ShareGPT, never tuned on.",
                   ""] + head
     first = next(iter(settings.values()), None)
-    if targets and first is not None and first["config"]["dataset"] == "mtbench" and first["config"]["temperature"] == 0:
+    greedy_mtbench = (first is not None and first["config"]["dataset"] == "mtbench"
+                      and first["config"]["temperature"] == 0)
+    if targets and greedy_mtbench:
         lines += ["", "### Targets (the compare config's; greedy, MT-bench)", ""] + target_table(first, targets)
     for name, st in settings.items():
         lines += [""] + setting_table(name, st)

@@ -28,7 +28,8 @@ def matmul_wx(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None = No
     contiguous [out, in] weight (fp32 "wx" layout, see fp32_layout). Returns a contiguous [N, out].
     1 and 3 rows get one padding row (a copy of the last): MKL's kernels on the AMD EPYC run those widths slowly,
     a SmolLM2 step of 1 token took 41 ms against 33 ms as 2 rows (as fast as "xw"'s 1-row path), 3 tokens 42 ms
-    against 38 ms as 4; padding 5 to 6 rows made it slower (bench/demo_costs.py, docs/lab/benchmarks.md "Which dtype")."""
+    against 38 ms as 4; padding 5 to 6 rows made it slower (bench/demo_costs.py, docs/lab/benchmarks.md "Which
+    dtype")."""
     n = x.shape[0]
     if n in (1, 3):
         res = None if residual is None else torch.cat([residual, residual[-1:]])

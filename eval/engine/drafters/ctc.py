@@ -229,3 +229,7 @@ def chain(depth: int) -> dict:
 
 def chain_depth(info: dict, drafter) -> int:
     return chain(0)
+
+
+def shape(info: dict) -> str:
+    return f"{info.get('ctc_num_paths', '?')} CTC paths"

@@ -1,4 +1,5 @@
-"""The drafting interface: every family turns a `DecodeState` into a `Tree` (docs/concepts.md#the-offset-rule, #verification).
+"""The drafting interface: every family turns a `DecodeState` into a `Tree` (docs/concepts.md#the-offset-rule,
+#verification).
 
 Timeline of one decode step, t = index of the last committed token:
     committed ids x_1..x_t are in the base KV cache; the base already chose root = x_{t+1} from h_t;

@@ -172,3 +172,9 @@ def chain_depth(info: dict, drafter) -> int:
         raise ValueError("serving engines draft EAGLE-3 as a chain: give this row `eval: {extra: {eagle3_mode: chain, "
                          "chain_length: K}}`")
     return int(info["chain_length"])
+
+
+def shape(info: dict) -> str:
+    if info.get("eagle3_mode") == "chain":
+        return f"chain of {info.get('chain_length', '?')}"
+    return f"dynamic tree, {info.get('max_nodes', '?')} nodes"  # EAGLE-2: top-k expansions, reranked to max_nodes

@@ -13,7 +13,12 @@ from torch import nn
 
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
-from eval.engine.drafters.static import build_static_tree_drafter, static_chain, static_chain_depth
+from eval.engine.drafters.static import (
+    build_static_tree_drafter,
+    static_chain,
+    static_chain_depth,
+    static_shape,
+)
 from eval.engine.tree import StaticTree, Tree
 from models.vocab_map import to_base_ids, to_draft_labels
 
@@ -99,3 +104,4 @@ def build(draft, export_cfg: dict, eval_cfg, options: Options):
 
 chain = static_chain
 chain_depth = static_chain_depth
+shape = static_shape

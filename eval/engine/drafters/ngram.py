@@ -233,3 +233,7 @@ def chain_depth(info: dict, drafter) -> int:
         raise ValueError("serving engines' n-gram is one prompt-lookup row: give this row `eval: {extra: {k: 1, "
                          "strategy: longest_match, w: W, q: Q, q_min: QMIN}}`")
     return int(info["w"])
+
+
+def shape(info: dict) -> str:
+    return f"k={info.get('k', '?')} w={info.get('w', '?')}"

@@ -88,3 +88,7 @@ def chain_depth(info: dict, drafter) -> int:
     if info.get("beam_width") != 1:
         raise ValueError("a chain is one beam: give this row `eval: {extra: {beam_width: 1, beam_length: L}}`")
     return int(info["beam_length"]) - 1
+
+
+def shape(info: dict) -> str:
+    return f"{info.get('beam_width', '?')} beams × {info.get('beam_length', '?')}"

@@ -5,6 +5,7 @@ Each family's drafter module declares, next to its Drafter class:
     build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info)
     chain         depth -> EvalConfig overrides that make it draft a chain of top-1 tokens, what serving engines run
     chain_depth   (report info, drafter) -> drafted tokens per step of a row shaped as that chain (ValueError: how)
+    shape         report info -> the draft's shape in a table cell ("tree16, 16 nodes", "8 beams × 3")
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ class DrafterFamily:
     build: Callable | None  # None: learning-free (no export to build from; ngram.build_ngram_drafter)
     chain: Callable[[int], dict]
     chain_depth: Callable[[dict, object], int]
+    shape: Callable[[dict], str]
 
     @classmethod
     def of(cls, module: ModuleType, trained: bool = True) -> DrafterFamily:
-        return cls(module.Options, module.build if trained else None, module.chain, module.chain_depth)
+        return cls(module.Options, module.build if trained else None, module.chain, module.chain_depth, module.shape)
 
     def option_names(self) -> list[str]:
         return option_names(self.options)

@@ -50,3 +50,12 @@ def static_chain_depth(info: dict, drafter) -> int:
         raise ValueError("serving engines draft a chain of each head's top-1: give this row `eval: {tree: chain4}` "
                          "(or tree_choices [[0], [0, 0], ...])")
     return len(choices)
+
+
+def static_shape(info: dict) -> str:
+    """The draft shape in a table cell, from the report info of a static-tree row."""
+    if info.get("tree_search_nodes"):
+        return f"searched, {info['tree_search_nodes']} nodes"
+    if info.get("tree") == "export":  # the tree stored in the export (`specdraft tree-search` writes it), root included
+        return f"export's tree, {info.get('tree_nodes', '?')} nodes"
+    return f"{info.get('tree', '?')}, {info.get('tree_nodes', '?')} nodes"
