@@ -154,18 +154,23 @@ def _iter_records(path: Path, stats: ReadStats, skipped: Counter) -> Iterator[ob
     """Yield decoded top-level records; set stats.truncated/lost_* if the file ends inside one."""
     with open(path, "rb") as f:
         decoder = codecs.getincrementaldecoder("utf-8")()
-        head = _read_chunk(f, decoder)
-        while head and head[0] in _WHITESPACE + "\ufeff":
-            head = head.lstrip(_WHITESPACE + "\ufeff") or _read_chunk(f, decoder)
-        if not head:
-            return  # empty file: read_sharegpt reports "no valid conversation"
-        if head[0] == "[":
-            yield from _iter_json_list(f, decoder, head, stats)
-        elif head[0] == "{":
-            yield from _iter_jsonl(f, decoder, head, stats, skipped)
-        else:
-            raise ValueError(f"{path}: not ShareGPT JSON/JSONL (starts with {head[:20]!r}); expected a JSON "
-                             "list of records `[{\"conversations\": [...]}, ...]` or one record per line")
+        try:
+            head = _read_chunk(f, decoder)
+            while head and head[0] in _WHITESPACE + "\ufeff":
+                head = head.lstrip(_WHITESPACE + "\ufeff") or _read_chunk(f, decoder)
+            if not head:
+                return  # empty file: read_sharegpt reports "no valid conversation"
+            if head[0] == "[":
+                yield from _iter_json_list(f, decoder, head, stats)
+            elif head[0] == "{":
+                yield from _iter_jsonl(f, decoder, head, stats, skipped)
+            else:
+                raise ValueError(f"{path}: not ShareGPT JSON/JSONL (starts with {head[:20]!r}); expected a JSON "
+                                 "list of records `[{\"conversations\": [...]}, ...]` or one record per line")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path}: not UTF-8 text (byte {err.object[err.start:err.start + 1]!r} in the chunk "
+                             f"ending at byte {f.tell()}: {err.reason}); ShareGPT files are UTF-8 JSON: convert it, "
+                             f"e.g. `iconv -f latin1 -t utf-8 {path} > fixed.json`") from None
 
 
 def _read_chunk(f, decoder) -> str:

@@ -24,6 +24,8 @@ class FamilyFacts:
     # draft a chain of top-1 tokens; its drafter module says how deep (chain_depth, eval/engine/drafters/registry.py).
     vllm_method: str | None = None
     trainable: bool = True  # False: learning-free (no model to train, no export of weights)
+    # Keys its export's config.json must have besides the common ones (checked by models/export/schema.py).
+    export_keys: tuple[str, ...] = ()
 
     def __post_init__(self):
         unknown = sorted(set(self.export_formats) - set(EXPORT_FORMATS))

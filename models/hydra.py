@@ -93,7 +93,8 @@ class HydraHead(nn.Module):
 
 
 class HydraDraft(DraftVocabMixin, DraftModel):
-    facts = FamilyFacts("hydra", "Hydra", ("specdraft",))
+    facts = FamilyFacts("hydra", "Hydra", ("specdraft",),
+                        export_keys=("num_heads", "num_layers"))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

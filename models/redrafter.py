@@ -47,7 +47,8 @@ DEFAULT_BEAM_LENGTH = 5  # counts the root: 4 draft tokens per beam
 
 
 class ReDrafterDraft(DraftVocabMixin, DraftModel):
-    facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"))
+    facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"),
+                        export_keys=("num_heads", "num_layers"))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

@@ -298,8 +298,9 @@ def test_sharegpt_skip_counts_only_the_drafts_of_that_setting(tmp_path):
     def export(name: str, max_records):
         d = tmp_path / name
         d.mkdir()
-        (d / "config.json").write_text(json.dumps({"format": "specdraft", "family": "medusa", "train_data": {
-            "source": "sharegpt", "max_records": max_records}}))
+        (d / "config.json").write_text(json.dumps({
+            "format": "specdraft", "family": "medusa", "base_model": "tiny", "hidden_size": 64, "vocab_size": 320,
+            "num_heads": 2, "num_layers": 1, "train_data": {"source": "sharegpt", "max_records": max_records}}))
         return d
 
     cpu = DraftEntry("cpu", export("cpu", 2400), None, None, None, {})

@@ -278,7 +278,7 @@ def tiny_export(tmp_path):
     base = load_base("tiny")
     draft = MedusaDraft(num_heads=3, num_layers=1, base=BaseView.from_model(base.model))
     return export_specdraft(draft, tmp_path / "run" / "export", "tiny", base.fingerprint,
-                            extra={"keep_me": 1})
+                            extra={"train_seconds": 12.5})
 
 
 def test_cli_stores_the_tree_and_eval_uses_it(tiny_export, capsys):
@@ -287,7 +287,7 @@ def test_cli_stores_the_tree_and_eval_uses_it(tiny_export, capsys):
     assert main(["tree-search", "--draft", str(tiny_export), *TINY_ARGS]) == 0, capsys.readouterr().err
     config = json.loads((tiny_export / "config.json").read_text())
     result = json.loads((tiny_export.parent / "tree_search" / "tree_search.json").read_text())
-    assert config["keep_me"] == 1 and config["family"] == "medusa"  # other keys survive the rewrite
+    assert config["train_seconds"] == 12.5 and config["family"] == "medusa"  # other keys survive the rewrite
     assert result["sizes"] == candidate_sizes([1, 2, 4], len(result["nodes"]))
     assert config["tree"] == result["chosen_tree"] and result["chosen_size"] in result["sizes"]
     assert len(config["tree"]) == config["tree_search"]["chosen_size"]

@@ -24,6 +24,15 @@ from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
 from models.draft import BaseView
+from models.export.schema import (
+    ExportError,
+    check_export_config,
+    check_sha256,
+    check_tensors,
+    file_sha256,
+    read_json_file,
+    safetensors_shapes,
+)
 from models.registry import DRAFT_MODELS
 from models.vocab_map import check_fits
 
@@ -38,44 +47,61 @@ def draft_tensors(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
 def export_specdraft(draft, out_dir: Path, base_name: str, base_fingerprint: str, extra: dict | None = None) -> Path:
     config = {"format": "specdraft", "format_version": FORMAT_VERSION, **draft.export_config(),
               "base_model": base_name, "base_fingerprint": base_fingerprint, **(extra or {})}
+    config.pop("model_sha256", None)  # a re-export records its own file's hash
     tensors = draft_tensors(draft)
+
+    def write_config(path: Path) -> None:  # after model.safetensors: records the sha256 of its bytes
+        sha = file_sha256(path.parent / "model.safetensors")
+        path.write_text(json.dumps({**config, "model_sha256": sha}, indent=2) + "\n")
+
     return write_dir_atomic(out_dir, {
         "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"family": config["family"]}),
-        "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
+        "config.json": write_config,
     })
 
 
 def read_export_config(export_dir: Path) -> dict:
+    """config.json of a specdraft export, checked against the typed schema (models/export/schema.py)."""
     path = Path(export_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"no config.json in {export_dir}: pass the export directory of a finished run "
             f"(runs/<run>/export), which `specdraft train` writes at the end")
-    config = json.loads(path.read_text())
-    if config.get("format") != "specdraft":
-        raise ValueError(f"{path} is not a specdraft export (format={config.get('format')!r})")
-    return config
+    config = read_json_file(path, "the export's config.json")
+    if not isinstance(config, dict) or config.get("format") != "specdraft":
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise ExportError(f"{path} is not a specdraft export (format={found!r}); pass runs/<run>/export")
+    family = config.get("family")
+    if family not in DRAFT_MODELS:
+        raise ExportError(f"{path}: unknown draft family {family!r}; known: {', '.join(DRAFT_MODELS)}")
+    return check_export_config(config, path, DRAFT_MODELS[family].facts.export_keys)
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    safetensors_shapes(path)  # a damaged file is a clear error naming it, not a raw SafetensorError
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def load_draft(export_dir: Path, base: BaseView, base_fingerprint: str | None = None):
-    """Rebuild a draft from its export on top of an already loaded base. Returns (draft, config)."""
+    """Rebuild a draft from its export on top of an already loaded base. Returns (draft, config).
+
+    Every file is checked before it is used: config.json against the schema, model.safetensors against the sha256
+    the export recorded and its header against the tensors the configured draft needs."""
     config = read_export_config(export_dir)
     if base_fingerprint is not None and config.get("base_fingerprint") not in (None, base_fingerprint):
         raise ValueError(
             f"{export_dir} was trained on base {config.get('base_model')!r} with fingerprint "
             f"{config['base_fingerprint']}, but the loaded base has fingerprint {base_fingerprint}; "
             f"load the same base (base.path={config.get('base_model')})")
-    family = config.get("family")
-    if family not in DRAFT_MODELS:
-        raise ValueError(f"{export_dir}: unknown draft family {family!r}; known: {sorted(DRAFT_MODELS)}")
-    tensors = read_tensors(Path(export_dir) / "model.safetensors")
+    family = config["family"]
+    path = Path(export_dir) / "model.safetensors"
+    found = safetensors_shapes(path)
+    check_sha256(path, config.get("model_sha256"))
+    tensors = read_tensors(path)
     base = _with_export_map(export_dir, config, tensors, base)
     draft = DRAFT_MODELS[family].from_export_config(config, base)
+    check_tensors(path, found, {k: tuple(v.shape) for k, v in draft.state_dict().items()})
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{export_dir}: tensors do not match a {family} draft with this config "
