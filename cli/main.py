@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="build the hidden-state cache of a training config (N ranks: "
                        "launch/build_cache.py under deepspeed)")
+    p.add_argument("--verify", action="store_true", help="also check every shard's sha256 (not only its size) and "
+                   "rebuild the bad ones (= data.hidden_cache_verify=true)")
     _add_config_args(p, "the same configs as `specdraft train`")
 
     p = sub.add_parser("eval", help="measure a draft (or --method ngram) with the speculative decoder")
@@ -118,7 +120,8 @@ def cmd_cache(args) -> int:
     from train.cache_build import build_cache
     from train.config import load_train_config
 
-    build_cache(load_train_config(args.config, args.overrides))  # rank 0 prints where it is
+    overrides = [*args.overrides, *(["data.hidden_cache_verify=true"] if args.verify else [])]
+    build_cache(load_train_config(args.config, overrides))  # rank 0 prints where it is
     return 0
 
 
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"specdraft {args.command}: config error: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # bad input or a damaged file: the message says which and how to fix it
         print(f"specdraft {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -32,11 +32,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from core.atomic import atomic_path, write_text_atomic
+from core.checksum import file_sha256
 from data.dataset import collate
 
 log = logging.getLogger(__name__)
@@ -104,14 +105,15 @@ def shard_owner(shard: int, world_size: int) -> int:
 def build_hidden_cache(base_forward, dataset, directory: str | os.PathLike, *, pad_id: int, device: torch.device,
                        micro_batch_size: int = 4, shard_rows: int = 256, cache_dtype: str = "bf16",
                        info: dict | None = None, aux_layers: list[int] | None = None,
-                       ranks: RankGroup | None = None) -> Path:
+                       ranks: RankGroup | None = None, verify: bool = False) -> Path:
     """Write the cache for `dataset` (rows with input_ids / loss_mask) into `directory`; return it.
 
     `base_forward(ids, attn, aux_layers) -> (h [b, T, d], aux [b, T, k*d] or None)` is the frozen base's forward
     with a `hidden_size` attribute (models.base.HiddenStates): data/ runs it without knowing the model code.
     Runs it over micro-batches of `micro_batch_size` right-padded rows; padding never
     changes a real token's h (causal attention, padding at the end), and only real tokens are stored.
-    Skips work already done: a complete cache returns at once, finished shards of a killed build are kept.
+    Skips work already done: a complete cache returns at once, finished shards of a killed build are kept. A
+    complete cache whose shards fail their check (size always; sha256 too with `verify`) gets only those rebuilt.
     With `ranks` (N processes, a directory every rank sees) each rank builds its own shards, rank 0 shows
     the whole job's progress (the done-token count is all-reduced after every micro-batch step) and writes
     the manifest once every rank has finished; collective: every rank of the group must call it.
@@ -123,7 +125,17 @@ def build_hidden_cache(base_forward, dataset, directory: str | os.PathLike, *, p
     key = (info or {}).get("key")
     _check_key(directory, key)  # every rank: all of them fail alike on another run's directory
     if (directory / "manifest.json").is_file():
-        return directory
+        bad = check_shards(directory, verify=verify)  # every rank reads the same files: they agree
+        if not bad:
+            return directory
+        ranks.barrier()
+        if ranks.is_main:  # this run owns the build: drop the bad shards and the manifest, rebuild only those
+            print(f"hidden-state cache {directory}: {len(bad)} bad shard(s), rebuilding only those: "
+                  + "; ".join(f"{_shard_path(directory, i).name}: {why}" for i, why in bad.items()), flush=True)
+            for i in bad:
+                _shard_path(directory, i).unlink(missing_ok=True)
+            (directory / "manifest.json").unlink()
+        ranks.barrier()
     if ranks.is_main:
         directory.mkdir(parents=True, exist_ok=True)
         write_text_atomic(directory / "key.json", json.dumps({"key": key}) + "\n")  # claims the dir for this data
@@ -185,9 +197,12 @@ def build_hidden_cache(base_forward, dataset, directory: str | os.PathLike, *, p
         if missing:
             raise RuntimeError(f"hidden-state cache {directory}: shards {missing[:5]} missing after every rank "
                                "finished; the ranks must share one file system (put data.cache_dir on it)")
+        # Size and sha256 of every shard (whichever rank or earlier run wrote it): what opening the cache checks.
+        files = [{"file": _shard_path(directory, i).name, "bytes": _shard_path(directory, i).stat().st_size,
+                  "sha256": file_sha256(_shard_path(directory, i))} for i in range(n_shards)]
         manifest = {"version": CACHE_VERSION, "rows": n_rows, "tokens": tokens, "hidden_size": hidden_size,
                     "shard_rows": shard_rows, "shards": n_shards, "dtype": cache_dtype, "aux_layers": aux_layers,
-                    **(info or {})}
+                    "shard_files": files, **(info or {})}
         write_text_atomic(directory / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     ranks.barrier()  # nobody opens the cache before the manifest exists
     return directory
@@ -224,22 +239,63 @@ def _check_key(directory: Path, key: str | None) -> None:
                          "per key")
 
 
+class CacheError(ValueError):
+    """A hidden-state cache that cannot be read as it is; the message names the shards and the fix."""
+
+
+def read_manifest(directory: Path) -> dict:
+    path = Path(directory) / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+        int(manifest["rows"]), int(manifest["shard_rows"]), int(manifest["shards"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CacheError(f"{path} is damaged ({type(err).__name__}: {err}); delete it and build the cache again "
+                         "(`specdraft cache --config ...` with the run's configs: finished shards are checked and "
+                         "kept)") from None
+    return manifest
+
+
+def check_shards(directory: Path, verify: bool = False) -> dict[int, str]:
+    """{shard index: what is wrong} for a finished cache: missing or wrong-size files (always, cheap) and, with
+    `verify`, files whose sha256 differs from the manifest's. A cache written before the manifest recorded its
+    shards is checked for missing files only."""
+    manifest = read_manifest(directory)
+    recorded = manifest.get("shard_files")
+    bad: dict[int, str] = {}
+    for i in range(int(manifest["shards"])):
+        path = _shard_path(directory, i)
+        if not path.is_file():
+            bad[i] = "missing"
+        elif recorded and path.stat().st_size != recorded[i]["bytes"]:
+            bad[i] = f"{path.stat().st_size} bytes, the manifest says {recorded[i]['bytes']} (cut short or replaced)"
+        elif recorded and verify and file_sha256(path) != recorded[i]["sha256"]:
+            bad[i] = "sha256 differs from the manifest's (damaged)"
+    return bad
+
+
 class HiddenCache:
     """Read side: `cache[i]` -> {"hidden" [T_i, d], "input_ids" [T_i], "loss_mask" [T_i]} of train row i.
 
     Shards are memory-mapped by safetensors; one shard's offsets are read once and kept.
     """
 
-    def __init__(self, directory: str | os.PathLike, read_aux: bool = True):
+    def __init__(self, directory: str | os.PathLike, read_aux: bool = True, verify: bool = False):
         """read_aux=False: rows leave out the aux layers even if the cache has them (a family that reads
-        only h, training from an EAGLE-3 cache of the same rows: `find_superset_cache`)."""
+        only h, training from an EAGLE-3 cache of the same rows: `find_superset_cache`). Opening checks every
+        shard's size (and with `verify` its sha256) against the manifest: a bad shard is a CacheError naming it."""
         self.directory = Path(directory)
         self.read_aux = read_aux
         path = self.directory / "manifest.json"
         if not path.is_file():
             raise FileNotFoundError(f"{self.directory} is not a finished hidden-state cache (no manifest.json); "
                                     "build it with data.hidden_cache=auto (the build resumes where it stopped)")
-        self.manifest = json.loads(path.read_text())
+        self.manifest = read_manifest(self.directory)
+        bad = check_shards(self.directory, verify=verify)
+        if bad:
+            raise CacheError(f"hidden-state cache {self.directory}: bad shard(s) "
+                             + "; ".join(f"{_shard_path(self.directory, i).name}: {why}" for i, why in bad.items())
+                             + ". Rebuild only those: run `specdraft cache` (or `specdraft train`) with the configs "
+                             "that built this cache; the good shards are kept")
         self.shard_rows = int(self.manifest["shard_rows"])
         self._handles: dict[int, tuple] = {}
 
@@ -248,7 +304,13 @@ class HiddenCache:
 
     def _shard(self, index: int):
         if index not in self._handles:
-            f = safe_open(str(_shard_path(self.directory, index)), framework="pt")
+            path = _shard_path(self.directory, index)
+            try:
+                f = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as err:  # e.g. bytes overwritten in its header
+                raise CacheError(f"hidden-state cache shard {path} is damaged ({err}); rebuild it: run `specdraft "
+                                 "cache` with the configs that built this cache and data.hidden_cache_verify=true "
+                                 "(only bad shards are rebuilt)") from None
             self._handles[index] = (f, f.get_tensor("offsets").tolist())
         return self._handles[index]
 

@@ -207,15 +207,23 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
         return 0, {}, 0
     raw = partial.read_bytes()
     good = raw[:raw.rfind(b"\n") + 1]  # a line cut by the crash is dropped and regenerated
-    lines = good.decode("utf-8").splitlines()
-    if not lines or json.loads(lines[0]).get("selfdistill_key") != key:
-        raise ValueError(f"{partial} belongs to another self-distillation (settings or base changed); delete it")
+    damaged = f"{partial} is damaged (%s); delete it to start the generation over"
+    try:
+        lines = good.decode("utf-8").splitlines()
+        records = [json.loads(line) for line in lines]
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(damaged % f"{type(err).__name__}: {err}") from None
+    found = records[0].get("selfdistill_key") if records and isinstance(records[0], dict) else None
+    if found != key:
+        raise ValueError(f"{partial} belongs to another self-distillation (key {found}; these settings and base need "
+                         f"{key}); delete it, or pick another --out")
     if len(good) != len(raw):
+        print(f"self-distill: {partial} ended in a line cut by a kill ({len(raw) - len(good)} bytes); dropped, that "
+              "conversation is generated again", flush=True)
         with open(partial, "r+b") as f:
             f.truncate(len(good))
     skipped, tokens = {}, 0
-    for line in lines[1:]:
-        rec = json.loads(line)
+    for rec in records[1:]:
         tokens += rec.get("generated_tokens", 0)
         if rec.get("skipped"):
             skipped[rec["skipped"]] = skipped.get(rec["skipped"], 0) + 1

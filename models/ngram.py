@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -79,10 +80,10 @@ def build_bigram_table(model, k: int, *, batch_size: int = 256, progress: bool =
         batch = torch.arange(s, min(s + batch_size, vocab))
         p, t = _next_token_logits(model, batch).softmax(-1).topk(k, dim=-1)  # [B, k] each
         toks[s:s + batch.numel()], probs[s:s + batch.numel()] = t.cpu(), p.cpu()
-        if i == 0 and len(starts) > 1:  # tqdm shows an ETA too; the log line survives non-tty runs
+        if i == 0 and len(starts) > 1 and progress:  # tqdm shows an ETA too; this line survives non-tty runs
             est = (time.perf_counter() - t0) * len(starts)
-            log.info("bigram table: %d forwards of %d tokens, about %.0f s in all (one-off, cached)",
-                     len(starts), batch_size, est)
+            print(f"bigram table: the first of {len(starts)} forwards took {time.perf_counter() - t0:.1f} s: about "
+                  f"{est / 60:.1f} min in all (one-off, then cached)", flush=True)
     return BigramTable(toks, probs)
 
 
@@ -136,12 +137,22 @@ def bigram_table_for(base, k: int, *, cache_dir: str | os.PathLike | None = None
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     found = _find_cached(root, base.fingerprint, base.dtype, k)
     if found is not None:
-        table = load_bigram_table(found)
-        if table.vocab_size == base.vocab_size:
+        try:
+            table = load_bigram_table(found)
+        except (SafetensorError, OSError, KeyError, ValueError) as err:  # a damaged cache file is rebuilt
+            log.warning("the cached bigram table %s is damaged (%s); building it again", found, err)
+            table = None
+        if table is not None and table.vocab_size == base.vocab_size:
             return table.truncate(k), found, True
-        log.warning("ignoring %s: vocab %d != base vocab %d", found, table.vocab_size, base.vocab_size)
-    table = build_bigram_table(base.model, k, batch_size=batch_size, progress=progress)
+        if table is not None:
+            log.warning("ignoring %s: vocab %d != base vocab %d", found, table.vocab_size, base.vocab_size)
     path = bigram_cache_path(root, base.fingerprint, base.dtype, k)
+    if progress:  # a one-off cost worth knowing about before it starts (minutes for a 49k-token vocabulary)
+        vocab = int(base.model.config.vocab_size)
+        print(f"building the model bigram table of {base.name}: one forward per vocabulary token ({vocab:,} tokens "
+              f"in {-(-vocab // batch_size)} batches of {batch_size}), {vocab * k * 8 / 2**20:.1f} MiB, cached at "
+              f"{path} and reused afterwards", flush=True)
+    table = build_bigram_table(base.model, k, batch_size=batch_size, progress=progress)
     save_bigram_table(table, path, base.fingerprint)
     return table, path, False
 

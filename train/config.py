@@ -37,6 +37,9 @@ class DataSection:
     hidden_cache: str = ""  # "" = run the base every step; "auto" = cache h under cache_dir; or a directory
     hidden_cache_dtype: str = "bf16"  # storage dtype of the cached h: bf16 (half the disk) | fp32 (exact)
     hidden_cache_shard_rows: int = 256  # rows per cache shard: the unit of resume and of the ranks' work split
+    # Opening a cache always checks every shard's size against its manifest; true also checks their sha256 (about
+    # a second per GiB) and rebuilds any shard that fails.
+    hidden_cache_verify: bool = False
     self_distill: bool = False  # train on the base's own answers to the first max_records prompts (Medusa-2)
     self_distill_max_new_tokens: int = 256  # answer length cap of the regenerated turns
     self_distill_temperature: float = 0.0  # 0 = greedy answers; > 0 samples at that temperature

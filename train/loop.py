@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from core.atomic import write_text_atomic
 from core.config_loader import to_dict, to_yaml
 from core.paths import default_cache_dir
 from data.dataset import build_datasets, collate
@@ -102,9 +103,10 @@ def train(cfg: TrainConfig) -> Path:
     _setup_logging(info)
     run_dir = cfg.resolved_run_dir
     ckpt_root = run_dir / "checkpoints"
+    _check_resumed_config(cfg, run_dir, ckpt_root)  # every rank: all fail alike, before any work
     if info.is_main:
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
     precision, base_dtype = threads_and_precision(cfg, info)
 
     base, train_ds, val_ds, source, max_records, partitioned = load_base_and_data(cfg, info, base_dtype)
@@ -155,10 +157,11 @@ def train(cfg: TrainConfig) -> Path:
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     start_step, seconds_before = 0, 0.0
-    resume_from = checkpoint.latest_checkpoint(ckpt_root) if cfg.resume == "auto" else (
-        Path(cfg.resume) if cfg.resume != "none" else None)
-    if resume_from is not None:
-        state = checkpoint.load(engine, resume_from)
+    candidates = checkpoint.resume_candidates(ckpt_root) if cfg.resume == "auto" else (
+        [Path(cfg.resume)] if cfg.resume != "none" else [])
+    resume_from = None
+    if candidates:
+        resume_from, state = checkpoint.load_newest_good(engine, candidates)
         start_step, seconds_before = int(state["step"]), float(state.get("train_seconds", 0.0))
         # LambdaLR's state_dict carries the multiplier object's fields and the base LRs of the saved run;
         # the schedule of *this* config wins (e.g. a run extended with a larger train.max_steps).
@@ -344,14 +347,15 @@ def _hidden_cache(cfg, base, train_ds, info, partitioned=None) -> HiddenCache:
         if superset is not None:  # an EAGLE-3 cache of these rows: its h is this cache, the aux is skipped
             log.info("training from the hidden-state cache %s (built with aux layers for EAGLE-3; same rows, "
                      "base and dtype; only h is read)", superset)
-            return HiddenCache(superset, read_aux=False)
+            return HiddenCache(superset, read_aux=False, verify=cfg.data.hidden_cache_verify)
     pad_id = base.tokenizer.pad_token_id if base.tokenizer.pad_token_id is not None else 0
     ranks = RankGroup(info.rank, info.world_size, barrier, all_reduce_sum, collective_forward=partitioned is not None)
     build_hidden_cache(HiddenStates(base.model), train_ds, directory, pad_id=pad_id, device=info.device,
                        micro_batch_size=cfg.train.micro_batch_size, cache_dtype=cfg.data.hidden_cache_dtype,
                        shard_rows=cfg.data.hidden_cache_shard_rows,
                        info={"key": key, "base": base.name, "base_fingerprint": base.fingerprint,
-                             "base_dtype": str(base.model.dtype)}, aux_layers=aux_layers, ranks=ranks)
+                             "base_dtype": str(base.model.dtype)}, aux_layers=aux_layers, ranks=ranks,
+                       verify=cfg.data.hidden_cache_verify)
     cache = HiddenCache(directory)
     if cache.manifest.get("key") != key or len(cache) != len(train_ds):
         raise ValueError(f"hidden-state cache {directory} does not match this run's train set or base (key "
@@ -437,3 +441,23 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
                 (run_dir / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
                 tracker.log({f"val/{k}": v for k, v in result["summary"].items()}, step)
                 print(format_heldout_table(result), flush=True)
+
+
+def _check_resumed_config(cfg: TrainConfig, run_dir: Path, ckpt_root: Path) -> None:
+    """Resuming a run whose checkpoints were made with another draft, data or loss would silently train something
+    else: refuse it, naming the keys that differ."""
+    saved = run_dir / "config.yaml"
+    if cfg.resume == "none" or not saved.is_file() or not any(ckpt_root.glob("step*")):
+        return
+    import yaml
+
+    try:
+        old = yaml.safe_load(saved.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        log.warning("%s is unreadable (%s); it is rewritten with this run's config", saved, err)
+        return
+    changes = checkpoint.resume_config_changes(old, to_dict(cfg))
+    if changes:
+        raise ValueError(f"resuming {run_dir}: this config differs from the one its checkpoints were trained with "
+                         f"({saved}) in {'; '.join(changes)}. Resume with the same values, or start a new run "
+                         "(another run_name / run_dir, or resume=none to start this one over)")

@@ -33,7 +33,8 @@ class EvalConfig:
     tie_prompts: int = 3  # bf16/fp16: prompts used to measure the tie tolerance (eval/harness/lossless.py); 0 = none
     warmup_tokens: int = 16  # one untimed warm-up generation of this length per method
     seed: int = 0  # prompt draw (num_prompts of a larger set) and sampling
-    base_path: str = ""  # "" = the base named in the export's config.json (or smollm2 for --method)
+    base_path: str = ""  # "" = the base named in the export's config.json (or method_base for --method)
+    method_base: str = "smollm2"  # the base a learning-free method (--method ngram) runs on when base_path is ""
     run_dir: str = ""  # where a learning-free eval (--method) writes; "" = runs/<method>
     num_threads: int = 0  # CPU threads; 0 = torch's default
     # The drafter's own options, typed by its family (eval/engine/drafters/<family>.py `Options`; unknown keys are an

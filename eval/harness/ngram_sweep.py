@@ -34,7 +34,7 @@ def _run(gen_fn, prompts):
 
 def sweep(cfg, ks: list[int], ws: list[int]) -> dict:
     opts = ngram_options(cfg.extra)
-    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device))
+    base = load_base(cfg.base_path or cfg.method_base, dtype=cfg.dtype, device=resolve_device(cfg.device))
     table, _, _ = bigram_table_for(base, max(max(ks), int(opts["table_k"]))) if opts["strategy"] != "context" \
         else (None, None, None)
     backend, eos = make_backend(cfg.backend, base.model), eos_ids(base.model, base.tokenizer)

@@ -193,7 +193,7 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
         raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
                          " (trained drafts: --draft runs/<run>/export)")
     opts = ngram_options(cfg.extra)  # fail on a typo before loading anything
-    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=resolve_device(cfg.device),
+    base = load_base(cfg.base_path or cfg.method_base, dtype=cfg.dtype, device=resolve_device(cfg.device),
                      chat_template=cfg.chat_template or None)
     drafter, info = build_ngram_drafter(base, cfg.extra)
     if cfg.prompt_lookup:  # transformers' prompt lookup drafting w tokens per step

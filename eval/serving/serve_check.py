@@ -274,7 +274,7 @@ def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
         raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free ngram; "
                          "trained drafts: --draft runs/<run>/export")
     opts = ngram_options(cfg.extra)
-    base = load_base(cfg.base_path or "smollm2", dtype=cfg.dtype, device=device)
+    base = load_base(cfg.base_path or cfg.method_base, dtype=cfg.dtype, device=device)
     ngram_spec = vllm_ngram_config(opts)
     # vLLM proposes one row copied from the context by its own rule: our strategy=longest_match is that rule.
     drafter, info = _longest_match(base, int(opts["w"]), int(opts["q"]), int(opts["q_min"]) or int(opts["q"]))

@@ -10,12 +10,13 @@ that names the file, the key or tensor, and the fix.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
+
+from core.checksum import file_sha256
 
 
 class ExportError(ValueError):
@@ -139,14 +140,6 @@ def read_json_file(path: Path, what: str) -> object:
     except json.JSONDecodeError as err:
         raise ExportError(f"{path}: {what} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}): "
                           f"the file is damaged or cut short; {REEXPORT}") from None
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -23,13 +23,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
+from core.checksum import file_sha256
 from models.draft import BaseView
 from models.export.schema import (
     ExportError,
     check_export_config,
     check_sha256,
     check_tensors,
-    file_sha256,
     read_json_file,
     safetensors_shapes,
 )
