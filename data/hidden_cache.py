@@ -139,6 +139,8 @@ def build_hidden_cache(base_forward, dataset, directory: str | os.PathLike, *, p
     if ranks.is_main:
         directory.mkdir(parents=True, exist_ok=True)
         write_text_atomic(directory / "key.json", json.dumps({"key": key}) + "\n")  # claims the dir for this data
+        for stale in [*directory.glob(".shard-*.tmp*"), *directory.glob("shard-*.tmp")]:  # a killed writer's
+            stale.unlink(missing_ok=True)  # half-written temp files (no rank is writing yet: barrier below)
     ranks.barrier()
     n_rows = len(dataset)
     n_shards = (n_rows + shard_rows - 1) // shard_rows
