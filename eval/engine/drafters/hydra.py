@@ -23,10 +23,10 @@ import torch
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import (
-    build_static_tree_drafter,
     static_chain,
     static_chain_depth,
     static_shape,
+    static_tree_builder,
 )
 from eval.engine.tree import StaticTree, Tree
 from models.vocab_map import to_draft_labels
@@ -142,12 +142,5 @@ class HydraDrafter(Drafter):
 # ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
 
 Options = NoOptions  # the tree comes from the eval config's own keys (tree, tree_choices)
-
-
-def build(draft, export_cfg: dict, eval_cfg, options: Options):
-    return build_static_tree_drafter(HydraDrafter, draft, export_cfg, eval_cfg)
-
-
-chain = static_chain
-chain_depth = static_chain_depth
-shape = static_shape
+build = static_tree_builder(HydraDrafter)
+chain, chain_depth, shape = static_chain, static_chain_depth, static_shape

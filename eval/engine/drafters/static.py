@@ -39,6 +39,13 @@ def build_static_tree_drafter(drafter_cls, draft, export_cfg: dict, eval_cfg):
     return drafter_cls(draft, tree), {"tree": tree_name, "tree_nodes": tree.num_nodes}
 
 
+def static_tree_builder(drafter_cls):
+    """The `build` of a static-tree family's declaration (its options are the eval config's tree keys)."""
+    def build(draft, export_cfg: dict, eval_cfg, options):
+        return build_static_tree_drafter(drafter_cls, draft, export_cfg, eval_cfg)
+    return build
+
+
 def static_chain(depth: int) -> dict:
     """Eval overrides that make a static-tree family draft the chain of each depth's top-1 (what engines run)."""
     return {"tree": "auto", "tree_choices": chain_choices(depth)}
