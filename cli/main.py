@@ -66,18 +66,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="seconds per vLLM engine run (default 1800)")
     _add_config_args(p, "default configs/eval/mtbench.yaml")
 
-    p = sub.add_parser("self-distill", help="regenerate ShareGPT answers with the base (Medusa-2 self-distillation)")
-    p.add_argument("--base", default="smollm2", help="base model: smollm2, tiny, or an HF directory")
-    p.add_argument("--source", default="sharegpt", help="sharegpt (packaged) or a ShareGPT .json/.jsonl path")
-    p.add_argument("--max-records", type=int, default=800, help="the first N valid conversations (eval skips them)")
-    p.add_argument("--out", default=None, help="output JSONL (default ~/.cache/specdraft/selfdistill/<key>.jsonl)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--max-turns", type=int, default=1, help="user turns regenerated per conversation")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16", "fp16"])
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    for name, what, turns in (("regenerate", "regenerate the assistant turns of ShareGPT conversations with the base, "
+                               "turn by turn (on-policy data)", 8),
+                              ("self-distill", "the same as regenerate, first turns only by default (Medusa-2's "
+                               "self-distillation)", 1)):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--base", default="smollm2", help="base model: smollm2, tiny, or an HF directory")
+        p.add_argument("--source", default="sharegpt", help="sharegpt (packaged) or a ShareGPT .json/.jsonl path")
+        p.add_argument("--max-records", type=int, default=800, help="the first N valid conversations (eval skips "
+                       "them)")
+        p.add_argument("--out", default=None, help="output JSONL (default ~/.cache/specdraft/selfdistill/<key>.jsonl)")
+        p.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"],
+                       help="vllm: vLLM's engine from .venv-vllm (`make vllm`); hf: transformers generate here; "
+                       "auto: vllm when .venv-vllm exists")
+        p.add_argument("--max-new-tokens", type=int, default=256, help="per answer; longer answers are cut, kept "
+                       "and counted")
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        p.add_argument("--max-turns", type=int, default=turns, help="user turns regenerated per conversation")
+        p.add_argument("--max-prompt-tokens", type=int, default=1024, help="a longer first prompt skips the record")
+        p.add_argument("--batch-size", type=int, default=16, help="conversations per engine call (vllm: try 256)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16", "fp16"])
+        p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
 
     p = sub.add_parser("demo", help="the main job: train a Hydra draft on SmolLM2 + ShareGPT on this machine, evaluate")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="overrides for the training recipe")
@@ -208,15 +218,46 @@ def cmd_compare(args) -> int:
     return run_compare_cli(args, engine_columns=vllm_columns)
 
 
-def cmd_self_distill(args) -> int:
+def cmd_regenerate(args) -> int:
     from core.hardware import resolve_device
-    from data.self_distill import build_self_distilled
+    from core.paths import default_cache_dir
+    from data.self_distill import build_self_distilled, end_of_turn_ids
+    from eval.serving.serve_check import ServeCheckError, vllm_python
     from models.base import load_base
 
+    engine_name = args.engine
+    if engine_name == "auto":
+        try:
+            vllm_python()
+            engine_name = "vllm"
+        except ServeCheckError:
+            engine_name = "hf"
     base = load_base(args.base, dtype=args.dtype, device=resolve_device(args.device))
-    out = build_self_distilled(base, args.source, max_records=args.max_records, out=args.out,
-                               max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                               max_turns=args.max_turns, batch_size=args.batch_size, seed=args.seed)
+    context = int(getattr(base.model.config, "max_position_embeddings", 0) or 0)
+    if context and args.max_prompt_tokens + args.max_new_tokens > context:
+        fits = context - args.max_new_tokens
+        if fits < 16:
+            raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in {base.name}'s "
+                             f"{context}-token context; lower it")
+        print(f"regenerate: {base.name} reads at most {context} tokens: prompts longer than {fits} tokens are "
+              f"skipped (--max-prompt-tokens {args.max_prompt_tokens} lowered)", flush=True)
+        args.max_prompt_tokens = fits
+    settings = dict(max_records=args.max_records, out=args.out, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, max_turns=args.max_turns, batch_size=args.batch_size,
+                    seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
+    if engine_name == "hf":
+        out = build_self_distilled(base, args.source, **settings)
+    else:
+        from eval.serving.vllm_generate import VllmGenerator
+
+        workdir = default_cache_dir() / "selfdistill" / "vllm-work"
+        try:
+            with VllmGenerator(base, workdir, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               stop_token_ids=end_of_turn_ids(base),
+                               max_model_len=args.max_prompt_tokens + args.max_new_tokens) as engine:
+                out = build_self_distilled(base, args.source, **settings, engine=engine)
+        except ServeCheckError as exc:  # the engine's own last log lines, in one message
+            raise ValueError(str(exc)) from None
     print(out)
     return 0
 
@@ -236,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = _strip_launcher_args(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
-               "self-distill": cmd_self_distill, "cache": cmd_cache, "serve-check": cmd_serve_check,
+               "self-distill": cmd_regenerate, "regenerate": cmd_regenerate, "cache": cmd_cache,
+               "serve-check": cmd_serve_check,
                "tree-search": cmd_tree_search, "compare": cmd_compare,
                "config-reference": cmd_config_reference}[args.command]
     try:

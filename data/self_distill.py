@@ -6,6 +6,11 @@ different distribution, and acceptance suffers. So we keep the ShareGPT prompts 
 assistant turn with the frozen base (greedy or temperature T), batched with left padding, and write
 the result as ShareGPT JSONL, so `data.source=<that file>` goes through the normal reader/renderer.
 
+The generation itself is an engine (`Generator`): `HFGenerator` (batched transformers `generate` in this process)
+here, vLLM's through `specdraft regenerate --engine vllm` (eval/serving/vllm_generate.py, in its own venv). Turn
+by turn: turn j of every conversation of a batch is generated in one engine call, after the user turns and the
+base's own answers to turns < j. Answers cut at max_new_tokens are kept and counted (`cut` in the record).
+
 Files (default under $SPECDRAFT_CACHE or ~/.cache/specdraft, `selfdistill/<key>.jsonl`):
     <out>.partial    header line {"selfdistill_key"} + one line per source conversation, appended and
                      fsynced batch by batch (records, or {"skipped": reason} markers), so a killed build
@@ -21,6 +26,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -29,19 +35,69 @@ from transformers import GenerationConfig
 from core.atomic import write_text_atomic
 from data.sharegpt import PACKAGED_SOURCE, read_sharegpt, source_path
 
-SELFDISTILL_VERSION = 1  # bump when generation or the record format changes what a file contains
+SELFDISTILL_VERSION = 2  # bump when generation or the record format changes what a file contains
 _TO_SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt"}
 EMPTY, TOO_LONG = "empty_answer", "prompt_too_long"  # skip reasons (meta: skipped_empty, skipped_long)
 
 
+class Generator(Protocol):
+    """An engine that continues token-id prompts: `name` and `version` go into the file's key (engines round
+    differently, so their greedy answers differ); a call returns each prompt's new token ids, up to and with an
+    end-of-turn token, at most max_new_tokens."""
+
+    name: str
+    version: str
+
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]: ...
+
+
+class HFGenerator:
+    """Batched transformers `generate`, left padded, in this process (the base as loaded: its device and dtype)."""
+
+    name = "hf"
+
+    def __init__(self, model, eos: list[int], pad: int, max_new_tokens: int, temperature: float):
+        import transformers
+
+        self.model, self.version = model, f"transformers {transformers.__version__} {str(model.dtype)[6:]}"
+        self.gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                                        do_sample=temperature > 0, **(dict(temperature=temperature, top_k=0, top_p=1.0)
+                                                                      if temperature > 0 else {}))
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        model, gen_cfg = self.model, self.gen_cfg
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), gen_cfg.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):  # left padding: every row's last prompt token sits at column P-1
+            ids[b, width - len(p):] = torch.tensor(p)
+            attn[b, width - len(p):] = 1
+        # Sampling: the seed depends on the batch, not on the process, so a resumed build draws the same.
+        with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                                 generation_config=gen_cfg)  # [B, P + N'], finished rows padded with pad_token_id
+        eos = set(gen_cfg.eos_token_id)
+        return [row[:next((k + 1 for k, t in enumerate(row) if t in eos), len(row))] for row in out[:, width:].tolist()]
+
+
+def end_of_turn_ids(base) -> list[int]:
+    """The tokens that end an answer: the generation config's eos ids and the tokenizer's."""
+    return sorted({*_as_list(getattr(base.model.generation_config, "eos_token_id", None)),
+                   *_as_list(base.tokenizer.eos_token_id)})
+
+
 def distill_key(base, source: str, max_records, max_new_tokens, temperature, max_turns, seed,
-                max_prompt_tokens) -> str:
+                max_prompt_tokens, engine: str = "hf") -> str:
     """16 hex chars over what the answers depend on. Like data/hidden_cache.cache_key, the base's dtype
-    is part of it (bf16 and fp32 greedy decodes differ); a path source counts with its size and mtime."""
+    is part of it (bf16 and fp32 greedy decodes differ), and so is the engine (name and version); a path source
+    counts with its size and mtime."""
     path = source_path(source).resolve()
     st = path.stat()
     material = [SELFDISTILL_VERSION, base.fingerprint, str(base.model.dtype), source, str(path), st.st_size,
-                st.st_mtime_ns, max_records, max_new_tokens, float(temperature), max_turns, seed, max_prompt_tokens]
+                st.st_mtime_ns, max_records, max_new_tokens, float(temperature), max_turns, seed, max_prompt_tokens,
+                engine]
     return hashlib.sha256(json.dumps(material).encode()).hexdigest()[:16]
 
 
@@ -64,15 +120,23 @@ def train_data_entry(source: str, max_records: int | None) -> dict:
 def build_self_distilled(base, source: str = "sharegpt", max_records: int | None = 800, out=None,
                          max_new_tokens: int = 256, temperature: float = 0.0, max_turns: int = 1,
                          batch_size: int = 16, seed: int = 0, *, max_prompt_tokens: int = 1024,
-                         cache_dir=None) -> Path:
+                         cache_dir=None, engine: Generator | None = None) -> Path:
     """Write (or reuse) the self-distilled ShareGPT JSONL of the first `max_records` valid conversations of
     `source`; return its path. `base` has .model/.tokenizer/.fingerprint/.name (models.base.load_base).
-    Prompts longer than `max_prompt_tokens` are skipped (a 1024-token training window would hold no answer)."""
+    Prompts longer than `max_prompt_tokens` are skipped (a 1024-token training window would hold no answer).
+    engine: what generates (default: HFGenerator on `base`); it must have been set up with the same
+    max_new_tokens and temperature."""
     if max_new_tokens < 1 or max_turns < 1 or batch_size < 1 or temperature < 0 or max_prompt_tokens < 1:
-        raise ValueError(f"self-distill: need max_new_tokens, max_turns, batch_size, max_prompt_tokens >= 1 and "
+        raise ValueError(f"regenerate: need max_new_tokens, max_turns, batch_size, max_prompt_tokens >= 1 and "
                          f"temperature >= 0 (got {max_new_tokens}, {max_turns}, {batch_size}, {max_prompt_tokens},"
                          f" {temperature})")
-    key = distill_key(base, source, max_records, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens)
+    tok = base.tokenizer
+    eos = end_of_turn_ids(base)
+    if engine is None:
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]  # pad = eos when the tokenizer has none
+        engine = HFGenerator(base.model, eos, pad, max_new_tokens, temperature)
+    key = distill_key(base, source, max_records, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens,
+                      f"{engine.name} {engine.version}")
     if out is None:
         from core.paths import default_cache_dir  # late: data/ stays importable without the model code
 
@@ -84,30 +148,26 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
         if found not in (None, key):
             raise ValueError(f"{out} was self-distilled with other settings or another base (key {found}, "
                              f"these need {key}); delete it or pick another --out")
-        print(f"self-distill: reusing {out}")
+        print(f"regenerate: reusing {out}")
         return out
 
     conversations, _ = read_sharegpt(source, max_records)
     done, skipped, tokens = _resume(partial, key)  # source conversations already handled
-    model, tok = base.model, base.tokenizer
-    eos = sorted({*_as_list(getattr(model.generation_config, "eos_token_id", None)), *_as_list(tok.eos_token_id)})
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]  # pad = eos when the tokenizer has none
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                               do_sample=temperature > 0, **(dict(temperature=temperature, top_k=0, top_p=1.0)
-                                                             if temperature > 0 else {}))
+    print(f"regenerate: {len(conversations) - done} of {len(conversations)} conversations to regenerate with "
+          f"{engine.name} ({engine.version}), up to {max_turns} turn(s) of {max_new_tokens} tokens each, batches of "
+          f"{batch_size} -> {out}", flush=True)
     prefix = "sharegpt" if source == PACKAGED_SOURCE else Path(source).stem
-    bar = tqdm(total=len(conversations), initial=done, unit="rec", desc="self-distill", dynamic_ncols=True)
+    bar = tqdm(total=len(conversations), initial=done, unit="rec", desc="regenerate", dynamic_ncols=True)
     new_tokens, t0 = 0, time.perf_counter()
     with open(partial, "a", encoding="utf-8") as f:
         for start in range(done, len(conversations), batch_size):
             batch = conversations[start:start + batch_size]
             # Sampling: the seed depends on the batch's first index only, so a resumed build draws the same.
-            with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
-                torch.manual_seed(seed * 1_000_003 + start)
-                results = _distill_batch(model, tok, batch, gen_cfg, max_turns, max_prompt_tokens)
+            results = _distill_batch(tok, batch, engine, eos, max_new_tokens, max_turns, max_prompt_tokens,
+                                     seed * 1_000_003 + start)
             lines = []
-            for i, (messages, n_tok, reason) in enumerate(results, start=start):
-                rec = {"id": f"{prefix}-{i}", "generated_tokens": n_tok}
+            for i, (messages, n_tok, reason, cut) in enumerate(results, start=start):
+                rec = {"id": f"{prefix}-{i}", "generated_tokens": n_tok, **({"cut": cut} if cut else {})}
                 rec.update({"skipped": reason} if reason else {"conversations": [
                     {"from": _TO_SHAREGPT[m["role"]], "value": m["content"]} for m in messages]})
                 lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -117,35 +177,38 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
             f.flush()
             os.fsync(f.fileno())
             bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
     bar.close()
     seconds = time.perf_counter() - t0
     tokens += new_tokens
-    text, records = _finalize(partial)
+    text, records, cut_answers = _finalize(partial)
     if records == 0:
-        raise ValueError(f"self-distill: the base gave no usable answer for any of the {len(conversations)} "
+        raise ValueError(f"regenerate: the base gave no usable answer for any of the {len(conversations)} "
                          f"conversations of {source!r} (empty: {skipped.get(EMPTY, 0)}, prompt too long: "
                          f"{skipped.get(TOO_LONG, 0)}); raise max_new_tokens / max_records")
     meta = {"derived_from": {"source": source, "max_records": max_records}, "key": key, "base": base.name,
-            "base_fingerprint": base.fingerprint, "base_dtype": str(model.dtype).removeprefix("torch."),
+            "base_fingerprint": base.fingerprint, "base_dtype": str(base.model.dtype).removeprefix("torch."),
             "max_new_tokens": max_new_tokens, "temperature": temperature, "max_turns": max_turns, "seed": seed,
             "max_prompt_tokens": max_prompt_tokens, "records": records, "skipped_empty": skipped.get(EMPTY, 0),
-            "skipped_long": skipped.get(TOO_LONG, 0), "generated_tokens": tokens}
+            "skipped_long": skipped.get(TOO_LONG, 0), "generated_tokens": tokens, "cut_answers": cut_answers,
+            "engine": engine.name, "engine_version": engine.version}
     write_text_atomic(meta_path, json.dumps(meta, indent=2) + "\n")  # before <out>: <out> present => meta present
     write_text_atomic(out, text)
     partial.unlink()
-    print(f"self-distill: {records} records ({skipped.get(EMPTY, 0)} empty answers, {skipped.get(TOO_LONG, 0)} "
+    print(f"regenerate: {records} records ({skipped.get(EMPTY, 0)} empty answers, {skipped.get(TOO_LONG, 0)} "
           f"prompts too long skipped); {new_tokens:,} tokens generated in {seconds:.1f} s "
           f"({new_tokens / max(seconds, 1e-9):.1f} tok/s) -> {out}")
     return out
 
 
-@torch.no_grad()
-def _distill_batch(model, tok, batch: list[list[dict]], gen_cfg, max_turns: int, max_prompt_tokens: int):
-    """[(messages, generated tokens, skip reason or "")] per conversation. Turn j of every conversation that
-    has one is generated in one batched call, conditioned on the base's own answers to turns < j."""
+def _distill_batch(tok, batch: list[list[dict]], engine: Generator, eos: list[int], max_new_tokens: int,
+                   max_turns: int, max_prompt_tokens: int, seed: int):
+    """[(messages, generated tokens, skip reason or "", answers cut at max_new_tokens)] per conversation. Turn j
+    of every conversation that has one is generated in one engine call, conditioned on the base's own answers to
+    turns < j."""
     plans = [_plan(conv, max_turns) for conv in batch]
     dialogs = [list(system) for system, _ in plans]
-    n_tok, reason = [0] * len(batch), [""] * len(batch)
+    n_tok, reason, cut = [0] * len(batch), [""] * len(batch), [0] * len(batch)
     for turn in range(max_turns):
         rows = [i for i, (_, users) in enumerate(plans) if not reason[i] and turn < len(users)
                 and len(dialogs[i]) == len(plans[i][0]) + 2 * turn]  # still going: every earlier turn answered
@@ -161,32 +224,18 @@ def _distill_batch(model, tok, batch: list[list[dict]], gen_cfg, max_turns: int,
                 prompts.append(ids)
         if not rows:
             break
-        answers = _generate(model, tok, prompts, gen_cfg)
-        for i, (text, n) in zip(rows, answers):
-            n_tok[i] += n
+        answers = engine(prompts, seed + turn)
+        for i, ids in zip(rows, answers):
+            n_tok[i] += len(ids)
+            ended = bool(ids) and ids[-1] in eos
+            cut[i] += not ended and len(ids) >= max_new_tokens
+            text = tok.decode(ids, skip_special_tokens=True).strip()
             if not text:
                 reason[i] = EMPTY
             else:
                 dialogs[i] += [{"role": "user", "content": plans[i][1][turn]}, {"role": "assistant", "content": text}]
-    return [(d, n, r or ("" if len(d) > len(p[0]) else EMPTY)) for d, n, r, p in zip(dialogs, n_tok, reason, plans)]
-
-
-def _generate(model, tok, prompts: list[list[int]], gen_cfg) -> list[tuple[str, int]]:
-    """Batched `generate` over token-id prompts, left padded: ids/attention [B, P] -> new tokens [B, <=N].
-    Returns (decoded answer, special tokens skipped and stripped; tokens generated up to and with eos)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), gen_cfg.pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for b, p in enumerate(prompts):  # left padding: every row's last prompt token sits at column P-1
-        ids[b, width - len(p):] = torch.tensor(p)
-        attn[b, width - len(p):] = 1
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
-                         generation_config=gen_cfg)  # [B, P + N'], finished rows padded with pad_token_id
-    results = []
-    for row in out[:, width:].tolist():
-        cut = next((k + 1 for k, t in enumerate(row) if t in gen_cfg.eos_token_id), len(row))
-        results.append((tok.decode(row[:cut], skip_special_tokens=True).strip(), cut))
-    return results
+    return [(d, n, r or ("" if len(d) > len(p[0]) else EMPTY), c)
+            for d, n, r, p, c in zip(dialogs, n_tok, reason, plans, cut)]
 
 
 def _plan(conv: list[dict], max_turns: int) -> tuple[list[dict], list[str]]:
@@ -218,7 +267,7 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
         raise ValueError(f"{partial} belongs to another self-distillation (key {found}; these settings and base need "
                          f"{key}); delete it, or pick another --out")
     if len(good) != len(raw):
-        print(f"self-distill: {partial} ended in a line cut by a kill ({len(raw) - len(good)} bytes); dropped, that "
+        print(f"regenerate: {partial} ended in a line cut by a kill ({len(raw) - len(good)} bytes); dropped, that "
               "conversation is generated again", flush=True)
         with open(partial, "r+b") as f:
             f.truncate(len(good))
@@ -228,18 +277,19 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
         if rec.get("skipped"):
             skipped[rec["skipped"]] = skipped.get(rec["skipped"], 0) + 1
     if len(lines) > 1:
-        print(f"self-distill: resuming {partial} after {len(lines) - 1} conversations")
+        print(f"regenerate: resuming {partial} after {len(lines) - 1} conversations")
     return len(lines) - 1, skipped, tokens
 
 
-def _finalize(partial: Path) -> tuple[str, int]:
-    """The clean records of the partial file (header, skip markers and counters dropped) as JSONL text, and their
-    count; the caller writes them to `<out>` once the metadata is on disk."""
+def _finalize(partial: Path) -> tuple[str, int, int]:
+    """The clean records of the partial file (header, skip markers and counters dropped) as JSONL text, their
+    count and how many answers were cut at max_new_tokens; the caller writes them to `<out>` once the metadata
+    is on disk."""
     records = [rec for line in partial.read_text(encoding="utf-8").splitlines()[1:]
                if "conversations" in (rec := json.loads(line))]
     text = "".join(json.dumps({"id": r["id"], "conversations": r["conversations"]}, ensure_ascii=False) + "\n"
                    for r in records)
-    return text, len(records)
+    return text, len(records), sum(int(r.get("cut", 0)) for r in records)
 
 
 def _as_list(x) -> list:

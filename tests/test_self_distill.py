@@ -76,11 +76,11 @@ def test_resume_after_crash_generates_only_the_rest(base, tmp_path, monkeypatch)
     reference = _build(base, tmp_path, "ref.jsonl").read_text()
     real, calls = sd._distill_batch, []
 
-    def crash_after_first_batch(model, tok, batch, *args):
+    def crash_after_first_batch(tok, batch, *args):
         calls.append(len(batch))
         if len(calls) == 2:
             raise RuntimeError("simulated crash")
-        return real(model, tok, batch, *args)
+        return real(tok, batch, *args)
 
     monkeypatch.setattr(sd, "_distill_batch", crash_after_first_batch)
     with pytest.raises(RuntimeError, match="simulated crash"):
@@ -90,7 +90,7 @@ def test_resume_after_crash_generates_only_the_rest(base, tmp_path, monkeypatch)
     with open(partial, "a") as f:
         f.write('{"id": "cut mid-li')  # a line torn by the crash is dropped on resume
     calls.clear()
-    monkeypatch.setattr(sd, "_distill_batch", lambda *a: calls.append(len(a[2])) or real(*a))
+    monkeypatch.setattr(sd, "_distill_batch", lambda *a: calls.append(len(a[1])) or real(*a))
     out = _build(base, tmp_path)
     assert calls == [2] and out.read_text() == reference and not partial.exists()
     ref_meta, meta = (json.loads(sidecar(p).read_text()) for p in (tmp_path / "ref.jsonl", out))
@@ -143,3 +143,27 @@ def test_loop_trains_on_the_distilled_file(base, tmp_path, monkeypatch):
     assert train_data_entry(source, max_records)["derived_from"] == {"source": FIXTURE, "max_records": 3}
     cfg.data.self_distill = False
     assert _training_source(cfg, base) == (FIXTURE, 3)
+
+
+def test_an_engine_generates_turn_by_turn_and_cut_answers_are_counted(base, tmp_path):
+    """Any Generator drives the build: turn j of a batch goes out in one call after every turn-(j-1) answer came
+    back, the engine is part of the file's key, and answers cut at max_new_tokens are kept and counted."""
+    calls = []
+
+    class Scripted:
+        name, version = "scripted", "1"
+
+        def __call__(self, prompts, seed):
+            calls.append((len(prompts), seed))
+            return [[7, 8, 9] for _ in prompts]  # 3 tokens, no end of turn: cut at max_new_tokens=3
+
+    out = build_self_distilled(base, "tests/fixtures/sharegpt_tiny.json", max_records=3, max_new_tokens=3,
+                               max_turns=2, batch_size=3, out=tmp_path / "s.jsonl", engine=Scripted())
+    meta = json.loads(sidecar(out).read_text())
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    two_turns = sum(1 for r in records if sum(m["from"] == "gpt" for m in r["conversations"]) == 2)
+    assert calls[0] == (3, 0) and [c[1] for c in calls] == list(range(len(calls)))  # one call per turn, seed+turn
+    assert meta["engine"] == "scripted" and meta["cut_answers"] == 3 + two_turns
+    hf = build_self_distilled(base, "tests/fixtures/sharegpt_tiny.json", max_records=3, max_new_tokens=3,
+                              max_turns=2, batch_size=3, cache_dir=tmp_path)
+    assert json.loads(sidecar(hf).read_text())["key"] != meta["key"]  # another engine, another file

@@ -1,0 +1,105 @@
+"""vLLM as the engine of `specdraft regenerate` (data/self_distill.py's Generator): one engine process in
+.venv-vllm for the whole build (vllm_generate_worker.py), fed a batch of token-id prompts per call. Our tokenizer
+renders the prompts and decodes the answers, so the chat template is ours token for token; vLLM only continues.
+
+A worker that dies or hangs is an error that shows the engine's own last log lines; the build is resumable, so
+nothing generated before is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+from eval.serving.serve_check import DTYPES, ServeCheckError, base_hf_dir, root_cause, vllm_python
+
+WORKER = Path(__file__).resolve().with_name("vllm_generate_worker.py")
+READY, RESULT = "@@READY", "@@RESULT"
+
+
+class VllmGenerator:
+    name = "vllm"
+
+    def __init__(self, base, workdir: Path, *, max_new_tokens: int, temperature: float, stop_token_ids: list[int],
+                 max_model_len: int = 2048, start_timeout: float = 900.0, batch_timeout: float = 3600.0):
+        """Start the engine on `base` (its HF directory; the tiny test bases are saved to workdir first)."""
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.batch_timeout = batch_timeout
+        job = {"base_dir": str(base_hf_dir(base, self.workdir)), "dtype": DTYPES[base.dtype],
+               "max_model_len": max_model_len, "max_new_tokens": max_new_tokens, "temperature": temperature,
+               "stop_token_ids": list(stop_token_ids)}
+        job_path = self.workdir / "generate.job.json"
+        job_path.write_text(json.dumps(job))
+        self.log_path = self.workdir / "generate.log"
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        env.pop("PYTHONPATH", None)  # the worker must see vLLM's own packages, not this tree's
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        # Own session: on an error or a timeout the whole group (engine core and worker) is killed.
+        self.proc = subprocess.Popen([str(vllm_python()), str(WORKER), str(job_path)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     cwd=str(self.workdir), start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.version = "vllm " + self._expect(READY, start_timeout, "building the engine") + f" {job['dtype']}"
+
+    def _pump(self) -> None:
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                if line.startswith((READY, RESULT)):
+                    self.lines.put(line.rstrip("\n"))
+                    continue
+                log.write(line)
+                log.flush()
+                self.tail.append(line.rstrip())
+        self.lines.put(None)  # the worker's stdout closed: it exited
+
+    def _fail(self, what: str) -> ServeCheckError:
+        self.close(kill=True)
+        cause = root_cause(self.tail)
+        return ServeCheckError(f"vLLM ({what}) {'' if cause is None else cause + '; '}last lines of its log "
+                               f"({self.log_path}):\n" + "\n".join(self.tail))
+
+    def _expect(self, marker: str, timeout: float, what: str) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise self._fail(f"{what}: no answer within {timeout:.0f} s, killed") from None
+        if line is None:
+            raise self._fail(f"{what}: the engine exited with code {self.proc.wait()}")
+        return line.removeprefix(marker).strip()
+
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        try:
+            self.proc.stdin.write(json.dumps({"prompts": prompts, "seed": seed}) + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            raise self._fail("sending a batch: the engine is gone") from None
+        outputs = json.loads(self._expect(RESULT, self.batch_timeout, f"a batch of {len(prompts)} prompts"))["outputs"]
+        if len(outputs) != len(prompts):
+            raise self._fail(f"a batch of {len(prompts)} prompts came back with {len(outputs)} answers")
+        return outputs
+
+    def close(self, kill: bool = False) -> None:
+        if self.proc.poll() is None and not kill:
+            try:
+                self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                kill = True
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> VllmGenerator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(kill=exc[0] is not None)
