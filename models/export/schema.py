@@ -138,7 +138,7 @@ def read_json_file(path: Path, what: str) -> object:
     except UnicodeDecodeError as err:
         raise ExportError(f"{path}: {what} is not UTF-8 text (damaged at byte {err.start}); {REEXPORT}") from None
     except json.JSONDecodeError as err:
-        raise ExportError(f"{path}: {what} is not valid JSON ({err.msg} at line {err.lineno} column {err.colno}): "
+        raise ExportError(f"{path}: {what} is not valid JSON ({err.msg}; line {err.lineno}, column {err.colno}): "
                           f"the file is damaged or cut short; {REEXPORT}") from None
 
 
