@@ -52,7 +52,7 @@ from eval.harness.hf_baseline import hf_generate_timed
 from eval.harness.lossless import classify, format_verdict
 from eval.harness.prompts import config_prompts
 from eval.harness.report import build_report, write_report
-from eval.harness.runner import _result, lossless_extra, resolve_heldout_skip, run_context, tie_tolerance
+from eval.harness.runner import lossless_extra, prompt_result, resolve_heldout_skip, run_context, tie_tolerance
 
 log = logging.getLogger("specdraft.compare")
 AR, HF = "ar", "hf"
@@ -268,7 +268,7 @@ def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greed
             if greedy:
                 divs.append(classify(r["tokens"], a["tokens"], a.get("top2_gaps"), a.get("runner_up"), tol[0]))
                 div = divs[-1].to_dict()
-            results.append(_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None, div))
+            results.append(prompt_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None, div))
         extra = {"label": m.label, "setting": name, **run_context(ecfg, base, results, tree_nodes),
                  "heldout_skip": ecfg.heldout_skip,
                  "hf_matches_spec_fraction": (sum(done[(p.id, HF)]["tokens"] == done[(p.id, m.label)]["tokens"]
@@ -288,7 +288,7 @@ def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greed
 
 
 class _Gen:
-    """A stored prompts.jsonl row seen through the decoder's result interface (what eval.harness.runner._result
+    """A stored prompts.jsonl row seen through the decoder's result interface (what eval.harness.runner.prompt_result
     reads)."""
 
     def __init__(self, row: dict):

@@ -30,7 +30,7 @@ log = logging.getLogger("specdraft.eval")
 CONFIGS = _CONFIGS / "eval"
 
 
-def _result(prompt, gen, tokenizer, matches: bool | None, divergence: dict | None = None) -> PromptResult:
+def prompt_result(prompt, gen, tokenizer, matches: bool | None, divergence: dict | None = None) -> PromptResult:
     n_new = len(gen.tokens) - 1  # the prefill's token is not a decode-step token (see eval/engine/decoder.py)
     return PromptResult(
         id=prompt.id, new_tokens=n_new, base_steps=gen.base_steps, decode_time=gen.decode_time,
@@ -110,7 +110,7 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
             hf_tokens += len(h.tokens) - 1
             hf_time += h.seconds
             hf_match.append(list(h.tokens) == s.tokens)
-        results.append(_result(p, s, tok, matches, div))
+        results.append(prompt_result(p, s, tok, matches, div))
 
     ar_tps = ar_tokens / ar_time if ar_time > 0 else None
     hf_tps = hf_tokens / hf_time if hf_time > 0 else None
