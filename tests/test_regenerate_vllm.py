@@ -8,18 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
+from test_serve_check import _have_vllm
 from vllm_fixtures import servable_tiny_base
 
 from cli.main import main
-from eval.serving.serve_check import ServeCheckError, vllm_python
-
-
-def _have_vllm() -> bool:
-    try:
-        vllm_python()
-        return True
-    except ServeCheckError:
-        return False
 
 
 def _regenerate(base_dir: Path, out: Path, engine: str, capsys) -> list[dict]:
