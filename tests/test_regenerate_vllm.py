@@ -1,5 +1,5 @@
 """`specdraft regenerate --engine vllm`: vLLM's engine (from .venv-vllm) writes the same records, turn by turn,
-as transformers `generate` in fp32 greedy, resumes, and an engine that cannot start says why."""
+as transformers `generate` in fp32 greedy, reuses a finished file, and an engine that cannot start says why."""
 
 from __future__ import annotations
 
