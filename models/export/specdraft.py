@@ -96,9 +96,9 @@ def load_draft(export_dir: Path, base: BaseView, base_fingerprint: str | None = 
             f"load the same base (base.path={config.get('base_model')})")
     family = config["family"]
     path = Path(export_dir) / "model.safetensors"
-    found = safetensors_shapes(path)
+    tensors = read_tensors(path)  # a damaged header is named here, damaged data by the sha256 below
     check_sha256(path, config.get("model_sha256"))
-    tensors = read_tensors(path)
+    found = {k: tuple(v.shape) for k, v in tensors.items()}
     base = _with_export_map(export_dir, config, tensors, base)
     draft = DRAFT_MODELS[family].from_export_config(config, base)
     check_tensors(path, found, {k: tuple(v.shape) for k, v in draft.state_dict().items()})
