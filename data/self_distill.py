@@ -258,7 +258,7 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
     good = raw[:raw.rfind(b"\n") + 1]  # a line cut by the crash is dropped and regenerated
     damaged = f"{partial} is damaged (%s); delete it to start the generation over"
     try:
-        lines = good.decode("utf-8").splitlines()
+        lines = _jsonl_lines(good.decode("utf-8"))
         records = [json.loads(line) for line in lines]
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(damaged % f"{type(err).__name__}: {err}") from None
@@ -281,11 +281,17 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
     return len(lines) - 1, skipped, tokens
 
 
+def _jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSONL text we wrote: split at "\n" only. str.splitlines would also split at U+2028, U+0085,
+    form feeds, ... which json.dumps(ensure_ascii=False) leaves raw inside a string (ShareGPT answers have them)."""
+    return [line for line in text.split("\n") if line]
+
+
 def _finalize(partial: Path) -> tuple[str, int, int]:
     """The clean records of the partial file (header, skip markers and counters dropped) as JSONL text, their
     count and how many answers were cut at max_new_tokens; the caller writes them to `<out>` once the metadata
     is on disk."""
-    records = [rec for line in partial.read_text(encoding="utf-8").splitlines()[1:]
+    records = [rec for line in _jsonl_lines(partial.read_text(encoding="utf-8"))[1:]
                if "conversations" in (rec := json.loads(line))]
     text = "".join(json.dumps({"id": r["id"], "conversations": r["conversations"]}, ensure_ascii=False) + "\n"
                    for r in records)

@@ -167,3 +167,14 @@ def test_an_engine_generates_turn_by_turn_and_cut_answers_are_counted(base, tmp_
     hf = build_self_distilled(base, "tests/fixtures/sharegpt_tiny.json", max_records=3, max_new_tokens=3,
                               max_turns=2, batch_size=3, cache_dir=tmp_path)
     assert json.loads(sidecar(hf).read_text())["key"] != meta["key"]  # another engine, another file
+
+
+def test_resume_reads_records_whose_text_holds_unicode_line_separators(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028 / U+0085 raw; a resumed build must not split a record there."""
+    partial = tmp_path / "x.jsonl.partial"
+    rec = {"id": "a", "generated_tokens": 2, "conversations": [{"from": "human", "value": "one\u2028two\x85three"}]}
+    partial.write_text(json.dumps({"selfdistill_key": "K"}) + "\n" + json.dumps(rec, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
+    assert sd._resume(partial, "K") == (1, {}, 2)
+    text, records, cut = sd._finalize(partial)
+    assert records == 1 and json.loads(text)["conversations"][0]["value"] == "one\u2028two\x85three"
