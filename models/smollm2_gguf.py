@@ -7,7 +7,6 @@ reuses it) and marked complete by `specdraft_base.json`, written last. Later loa
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import torch
 
 from core.atomic import atomic_build_dir
+from core.checksum import file_sha256
 from core.paths import default_cache_dir
 from models.fingerprint import fingerprint_checkpoint
 
@@ -73,11 +73,7 @@ def smollm2_gguf_path() -> Path:
 @lru_cache(maxsize=4)
 def _sha256_file(path: str, size: int, mtime_ns: int) -> str:
     """sha256 of a file (~0.15 s for the 98 MB GGUF); keyed on size+mtime so a process hashes once."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return file_sha256(path)
 
 
 def _file_sha256(path: Path) -> str:
