@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--source", default="sharegpt", help="sharegpt (packaged) or a ShareGPT .json/.jsonl path")
         p.add_argument("--max-records", type=int, default=800, help="the first N valid conversations (eval skips "
                        "them)")
+        p.add_argument("--skip", type=int, default=0, help="start after this many valid conversations (a held-out "
+                       "slice: --skip 800 --max-records 64)")
         p.add_argument("--out", default=None, help="output JSONL (default ~/.cache/specdraft/selfdistill/<key>.jsonl)")
         p.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"],
                        help="vllm: vLLM's engine from .venv-vllm (`make vllm`); hf: transformers generate here; "
@@ -242,7 +244,7 @@ def cmd_regenerate(args) -> int:
         print(f"regenerate: {base.name} reads at most {context} tokens: prompts longer than {fits} tokens are "
               f"skipped (--max-prompt-tokens {args.max_prompt_tokens} lowered)", flush=True)
         args.max_prompt_tokens = fits
-    settings = dict(max_records=args.max_records, out=args.out, max_new_tokens=args.max_new_tokens,
+    settings = dict(max_records=args.max_records, skip=args.skip, out=args.out, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, max_turns=args.max_turns, batch_size=args.batch_size,
                     seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
     if engine_name == "hf":

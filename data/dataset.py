@@ -59,6 +59,33 @@ def build_datasets(tokenizer, source: str, *, max_records: int | None, max_lengt
     With several ranks, call it on rank 0 first and barrier, so the others only load the cache.
     """
     _check_args(tokenizer, max_length, val_fraction, min_assistant_tokens, num_proc)
+    kept, filter_key = _usable_rows(tokenizer, source, max_records=max_records, max_length=max_length,
+                                    cache_dir=cache_dir, min_assistant_tokens=min_assistant_tokens, num_proc=num_proc)
+    cache_dir = Path(cache_dir).expanduser()
+    n_val = min(len(kept) - 1, max(1, math.ceil(val_fraction * len(kept))))
+    split_key = _hash([filter_key, seed, n_val])
+    split = kept.train_test_split(
+        test_size=n_val, seed=seed,
+        train_indices_cache_file_name=str(cache_dir / f"split-{split_key}-train.arrow"),
+        test_indices_cache_file_name=str(cache_dir / f"split-{split_key}-val.arrow"),
+        train_new_fingerprint=f"{split_key}t", test_new_fingerprint=f"{split_key}v",
+    )
+    logger.info("data split (seed %d): %d train, %d val", seed, len(split["train"]), len(split["test"]))
+    return split["train"], split["test"]
+
+
+def build_eval_rows(tokenizer, source: str, *, max_length: int, cache_dir: str | os.PathLike,
+                    min_assistant_tokens: int = 1):
+    """Every usable row of `source` (columns `input_ids`, `loss_mask`), no split: a held-out set in its own file
+    (the on-policy held-out slice, train/onpolicy.py). Rendering and filtering are cached as for build_datasets."""
+    _check_args(tokenizer, max_length, 0.5, min_assistant_tokens, 1)
+    return _usable_rows(tokenizer, source, max_records=None, max_length=max_length, cache_dir=cache_dir,
+                        min_assistant_tokens=min_assistant_tokens, num_proc=1)[0]
+
+
+def _usable_rows(tokenizer, source: str, *, max_records: int | None, max_length: int, cache_dir,
+                 min_assistant_tokens: int, num_proc: int):
+    """(rendered rows with enough assistant tokens, the filter's cache key); at least 2 rows or ValueError."""
     if not str(cache_dir):
         raise ValueError("build_datasets: cache_dir is empty; resolve data.cache_dir first (e.g. "
                          "$SPECDRAFT_CACHE/data) so the rendered dataset is not written to the working directory")
@@ -92,17 +119,7 @@ def build_datasets(tokenizer, source: str, *, max_records: int | None, max_lengt
             f"max_length={max_length}, "
             f"template errors {dict(errors)}); need at least 2 for train + val. Raise max_records or "
             "max_length, or lower min_assistant_tokens")
-
-    n_val = min(len(kept) - 1, max(1, math.ceil(val_fraction * len(kept))))
-    split_key = _hash([filter_key, seed, n_val])
-    split = kept.train_test_split(
-        test_size=n_val, seed=seed,
-        train_indices_cache_file_name=str(cache_dir / f"split-{split_key}-train.arrow"),
-        test_indices_cache_file_name=str(cache_dir / f"split-{split_key}-val.arrow"),
-        train_new_fingerprint=f"{split_key}t", test_new_fingerprint=f"{split_key}v",
-    )
-    logger.info("data split (seed %d): %d train, %d val", seed, len(split["train"]), len(split["test"]))
-    return split["train"], split["test"]
+    return kept, filter_key
 
 
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

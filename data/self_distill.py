@@ -88,16 +88,28 @@ def end_of_turn_ids(base) -> list[int]:
                    *_as_list(base.tokenizer.eos_token_id)})
 
 
-def distill_key(base, source: str, max_records, max_new_tokens, temperature, max_turns, seed,
-                max_prompt_tokens, engine: str = "hf") -> str:
-    """16 hex chars over what the answers depend on. Like data/hidden_cache.cache_key, the base's dtype
-    is part of it (bf16 and fp32 greedy decodes differ), and so is the engine (name and version); a path source
-    counts with its size and mtime."""
+def distill_settings(base, source: str, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens,
+                     engine: str = "hf") -> dict:
+    """What the answers depend on, apart from which conversations: two files with equal settings hold the same
+    answer for the same source conversation, so a slice of one can serve the other (`_seed_from_superset`). Like
+    data/hidden_cache.cache_key, the base's dtype is part of it (bf16 and fp32 greedy decodes differ), and so is
+    the engine (name and version); a path source counts with its size and mtime."""
     path = source_path(source).resolve()
     st = path.stat()
-    material = [SELFDISTILL_VERSION, base.fingerprint, str(base.model.dtype), source, str(path), st.st_size,
-                st.st_mtime_ns, max_records, max_new_tokens, float(temperature), max_turns, seed, max_prompt_tokens,
-                engine]
+    return {"version": SELFDISTILL_VERSION, "base_fingerprint": base.fingerprint, "base_dtype": str(base.model.dtype),
+            "source": source, "path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "max_new_tokens": max_new_tokens, "temperature": float(temperature), "max_turns": max_turns, "seed": seed,
+            "max_prompt_tokens": max_prompt_tokens, "engine": engine}
+
+
+def distill_key(base, source: str, max_records, max_new_tokens, temperature, max_turns, seed,
+                max_prompt_tokens, engine: str = "hf", skip: int = 0) -> str:
+    """16 hex chars over the settings and the slice [skip, skip + max_records) of the source's conversations."""
+    s = distill_settings(base, source, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens, engine)
+    material = [s["version"], s["base_fingerprint"], s["base_dtype"], source, s["path"], s["size"], s["mtime_ns"],
+                max_records, max_new_tokens, float(temperature), max_turns, seed, max_prompt_tokens, engine]
+    if skip:  # appended only when set, so the keys of unskipped files stay what they were
+        material.append(skip)
     return hashlib.sha256(json.dumps(material).encode()).hexdigest()[:16]
 
 
@@ -120,23 +132,32 @@ def train_data_entry(source: str, max_records: int | None) -> dict:
 def build_self_distilled(base, source: str = "sharegpt", max_records: int | None = 800, out=None,
                          max_new_tokens: int = 256, temperature: float = 0.0, max_turns: int = 1,
                          batch_size: int = 16, seed: int = 0, *, max_prompt_tokens: int = 1024,
-                         cache_dir=None, engine: Generator | None = None) -> Path:
-    """Write (or reuse) the self-distilled ShareGPT JSONL of the first `max_records` valid conversations of
-    `source`; return its path. `base` has .model/.tokenizer/.fingerprint/.name (models.base.load_base).
+                         cache_dir=None, engine: Generator | None = None, skip: int = 0,
+                         any_engine: bool = False) -> Path:
+    """Write (or reuse) the self-distilled ShareGPT JSONL of the valid conversations [skip, skip + max_records)
+    of `source`; return its path. `base` has .model/.tokenizer/.fingerprint/.name (models.base.load_base).
     Prompts longer than `max_prompt_tokens` are skipped (a 1024-token training window would hold no answer).
     engine: what generates (default: HFGenerator on `base`); it must have been set up with the same
-    max_new_tokens and temperature."""
-    if max_new_tokens < 1 or max_turns < 1 or batch_size < 1 or temperature < 0 or max_prompt_tokens < 1:
-        raise ValueError(f"regenerate: need max_new_tokens, max_turns, batch_size, max_prompt_tokens >= 1 and "
-                         f"temperature >= 0 (got {max_new_tokens}, {max_turns}, {batch_size}, {max_prompt_tokens},"
-                         f" {temperature})")
+    max_new_tokens and temperature.
+    Conversations that a longer file beside `out` (finished, or a partial still being written) already holds with
+    the same settings are copied from it, not generated again; any_engine=True accepts one made by another engine
+    (the held-out slice of training: any engine's answers are the base's own)."""
+    if max_new_tokens < 1 or max_turns < 1 or batch_size < 1 or temperature < 0 or max_prompt_tokens < 1 or skip < 0:
+        raise ValueError(f"regenerate: need max_new_tokens, max_turns, batch_size, max_prompt_tokens >= 1, skip >= 0 "
+                         f"and temperature >= 0 (got {max_new_tokens}, {max_turns}, {batch_size}, "
+                         f"{max_prompt_tokens}, {skip}, {temperature})")
+    if skip and max_records is None:
+        raise ValueError(f"regenerate: skip={skip} needs max_records (how many conversations after the skipped ones)")
     tok = base.tokenizer
     eos = end_of_turn_ids(base)
     if engine is None:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]  # pad = eos when the tokenizer has none
         engine = HFGenerator(base.model, eos, pad, max_new_tokens, temperature)
+    engine_id = f"{engine.name} {engine.version}"
+    settings = distill_settings(base, source, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens,
+                                engine_id)
     key = distill_key(base, source, max_records, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens,
-                      f"{engine.name} {engine.version}")
+                      engine_id, skip)
     if out is None:
         from core.paths import default_cache_dir  # late: data/ stays importable without the model code
 
@@ -151,8 +172,13 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
         print(f"regenerate: reusing {out}")
         return out
 
-    conversations, _ = read_sharegpt(source, max_records)
-    done, skipped, tokens = _resume(partial, key)  # source conversations already handled
+    conversations, _ = read_sharegpt(source, None if max_records is None else skip + max_records)
+    conversations = conversations[skip:]
+    if not conversations:
+        raise ValueError(f"regenerate: {source!r} has no valid conversation after the first {skip}; lower the skip")
+    if not partial.is_file():
+        _seed_from_superset(partial, out.parent, key, settings, skip, len(conversations), any_engine)
+    done, skipped, tokens = _resume(partial, key, settings, skip)  # source conversations already handled
     print(f"regenerate: {len(conversations) - done} of {len(conversations)} conversations to regenerate with "
           f"{engine.name} ({engine.version}), up to {max_turns} turn(s) of {max_new_tokens} tokens each, batches of "
           f"{batch_size} -> {out}", flush=True)
@@ -166,7 +192,7 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
             results = _distill_batch(tok, batch, engine, eos, max_new_tokens, max_turns, max_prompt_tokens,
                                      seed * 1_000_003 + start)
             lines = []
-            for i, (messages, n_tok, reason, cut) in enumerate(results, start=start):
+            for i, (messages, n_tok, reason, cut) in enumerate(results, start=skip + start):
                 rec = {"id": f"{prefix}-{i}", "generated_tokens": n_tok, **({"cut": cut} if cut else {})}
                 rec.update({"skipped": reason} if reason else {"conversations": [
                     {"from": _TO_SHAREGPT[m["role"]], "value": m["content"]} for m in messages]})
@@ -186,7 +212,10 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
         raise ValueError(f"regenerate: the base gave no usable answer for any of the {len(conversations)} "
                          f"conversations of {source!r} (empty: {skipped.get(EMPTY, 0)}, prompt too long: "
                          f"{skipped.get(TOO_LONG, 0)}); raise max_new_tokens / max_records")
-    meta = {"derived_from": {"source": source, "max_records": max_records}, "key": key, "base": base.name,
+    # derived_from.max_records: how many source conversations eval and the on-policy held-out slice must skip
+    meta = {"derived_from": {"source": source, "max_records": None if max_records is None else skip + max_records,
+                             **({"skip": skip} if skip else {})},
+            "key": key, "settings": settings, "skip": skip, "base": base.name,
             "base_fingerprint": base.fingerprint, "base_dtype": str(base.model.dtype).removeprefix("torch."),
             "max_new_tokens": max_new_tokens, "temperature": temperature, "max_turns": max_turns, "seed": seed,
             "max_prompt_tokens": max_prompt_tokens, "records": records, "skipped_empty": skipped.get(EMPTY, 0),
@@ -249,10 +278,17 @@ def _plan(conv: list[dict], max_turns: int) -> tuple[list[dict], list[str]]:
     return system, [m["content"] for m in conv if m["role"] == "user"][:max_turns]
 
 
-def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
+def _header(key: str, settings: dict | None, skip: int) -> str:
+    """The partial file's first line: its key, and the settings and first conversation index a shorter request
+    needs to find its slice here (`_seed_from_superset`)."""
+    extra = {"settings": settings, "skip": skip} if settings is not None else {}
+    return json.dumps({"selfdistill_key": key, **extra}) + "\n"
+
+
+def _resume(partial: Path, key: str, settings: dict | None = None, skip: int = 0) -> tuple[int, dict, int]:
     """(conversations done, skip counts, tokens) from a partial file; keeps only its complete lines."""
     if not partial.is_file():
-        write_text_atomic(partial, json.dumps({"selfdistill_key": key}) + "\n")
+        write_text_atomic(partial, _header(key, settings, skip))
         return 0, {}, 0
     raw = partial.read_bytes()
     good = raw[:raw.rfind(b"\n") + 1]  # a line cut by the crash is dropped and regenerated
@@ -271,6 +307,8 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
               "conversation is generated again", flush=True)
         with open(partial, "r+b") as f:
             f.truncate(len(good))
+    if settings is not None and "settings" not in records[0]:  # a header written before settings were recorded
+        write_text_atomic(partial, _header(key, settings, skip) + "".join(line + "\n" for line in lines[1:]))
     skipped, tokens = {}, 0
     for rec in records[1:]:
         tokens += rec.get("generated_tokens", 0)
@@ -279,6 +317,53 @@ def _resume(partial: Path, key: str) -> tuple[int, dict, int]:
     if len(lines) > 1:
         print(f"regenerate: resuming {partial} after {len(lines) - 1} conversations")
     return len(lines) - 1, skipped, tokens
+
+
+def _seed_from_superset(partial: Path, directory: Path, key: str, settings: dict, skip: int, n: int,
+                        any_engine: bool) -> None:
+    """Start `partial` with the lines of conversations [skip, skip + n) that another file in `directory` made with
+    the same settings already holds: a partial (its lines are positional: line j is conversation start + j, skip
+    markers included) or a finished file (its records carry the conversation index in their id; a missing index
+    was skipped there). Writes nothing when no file covers the first conversation of the slice."""
+    def same(other: dict | None) -> bool:
+        if not isinstance(other, dict):
+            return False
+        ignore = {"engine"} if any_engine else set()
+        return {k: v for k, v in other.items() if k not in ignore} == {
+            k: v for k, v in settings.items() if k not in ignore}
+
+    best: list[str] = []
+    for cand in sorted(directory.glob("*.jsonl.partial")):
+        if cand == partial:
+            continue
+        try:
+            raw = cand.read_bytes()
+            lines = _jsonl_lines(raw[:raw.rfind(b"\n") + 1].decode("utf-8"))
+            head = json.loads(lines[0]) if lines else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # a damaged partial is its own owner's problem
+        start = head.get("skip", 0) if isinstance(head, dict) else 0
+        if same(head.get("settings") if isinstance(head, dict) else None) and start <= skip < start + len(lines) - 1:
+            got = lines[1 + skip - start:1 + skip - start + n]
+            best = got if len(got) > len(best) else best
+    for meta_path in sorted(directory.glob("*.jsonl.meta.json")):
+        try:
+            meta = json.loads(meta_path.read_text())
+            start, end = meta.get("skip", 0), (meta.get("derived_from") or {}).get("max_records")
+            if not same(meta.get("settings")) or end is None or not start <= skip < end:
+                continue
+            text = meta_path.with_name(meta_path.name.removesuffix(".meta.json")).read_text(encoding="utf-8")
+            by_index = {int(r["id"].rsplit("-", 1)[1]): r for r in map(json.loads, _jsonl_lines(text))}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, KeyError, AttributeError):
+            continue
+        got = [json.dumps(by_index.get(i) or {"id": f"skipped-{i}", "generated_tokens": 0, "skipped": "in_" +
+                          meta_path.name.removesuffix(".jsonl.meta.json")}, ensure_ascii=False)
+               for i in range(skip, min(end, skip + n))]
+        best = got if len(got) > len(best) else best
+    if best:
+        write_text_atomic(partial, _header(key, settings, skip) + "".join(line + "\n" for line in best))
+        print(f"regenerate: {len(best)} of the {n} conversations copied from a file made with the same settings in "
+              f"{directory}", flush=True)
 
 
 def _jsonl_lines(text: str) -> list[str]:

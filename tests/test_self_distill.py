@@ -73,7 +73,8 @@ def test_second_turn_answers_follow_the_bases_first_answer(base, tmp_path):
 
 
 def test_resume_after_crash_generates_only_the_rest(base, tmp_path, monkeypatch):
-    reference = _build(base, tmp_path, "ref.jsonl").read_text()
+    (tmp_path / "ref").mkdir()  # apart: a finished file beside the build would be copied, not generated
+    reference = _build(base, tmp_path / "ref", "ref.jsonl").read_text()
     real, calls = sd._distill_batch, []
 
     def crash_after_first_batch(tok, batch, *args):
@@ -93,10 +94,40 @@ def test_resume_after_crash_generates_only_the_rest(base, tmp_path, monkeypatch)
     monkeypatch.setattr(sd, "_distill_batch", lambda *a: calls.append(len(a[1])) or real(*a))
     out = _build(base, tmp_path)
     assert calls == [2] and out.read_text() == reference and not partial.exists()
-    ref_meta, meta = (json.loads(sidecar(p).read_text()) for p in (tmp_path / "ref.jsonl", out))
+    ref_meta, meta = (json.loads(sidecar(p).read_text()) for p in (tmp_path / "ref" / "ref.jsonl", out))
     assert meta == ref_meta  # counts survive the restart
     with pytest.raises(ValueError, match="other settings"):
         _build(base, tmp_path, max_new_tokens=5)
+
+
+def test_a_slice_is_copied_from_a_longer_file_with_the_same_settings(base, tmp_path, monkeypatch):
+    (tmp_path / "fresh").mkdir()
+    fresh = _build(base, tmp_path / "fresh", "mid.jsonl", skip=1, max_records=3)  # generated from scratch
+    assert [json.loads(x)["id"] for x in fresh.read_text().splitlines()] == [f"sharegpt_tiny-{i}" for i in (1, 2, 3)]
+    assert json.loads(sidecar(fresh).read_text())["derived_from"] == {"source": FIXTURE, "max_records": 4, "skip": 1}
+    real, calls = sd._distill_batch, []
+
+    def crash_after_first_batch(tok, batch, *args):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash")
+        return real(tok, batch, *args)
+
+    monkeypatch.setattr(sd, "_distill_batch", crash_after_first_batch)
+    with pytest.raises(RuntimeError):
+        _build(base, tmp_path, "long.jsonl")  # a longer build, killed after conversations 0..2
+    calls.clear()
+    monkeypatch.setattr(sd, "_distill_batch", lambda *a: calls.append(len(a[1])) or real(*a))
+    # conversations 1..2 come from the partial, 3 is generated: the same file as generated from scratch
+    sliced = _build(base, tmp_path, "mid.jsonl", skip=1, max_records=3)
+    assert calls == [1] and sliced.read_text() == fresh.read_text()
+    long = _build(base, tmp_path, "long.jsonl")  # finishes the longer build; then a finished file serves slices
+    calls.clear()
+    assert _build(base, tmp_path, "tail.jsonl", skip=3, max_records=2).read_text() == "".join(
+        line + "\n" for line in long.read_text().splitlines()[3:])
+    assert calls == []
+    _build(base, tmp_path, "other.jsonl", skip=3, max_records=2, max_new_tokens=5)  # other settings: generated
+    assert calls == [2]
 
 
 def test_derived_from_makes_eval_skip_the_distilled_prompts(base, tmp_path):

@@ -43,6 +43,10 @@ class DataSection:
     self_distill: bool = False  # train on the base's own answers to the first max_records prompts (Medusa-2)
     self_distill_max_new_tokens: int = 256  # answer length cap of the regenerated turns
     self_distill_temperature: float = 0.0  # 0 = greedy answers; > 0 samples at that temperature
+    # > 0: also score the draft on the base's own answers (regenerated once, cached) to this many prompts that come
+    # after the training conversations in the prompt source; the acceptance estimate then uses these numbers
+    # (docs/concepts.md#on-policy-data). Needs data.max_records (or a regenerated source, which records its slice).
+    onpolicy_heldout: int = 0
     # "" = the tokenizer's own chat template; else chatml | llama3 | gemma | a .jinja file, used when the
     # base ships none (base checkpoints) or to override its own; recorded in the export for eval.
     chat_template: str = ""
@@ -206,6 +210,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
               "the conversations after them: set data.max_records=N (e.g. 800)")
     if cfg.data.self_distill_max_new_tokens < 1:
         _fail("data.self_distill_max_new_tokens", cfg.data.self_distill_max_new_tokens, "use 1 or more (256 typical)")
+    if cfg.base.partition == "zero3" and cfg.data.onpolicy_heldout:
+        _fail("data.onpolicy_heldout", cfg.data.onpolicy_heldout, "the on-policy held-out slice is generated with the "
+              "base, which a ZeRO-3-partitioned base cannot do in one process; regenerate it with `specdraft "
+              "regenerate` and train on it, or set data.onpolicy_heldout=0")
+    if cfg.data.onpolicy_heldout < 0:
+        _fail("data.onpolicy_heldout", cfg.data.onpolicy_heldout, "use 0 (off) or a number of conversations (64)")
     if cfg.data.self_distill_temperature < 0:
         _fail("data.self_distill_temperature", cfg.data.self_distill_temperature, "use 0 (greedy) or a temperature > 0")
     if cfg.data.chat_template:

@@ -13,8 +13,8 @@ from models.draft import DepthStats, DraftBatch, estimated_acceptance_length
 
 
 @torch.no_grad()
-def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype) -> dict:
-    """Teacher-forced per-depth loss / top-1 / top-5 over up to cfg.train.val_batches micro-batches.
+def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype, max_rows: int | None = None) -> dict:
+    """Teacher-forced per-depth loss / top-1 / top-5 over up to cfg.train.val_batches micro-batches (or max_rows).
 
     The trivial predictor always answers the most frequent target token of depth k in this very set
     (an upper bound for any constant guess), so "above trivial" is a fair bar.
@@ -25,7 +25,7 @@ def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype
     totals = [DepthStats() for _ in range(K)]
     freq = [Counter() for _ in range(K)]
     mb = cfg.train.micro_batch_size
-    n_rows = min(len(val_ds), cfg.train.val_batches * mb)
+    n_rows = min(len(val_ds), cfg.train.val_batches * mb if max_rows is None else max_rows)
     for start in range(0, n_rows, mb):
         batch = collate([val_ds[i] for i in range(start, min(start + mb, n_rows))], pad_id)
         ids, attn, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
@@ -51,8 +51,27 @@ def evaluate_heldout(draft, base_model, view, val_ds, pad_id, cfg, device, dtype
     return {"conversations": n_rows, "depths": depths, "summary": summary}
 
 
+def with_onpolicy(result: dict, onpolicy: dict) -> dict:
+    """`result` (the split's held-out rows, ShareGPT's answers) with the on-policy set's numbers beside it: under
+    "onpolicy", as top1_onpolicy/head<k> in the summary, and as the acceptance estimate (the base's own text is
+    what the draft meets when decoding); the ShareGPT estimate stays as est_accept_len_sharegpt."""
+    summary = dict(result["summary"])
+    summary["est_accept_len_sharegpt"] = summary["est_accept_len"]
+    summary["est_accept_len"] = onpolicy["summary"]["est_accept_len"]
+    summary.update({f"top1_onpolicy/head{d['depth']}": d["top1"] for d in onpolicy["depths"]})
+    return {**result, "summary": summary, "onpolicy": onpolicy}
+
+
 def format_heldout_table(result: dict) -> str:
-    lines = [f"held-out accuracy ({result['conversations']} conversations, teacher forced)",
+    text = _table(result, "held-out accuracy on the data's own answers")
+    if "onpolicy" in result:
+        text += "\n" + _table(result["onpolicy"], "held-out accuracy on the base's own answers (on-policy; the "
+                               "estimate that counts)")
+    return text
+
+
+def _table(result: dict, title: str) -> str:
+    lines = [f"{title} ({result['conversations']} conversations, teacher forced)",
              f"{'head':>4} {'predicts':>9} {'tokens':>7} {'loss':>7} {'top-1':>7} {'top-5':>7} {'trivial':>8}"]
     for d in result["depths"]:
         lines.append(f"{d['depth']:>4} {'x_t+' + str(d['depth'] + 1):>9} {d['tokens']:>7} {d['loss']:>7.3f} "

@@ -48,7 +48,8 @@ from train.config import TrainConfig
 from train.data_order import DataOrder
 from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_distributed
 from train.ds_config import build_deepspeed_config, resolve_precision
-from train.heldout import evaluate_heldout, format_heldout_table
+from train.heldout import evaluate_heldout, format_heldout_table, with_onpolicy
+from train.onpolicy import onpolicy_heldout_rows
 from train.schedule import TimeBudgetedSchedule
 from train.tracking import Tracker
 
@@ -110,6 +111,8 @@ def train(cfg: TrainConfig) -> Path:
     precision, base_dtype = threads_and_precision(cfg, info)
 
     base, train_ds, val_ds, source, max_records, partitioned = load_base_and_data(cfg, info, base_dtype)
+    # The base's own answers to the prompts after the training ones (rank 0 alone scores held-out sets).
+    onpolicy_ds = onpolicy_heldout_rows(cfg.data, base, source, max_records) if info.is_main else None
     # Every rank builds its share of the cache's shards (collective; a ready cache is only opened).
     hidden_cache = _hidden_cache(cfg, base, train_ds, info, partitioned) if cfg.data.hidden_cache else None
     view = partitioned.view() if partitioned else BaseView.from_model(base.model)
@@ -250,8 +253,8 @@ def train(cfg: TrainConfig) -> Path:
         stop.restore()
 
     if not sigterm:  # finished, or out of its time budget: export what we have
-        _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
-                time.perf_counter() - train_t0,
+        _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker, run_dir,
+                step, time.perf_counter() - train_t0,
                 packed_train_data(source) if is_packed(source) else train_data_entry(source, max_records),
                 vocab_info, bool(partitioned))
     tracker.close()
@@ -415,10 +418,12 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
     return metrics
 
 
-def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info, tracker, run_dir, step,
+def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype, info, tracker, run_dir, step,
             train_seconds: float, train_data: dict, vocab_info: dict | None = None, partitioned: bool = False) -> None:
     """Export the draft's weights and measure held-out per-depth accuracy (rank 0; with a ZeRO-3 base every
-    rank runs the held-out forwards, which are collective, and rank 0 alone writes)."""
+    rank runs the held-out forwards, which are collective, and rank 0 alone writes). heldout_sets = (the split's
+    val rows, the on-policy held-out rows or None)."""
+    val_ds, onpolicy_ds = heldout_sets
     import deepspeed
 
     params = list(draft.parameters()) if cfg.deepspeed.zero_stage == 3 else []
@@ -437,6 +442,9 @@ def _finish(cfg, engine, draft, base, view, val_ds, pad_id, compute_dtype, info,
             log.info("exported the draft to %s", run_dir / "export")
         if cfg.train.val_batches > 0 and (info.is_main or partitioned):
             result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)
+            if onpolicy_ds is not None:  # every row: the slice is small and chosen on purpose
+                result = with_onpolicy(result, evaluate_heldout(draft, base.model, view, onpolicy_ds, pad_id, cfg,
+                                                                info.device, compute_dtype, max_rows=len(onpolicy_ds)))
             if info.is_main:
                 (run_dir / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
                 tracker.log({f"val/{k}": v for k, v in result["summary"].items()}, step)
