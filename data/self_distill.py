@@ -141,7 +141,7 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
     max_new_tokens and temperature.
     Conversations that a longer file beside `out` (finished, or a partial still being written) already holds with
     the same settings are copied from it, not generated again; any_engine=True accepts one made by another engine
-    (the held-out slice of training: any engine's answers are the base's own)."""
+    or precision (the held-out slice of training: any engine's answers are the base's own)."""
     if max_new_tokens < 1 or max_turns < 1 or batch_size < 1 or temperature < 0 or max_prompt_tokens < 1 or skip < 0:
         raise ValueError(f"regenerate: need max_new_tokens, max_turns, batch_size, max_prompt_tokens >= 1, skip >= 0 "
                          f"and temperature >= 0 (got {max_new_tokens}, {max_turns}, {batch_size}, "
@@ -328,7 +328,7 @@ def _seed_from_superset(partial: Path, directory: Path, key: str, settings: dict
     def same(other: dict | None) -> bool:
         if not isinstance(other, dict):
             return False
-        ignore = {"engine"} if any_engine else set()
+        ignore = {"engine", "base_dtype"} if any_engine else set()
         return {k: v for k, v in other.items() if k not in ignore} == {
             k: v for k, v in settings.items() if k not in ignore}
 

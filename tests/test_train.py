@@ -146,3 +146,16 @@ def test_two_cpu_ranks_match_one_rank(tmp_path):
     assert len(l1) == len(l2) == 4
     for a, b in zip(l1, l2):
         assert a == pytest.approx(b, rel=1e-4)
+
+
+def test_max_tokens_sets_the_steps_at_the_mean_conversation_length():
+    from types import SimpleNamespace
+
+    from train.loop import _steps_for
+
+    t = SimpleNamespace(max_tokens=0, epochs=2.5, global_batch_size=8)
+    assert _steps_for(t, epoch_tokens=40_000, rows=100, steps_per_epoch=12) == 30  # epochs decide
+    t.max_tokens = 64_000  # 400 tokens a conversation, 8 a step: 3,200 tokens a step -> 20 steps
+    assert _steps_for(t, epoch_tokens=40_000, rows=100, steps_per_epoch=12) == 20
+    t.max_tokens = 10  # never zero steps
+    assert _steps_for(t, epoch_tokens=40_000, rows=100, steps_per_epoch=12) == 1

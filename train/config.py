@@ -80,7 +80,10 @@ class LossSection:
 @dataclass
 class TrainSection:
     epochs: float = 1.0  # passes over the training conversations (fractions allowed)
-    max_steps: int = 0  # > 0 overrides epochs
+    max_steps: int = 0  # > 0 overrides epochs and max_tokens
+    # > 0 overrides epochs: as many steps as see about this many tokens (prompt and answer, after truncation) at the
+    # train split's mean conversation length; compares data sets of different lengths at one token budget
+    max_tokens: int = 0
     max_minutes: float = 0.0  # > 0: stop (and save) after this much training wall time
     global_batch_size: int = 16  # conversations per optimizer step, over all ranks
     micro_batch_size: int = 4  # conversations per forward on one rank
@@ -214,6 +217,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("data.onpolicy_heldout", cfg.data.onpolicy_heldout, "the on-policy held-out slice is generated with the "
               "base, which a ZeRO-3-partitioned base cannot do in one process; regenerate it with `specdraft "
               "regenerate` and train on it, or set data.onpolicy_heldout=0")
+    if t.max_tokens < 0:
+        _fail("train.max_tokens", t.max_tokens, "use 0 (train.epochs decides) or a token count")
     if cfg.data.onpolicy_heldout < 0:
         _fail("data.onpolicy_heldout", cfg.data.onpolicy_heldout, "use 0 (off) or a number of conversations (64)")
     if cfg.data.self_distill_temperature < 0:

@@ -136,12 +136,13 @@ def train(cfg: TrainConfig) -> Path:
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                       info.rank, info.world_size, cfg.train.seed)
-    total_steps = cfg.train.max_steps or max(1, math.floor(cfg.train.epochs * order.steps_per_epoch))
+    epoch_tokens = sum(len(ids) for ids in train_ds["input_ids"])  # what one pass over the train rows sees
+    total_steps = cfg.train.max_steps or _steps_for(cfg.train, epoch_tokens, len(train_ds), order.steps_per_epoch)
     warmup = int(cfg.train.warmup_ratio * total_steps)
-    log.info("base %s (%s) | %s draft, %.2fM trainable params | %d train / %d val conversations | "
-             "%d steps x %d conversations | %d rank(s) on %s, %s", base.name, base.fingerprint, cfg.draft.family,
-             n_params / 1e6, len(train_ds), len(val_ds), total_steps, cfg.train.global_batch_size,
-             info.world_size, info.device, precision)
+    log.info("base %s (%s) | %s draft, %.2fM trainable params | %d train / %d val conversations, %d tokens an "
+             "epoch | %d steps x %d conversations | %d rank(s) on %s, %s", base.name, base.fingerprint,
+             cfg.draft.family, n_params / 1e6, len(train_ds), len(val_ds), epoch_tokens, total_steps,
+             cfg.train.global_batch_size, info.world_size, info.device, precision)
 
     import deepspeed
 
@@ -255,7 +256,8 @@ def train(cfg: TrainConfig) -> Path:
     if not sigterm:  # finished, or out of its time budget: export what we have
         _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker, run_dir,
                 step, time.perf_counter() - train_t0,
-                packed_train_data(source) if is_packed(source) else train_data_entry(source, max_records),
+                {**(packed_train_data(source) if is_packed(source) else train_data_entry(source, max_records)),
+                 "epoch_tokens": epoch_tokens},
                 vocab_info, bool(partitioned))
     tracker.close()
     barrier()
@@ -263,6 +265,14 @@ def train(cfg: TrainConfig) -> Path:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
+
+
+def _steps_for(t, epoch_tokens: int, rows: int, steps_per_epoch: int) -> int:
+    """Optimizer steps of a run without train.max_steps: train.max_tokens at the mean conversation length of the
+    train split (global_batch_size conversations a step), else train.epochs passes."""
+    if t.max_tokens:
+        return max(1, round(t.max_tokens / (epoch_tokens / rows * t.global_batch_size)))
+    return max(1, math.floor(t.epochs * steps_per_epoch))
 
 
 def threads_and_precision(cfg, info: DistInfo) -> tuple[str, str]:

@@ -120,13 +120,17 @@ def describe_training(export: Path) -> dict:
     per_epoch, rows = manifest.get("tokens"), manifest.get("rows")
     batch = int((run_cfg.get("train") or {}).get("global_batch_size") or 0)
     if cfg.get("trained_steps") and rows and batch and rows >= batch:
-        # the steps actually run (a time budget, train.max_minutes, stops a run before its configured epochs)
-        epochs = round(min(epochs, cfg["trained_steps"] / (rows // batch)), 2)
+        if (cfg.get("train_data") or {}).get("epoch_tokens"):  # the steps run, whatever decided their number
+            epochs = round(cfg["trained_steps"] * batch / rows, 2)
+        else:  # older exports: a time budget (train.max_minutes) can only have stopped a run early
+            epochs = round(min(epochs, cfg["trained_steps"] / (rows // batch)), 2)
     heldout = json.loads((run / "heldout.json").read_text()) if (run / "heldout.json").is_file() else None
+    onpolicy = (heldout or {}).get("onpolicy")
     return {"run": run.name, "family": cfg["family"], "params": trainable_params(export),
             "train_s": train_seconds(run, cfg), "steps": cfg.get("trained_steps"), "epochs": epochs,
             "tokens": per_epoch * epochs if per_epoch else None,
             "heldout_top1": [d["top1"] for d in heldout["depths"]] if heldout else None,
+            "onpolicy_top1": [d["top1"] for d in onpolicy["depths"]] if onpolicy else None,
             "lr": (run_cfg.get("train") or {}).get("lr")}
 
 
@@ -143,14 +147,20 @@ def _shape(rep: dict) -> str:
 
 
 def training_table(rows: list[tuple[str, dict]]) -> list[str]:
+    """One row per trained draft. The on-policy column (the base's own answers to held-out prompts, train/onpolicy.py)
+    appears when some run measured it."""
+    onpolicy = any(t.get("onpolicy_top1") for _, t in rows)
     out = ["| draft | run | family | trainable params | epochs | tokens seen | train time | lr "
-           "| held-out top-1 by depth (teacher forced) |", "|---|---|---|---|---|---|---|---|---|"]
+           "| held-out top-1 by depth (teacher forced) |"
+           + (" on-policy held-out top-1 by depth |" if onpolicy else ""),
+           "|---|---|---|---|---|---|---|---|---|" + ("---|" if onpolicy else "")]
     for label, t in rows:
-        top1 = " / ".join(f"{a:.3f}" for a in t["heldout_top1"]) if t["heldout_top1"] else "—"
+        top1, own = (" / ".join(f"{a:.3f}" for a in t[k]) if t.get(k) else "—"
+                     for k in ("heldout_top1", "onpolicy_top1"))
         mins = "—" if t["train_s"] is None else f"{t['train_s'] / 60:.1f} min"
         toks = "—" if t["tokens"] is None else f"{t['tokens'] / 1e3:.0f}k"
         out.append(f"| {label} | `{t['run']}` | {t['family']} | {t['params'] / 1e6:.2f}M | {t['epochs']:g} | {toks} "
-                   f"| {mins} | {t['lr']} | {top1} |")
+                   f"| {mins} | {t['lr']} | {top1} |" + (f" {own} |" if onpolicy else ""))
     return out
 
 
