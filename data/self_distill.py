@@ -158,11 +158,10 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
                                 engine_id)
     key = distill_key(base, source, max_records, max_new_tokens, temperature, max_turns, seed, max_prompt_tokens,
                       engine_id, skip)
-    if out is None:
-        from core.paths import default_cache_dir  # late: data/ stays importable without the model code
+    from core.paths import default_cache_dir  # late: data/ stays importable without the model code
 
-        out = Path(cache_dir or default_cache_dir()).expanduser() / "selfdistill" / f"{key}.jsonl"
-    out = Path(out).expanduser()
+    cache = Path(cache_dir or default_cache_dir()).expanduser() / "selfdistill"
+    out = Path(out).expanduser() if out is not None else cache / f"{key}.jsonl"
     meta_path, partial = sidecar(out), out.with_name(out.name + ".partial")
     if out.is_file():
         found = json.loads(meta_path.read_text()).get("key") if meta_path.is_file() else None
@@ -177,7 +176,8 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
     if not conversations:
         raise ValueError(f"regenerate: {source!r} has no valid conversation after the first {skip}; lower the skip")
     if not partial.is_file():
-        _seed_from_superset(partial, out.parent, key, settings, skip, len(conversations), any_engine)
+        _seed_from_superset(partial, list(dict.fromkeys([out.parent, cache])), key, settings, skip,
+                            len(conversations), any_engine)
     done, skipped, tokens = _resume(partial, key, settings, skip)  # source conversations already handled
     print(f"regenerate: {len(conversations) - done} of {len(conversations)} conversations to regenerate with "
           f"{engine.name} ({engine.version}), up to {max_turns} turn(s) of {max_new_tokens} tokens each, batches of "
@@ -319,9 +319,9 @@ def _resume(partial: Path, key: str, settings: dict | None = None, skip: int = 0
     return len(lines) - 1, skipped, tokens
 
 
-def _seed_from_superset(partial: Path, directory: Path, key: str, settings: dict, skip: int, n: int,
+def _seed_from_superset(partial: Path, directories: list[Path], key: str, settings: dict, skip: int, n: int,
                         any_engine: bool) -> None:
-    """Start `partial` with the lines of conversations [skip, skip + n) that another file in `directory` made with
+    """Start `partial` with the lines of conversations [skip, skip + n) that another file in `directories` made with
     the same settings already holds: a partial (its lines are positional: line j is conversation start + j, skip
     markers included) or a finished file (its records carry the conversation index in their id; a missing index
     was skipped there). Writes nothing when no file covers the first conversation of the slice."""
@@ -333,7 +333,9 @@ def _seed_from_superset(partial: Path, directory: Path, key: str, settings: dict
             k: v for k, v in settings.items() if k not in ignore}
 
     best: list[str] = []
-    for cand in sorted(directory.glob("*.jsonl.partial")):
+    partials = sorted(p for d in directories for p in d.glob("*.jsonl.partial"))
+    metas = sorted(p for d in directories for p in d.glob("*.jsonl.meta.json"))
+    for cand in partials:
         if cand == partial:
             continue
         try:
@@ -346,7 +348,7 @@ def _seed_from_superset(partial: Path, directory: Path, key: str, settings: dict
         if same(head.get("settings") if isinstance(head, dict) else None) and start <= skip < start + len(lines) - 1:
             got = lines[1 + skip - start:1 + skip - start + n]
             best = got if len(got) > len(best) else best
-    for meta_path in sorted(directory.glob("*.jsonl.meta.json")):
+    for meta_path in metas:
         try:
             meta = json.loads(meta_path.read_text())
             start, end = meta.get("skip", 0), (meta.get("derived_from") or {}).get("max_records")
@@ -363,7 +365,7 @@ def _seed_from_superset(partial: Path, directory: Path, key: str, settings: dict
     if best:
         write_text_atomic(partial, _header(key, settings, skip) + "".join(line + "\n" for line in best))
         print(f"regenerate: {len(best)} of the {n} conversations copied from a file made with the same settings in "
-              f"{directory}", flush=True)
+              f"{' or '.join(map(str, directories))}", flush=True)
 
 
 def _jsonl_lines(text: str) -> list[str]:

@@ -12,8 +12,10 @@ import collections
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -35,9 +37,12 @@ class VllmGenerator:
         job = {"base_dir": str(base_hf_dir(base, self.workdir)), "dtype": DTYPES[base.dtype],
                "max_model_len": max_model_len, "max_new_tokens": max_new_tokens, "temperature": temperature,
                "stop_token_ids": list(stop_token_ids)}
-        job_path = self.workdir / "generate.job.json"
+        # Job and log in a directory of this engine's own: two regenerations at once (a long background one and a
+        # short slice) must not share them. Removed on a clean close; kept (with the log) after a failure.
+        self.rundir = Path(tempfile.mkdtemp(prefix="engine-", dir=self.workdir))
+        job_path = self.rundir / "generate.job.json"
         job_path.write_text(json.dumps(job))
-        self.log_path = self.workdir / "generate.log"
+        self.log_path = self.rundir / "generate.log"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         env.pop("PYTHONPATH", None)  # the worker must see vLLM's own packages, not this tree's
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -45,7 +50,7 @@ class VllmGenerator:
         # Own session: on an error or a timeout the whole group (engine core and worker) is killed.
         self.proc = subprocess.Popen([str(vllm_python()), str(WORKER), str(job_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=str(self.workdir), start_new_session=True)
+                                     cwd=str(self.rundir), start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
         self.version = "vllm " + self._expect(READY, start_timeout, "building the engine") + f" {job['dtype']}"
 
@@ -97,6 +102,8 @@ class VllmGenerator:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if not kill and self.proc.returncode == 0:
+            shutil.rmtree(self.rundir, ignore_errors=True)
 
     def __enter__(self) -> VllmGenerator:
         return self
