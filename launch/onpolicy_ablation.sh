@@ -34,10 +34,9 @@ fi
 T=$(.venv/bin/python -c "import json; print(json.load(open('runs/abl-hydra-orig/export/config.json'))['train_data']['epoch_tokens'])") \
   || { echo "!!! no epoch_tokens in runs/abl-hydra-orig/export/config.json"; exit 1; }
 echo "token budget per run: $T"
-# EAGLE-3 first: its hidden-state cache (with the aux layers) also serves Hydra's run
-train abl-eagle3-regen --config configs/eagle3.yaml $B train.lr=2e-3 data.source=$REGEN data.max_records=null \
-  train.max_tokens=$T
 train abl-hydra-regen --config configs/hydra.yaml $B train.lr=5e-3 data.source=$REGEN data.max_records=null \
+  train.max_tokens=$T
+train abl-eagle3-regen --config configs/eagle3.yaml $B train.lr=2e-3 data.source=$REGEN data.max_records=null \
   train.max_tokens=$T
 [ "${TRAIN_ONLY:-0}" = 1 ] && exit 0
 echo "=== compare $(date +%T)"
