@@ -48,6 +48,10 @@ def test_training_reports_both_held_out_sets_and_estimates_from_the_on_policy_on
     assert summary["est_accept_len"] == onpolicy["summary"]["est_accept_len"]
     assert summary["est_accept_len_sharegpt"] != summary["est_accept_len"]
     assert summary["top1_onpolicy/head1"] == onpolicy["depths"][0]["top1"]
+    from train.heldout import format_heldout_table
+
+    estimates = [line.rsplit(" ", 1)[1] for line in format_heldout_table(result).splitlines() if "estimate:" in line]
+    assert estimates == [f"{summary['est_accept_len_sharegpt']:.2f}", f"{summary['est_accept_len']:.2f}"]
     # the slice: conversations 28..31 of the fixture, their prompts kept and their answers the base's own
     made = list((cache / "selfdistill").glob("*.jsonl"))
     assert len(made) == 1

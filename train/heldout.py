@@ -76,5 +76,7 @@ def _table(result: dict, title: str) -> str:
     for d in result["depths"]:
         lines.append(f"{d['depth']:>4} {'x_t+' + str(d['depth'] + 1):>9} {d['tokens']:>7} {d['loss']:>7.3f} "
                      f"{d['top1']:>7.3f} {d['top5']:>7.3f} {d['trivial_top1']:>8.3f}")
-    lines.append(f"teacher-forced acceptance-length estimate: {result['summary']['est_accept_len']:.2f}")
+    summary = result["summary"]  # with an on-policy set beside it, this set's own estimate is the _sharegpt one
+    estimate = summary.get("est_accept_len_sharegpt", summary["est_accept_len"])
+    lines.append(f"teacher-forced acceptance-length estimate: {estimate:.2f}")
     return "\n".join(lines)
