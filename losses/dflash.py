@@ -91,13 +91,13 @@ def block_weighted_loss(row_loss: torch.Tensor, weights: torch.Tensor, valid: to
 def _rows(x, w, labels, tx, tw, alpha: float, k: int):
     """One chunk: x [c, d], w [V, d], labels [c] (-100 = none), tx [c, d_t] / tw [V, d_t] or None.
     Returns (row loss [c] fp32, 0 where invalid; top-1 hit [c] bool; top-k hit [c] bool)."""
-    z = (x @ w.T).float()  # [c, V]: the matmul in the input dtype, softmax and loss in fp32
+    z = (x @ w.to(x.dtype).T).float()  # [c, V]: the matmul in the input dtype, softmax and loss in fp32
     logp = F.log_softmax(z, dim=-1)
     valid = labels != IGNORE_INDEX
     target = labels.clamp(min=0)
     row = -logp.gather(1, target[:, None]).squeeze(1)  # hard CE [c]
     if tx is not None and alpha > 0:
-        p_teacher = torch.softmax((tx @ tw.T).float(), dim=-1)  # [c, V], no grad (frozen teacher)
+        p_teacher = torch.softmax((tx.to(x.dtype) @ tw.to(x.dtype).T).float(), dim=-1)  # [c, V], frozen teacher
         row = (1.0 - alpha) * row + alpha * -(p_teacher * logp).sum(-1)
     with torch.no_grad():
         hits = (z.topk(min(k, z.shape[-1]), dim=-1).indices == target[:, None]) & valid[:, None]  # [c, k]
@@ -155,11 +155,11 @@ def linear_row_losses_reference(hidden: torch.Tensor, weight: torch.Tensor, labe
     """Slow twin of `linear_row_losses`: all [N, V] logits at once, F.cross_entropy, plain autograd.
     (chunk_size is accepted and checked so the two are drop-in swappable.)"""
     _check(hidden, weight, labels, teacher_hidden, teacher_weight, soft_weight, chunk_size)
-    logits = F.linear(hidden, weight).float()  # [N, V]
+    logits = F.linear(hidden, weight.to(hidden.dtype)).float()  # [N, V]
     valid = labels != IGNORE_INDEX
     rows = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")  # 0 at ignored rows
     if soft_weight > 0:
-        teacher = F.linear(teacher_hidden.detach(), teacher_weight.detach()).float()
+        teacher = F.linear(teacher_hidden.detach().to(hidden.dtype), teacher_weight.detach().to(hidden.dtype)).float()
         soft = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum(-1)
         rows = (1.0 - soft_weight) * rows + soft_weight * soft.masked_fill(~valid, 0.0)
     with torch.no_grad():
