@@ -133,7 +133,7 @@ def test_vllm_serves_the_export_and_accepts_what_ours_accepts(tmp_path, capsys):
     report = json.loads((tmp_path / "run" / "serve_check" / "smoke" / "report.json").read_text())
     acc = report["acceptance_check"]
     assert acc["ok"] and len(acc["vllm"]) == 3 and acc["max_abs_diff"] <= 0.03
-    assert acc["vllm"][0] > 0.5  # memorised: the first slot is accepted most of the time, in both engines
+    assert acc["vllm"][0] > 0.3  # memorised answers: real drafts are accepted (0.60 at slot 1 when written)
     assert report["our_lossless"] is True
     log = (tmp_path / "run" / "serve_check" / "smoke" / "vllm" / "vllm_draft.log").read_text()
     assert "DFlashDraftModel" in log and "mask_embedding.pt" in log
