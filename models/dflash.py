@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from data.targets import offset_labels
 from losses.dflash import block_position_weights, block_weighted_loss, linear_row_losses, linear_row_losses_reference
@@ -351,8 +352,12 @@ class DFlashDraft(DraftVocabMixin, DraftModel):
             h = layer.input_layernorm(x)
             q = attn.q(h, cos, sin)  # [B, H, A, G, hd]
             kb, vb = attn.kv(h, cos, sin)  # [B, H_kv, A, G, hd]
-            o = attend(q, expand_kv(kc, self.groups), expand_kv(vc, self.groups),
-                       expand_kv(kb, self.groups), expand_kv(vb, self.groups), anchors.to(x.device))
+            args = (q, expand_kv(kc, self.groups), expand_kv(vc, self.groups), expand_kv(kb, self.groups),
+                    expand_kv(vb, self.groups), anchors.to(x.device))
+            # Training: the [A·G, T + G] scores of every layer would be kept for backward (GBs at 512 anchors of
+            # 16 slots over 512 tokens); recomputing them in backward keeps one layer's at a time.
+            o = checkpoint(attend, *args, use_reentrant=False) if torch.is_grad_enabled() and q.requires_grad \
+                else attend(*args)
             x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
