@@ -161,7 +161,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = Eagle3MLP(config)  # LLaMA / Qwen3 SiLU-gated MLP: gate_proj, up_proj, down_proj
+        self.mlp = Eagle3MLP(config)  # Qwen3's SiLU-gated MLP (gate_proj, up_proj, down_proj), whatever the base's
+        # activation: the export says hidden_act silu
 
 
 @dataclass
@@ -262,8 +263,10 @@ class DFlashDraft(DraftVocabMixin, DraftModel):
             raise ValueError(f"{type(base.model).__name__} has no `.model.rotary_emb`; DFlash needs a LLaMA-style "
                              "causal LM (LlamaForCausalLM, Qwen2/3, Mistral, ...)")
         fresh = type(rotary)(config=config)  # RoPE frequencies in fp32 outside the buffers (as EAGLE-3)
-        self._inv_freq = fresh.inv_freq.detach().float().cpu().clone()
-        self._rope_scale = float(getattr(fresh, "attention_scaling", 1.0))
+        # Bases with per-layer-type RoPE (Gemma 3: sliding / full): the draft's layers are full attention.
+        prefix = "" if hasattr(fresh, "inv_freq") else "full_attention_"
+        self._inv_freq = getattr(fresh, f"{prefix}inv_freq").detach().float().cpu().clone()
+        self._rope_scale = float(getattr(fresh, f"{prefix}attention_scaling", 1.0))
         attn = self.layers[0].self_attn
         self.groups = attn.num_heads // attn.num_kv_heads
 

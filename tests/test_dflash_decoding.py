@@ -190,3 +190,36 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
         report = json.loads((run_dir / "eval" / name / "report.json").read_text())
         assert report["method"] == "dflash" and report["lossless"] is True
         assert report["acceptance_length"] >= 1.0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "gemma3"])
+def test_other_base_architectures_train_and_decode_losslessly(arch):
+    """The draft builds on other HF bases (Gemma 3: its full-attention RoPE), trains, and decodes losslessly on
+    both backends where the fast one supports the base."""
+    from test_arch_decoding import greedy_reference, make_model
+
+    from eval.engine.backends.fast import supports
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors; a busy shared CPU punishes thread handshakes
+    try:
+        model = make_model(arch, None)
+        view = BaseView.from_model(model)
+        torch.manual_seed(0)
+        draft = DFlashDraft(view, num_layers=2, block_size=5, num_anchors=16)
+        gen = torch.Generator().manual_seed(7)
+        ids = torch.randint(3, 320, (2, 40), generator=gen)
+        h, aux = last_hidden_and_aux(model, ids, None, draft.aux_layers)
+        first, out = fit_draft(draft, [DraftBatch(h, ids, torch.ones_like(ids), aux)], view, LossSection(), steps=4,
+                               lr=3e-3)
+        assert torch.isfinite(out.loss) and float(out.loss.detach()) < first
+        drafter, _ = build_drafter(draft.eval(), {"family": "dflash", **draft.export_config()}, EvalConfig())
+        backends = [HFBackend(model)] + ([FastBackend(model, max_len=128)] if supports(model.config)[0] else [])
+        for backend in backends:
+            for n in (9, 14):
+                prompt = torch.randint(3, 320, (n,), generator=gen)
+                ref = greedy_reference(model, prompt)
+                got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW, eos_ids=None)
+                assert got.tokens == ref[n: n + NEW], (arch, type(backend).__name__)
+    finally:
+        torch.set_num_threads(threads)

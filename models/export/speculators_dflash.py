@@ -55,7 +55,12 @@ def qwen3_layer_config(draft: DFlashDraft) -> dict:
         layer.pop(key, None)
     attn = draft.layers[0].self_attn
     n = draft.num_layers
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        layer["rope_parameters"] = rope["full_attention"]  # per-layer-type RoPE (Gemma 3): the draft is full attention
+    layer.pop("hidden_activation", None)
     layer.update(model_type="qwen3", num_hidden_layers=n, head_dim=attn.head_dim, tie_word_embeddings=False,
+                 hidden_act="silu",  # the draft's MLP is Qwen3's SiLU-gated one, whatever the base's activation
                  vocab_size=draft.vocab_size, use_sliding_window=False, sliding_window=None, max_window_layers=n,
                  layer_types=["full_attention"] * n)
     return layer
