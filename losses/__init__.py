@@ -4,9 +4,17 @@
 - ``soft_ce``: soft CE to a frozen teacher distribution.
 - ``fused_linear_ce``: chunked fused ``Linear → CE (+ soft CE)`` fast path and its slow twin.
 - ``ctc``: CTC loss of the CTC drafter (torch DP, brute-force twin) and chunked fused ``Linear → CTC``.
+- ``dflash``: DFlash's per-row chunked ``Linear → CE (+ soft CE)`` and its twin, D-PACE / decay slot weights.
 """
 
 from losses.ctc import CTCStats, ctc_draft_loss, fused_linear_ctc, linear_ctc_reference
+from losses.dflash import (
+    block_position_weights,
+    block_weighted_loss,
+    dpace_weights,
+    linear_row_losses,
+    linear_row_losses_reference,
+)
 from losses.fused_linear_ce import LossStats, fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.soft_ce import soft_cross_entropy_sum
 from losses.weighted_ce import (
@@ -21,6 +29,11 @@ __all__ = [
     "CTCStats",
     "IGNORE_INDEX",
     "LossStats",
+    "block_position_weights",
+    "block_weighted_loss",
+    "dpace_weights",
+    "linear_row_losses",
+    "linear_row_losses_reference",
     "cross_entropy_sum",
     "ctc_draft_loss",
     "fused_linear_ctc",

@@ -5,6 +5,7 @@ Adding a family: one file in models/, one line in DRAFT_MODELS (docs/howto/add_a
 from __future__ import annotations
 
 from models.ctc import CTCDraft
+from models.dflash import DFlashDraft
 from models.eagle3 import Eagle3Draft
 from models.family import FamilyFacts
 from models.hydra import HydraDraft
@@ -12,7 +13,8 @@ from models.medusa import MedusaDraft
 from models.ngram import NGRAM_FACTS
 from models.redrafter import ReDrafterDraft
 
-DRAFT_MODELS = {cls.facts.name: cls for cls in (MedusaDraft, HydraDraft, ReDrafterDraft, CTCDraft, Eagle3Draft)}
+DRAFT_MODELS = {cls.facts.name: cls for cls in (MedusaDraft, HydraDraft, ReDrafterDraft, CTCDraft, Eagle3Draft,
+                                                DFlashDraft)}
 
 # Every family, learning-free ones included.
 FAMILIES: dict[str, FamilyFacts] = {**{name: cls.facts for name, cls in DRAFT_MODELS.items()},

@@ -67,3 +67,44 @@ def hydra_export_on_servable_base(root: Path, num_heads: int = 2) -> Path:
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint)
+
+
+def dflash_export_on_servable_base(root: Path, block_size: int = 4, steps: int = 60) -> Path:
+    """root/base + root/run/export: a DFlash draft that memorised the base's own greedy answers to the smoke eval
+    prompts (so both engines accept real drafts and the per-position check compares non-zero numbers)."""
+    from conftest import fit_draft
+
+    from eval.harness.prompts import load_eval_prompts
+    from models.base import last_hidden_and_aux
+    from models.dflash import DFlashDraft
+    from models.draft import DraftBatch
+    from train.config import LossSection
+
+    base_dir = servable_tiny_base(root / "base")
+    base = load_base(str(base_dir), dtype="fp32")
+    prompts = load_eval_prompts("tests/fixtures/eval_prompts.jsonl", base.tokenizer, num_prompts=3)
+    with torch.inference_mode():
+        seqs = [base.model.generate(torch.tensor([p.input_ids]), max_new_tokens=160, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0] for p in prompts]
+    width = max(s.numel() for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+    torch.manual_seed(0)
+    draft = DFlashDraft(BaseView.from_model(base.model), num_layers=2, block_size=block_size, num_anchors=256)
+    h, aux = last_hidden_and_aux(base.model, ids, None, draft.aux_layers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny ops: one thread is far faster on a busy CPU
+    try:
+        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], BaseView.from_model(base.model),
+                  LossSection(chunk_size=256, position_weights="decay"), steps=steps, lr=1e-2)
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        # vLLM 0.32's CPU rms_norm ignores the per-layer weights of its grouped context-key norm and applies
+        # layer 0's k_norm to every layer's context keys (docs/families/dflash.md#export): with equal k_norm
+        # weights the engines compute the same draft, which is what this check compares.
+        for layer in draft.layers[1:]:
+            layer.self_attn.k_norm.weight.copy_(draft.layers[0].self_attn.k_norm.weight)
+    return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint)

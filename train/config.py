@@ -56,15 +56,19 @@ class DataSection:
 class DraftSection:
     family: str = "medusa"  # the draft family: a key of models.registry.DRAFT_MODELS (configs/<family>.yaml)
     num_heads: int = 4  # K: depths 1..K predict x_{t+2} .. x_{t+1+K}
-    num_layers: int = 1  # ResBlocks per head
+    num_layers: int = 1  # ResBlocks per head; DFlash: draft decoder layers (configs/dflash.yaml: 5)
     share_lm_head: bool = False  # True: every head uses the frozen base lm_head (far fewer parameters)
     dropout: float = 0.0  # dropout inside the heads (Hydra++ recipe: 0.2)
     prefix_layer: bool = False  # Hydra++: a trainable decoder layer over the base hidden states feeds all heads
     rnn: bool = True  # ReDrafter: False = the no-RNN ablation s_i = s_{i-1} + e(x_{t+i})
     num_frames: int = 6  # CTC drafter: M frames, each over V+1 classes (the extra one is the blank)
     vocab_size: int = 0  # draft vocabulary: N most frequent target tokens (data/draft_vocab.py); 0 = all V
-    aux_layers: list[int] = field(default_factory=list)  # EAGLE-3: base layer ids fused by fc; [] = [2, L//2, L-3]
+    aux_layers: list[int] = field(default_factory=list)  # EAGLE-3 / DFlash: fc's base layers; [] = [2, L//2, L-3]
     ttt_steps: int = 3  # EAGLE-3: training-time-test unroll (1..7); one reported depth per step
+    block_size: int = 16  # DFlash: slots per block (the root + block_size-1 drafts of one forward); num_heads = it - 1
+    num_anchors: int = 512  # DFlash: blocks trained per conversation (anchors sampled among supervised positions)
+    mask_token_id: int = -1  # DFlash: the token id of the mask slots; -1 = the base's pad token, else eos, else 0
+    learned_mask: bool = True  # DFlash: train the mask slots' embedding (false: the base's row of mask_token_id)
 
 
 @dataclass
@@ -75,6 +79,9 @@ class LossSection:
     chunked: bool = True  # fused chunked CE (never holds K*T*V logits); False = plain reference
     chunk_size: int = 1024  # tokens per chunk in the fused loss
     token_weight: float = 0.0  # CTC drafter: weight of an extra token-level CE term next to the CTC loss
+    position_weights: str = "dpace"  # DFlash: weights of the drafted slots of a block: dpace (by the accepted
+    # length hanging on each slot) | decay (slot k gets lambda0 * decay**(k-1))
+    dpace_alpha: float = 0.5  # DFlash: D-PACE smoothing of the slot confidences, in (0, 1]
 
 
 @dataclass

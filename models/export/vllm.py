@@ -160,11 +160,26 @@ def export_vllm_eagle3(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     return Path(out_dir)
 
 
+def export_vllm_dflash(draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
+    """DFlash in speculators format (models/export/speculators_dflash.py: Qwen3-shaped layers, d2t/t2d, the learned
+    mask embedding in mask_embedding.pt), plus the speculative_config vLLM needs: method dflash, the block's
+    block_size - 1 drafts (vLLM's query is the root + num_speculative_tokens mask slots)."""
+    from models.export.speculators import verifier_path
+    from models.export.speculators_dflash import export_dflash_speculators
+
+    out_dir = Path(out_dir)
+    spec = {"method": "dflash", "model": str(out_dir.resolve()), "num_speculative_tokens": draft.block_size - 1}
+    return export_dflash_speculators(draft, out_dir, verifier_path(export_cfg.get("base_model") or "base"),
+                                     extra_files={SPECULATIVE_CONFIG_FILE: lambda p: p.write_text(
+                                         json.dumps(spec, indent=2) + "\n")})
+
+
 # vLLM method -> exporter(draft, out_dir, export_cfg, base_view) -> out_dir. A family names its method in its
 # FamilyFacts. N-gram has no draft to export: its entry takes the eval options instead (export_vllm_ngram).
 VLLM_EXPORTERS = {
     "medusa": export_vllm_medusa,
     "eagle3": export_vllm_eagle3,
+    "dflash": export_vllm_dflash,
     "ngram": export_vllm_ngram,
 }
 

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
-from eval.engine.drafters import ctc, eagle3, hydra, medusa, ngram, redrafter
+from eval.engine.drafters import ctc, dflash, eagle3, hydra, medusa, ngram, redrafter
 from eval.engine.drafters.options import option_names, parse_options
 
 
@@ -40,6 +40,7 @@ DRAFTERS = {
     "redrafter": DrafterFamily.of(redrafter),
     "ctc": DrafterFamily.of(ctc),
     "eagle3": DrafterFamily.of(eagle3),
+    "dflash": DrafterFamily.of(dflash),
     "ngram": DrafterFamily.of(ngram, trained=False),
 }
 
