@@ -4,6 +4,7 @@ config-reference (docs/architecture.md)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -253,6 +254,9 @@ def cmd_regenerate(args) -> int:
         from eval.serving.vllm_generate import VllmGenerator
 
         workdir = default_cache_dir() / "selfdistill" / "vllm-work"
+        # A kill (SIGTERM) must take the engine's processes with it: as an exception it reaches the `with` below,
+        # which kills the engine's process group; the build resumes where it stopped.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             with VllmGenerator(base, workdir, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                stop_token_ids=end_of_turn_ids(base),
@@ -262,6 +266,10 @@ def cmd_regenerate(args) -> int:
             raise ValueError(str(exc)) from None
     print(out)
     return 0
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(143)
 
 
 def cmd_demo(args) -> int:
