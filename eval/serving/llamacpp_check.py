@@ -20,6 +20,7 @@ from eval.serving.llamacpp_gguf import base_gguf, draft_gguf
 from eval.serving.llamacpp_paths import LLAMACPP_PIN, llama_server
 from eval.serving.llamacpp_server import LlamaServer
 from eval.serving.serve_check_report import (
+    agreement,
     compare_mean_acceptance,
     llamacpp_engine_numbers,
     outputs_identical,
@@ -96,4 +97,6 @@ def llamacpp_side(plan, job: LlamaCppJob, cfg, ours: dict, tolerance: float) -> 
         section["note"] += (f"; llama.cpp cannot serve a {plan.name} draft (it serves "
                             f"{', '.join(llamacpp_families())}), so only its AR and n-gram run")
     section["ngram_identical"] = outputs_identical(ar_out, engines["llamacpp_ngram"]["outputs"])
+    # Ours (greedy, lossless: = our AR) against llama.cpp AR: identical with f32 GGUFs and our fp32 decoder.
+    section["ours_agreement"] = agreement(ar_out, ours.get("outputs") or {})
     return engines, section

@@ -94,6 +94,10 @@ def draft_gguf(draft, export_cfg: dict, base_dir: Path, out_file: Path, outtype:
     family = export_cfg.get("family")
     if family != "eagle3":
         raise ValueError(f"llama.cpp serves EAGLE-3 drafts (--spec-type draft-eagle3); this draft is {family!r}")
+    aux = list(getattr(draft, "aux_layers", []))
+    if len(aux) != 3:  # llama.cpp's EAGLE-3 graph concatenates exactly three target layers
+        raise ValueError(f"llama.cpp's EAGLE-3 reads exactly 3 aux layers of the base; this draft reads {aux} "
+                         "(train with draft.aux_layers of three layer ids, or on a base with >= 6 layers)")
     with tempfile.TemporaryDirectory(prefix="specdraft-gguf-") as tmp:
         src = eagle3_converter_input(draft, export_cfg, base_dir, Path(tmp) / "speculators")
         return run_converter(src, Path(out_file), outtype, target_dir=base_dir)

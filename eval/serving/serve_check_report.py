@@ -248,6 +248,10 @@ def _llamacpp_lines(report: dict) -> list[str]:
         same = lc["identical"]
         out += [f"llama.cpp + draft vs llama.cpp AR: {'identical' if same['ok'] else 'DIFFER'} outputs on "
                 f"{same['prompts'] - len(same['differing_prompts'])}/{same['prompts']} prompts.", ""]
+    if lc.get("ours_agreement"):
+        agr = lc["ours_agreement"]
+        out += [f"Ours vs llama.cpp AR (same tokens, prompts / prefix): {agr['identical_prompts']:.2f} / "
+                f"{agr['common_prefix_fraction']:.2f} (identical expected with f32 GGUFs and our fp32 decoder).", ""]
     if lc.get("note"):
         out += [f"Note: {lc['note']}.", ""]
     return out
