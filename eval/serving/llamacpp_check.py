@@ -42,6 +42,7 @@ class LlamaCppJob:
 
 def run_llamacpp(job: LlamaCppJob, label: str, server_args: list[str]) -> dict:
     """One llama-server over every prompt; the raw per-prompt results (tokens, timings)."""
+    server_args = [str(a) for a in server_args]
     t = str(job.threads)
     args = [*server_args, "-t", t, "-tb", t, "-c", str(job.ctx), "--no-webui"]
     if "-md" in server_args:
