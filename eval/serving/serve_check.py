@@ -454,9 +454,11 @@ def run_serve_check_cli(args) -> int:
     failures = failed_checks(report)
     for msg in failures:
         print(f"specdraft serve-check: {msg}", file=sys.stderr)
+    # Without vLLM the primary acceptance_check is llama.cpp's own check: print it once.
+    lc_extra = (report.get("llamacpp") or {}).get("check") if report.get("vllm_version") is not None else None
     for acc, label in ((report.get("acceptance_check"), report["compared"]),
                        (report.get("ngram_check"), report.get("ngram_compared")),
-                       ((report.get("llamacpp") or {}).get("check"), f"llama.cpp, {report['compared']}")):
+                       (lc_extra, f"llama.cpp, {report['compared']}")):
         if acc is not None and acc["ok"]:
             what = "mean acceptance" if acc.get("mean") else "per-position acceptance"
             print(f"{label}: {what} agrees within {tolerance} (max |diff| {acc['max_abs_diff']:.3f})")
