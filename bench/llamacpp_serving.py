@@ -4,6 +4,9 @@ batch 1, greedy, one untimed warm-up per server): AR on several base GGUF types,
 
     python bench/llamacpp_serving.py --draft runs/<eagle3-run>/export [--types q4_1,f32,bf16] [--n-max 1,2,3,4]
 
+Every server runs with -nr (serve-check's default serve_llamacpp_no_repack): AMX tiles die with SIGILL on a
+sandboxed Xeon.
+
 Per-step costs (ms, from llama-server's own timings):
   AR step       predicted_ms / (predicted_n - 1) of the AR run
   verify(w)     prompt_ms of a request whose prompt extends the previous one by w tokens (cache_prompt on:
@@ -37,7 +40,8 @@ def _serve(args: list[str], prompts, new_tokens: int, threads: int, log: Path, w
     from eval.serving.llamacpp_server import LlamaServer
 
     t = str(threads)
-    full = [*args, "-t", t, "-tb", t, "-c", "4096", "--no-webui"] + (["-td", t, "-tbd", t] if "-md" in args else [])
+    full = [*args, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"]
+    full += ["-td", t, "-tbd", t] if "-md" in args else []
     rows = []
     with LlamaServer(full, log, timeout=900) as srv:
         srv.complete(prompts[0].input_ids, warmup)
@@ -62,7 +66,8 @@ def _verify_costs(base_file: str, prompts, widths, threads: int, log: Path, reps
 
     t = str(threads)
     out: dict[int, list[float]] = {}
-    with LlamaServer(["-m", base_file, "-t", t, "-tb", t, "-c", "4096", "--no-webui"], log, timeout=900) as srv:
+    with LlamaServer(["-m", base_file, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"], log,
+                     timeout=900) as srv:
         for p in prompts:
             ids = list(p.input_ids)
             for _ in range(reps):

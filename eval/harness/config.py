@@ -54,6 +54,9 @@ class EvalConfig:
     serve_llamacpp_base_type: str = "f32"  # q4_1 | f32 | f16 | bf16 | q8_0
     serve_llamacpp_draft_type: str = "f32"  # f32 | f16 | bf16 | q8_0
     serve_llamacpp_threads: int = 1  # llama-server -t/-tb/-td; on a small shared CPU more threads spin and collapse
+    # llama-server -nr: its extra CPU buffer types off (AMX tiles, weight repacking; they only serve quantized
+    # weights). A native build on an AMX Xeon dies with SIGILL loading Q4_1 where the OS refuses AMX tiles.
+    serve_llamacpp_no_repack: bool = True
     # "" = the template the draft was trained with (export's chat_template) or the tokenizer's own;
     # else chatml | llama3 | gemma | a .jinja file (bases that ship no chat template)
     chat_template: str = ""

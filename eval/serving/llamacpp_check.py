@@ -35,6 +35,7 @@ class LlamaCppJob:
     max_new_tokens: int
     warmup_tokens: int
     threads: int
+    no_repack: bool  # -nr (serve_llamacpp_no_repack)
     ctx: int  # -c: the longest prompt + new tokens + the draft's depth + slack
     workdir: Path
     timeout: float
@@ -44,7 +45,7 @@ def run_llamacpp(job: LlamaCppJob, label: str, server_args: list[str]) -> dict:
     """One llama-server over every prompt; the raw per-prompt results (tokens, timings)."""
     server_args = [str(a) for a in server_args]
     t = str(job.threads)
-    args = [*server_args, "-t", t, "-tb", t, "-c", str(job.ctx), "--no-webui"]
+    args = [*server_args, "-t", t, "-tb", t, "-c", str(job.ctx), "--no-webui", *(["-nr"] if job.no_repack else [])]
     if "-md" in server_args:
         args += ["-td", t, "-tbd", t]
     print(f"[serve-check] {label}: llama-server {' '.join(server_args)}", flush=True)

@@ -57,7 +57,11 @@ class LlamaServer:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self._fail(f"llama-server exited with code {self.proc.returncode} while starting")
+                rc = self.proc.returncode
+                hint = ("; illegal instruction: this build uses an instruction the machine refuses (e.g. AMX tiles "
+                        "under a VM or sandbox, used for quantized weights): serve with -nr (--no-repack, eval key "
+                        "serve_llamacpp_no_repack=true) or rebuild with GGML_NATIVE=OFF") if rc in (-4, 132) else ""
+                self._fail(f"llama-server exited with code {rc} while starting{hint}")
             try:
                 status, _ = self._request("GET", "/health", None, timeout=5)
                 if status == 200:

@@ -385,7 +385,8 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
         from eval.serving.llamacpp_check import LlamaCppJob, llamacpp_side
 
         lc_job = LlamaCppJob(prompts, cfg.max_new_tokens, cfg.warmup_tokens, cfg.serve_llamacpp_threads,
-                             longest + cfg.max_new_tokens + plan.depth + 16, out_dir / "llamacpp", timeout)
+                             cfg.serve_llamacpp_no_repack, longest + cfg.max_new_tokens + plan.depth + 16,
+                             out_dir / "llamacpp", timeout)
         lc_job.workdir.mkdir(parents=True, exist_ok=True)
         lc_engines, llamacpp = llamacpp_side(plan, lc_job, cfg, engines_out.get("ours_draft", {}), tolerance)
         engines_out.update(lc_engines)

@@ -316,7 +316,7 @@ def plot(report: dict, path: Path) -> None:
     engines = list(report["engines"].values())
     names = [e["label"] for e in engines]
     tps = [e["tokens_per_second"] or 0.0 for e in engines]
-    colors = ["C0" if "vLLM" in x else "C2" if "llama.cpp" in x else "C1" for x in names]
+    colors = [{"vllm": "C0", "llamacpp": "C2"}.get(k.split("_", 1)[0], "C1") for k in report["engines"]]
     bars = ax2.bar(names, tps, color=colors)
     for b, e in zip(bars, engines):
         s = e.get(speed_key)
