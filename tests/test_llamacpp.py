@@ -228,3 +228,22 @@ def test_gguf_export_and_serve_check_end_to_end(tmp_path, capsys):
     ours = json.loads((run / "serve_check" / "e2e" / "ours" / "report.json").read_text())
     assert ours["lossless"] is not False
     assert os.path.getsize(tmp_path / "gguf" / "base.gguf") > 100e6
+
+
+def test_failed_checks_cover_both_engines():
+    from eval.serving.serve_check import failed_checks
+
+    ok_vllm = {"vllm": [0.5], "ours": [0.5], "ok": True, "positions_over_tolerance": [], "tolerance": 0.03}
+    lc = {"check": compare_mean_acceptance(0.2, 0.4, 0.03), "identical": {"ok": False, "prompts": 2,
+                                                                          "differing_prompts": ["b"]},
+          "prompt_tokens_as_sent": False}
+    report = {"acceptance_check": ok_vllm, "compared": "eagle3 chain of 3", "vllm_version": "0.32.0",
+              "llamacpp": lc}
+    msgs = failed_checks(report)
+    assert len(msgs) == 3 and "llama.cpp's mean acceptance" in msgs[0] and "['b']" in msgs[1]
+    assert "token-identical" in msgs[2]
+    alone = {"acceptance_check": lc["check"], "compared": "x", "vllm_version": None,
+             "llamacpp": {**lc, "identical": {"ok": True}, "prompt_tokens_as_sent": True}}
+    assert len(failed_checks(alone)) == 1  # llama.cpp's check is the primary one: counted once
+    lc_ok = {**alone["llamacpp"], "check": compare_mean_acceptance(0.4, 0.4, 0.03)}
+    assert failed_checks({**alone, "acceptance_check": lc_ok["check"], "llamacpp": lc_ok}) == []
