@@ -23,7 +23,7 @@ JOBS=${LLAMACPP_JOBS:-$(nproc)}
 TARGETS=(llama-server)  # the only binary serve-check runs (it talks to the server over HTTP)
 
 if [[ -f "$STAMP" && -x "$ROOT/build/bin/llama-server" && -f "$SRC/convert_hf_to_gguf.py" ]]; then
-  echo "llama.cpp $PIN already built: $ROOT/build/bin/llama-server (stamp $STAMP; delete it to rebuild)"
+  echo "llama.cpp $PIN already built: $ROOT/build/bin/llama-server (stamp $STAMP; delete it to rebuild): $(cat "$STAMP")"
   exit 0
 fi
 mkdir -p "$ROOT"
