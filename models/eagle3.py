@@ -217,8 +217,8 @@ class Eagle3Cache:
 
 
 class Eagle3Draft(DraftVocabMixin, DraftModel):
-    facts = FamilyFacts("eagle3", "EAGLE-3", ("specdraft", "speculators", "vllm"), vllm_method="eagle3",
-                        export_keys=("aux_layers",))
+    facts = FamilyFacts("eagle3", "EAGLE-3", ("specdraft", "speculators", "vllm", "gguf"), vllm_method="eagle3",
+                        llamacpp_spec_type="draft-eagle3", export_keys=("aux_layers",))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

@@ -3,8 +3,8 @@
 Every trainable family's model class (models/<family>.py) sets `facts = FamilyFacts(...)` and may override
 `DraftModel.check_config` for the training-config rules only it has; the learning-free N-gram family declares
 its facts in models/ngram.py. The tables other layers used to keep by hand (which export formats a family has,
-which vLLM method serves it, which families a serving engine can run) are derived from these declarations
-(models/registry.py: FAMILIES).
+which vLLM method or llama.cpp spec type serves it, which families a serving engine can run) are derived from
+these declarations (models/registry.py: FAMILIES).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Every format `specdraft export --format` knows; a family lists those it supports.
-EXPORT_FORMATS = ("specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm")
+EXPORT_FORMATS = ("specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm", "gguf")
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class FamilyFacts:
     # The speculative method of vLLM that serves its `--format vllm` export (None: vLLM cannot serve it). Engines
     # draft a chain of top-1 tokens; its drafter module says how deep (chain_depth, eval/engine/drafters/registry.py).
     vllm_method: str | None = None
+    # llama.cpp's `--spec-type` that serves its `--format gguf` export (None: llama.cpp cannot serve it).
+    llamacpp_spec_type: str | None = None
     trainable: bool = True  # False: learning-free (no model to train, no export of weights)
     # Keys its export's config.json must have besides the common ones (checked by models/export/schema.py).
     export_keys: tuple[str, ...] = ()
@@ -34,3 +36,6 @@ class FamilyFacts:
                              f"known: {', '.join(EXPORT_FORMATS)}")
         if (self.vllm_method is None) == ("vllm" in self.export_formats):
             raise ValueError(f"family {self.name!r}: a vLLM method goes with the 'vllm' export format and only then")
+        if (self.llamacpp_spec_type is None) == ("gguf" in self.export_formats):
+            raise ValueError(f"family {self.name!r}: a llama.cpp spec type goes with the 'gguf' export format and "
+                             "only then")

@@ -30,3 +30,8 @@ def family_facts(name: str) -> FamilyFacts:
 def vllm_families() -> tuple[str, ...]:
     """Families vLLM serves (a `vllm_method` declared)."""
     return tuple(name for name, f in FAMILIES.items() if f.vllm_method)
+
+
+def llamacpp_families() -> tuple[str, ...]:
+    """Families llama.cpp serves (a `llamacpp_spec_type` declared)."""
+    return tuple(name for name, f in FAMILIES.items() if f.llamacpp_spec_type)

@@ -92,8 +92,13 @@ def test_missing_venv_says_make_vllm(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SPECDRAFT_VLLM_VENV", str(tmp_path / "nope"))
     with pytest.raises(ServeCheckError, match="make vllm"):
         vllm_python()
-    assert main(["serve-check", "--method", "ngram"]) == 3
+    assert main(["serve-check", "--engine", "vllm", "--method", "ngram"]) == 3
     assert "make vllm" in capsys.readouterr().err
+    # --engine auto (the default) falls back to llama.cpp where it is built; with neither, both fixes are named
+    monkeypatch.setenv("SPECDRAFT_LLAMACPP_DIR", str(tmp_path / "no-llamacpp"))
+    assert main(["serve-check", "--method", "ngram"]) == 3
+    err = capsys.readouterr().err
+    assert "make vllm" in err and "make llamacpp" in err
 
 
 def _fake_venv(tmp_path, monkeypatch, script: str):

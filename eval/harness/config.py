@@ -49,6 +49,14 @@ class EvalConfig:
     serve_ngram_w: int = 0  # serve-check: the engines' n-gram row length; 0 = the draft's chain depth
     serve_ngram_q: int = 2  # serve-check: longest n-gram query of that row
     serve_ngram_q_min: int = 1  # serve-check: shortest n-gram query
+    # serve-check --engine llamacpp: the GGUF types llama.cpp serves. f32 base + f32 draft match our fp32 decoder
+    # exactly; q4_1 is the packaged SmolLM2 file (its matmuls quantize activations: outputs differ from ours).
+    serve_llamacpp_base_type: str = "f32"  # q4_1 | f32 | f16 | bf16 | q8_0
+    serve_llamacpp_draft_type: str = "f32"  # f32 | f16 | bf16 | q8_0
+    serve_llamacpp_threads: int = 1  # llama-server -t/-tb/-td; on a small shared CPU more threads spin and collapse
+    # llama-server -nr: its extra CPU buffer types off (AMX tiles, weight repacking; they only serve quantized
+    # weights). A native build on an AMX Xeon dies with SIGILL loading Q4_1 where the OS refuses AMX tiles.
+    serve_llamacpp_no_repack: bool = True
     # "" = the template the draft was trained with (export's chat_template) or the tokenizer's own;
     # else chatml | llama3 | gemma | a .jinja file (bases that ship no chat template)
     chat_template: str = ""
@@ -89,6 +97,13 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
     if cfg.serve_ngram_w < 0 or cfg.serve_ngram_q < 1 or not 1 <= cfg.serve_ngram_q_min <= cfg.serve_ngram_q:
         fail("serve_ngram_w/q/q_min", (cfg.serve_ngram_w, cfg.serve_ngram_q, cfg.serve_ngram_q_min),
              "use w >= 0 (0 = the draft's depth) and 1 <= q_min <= q")
+    if cfg.serve_llamacpp_base_type not in ("q4_1", "f32", "f16", "bf16", "q8_0"):
+        fail("serve_llamacpp_base_type", cfg.serve_llamacpp_base_type, "use q4_1 (the packaged SmolLM2 GGUF), f32, "
+             "f16, bf16 or q8_0")
+    if cfg.serve_llamacpp_draft_type not in ("f32", "f16", "bf16", "q8_0"):
+        fail("serve_llamacpp_draft_type", cfg.serve_llamacpp_draft_type, "use f32, f16, bf16 or q8_0")
+    if cfg.serve_llamacpp_threads < 1:
+        fail("serve_llamacpp_threads", cfg.serve_llamacpp_threads, "use at least 1 thread")
     if not isinstance(cfg.extra, dict):
         fail("extra", cfg.extra, "give a mapping of the drafter's options, e.g. {beam_width: 8}")
     return cfg

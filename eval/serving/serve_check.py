@@ -1,4 +1,6 @@
-"""`specdraft serve-check`: serve an export in vLLM beside our decoder, on the same prompts (docs/howto/serve.md).
+"""`specdraft serve-check`: serve an export in vLLM and/or llama.cpp beside our decoder, on the same prompts
+(docs/howto/serve.md). `--engine vllm | llamacpp | all` (auto: vLLM where installed, else llama.cpp); the llama.cpp
+side is eval/serving/llamacpp_check.py.
 
     specdraft serve-check --draft runs/<run>/export [--config configs/eval/...] [key=value ...]
     specdraft serve-check --method ngram [extra.w=4 extra.q=1 ...]
@@ -194,6 +196,8 @@ class _Plan:
     ngram_info: dict = dataclasses.field(default_factory=dict)
     note: str = ""  # printed first (e.g. why vLLM does not run the draft itself)
     engine_args: dict = dataclasses.field(default_factory=dict)  # the draft export's engine_args.json
+    draft_model: object = None  # the loaded draft (llama.cpp converts it to GGUF), None for --method ngram
+    export_cfg: dict | None = None
 
 
 def _longest_match(base, w: int, q: int, q_min: int):
@@ -240,7 +244,7 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     ngram_drafter, ngram_info = _longest_match(base, **shape)
     return _Plan(family, base, base_dir, drafter, info, ours_cfg, spec, vllm_ngram_config(shape), depth,
                  f"{family} chain of {depth}", ngram_drafter, ngram_info,
-                 engine_args=read_engine_args(vllm_dir)), cfg
+                 engine_args=read_engine_args(vllm_dir), draft_model=draft, export_cfg=export_cfg), cfg
 
 
 def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Path) -> _Plan:
@@ -262,7 +266,7 @@ def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Pa
             f"engines' n-gram drafts (w={shape['w']}, query {shape['q_min']}..{shape['q']} tokens)")
     return _Plan(family, base, base_dir, drafter, info, ours_cfg, None, vllm_ngram_config(shape), shape["w"],
                  f"n-gram longest match (vLLM's prompt lookup), w={shape['w']}, q={shape['q_min']}..{shape['q']}",
-                 ngram_drafter, ngram_info, note)
+                 ngram_drafter, ngram_info, note, draft_model=draft, export_cfg=export_cfg)
 
 
 def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
@@ -284,14 +288,45 @@ def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
                  f"n-gram longest match (vLLM's prompt lookup), w={opts['w']}, q={drafter.q_min}..{drafter.q}")
 
 
+ENGINES = ("vllm", "llamacpp")
+
+
+def resolve_engines(engine: str) -> tuple[str, ...]:
+    """--engine auto | vllm | llamacpp | all -> the engines to run. auto: vLLM where its venv is installed (the
+    default engine), else llama.cpp where it is built; an error naming both set-ups when neither is."""
+    from eval.serving.llamacpp_paths import LlamaCppError, llama_server
+
+    if engine == "all":
+        return ENGINES
+    if engine in ENGINES:
+        return (engine,)
+    if engine != "auto":
+        raise ValueError(f"--engine {engine!r}: use auto, vllm, llamacpp or all")
+    try:
+        vllm_python()
+        return ("vllm",)
+    except ServeCheckError as vllm_exc:
+        try:
+            llama_server()
+            return ("llamacpp",)
+        except LlamaCppError as lc_exc:
+            raise ServeCheckError(f"no serving engine is installed: {vllm_exc}; {lc_exc}") from None
+
+
 def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | None = None,
-                tolerance: float = DEFAULT_TOLERANCE, timeout: float = DEFAULT_TIMEOUT) -> tuple[dict, Path]:
+                tolerance: float = DEFAULT_TOLERANCE, timeout: float = DEFAULT_TIMEOUT,
+                engines: tuple[str, ...] = ("vllm",)) -> tuple[dict, Path]:
     """Run the whole check; returns (report, out_dir). Raises ServeCheckError for an actionable failure."""
     from core.hardware import device_name, resolve_device
     from eval.engine.decoder import eos_ids
     from eval.harness.prompts import config_prompts
+    from eval.serving.llamacpp_paths import llama_server
 
-    vllm_python()  # fail before any model work when the venv is missing
+    use_vllm, use_llamacpp = "vllm" in engines, "llamacpp" in engines
+    if use_vllm:
+        vllm_python()  # fail before any model work when the venv is missing
+    if use_llamacpp:
+        llama_server()  # likewise for the llama.cpp build
     if cfg.temperature != 0:
         raise ServeCheckError("serve-check compares greedy decoding (batch 1); use temperature=0")
     device = resolve_device(cfg.device)
@@ -309,55 +344,92 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
         plan = _plan_ngram(cfg, method, device, workdir)
     base = plan.base
 
-    if plan.note:
+    if plan.note and use_vllm:
         print(f"[serve-check] {plan.note}", flush=True)
     prompts = config_prompts(cfg, base.tokenizer)
     shape = "as configured" if plan.spec is None and plan.ngram_drafter is not None else plan.compared
     print(f"[serve-check] ours: {plan.name} ({shape}) + own AR on {len(prompts)} prompts ({cfg.dataset})", flush=True)
-    engines, our_report = _our_run(plan.ours_cfg, base, plan.drafter, plan.name, out_dir / "ours", plan.info)
+    engines_out, our_report = _our_run(plan.ours_cfg, base, plan.drafter, plan.name, out_dir / "ours", plan.info)
     if plan.ngram_drafter is not None:
         print("[serve-check] ours: n-gram with vLLM's prompt-lookup rule", flush=True)
         ngram_cfg = dataclasses.replace(plan.ours_cfg, ar_baseline=False, tree="auto", tree_choices=None)
         ngram, _ = _our_run(ngram_cfg, base, plan.ngram_drafter, "ngram", out_dir / "ours_ngram", plan.ngram_info)
-        engines["ours_ngram"] = ngram["ours_draft"]
+        engines_out["ours_ngram"] = ngram["ours_draft"]
 
     dtype = DTYPES[next(base.model.parameters()).dtype]
     longest = max(len(p.input_ids) for p in prompts)
-    job = {"base_dir": str(plan.base_dir), "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
-           "warmup_tokens": cfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
-           "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
-           "max_model_len": longest + cfg.max_new_tokens + plan.depth + 16, "seed": cfg.seed,
-           "enforce_eager": cfg.serve_enforce_eager}
-    runs = [("vllm_ar", None)] + ([("vllm_draft", plan.spec)] if plan.spec else []) + [("vllm_ngram", plan.ngram_spec)]
-    vllm_version = None
-    for label, spec_cfg in runs:
-        engine_args = plan.engine_args if label == "vllm_draft" else None
-        result = run_engine({**job, "label": label, "speculative_config": spec_cfg, "engine_args": engine_args},
-                            workdir, timeout)
-        engines[label] = vllm_engine_numbers(result)
-        vllm_version = result.get("vllm_version")
+    vllm_version, acc, ngram_acc = None, None, None
+    if use_vllm:
+        job = {"base_dir": str(plan.base_dir), "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
+               "warmup_tokens": cfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
+               "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
+               "max_model_len": longest + cfg.max_new_tokens + plan.depth + 16, "seed": cfg.seed,
+               "enforce_eager": cfg.serve_enforce_eager}
+        runs = [("vllm_ar", None)] + ([("vllm_draft", plan.spec)] if plan.spec else []) \
+            + [("vllm_ngram", plan.ngram_spec)]
+        for label, spec_cfg in runs:
+            engine_args = plan.engine_args if label == "vllm_draft" else None
+            result = run_engine({**job, "label": label, "speculative_config": spec_cfg, "engine_args": engine_args},
+                                workdir, timeout)
+            engines_out[label] = vllm_engine_numbers(result)
+            vllm_version = result.get("vllm_version")
+        ours_ngram = engines_out["ours_ngram" if "ours_ngram" in engines_out else "ours_draft"]
+        ngram_acc = compare_acceptance(engines_out["vllm_ngram"]["accept_rate_per_position"],
+                                       ours_ngram["accept_rate_per_position"], tolerance)
+        # The primary check: the draft itself where vLLM serves it, else the n-gram both engines run.
+        acc = compare_acceptance(engines_out["vllm_draft"]["accept_rate_per_position"],
+                                 engines_out["ours_draft"]["accept_rate_per_position"], tolerance) \
+            if plan.spec else ngram_acc
+    llamacpp = None
+    if use_llamacpp:
+        from eval.serving.llamacpp_check import LlamaCppJob, llamacpp_side
 
-    ordered = {k: engines[k] for k in ("vllm_ar", "vllm_draft", "vllm_ngram", "ours_ar", "ours_draft", "ours_ngram")
-               if k in engines}
-    ours_ngram = engines["ours_ngram" if "ours_ngram" in engines else "ours_draft"]
-    ngram_acc = compare_acceptance(engines["vllm_ngram"]["accept_rate_per_position"],
-                                   ours_ngram["accept_rate_per_position"], tolerance)
-    # The primary check: the draft itself where vLLM serves it, else the n-gram both engines run.
-    acc = compare_acceptance(engines["vllm_draft"]["accept_rate_per_position"],
-                             engines["ours_draft"]["accept_rate_per_position"], tolerance) if plan.spec else ngram_acc
+        lc_job = LlamaCppJob(prompts, cfg.max_new_tokens, cfg.warmup_tokens, cfg.serve_llamacpp_threads,
+                             cfg.serve_llamacpp_no_repack, longest + cfg.max_new_tokens + plan.depth + 16,
+                             out_dir / "llamacpp", timeout)
+        lc_job.workdir.mkdir(parents=True, exist_ok=True)
+        lc_engines, llamacpp = llamacpp_side(plan, lc_job, cfg, engines_out.get("ours_draft", {}), tolerance)
+        engines_out.update(lc_engines)
+        if not use_vllm:
+            acc = llamacpp["check"]
+
+    order = ("vllm_ar", "vllm_draft", "vllm_ngram", "llamacpp_ar", "llamacpp_draft", "llamacpp_ngram", "ours_ar",
+             "ours_draft", "ours_ngram")
+    ordered = {k: engines_out[k] for k in order if k in engines_out}
     context = {"draft": str(draft_dir) if draft_dir else f"--method {method}", "method": plan.name,
                "compared": plan.compared, "base_model": base.name, "base_dir": str(plan.base_dir),
                "base_fingerprint": base.fingerprint, "dtype": dtype, "dataset": cfg.dataset,
                "num_prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "device": device_name(device),
-               "threads": torch.get_num_threads(), "vllm_version": vllm_version,
+               "threads": torch.get_num_threads(), "engines_run": list(engines), "vllm_version": vllm_version,
                "speculative_config": plan.spec or plan.ngram_spec, "our_lossless": our_report.get("lossless"),
                "our_report": str(out_dir / "ours" / "report.json"), "draft_served_by_vllm": plan.spec is not None,
-               "note": plan.note or None,
+               "note": (plan.note or None) if use_vllm else None,
                "ngram_check": ngram_acc if plan.spec else None,
-               "ngram_compared": f"n-gram longest match, w={plan.ngram_spec['num_speculative_tokens']}"}
+               "ngram_compared": f"n-gram longest match, w={plan.ngram_spec['num_speculative_tokens']}",
+               "llamacpp": llamacpp}
     report = build_serve_report(ordered, acc, context)
     write_serve_report(out_dir, report)
     return report, out_dir
+
+
+def failed_checks(report: dict) -> list[str]:
+    """Every check of a report that failed, as the message to print (empty: all passed)."""
+    out = []
+    checks = [(report.get("acceptance_check"), report["compared"]),
+              (report.get("ngram_check"), report.get("ngram_compared"))]
+    lc = report.get("llamacpp")
+    if lc and report.get("vllm_version") is not None:  # with vLLM, the primary check is vLLM's: add llama.cpp's
+        checks.append((lc.get("check"), report["compared"]))
+    for acc, label in checks:
+        if acc is not None and not acc["ok"]:
+            out.append(mismatch_message(acc, label))
+    if lc and lc.get("identical") and not lc["identical"]["ok"]:
+        out.append(f"llama.cpp + draft produced other tokens than llama.cpp AR on prompts "
+                   f"{lc['identical']['differing_prompts']}: its speculative decoding was not lossless here")
+    if lc and not lc.get("prompt_tokens_as_sent", True):
+        out.append("llama.cpp processed another number of prompt tokens than we sent (timings.prompt_n): the "
+                   "prompts were not token-identical")
+    return out
 
 
 def run_serve_check_cli(args) -> int:
@@ -369,22 +441,26 @@ def run_serve_check_cli(args) -> int:
         torch.set_num_threads(cfg.num_threads)
     if not args.draft and not args.method:
         raise ValueError("pass --draft runs/<run>/export (a trained export) or --method ngram")
+    from eval.serving.llamacpp_paths import LlamaCppError
+
     try:
-        report, out_dir = serve_check(cfg, Path(args.draft) if args.draft else None, args.method, tolerance, timeout)
-    except ServeCheckError as exc:
+        engines = resolve_engines(getattr(args, "engine", "auto") or "auto")
+        report, out_dir = serve_check(cfg, Path(args.draft) if args.draft else None, args.method, tolerance, timeout,
+                                      engines)
+    except (ServeCheckError, LlamaCppError) as exc:
         print(f"specdraft serve-check: {exc}", file=sys.stderr)
         return 3
     print(format_table(report))
     print(f"report: {out_dir / 'report.md'}")
-    rc = 0
-    for acc, label in ((report["acceptance_check"], report["compared"]),
-                       (report.get("ngram_check"), report.get("ngram_compared"))):
-        if acc is None:
-            continue
-        if not acc["ok"]:
-            print(f"specdraft serve-check: {mismatch_message(acc, label)}", file=sys.stderr)
-            rc = 1
-        else:
-            print(f"{label}: per-position acceptance agrees within {tolerance} (max |diff| "
-                  f"{acc['max_abs_diff']:.3f})")
-    return rc
+    failures = failed_checks(report)
+    for msg in failures:
+        print(f"specdraft serve-check: {msg}", file=sys.stderr)
+    # Without vLLM the primary acceptance_check is llama.cpp's own check: print it once.
+    lc_extra = (report.get("llamacpp") or {}).get("check") if report.get("vllm_version") is not None else None
+    for acc, label in ((report.get("acceptance_check"), report["compared"]),
+                       (report.get("ngram_check"), report.get("ngram_compared")),
+                       (lc_extra, f"llama.cpp, {report['compared']}")):
+        if acc is not None and acc["ok"]:
+            what = "mean acceptance" if acc.get("mean") else "per-position acceptance"
+            print(f"{label}: {what} agrees within {tolerance} (max |diff| {acc['max_abs_diff']:.3f})")
+    return 1 if failures else 0

@@ -1,0 +1,176 @@
+"""llama.cpp on the real base, side by side in one run (same MT-bench prompts as `specdraft eval`, as token ids,
+batch 1, greedy, one untimed warm-up per server): AR on several base GGUF types, an EAGLE-3 draft at several
+--spec-draft-n-max, the learning-free ngram-simple, and the per-step costs behind the break-even.
+
+    python bench/llamacpp_serving.py --draft runs/<eagle3-run>/export [--types q4_1,f32,bf16] [--n-max 1,2,3,4]
+
+Every server runs with -nr (serve-check's default serve_llamacpp_no_repack): AMX tiles die with SIGILL on a
+sandboxed Xeon.
+
+Per-step costs (ms, from llama-server's own timings):
+  AR step       predicted_ms / (predicted_n - 1) of the AR run
+  verify(w)     prompt_ms of a request whose prompt extends the previous one by w tokens (cache_prompt on:
+                only the w new tokens are evaluated, against the cached context: what a verify step of width w
+                does, one draft chain + the root)
+  step(n)       with --spec-synth-rates 0,...,0 (llama.cpp's synthetic acceptance: nothing accepted) every step
+                drafts n tokens, verifies n+1 and emits one: predicted_ms / (predicted_n - 1); draft(n) = step(n) -
+                verify(n+1)
+  break-even    acceptance length (tokens per step) at which a step of n drafts pays: step(n) / AR step
+Writes JSON to --out (default runs/bench-llamacpp/results.json) and prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+
+def _prompts(n: int, base):
+    from eval.harness.config import load_eval_config
+    from eval.harness.prompts import config_prompts
+
+    cfg = load_eval_config(["configs/eval/mtbench.yaml"], [f"num_prompts={n}"])
+    return config_prompts(cfg, base.tokenizer)
+
+
+def _serve(args: list[str], prompts, new_tokens: int, threads: int, log: Path, warmup: int = 16) -> dict:
+    from eval.serving.llamacpp_server import LlamaServer
+
+    t = str(threads)
+    full = [*args, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"]
+    full += ["-td", t, "-tbd", t] if "-md" in args else []
+    rows = []
+    with LlamaServer(full, log, timeout=900) as srv:
+        srv.complete(prompts[0].input_ids, warmup)
+        for p in prompts:
+            out = srv.complete(p.input_ids, new_tokens)
+            rows.append({"id": p.id, "tokens": out.get("tokens") or [], "timings": out["timings"]})
+    gen = sum(r["timings"]["predicted_n"] for r in rows)
+    steps_tokens = sum(r["timings"]["predicted_n"] - 1 for r in rows)
+    ms = sum(r["timings"]["predicted_ms"] for r in rows)
+    drafted = sum(r["timings"].get("draft_n", 0) for r in rows)
+    accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in rows)
+    return {"args": args, "tokens_per_second": 1000 * steps_tokens / ms, "ms_per_token": ms / steps_tokens,
+            "mean_accept_rate": accepted / drafted if drafted else None,
+            "acceptance_length": gen / (gen - accepted) if gen > accepted else 1.0,
+            "drafted": drafted, "accepted": accepted, "outputs": {r["id"]: r["tokens"] for r in rows}}
+
+
+def _verify_costs(base_file: str, prompts, widths, threads: int, log: Path, reps: int = 5) -> dict[int, float]:
+    """prompt_ms by the number of tokens the server actually evaluated (timings.prompt_n) after appending w tokens
+    to a cached context (median over prompts x reps)."""
+    from eval.serving.llamacpp_server import LlamaServer
+
+    t = str(threads)
+    out: dict[int, list[float]] = {}
+    with LlamaServer(["-m", base_file, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"], log,
+                     timeout=900) as srv:
+        for p in prompts:
+            ids = list(p.input_ids)
+            for _ in range(reps):
+                for w in widths:
+                    srv.complete(ids, 1, cache_prompt=True)  # the context, cached
+                    extra = ids[-w:] if len(ids) >= w else ids[:w]
+                    r = srv.complete(ids + extra, 1, cache_prompt=True)
+                    out.setdefault(int(r["timings"]["prompt_n"]), []).append(r["timings"]["prompt_ms"])
+    return {w: statistics.median(v) for w, v in sorted(out.items())}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--draft", help="an EAGLE-3 export (runs/<run>/export); without it: AR, n-gram and costs only")
+    p.add_argument("--types", default="q4_1,f32,bf16", help="base GGUF types for the AR anchor")
+    p.add_argument("--draft-base", default="f32", help="base GGUF type the draft runs on")
+    p.add_argument("--draft-type", default="f32")
+    p.add_argument("--n-max", default="1,2,3,4")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="runs/bench-llamacpp/results.json")
+    args = p.parse_args()
+
+    from eval.serving.llamacpp_gguf import base_gguf, draft_gguf
+    from eval.serving.serve_check import base_hf_dir
+    from models.base import load_base
+
+    out = Path(args.out)
+    logs = out.parent / "logs"
+    base = load_base("smollm2", dtype="fp32")
+    prompts = _prompts(args.prompts, base)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
+    base_dir = base_hf_dir(base, tmp)
+    res: dict = {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads": args.threads, "ar": {},
+                 "draft_base": args.draft_base,
+                 "draft": {}, "ngram": {}, "synthetic0": {}}
+    files = {t: str(base_gguf(base, base_dir, t)) for t in args.types.split(",")}
+    files.setdefault(args.draft_base, str(base_gguf(base, base_dir, args.draft_base)))
+    for t in args.types.split(","):
+        print(f"AR {t}", flush=True)
+        res["ar"][t] = _serve(["-m", files[t]], prompts, args.new_tokens, args.threads, logs / f"ar-{t}.log")
+    bf = files[args.draft_base]
+    ar_ref = res["ar"].get(args.draft_base) or _serve(["-m", bf], prompts, args.new_tokens, args.threads,
+                                                       logs / "ar-ref.log")
+    n_maxes = [int(x) for x in args.n_max.split(",")]
+    for n in n_maxes:
+        print(f"ngram-simple n-max {n}", flush=True)
+        r = _serve(["-m", bf, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                    "--spec-ngram-simple-size-m", str(n), "--spec-draft-n-max", str(n)], prompts, args.new_tokens,
+                   args.threads, logs / f"ngram-{n}.log")
+        r["identical_to_ar"] = r["outputs"] == ar_ref["outputs"]
+        res["ngram"][n] = r
+    if args.draft:
+        from models.export.load import load_export
+
+        loaded = load_export(Path(args.draft), dtype="fp32")
+        dfile = str(draft_gguf(loaded.draft, loaded.config, base_dir, tmp / "draft.gguf", args.draft_type))
+        for n in n_maxes:
+            spec = ["-m", bf, "-md", dfile, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n)]
+            print(f"EAGLE-3 n-max {n}", flush=True)
+            r = _serve(spec, prompts, args.new_tokens, args.threads, logs / f"eagle3-{n}.log")
+            r["identical_to_ar"] = r["outputs"] == ar_ref["outputs"]
+            res["draft"][n] = r
+            print(f"EAGLE-3 n-max {n}, synthetic acceptance 0 (step cost)", flush=True)
+            res["synthetic0"][n] = _serve(spec + ["--spec-synth-rates", ",".join(["0"] * n)], prompts[:4],
+                                          args.new_tokens, args.threads, logs / f"synth0-{n}.log")
+    print("verify costs", flush=True)
+    res["verify_ms"] = _verify_costs(bf, prompts[:4], [1, *[n + 1 for n in n_maxes]], args.threads,
+                                     logs / "verify.log")
+    for section in ("ar", "draft", "ngram", "synthetic0"):
+        for r in res[section].values():
+            r.pop("outputs", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(tables(res))
+
+
+def tables(res: dict) -> str:
+    lines = ["| llama.cpp AR, base type | tok/s |", "|---|---|"]
+    lines += [f"| {t} | {r['tokens_per_second']:.1f} |" for t, r in res["ar"].items()]
+    ref = res["ar"].get(res.get("draft_base")) or next(iter(res["ar"].values()))
+    ar_ms = 1000 / ref["tokens_per_second"]  # the AR step on the base type the draft runs on
+    lines += ["", "| run | n-max | tok/s | accepted / drafted | acceptance length | identical to AR |",
+              "|---|---|---|---|---|---|"]
+    for name, sec in (("EAGLE-3", "draft"), ("ngram-simple", "ngram")):
+        for n, r in res[sec].items():
+            rate = "-" if r["mean_accept_rate"] is None else f"{r['mean_accept_rate']:.3f}"
+            lines.append(f"| {name} | {n} | {r['tokens_per_second']:.1f} | {rate} | {r['acceptance_length']:.2f} | "
+                         f"{r['identical_to_ar']} |")
+    v = res.get("verify_ms", {})
+    if res["synthetic0"]:
+        lines += ["", "| n-max | step (draft n + verify n+1), ms | verify(n+1), ms | draft(n), ms | AR step, ms | "
+                  "break-even acceptance length |", "|---|---|---|---|---|---|"]
+        for n, r in res["synthetic0"].items():
+            step = r["ms_per_token"]  # nothing accepted: one token per step
+            ver = v.get(int(n) + 1) or v.get(str(int(n) + 1))
+            lines.append(f"| {n} | {step:.1f} | {ver:.1f} | {step - ver:.1f} | {ar_ms:.1f} | {step / ar_ms:.2f} |"
+                         if ver else f"| {n} | {step:.1f} | - | - | {ar_ms:.1f} | {step / ar_ms:.2f} |")
+    if v:
+        lines += ["", "verify(w) ms: " + ", ".join(f"w={w}: {ms:.1f}" for w, ms in v.items())]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
