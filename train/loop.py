@@ -136,7 +136,7 @@ def train(cfg: TrainConfig) -> Path:
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                       info.rank, info.world_size, cfg.train.seed)
-    epoch_tokens = sum(len(ids) for ids in train_ds["input_ids"])  # what one pass over the train rows sees
+    epoch_tokens = _epoch_tokens(train_ds)  # what one pass over the train rows sees
     total_steps = cfg.train.max_steps or _steps_for(cfg.train, epoch_tokens, len(train_ds), order.steps_per_epoch)
     warmup = int(cfg.train.warmup_ratio * total_steps)
     log.info("base %s (%s) | %s draft, %.2fM trainable params | %d train / %d val conversations, %d tokens an "
@@ -265,6 +265,13 @@ def train(cfg: TrainConfig) -> Path:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
+
+
+def _epoch_tokens(train_ds) -> int:
+    """Tokens of the train rows: a pack knows its row lengths; a `datasets` table reads one column."""
+    if hasattr(train_ds, "lengths"):
+        return int(train_ds.lengths().sum())
+    return sum(len(ids) for ids in train_ds["input_ids"])
 
 
 def _steps_for(t, epoch_tokens: int, rows: int, steps_per_epoch: int) -> int:
