@@ -50,7 +50,15 @@ from torch.utils.checkpoint import checkpoint
 from data.targets import offset_labels
 from losses.dflash import block_position_weights, block_weighted_loss, linear_row_losses, linear_row_losses_reference
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
-from models.eagle3 import Eagle3MLP, RMSNorm, check_aux_layers, default_aux_layers, expand_kv, rotate_half
+from models.eagle3 import (
+    Eagle3MLP,
+    RMSNorm,
+    check_aux_layers,
+    default_aux_layers,
+    expand_kv,
+    rope_cos_sin,
+    rotate_half,
+)
 from models.family import FamilyFacts
 from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
 
@@ -319,10 +327,7 @@ class DFlashDraft(DraftVocabMixin, DraftModel):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [..] long -> (cos, sin) [.., hd] (HF rotate-half layout, fp32 angles)."""
-        inv = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+        return rope_cos_sin(self._inv_freq, self._rope_scale, positions, dtype)
 
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [.., k·d] (the base's aux layers side by side, in aux_layers order) -> hidden_norm(fc(aux)) [.., d]."""

@@ -90,6 +90,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rope_cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [...] long -> (cos, sin) [..., hd] in HF's rotate-half layout (fp32 angles); inv_freq [hd/2] and
+    scale are the base's rotary embedding's (attention_scaling)."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
 def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     """GQA: [B, H_kv, n, hd] -> [B, H_kv * groups, n, hd] (query head h uses K/V head h // groups)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -337,10 +346,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B or 1, n] long -> (cos, sin) [B or 1, n, hd] (HF rotate-half layout)."""
-        inv = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * inv
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+        return rope_cos_sin(self._inv_freq, self._rope_scale, positions, dtype)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed)

@@ -78,11 +78,13 @@ def speculators_config(draft: Eagle3Draft, verifier: str, speculative_tokens: in
     }
 
 
-def speculators_tensors(draft: Eagle3Draft, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The draft's tensors under speculators' names, rows of a draft vocabulary sorted by target id."""
+def speculators_tensors(draft, dtype: torch.dtype | None = None, skip: tuple[str, ...] = ("d2t",)
+                        ) -> dict[str, torch.Tensor]:
+    """The draft's tensors under speculators' names (EAGLE-3, DFlash), minus `skip`; with a draft vocabulary the LM
+    head's rows sorted by target id, `d2t` as speculators' offsets and the `t2d` mask."""
     out = {}
     for name, value in draft.state_dict().items():
-        if name == "d2t":
+        if name in skip:
             continue
         value = value.detach().to("cpu")
         out[name] = (value.to(dtype) if dtype is not None and value.is_floating_point() else value).contiguous()

@@ -41,6 +41,7 @@ from core.atomic import write_dir_atomic
 from models.dflash import DFlashDraft
 from models.draft import BaseView
 from models.export.specdraft import read_tensors
+from models.export.speculators import speculators_tensors
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 _DROP_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
@@ -92,20 +93,7 @@ def dflash_speculators_config(draft: DFlashDraft, verifier: str, speculative_tok
 
 def dflash_speculators_tensors(draft: DFlashDraft, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The draft's tensors under speculators' / vLLM's names (the mask embedding travels in its own file)."""
-    out = {}
-    for name, value in draft.state_dict().items():
-        if name in ("d2t", "mask_embedding"):
-            continue
-        value = value.detach().to("cpu")
-        out[name] = (value.to(dtype) if dtype is not None and value.is_floating_point() else value).contiguous()
-    if draft.d2t is not None:
-        ids, order = torch.sort(draft.d2t.cpu())
-        out["lm_head.weight"] = out["lm_head.weight"][order].contiguous()
-        out["d2t"] = (ids - torch.arange(ids.numel())).contiguous()
-        t2d = torch.zeros(draft.vocab_size, dtype=torch.bool)
-        t2d[ids] = True
-        out["t2d"] = t2d
-    return {k: v.clone() for k, v in out.items()}
+    return speculators_tensors(draft, dtype, skip=("d2t", "mask_embedding"))
 
 
 def mask_embedding_bytes(draft: DFlashDraft, dtype: torch.dtype | None = None) -> bytes:
