@@ -12,9 +12,10 @@ by turn: turn j of every conversation of a batch is generated in one engine call
 base's own answers to turns < j. Answers cut at max_new_tokens are kept and counted (`cut` in the record).
 
 Files (default under $SPECDRAFT_CACHE or ~/.cache/specdraft, `selfdistill/<key>.jsonl`):
-    <out>.partial    header line {"selfdistill_key"} + one line per source conversation, appended and
-                     fsynced batch by batch (records, or {"skipped": reason} markers), so a killed build
-                     resumes after the last line and the skip counts survive the restart
+    <out>.partial    header line {"selfdistill_key", "settings", "skip"} + one line per source conversation,
+                     appended and fsynced batch by batch (records, or {"skipped": reason} markers), so a killed
+                     build resumes after the last line and the skip counts survive the restart; a shorter
+                     request with the same settings copies its slice from here, even while it is being written
     <out>.meta.json  derived_from {source, max_records} (eval's held-out skip), params, counts
     <out>            clean records {"id", "conversations"}; written last by an atomic rename
 """
@@ -139,9 +140,9 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
     Prompts longer than `max_prompt_tokens` are skipped (a 1024-token training window would hold no answer).
     engine: what generates (default: HFGenerator on `base`); it must have been set up with the same
     max_new_tokens and temperature.
-    Conversations that a longer file beside `out` (finished, or a partial still being written) already holds with
-    the same settings are copied from it, not generated again; any_engine=True accepts one made by another engine
-    or precision (the held-out slice of training: any engine's answers are the base's own)."""
+    Conversations that a longer file beside `out` or in the cache (finished, or a partial still being written)
+    holds with the same settings are copied from it, not generated again; any_engine=True accepts one made by
+    another engine or precision (the held-out slice of training: any engine's answers are the base's own)."""
     if max_new_tokens < 1 or max_turns < 1 or batch_size < 1 or temperature < 0 or max_prompt_tokens < 1 or skip < 0:
         raise ValueError(f"regenerate: need max_new_tokens, max_turns, batch_size, max_prompt_tokens >= 1, skip >= 0 "
                          f"and temperature >= 0 (got {max_new_tokens}, {max_turns}, {batch_size}, "
