@@ -159,3 +159,14 @@ def test_max_tokens_sets_the_steps_at_the_mean_conversation_length():
     assert _steps_for(t, epoch_tokens=40_000, rows=100, steps_per_epoch=12) == 20
     t.max_tokens = 10  # never zero steps
     assert _steps_for(t, epoch_tokens=40_000, rows=100, steps_per_epoch=12) == 1
+
+
+def test_epoch_tokens_counts_the_selected_rows_of_a_split_table():
+    from datasets import Dataset
+
+    from train.loop import _epoch_tokens
+
+    ds = Dataset.from_dict({"input_ids": [[1] * n for n in (3, 2, 10, 7, 1)]})
+    split = ds.train_test_split(test_size=2, seed=0)  # index-mapped views of the same table
+    for part in (ds, split["train"], split["test"]):
+        assert _epoch_tokens(part) == sum(len(ids) for ids in part["input_ids"])

@@ -268,10 +268,14 @@ def train(cfg: TrainConfig) -> Path:
 
 
 def _epoch_tokens(train_ds) -> int:
-    """Tokens of the train rows: a pack knows its row lengths; a `datasets` table reads one column."""
+    """Tokens of the train rows: a pack knows its row lengths; a `datasets` table has its list lengths counted by
+    Arrow, batch by batch (all of ShareGPT as Python lists would take GBs)."""
     if hasattr(train_ds, "lengths"):
         return int(train_ds.lengths().sum())
-    return sum(len(ids) for ids in train_ds["input_ids"])
+    import pyarrow.compute as pc
+
+    return sum(int(pc.sum(pc.list_value_length(batch["input_ids"])).as_py() or 0)
+               for batch in train_ds.with_format("arrow").iter(batch_size=8192))
 
 
 def _steps_for(t, epoch_tokens: int, rows: int, steps_per_epoch: int) -> int:
