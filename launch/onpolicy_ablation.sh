@@ -4,8 +4,8 @@
 # training tokens (the regenerated arm's epochs are scaled to the original arm's token count), for Hydra (the
 # demo's family) and EAGLE-3. Every run also scores the draft on the base's own answers to the 64 prompts after
 # record 800 (data.onpolicy_heldout), so both kinds of held-out accuracy sit beside the measured acceptance.
-# Then `specdraft compare --config configs/compare_onpolicy.yaml` (MT-bench chain of 4 and 16-node tree, EAGLE-3's
-# chain also in vLLM, the hidden ShareGPT set). Hydra's tree is the static 16-node one for both arms (no per-arm
+# Then `specdraft compare` with configs/compare_onpolicy.yaml (Hydra) and configs/compare_onpolicy_eagle3.yaml (MT-bench
+# chain of 4 and 16-node tree, EAGLE-3's chain also in vLLM, the hidden ShareGPT set). Hydra's tree is the static 16-node one for both arms (no per-arm
 # search, so the tree cannot favour either). Resumable: finished exports and compare rows are kept.
 #
 #   launch/onpolicy_ablation.sh                 # regenerate (vLLM when `make vllm` ran), train, search, compare
@@ -40,5 +40,6 @@ train abl-eagle3-regen --config configs/eagle3.yaml $B train.lr=2e-3 data.source
   train.max_tokens=$T
 [ "${TRAIN_ONLY:-0}" = 1 ] && exit 0
 echo "=== compare $(date +%T)"
-$S compare --config configs/compare_onpolicy.yaml --update-docs 2>&1 | tee runs/logs/compare-onpolicy.log \
-  | grep -v "run/s\]\|s/run\]"
+for c in compare_onpolicy compare_onpolicy_eagle3; do  # Hydra's arms, then EAGLE-3's (with vLLM), each its own pass
+  $S compare --config configs/$c.yaml --update-docs 2>&1 | tee runs/logs/$c.log | grep -v "run/s\]\|s/run\]"
+done
