@@ -117,6 +117,22 @@ def export_speculators(draft, out_dir: Path, base_name: str, *, verifier: str | 
     })
 
 
+def read_speculators_tensors(export_dir: Path, config: dict, base: BaseView) -> tuple[dict, BaseView]:
+    """(tensors, the view on `base` with the draft vocabulary) of a speculators checkpoint (EAGLE-3, DFlash):
+    speculators' `d2t` offsets become target ids under "d2t", the `t2d` mask is dropped."""
+    tensors = read_tensors(export_dir / "model.safetensors")
+    n = int(config["draft_vocab_size"])
+    d2t = None
+    if "d2t" in tensors:
+        d2t = tensors.pop("d2t") + torch.arange(n)  # offsets -> target ids
+        tensors.pop("t2d", None)
+        tensors["d2t"] = d2t
+    elif n != base.vocab_size:
+        raise ValueError(f"{export_dir}: draft_vocab_size={n} < V={base.vocab_size} but no d2t tensor")
+    view = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model, d2t)
+    return tensors, view
+
+
 def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
     """Read a speculators EAGLE-3 checkpoint back into an Eagle3Draft on `base` (the round trip; also loads
     checkpoints trained by speculators itself when they use this layout)."""
@@ -132,16 +148,7 @@ def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
         raise ValueError(f"{export_dir}: norm_before_residual must be false (the layout specdraft trains)")
     if int(config["transformer_layer_config"].get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"{export_dir}: specdraft's EAGLE-3 has one decoder layer")
-    tensors = read_tensors(export_dir / "model.safetensors")
-    n = int(config["draft_vocab_size"])
-    d2t = None
-    if "d2t" in tensors:
-        d2t = tensors.pop("d2t") + torch.arange(n)  # offsets -> target ids
-        tensors.pop("t2d", None)
-        tensors["d2t"] = d2t
-    elif n != base.vocab_size:
-        raise ValueError(f"{export_dir}: draft_vocab_size={n} < V={base.vocab_size} but no d2t tensor")
-    view = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model, d2t)
+    tensors, view = read_speculators_tensors(export_dir, config, base)
     steps = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     draft = Eagle3Draft(view, config["eagle_aux_hidden_state_layer_ids"], min(max(steps, 1), 7), init_from_base=False)
     missing, unexpected = draft.load_state_dict(tensors, strict=False)

@@ -40,8 +40,7 @@ from safetensors.torch import save_file
 from core.atomic import write_dir_atomic
 from models.dflash import DFlashDraft
 from models.draft import BaseView
-from models.export.specdraft import read_tensors
-from models.export.speculators import speculators_tensors
+from models.export.speculators import read_speculators_tensors, speculators_tensors
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 _DROP_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
@@ -138,16 +137,7 @@ def load_dflash_speculators(export_dir: Path, base: BaseView) -> DFlashDraft:
     layer = config["transformer_layer_config"]
     if any(t != "full_attention" for t in layer.get("layer_types") or []):
         raise ValueError(f"{export_dir}: sliding-window draft layers are not implemented in specdraft")
-    tensors = read_tensors(export_dir / "model.safetensors")
-    n = int(config["draft_vocab_size"])
-    d2t = None
-    if "d2t" in tensors:
-        d2t = tensors.pop("d2t") + torch.arange(n)  # offsets -> target ids
-        tensors.pop("t2d", None)
-        tensors["d2t"] = d2t
-    elif n != base.vocab_size:
-        raise ValueError(f"{export_dir}: draft_vocab_size={n} < V={base.vocab_size} but no d2t tensor")
-    view = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model, d2t)
+    tensors, view = read_speculators_tensors(export_dir, config, base)
     mask_file = export_dir / MASK_EMBEDDING_FILE
     draft = DFlashDraft(view, config["aux_hidden_state_layer_ids"], int(layer["num_hidden_layers"]),
                         int(config["block_size"]), int(config["mask_token_id"]), learned_mask=mask_file.is_file(),
