@@ -14,13 +14,14 @@ SMOKE_RECIPE = ["configs/medusa.yaml", "configs/smoke.yaml"]
 
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory):
-    """(run_dir, base weights before training) of a 16-step smoke run, trained in this process."""
+    """(run_dir, base weights before training) of a 16-step smoke run, trained in this process (with a snapshot
+    export at step 8)."""
     from train.loop import train
 
     run_dir = tmp_path_factory.mktemp("runs") / "smoke"
     base_before = {k: v.clone() for k, v in load_base("tiny").model.state_dict().items()}
     cfg = load_train_config(SMOKE_RECIPE, [f"run_dir={run_dir}", "train.max_steps=16", "train.lr=5e-3",
-                                           "train.log_every=4"])
+                                           "train.log_every=4", "train.export_every=8"])
     train(cfg)
     return run_dir, base_before
 

@@ -68,6 +68,26 @@ def test_export_holds_only_draft_tensors_and_round_trips(smoke_run):
         load_draft(export, BaseView.from_model(base.model), "not-this-base")
 
 
+def test_export_every_leaves_a_loadable_snapshot_with_its_heldout_table(smoke_run):
+    run_dir, _ = smoke_run
+    snaps = sorted(p.name for p in (run_dir / "exports").iterdir())
+    assert snaps == ["step00000008"]  # step 16 is the final export, not a snapshot; no .tmp left behind
+    snap = run_dir / "exports" / "step00000008"
+    config = json.loads((snap / "config.json").read_text())
+    assert config["trained_steps"] == 8 and config["train_data"]["epoch_tokens"] > 0
+    heldout = json.loads((snap / "heldout.json").read_text())
+    assert 0.0 <= heldout["summary"]["top1/head1"] <= 1.0
+    base = load_base("tiny")
+    draft, _ = load_draft(snap, BaseView.from_model(base.model), base.fingerprint)
+    mid = read_tensors(snap / "model.safetensors")
+    final = read_tensors(run_dir / "export" / "model.safetensors")
+    assert mid.keys() == final.keys()
+    # the snapshot is the draft at step 8, not a copy of the end: eight more steps moved it
+    assert any(not torch.equal(mid[k], final[k]) for k in mid)
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, mid[k])
+
+
 def test_medusa_format_export(smoke_run, tmp_path):
     run_dir, _ = smoke_run
     proc = _cli(["export", "--run", str(run_dir), "--format", "medusa", "--out", str(tmp_path / "m")])

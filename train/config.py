@@ -104,6 +104,9 @@ class TrainSection:
     log_every: int = 10  # steps between metrics.jsonl / W&B rows
     save_every: int = 0  # steps between checkpoints; 0 = only at the end (and on SIGTERM)
     keep_checkpoints: int = 2  # newest checkpoints kept in checkpoints/
+    # > 0: every this many steps also write a snapshot, exports/step<N>/ (the export plus its heldout.json), so a
+    # long run leaves the points of its learning curve to decode (`specdraft eval --draft runs/<run>/exports/...`)
+    export_every: int = 0
     val_batches: int = 16  # held-out micro-batches for the per-head accuracy table (0 = skip)
     seed: int = 0  # model init, data order and dropout
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default

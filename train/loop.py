@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -237,6 +238,11 @@ def train(cfg: TrainConfig) -> Path:
             if must_stop or (cfg.train.save_every and step % cfg.train.save_every == 0 and step < total_steps):
                 checkpoint.save(engine, ckpt_root, step, _client_state(step, train_t0), cfg.train.keep_checkpoints,
                                 info.rank)
+            if cfg.train.export_every and step % cfg.train.export_every == 0 and step < total_steps and not must_stop:
+                _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker,
+                        run_dir, step, time.perf_counter() - train_t0,
+                        _train_data_entry(source, max_records, epoch_tokens), vocab_info, bool(partitioned),
+                        out=run_dir / "exports" / checkpoint.step_tag(step))
             _test_crash_hook(step)
             if must_stop:
                 # Ranks may get SIGTERM seconds apart (the launcher signals them in turn): agree on it, so all
@@ -255,9 +261,7 @@ def train(cfg: TrainConfig) -> Path:
 
     if not sigterm:  # finished, or out of its time budget: export what we have
         _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker, run_dir,
-                step, time.perf_counter() - train_t0,
-                {**(packed_train_data(source) if is_packed(source) else train_data_entry(source, max_records)),
-                 "epoch_tokens": epoch_tokens},
+                step, time.perf_counter() - train_t0, _train_data_entry(source, max_records, epoch_tokens),
                 vocab_info, bool(partitioned))
     tracker.close()
     barrier()
@@ -265,6 +269,13 @@ def train(cfg: TrainConfig) -> Path:
         raise TrainingInterrupted(f"stopped by SIGTERM at step {step}/{total_steps}; checkpoint saved in "
                                   f"{ckpt_root}; continue with resume=auto")
     return run_dir
+
+
+def _train_data_entry(source, max_records, epoch_tokens: int) -> dict:
+    """The export's train_data: which conversations trained the draft (so `specdraft eval dataset=sharegpt` picks
+    prompts it never saw) and how many tokens an epoch held."""
+    entry = packed_train_data(source) if is_packed(source) else train_data_entry(source, max_records)
+    return {**entry, "epoch_tokens": epoch_tokens}
 
 
 def _epoch_tokens(train_ds) -> int:
@@ -440,18 +451,24 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
 
 
 def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype, info, tracker, run_dir, step,
-            train_seconds: float, train_data: dict, vocab_info: dict | None = None, partitioned: bool = False) -> None:
+            train_seconds: float, train_data: dict, vocab_info: dict | None = None, partitioned: bool = False,
+            out: Path | None = None) -> None:
     """Export the draft's weights and measure held-out per-depth accuracy (rank 0; with a ZeRO-3 base every
     rank runs the held-out forwards, which are collective, and rank 0 alone writes). heldout_sets = (the split's
-    val rows, the on-policy held-out rows or None)."""
+    val rows, the on-policy held-out rows or None). out: a snapshot directory (exports/step<N>/, which gets the
+    export and its heldout.json) instead of the run's export/ and heldout.json; written through a temporary
+    directory and renamed, so a kill mid-snapshot leaves no half export."""
     val_ds, onpolicy_ds = heldout_sets
     import deepspeed
 
     params = list(draft.parameters()) if cfg.deepspeed.zero_stage == 3 else []
+    export_dir = run_dir / "export" if out is None else out.with_name(out.name + ".tmp")
+    if out is not None and info.is_main:
+        shutil.rmtree(export_dir, ignore_errors=True)  # a snapshot a kill cut short
     with deepspeed.zero.GatheredParameters(params, enabled=bool(params)):
         if info.is_main:
             # train_data lets `specdraft eval dataset=sharegpt` pick prompts this draft never saw.
-            export_specdraft(draft, run_dir / "export", base.name, base.fingerprint,
+            export_specdraft(draft, export_dir, base.name, base.fingerprint,
                              extra={"trained_steps": step, "train_seconds": round(train_seconds, 1),
                                     "hidden_cache": bool(cfg.data.hidden_cache),
                                     "train_dtype": str(compute_dtype).removeprefix("torch."),
@@ -460,16 +477,20 @@ def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype,
                                     # own, so eval renders prompts the way training did
                                     **({"chat_template": base.tokenizer.chat_template}
                                        if cfg.data.chat_template else {})})
-            log.info("exported the draft to %s", run_dir / "export")
+            log.info("exported the draft to %s", export_dir if out is None else out)
         if cfg.train.val_batches > 0 and (info.is_main or partitioned):
             result = evaluate_heldout(draft, base.model, view, val_ds, pad_id, cfg, info.device, compute_dtype)
             if onpolicy_ds is not None:  # every row: the slice is small and chosen on purpose
                 result = with_onpolicy(result, evaluate_heldout(draft, base.model, view, onpolicy_ds, pad_id, cfg,
                                                                 info.device, compute_dtype, max_rows=len(onpolicy_ds)))
             if info.is_main:
-                (run_dir / "heldout.json").write_text(json.dumps(result, indent=2) + "\n")
+                heldout_path = run_dir / "heldout.json" if out is None else export_dir / "heldout.json"
+                heldout_path.write_text(json.dumps(result, indent=2) + "\n")
                 tracker.log({f"val/{k}": v for k, v in result["summary"].items()}, step)
                 print(format_heldout_table(result), flush=True)
+    if out is not None and info.is_main:
+        shutil.rmtree(out, ignore_errors=True)
+        export_dir.rename(out)
 
 
 def _check_resumed_config(cfg: TrainConfig, run_dir: Path, ckpt_root: Path) -> None:
