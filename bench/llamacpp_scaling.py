@@ -1,0 +1,147 @@
+"""What an EAGLE-3 draft's acceptance would buy in llama.cpp on bases people run on CPUs: per-step costs of
+random-weight LLaMA bases of the 1B and 8B shapes and of an EAGLE-3 draft of their shape (no acceptance is
+claimed from random weights), then the speedup a given per-position acceptance would give there.
+
+    python bench/llamacpp_scaling.py [--shapes llama-1b,llama-8b] [--threads 2] [--rates 0.45,0.3,0.25]
+
+Costs, from llama-server's own timings, batch 1, greedy, one untimed warm-up per server, -nr:
+  AR step       predicted_ms / (predicted_n - 1), plain decoding
+  verify(w)     prompt_ms of w new tokens appended to a cached context (a verify step of width w)
+  step(n)       with --spec-synth-rates 0,...,0 (nothing accepted, so every step drafts n and verifies n+1):
+                predicted_ms / (predicted_n - 1); draft(n) = step(n) - verify(n+1)
+Projection: tokens per step E(n) = 1 + sum_k prod_{j<=k} a_j from a measured per-position acceptance a (the
+chain's conditional rates), speedup(n) = E(n) * AR step / step(n). A step that accepts more tokens costs the
+same here: llama.cpp drafts n and verifies n+1 whatever is accepted.
+The base files are written once (bench/llamacpp_random_gguf.py in .venv-llamacpp) under
+~/.cache/specdraft/llamacpp/random/. Writes runs/bench-llamacpp-scaling/results.json and prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from core.paths import default_cache_dir
+from eval.serving.llamacpp_paths import converter_python, llamacpp_source
+from eval.serving.llamacpp_server import LlamaServer
+
+
+def random_ggufs(shape: str, base_type: str) -> tuple[Path, Path]:
+    out = default_cache_dir() / "llamacpp" / "random"
+    vocab = llamacpp_source() / "models" / "ggml-vocab-llama-bpe.gguf"
+    subprocess.run([str(converter_python()), str(Path(__file__).with_name("llamacpp_random_gguf.py")),
+                    "--shape", shape, "--out-dir", str(out), "--base-type", base_type, "--vocab", str(vocab)],
+                   check=True)
+    return out / f"{shape}-base-{base_type}.gguf", out / f"{shape}-eagle3-f16.gguf"
+
+
+def _args(threads: int, extra: list[str]) -> list[str]:
+    t = str(threads)
+    out = [*extra, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"]
+    return out + (["-td", t, "-tbd", t] if "-md" in extra else [])
+
+
+def step_ms(args: list[str], prompts: list[list[int]], new_tokens: int, log: Path) -> float:
+    """Mean ms per generated token after the first (one step per token when nothing is accepted)."""
+    with LlamaServer(args, log, timeout=1800) as srv:
+        srv.complete(prompts[0], 4)  # warm-up
+        ms, n = 0.0, 0
+        for p in prompts:
+            t = srv.complete(p, new_tokens)["timings"]
+            ms += t["predicted_ms"]
+            n += t["predicted_n"] - 1
+    return ms / n
+
+
+def verify_ms(args: list[str], prompts: list[list[int]], widths: list[int], log: Path, reps: int = 3) -> dict:
+    out: dict[int, list[float]] = {}
+    with LlamaServer(args, log, timeout=1800) as srv:
+        for p in prompts:
+            for _ in range(reps):
+                for w in widths:
+                    srv.complete(p, 1, cache_prompt=True)
+                    r = srv.complete(p + p[:w], 1, cache_prompt=True)["timings"]
+                    out.setdefault(int(r["prompt_n"]), []).append(r["prompt_ms"])
+    return {w: statistics.median(v) for w, v in sorted(out.items())}
+
+
+def tokens_per_step(rates: list[float], n: int) -> float:
+    """1 + sum_k prod_{j<=k} a_j over the first n conditional acceptance rates (a chain of n)."""
+    e, run = 1.0, 1.0
+    for a in rates[:n]:
+        run *= a
+        e += run
+    return e
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="llama-1b,llama-8b")
+    p.add_argument("--base-type", default="q8_0")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-max", default="1,2,3,4")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=24)
+    p.add_argument("--rates", default="", help="per-position acceptance to project, e.g. 0.45,0.35,0.3 "
+                   "(conditional: position k given 1..k-1 accepted); several sets split by ';'")
+    p.add_argument("--out", default="runs/bench-llamacpp-scaling/results.json")
+    a = p.parse_args()
+    out = Path(a.out)
+    logs = out.parent / "logs"
+    rng = np.random.default_rng(0)
+    # ids of ordinary tokens (the first 100k of Llama-3's vocabulary); random weights make any text as costly
+    prompts = [rng.integers(1000, 100_000, a.prompt_len).tolist() for _ in range(a.prompts)]
+    n_maxes = [int(x) for x in a.n_max.split(",")]
+    res: dict = {"threads": a.threads, "base_type": a.base_type, "prompt_len": a.prompt_len,
+                 "new_tokens": a.new_tokens, "shapes": {}}
+    for shape in a.shapes.split(","):
+        base, draft = random_ggufs(shape, a.base_type)
+        r: dict = {"base": str(base), "draft": str(draft)}
+        print(f"{shape}: AR", flush=True)
+        r["ar_ms"] = step_ms(_args(a.threads, ["-m", str(base)]), prompts, a.new_tokens, logs / f"{shape}-ar.log")
+        print(f"{shape}: verify", flush=True)
+        r["verify_ms"] = verify_ms(_args(a.threads, ["-m", str(base)]), prompts[:1], [1, *[n + 1 for n in n_maxes]],
+                                   logs / f"{shape}-verify.log")
+        r["step_ms"] = {}
+        for n in n_maxes:
+            print(f"{shape}: EAGLE-3 step, n-max {n}", flush=True)
+            spec = ["-m", str(base), "-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
+                    "--spec-synth-rates", ",".join(["0"] * n)]
+            r["step_ms"][n] = step_ms(_args(a.threads, spec), prompts, a.new_tokens, logs / f"{shape}-step{n}.log")
+        res["shapes"][shape] = r
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=2) + "\n")  # each shape as it finishes
+    res["rates"] = [[float(x) for x in s.split(",")] for s in a.rates.split(";") if s.strip()]
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(tables(res))
+
+
+def tables(res: dict) -> str:
+    lines = [f"threads {res['threads']}, base {res['base_type']}, draft f16", "",
+             "| base shape | AR step, ms | verify(w), ms | n-max | draft(n), ms | step(n), ms | "
+             "break-even tokens/step |", "|---|---|---|---|---|---|---|"]
+    for shape, r in res["shapes"].items():
+        v = {int(k): x for k, x in r["verify_ms"].items()}
+        vs = ", ".join(f"w={w}: {v[w]:.1f}" for w in sorted(v))
+        for n, s in r["step_ms"].items():
+            ver = v.get(int(n) + 1)
+            draft = f"{s - ver:.1f}" if ver else "-"
+            lines.append(f"| {shape} | {r['ar_ms']:.1f} | {vs} | {n} | {draft} | {s:.1f} | {s / r['ar_ms']:.2f} |")
+    for rates in res.get("rates", []):
+        lines += ["", f"projected speedup vs llama.cpp AR at per-position acceptance {rates}:", "",
+                  "| base shape | " + " | ".join(f"n-max {n}" for n in next(iter(res['shapes'].values()))['step_ms'])
+                  + " |", "|---|" + "---|" * len(next(iter(res['shapes'].values()))['step_ms'])]
+        for shape, r in res["shapes"].items():
+            cells = [f"{tokens_per_step(rates, int(n)) * r['ar_ms'] / s:.2f}x" for n, s in r["step_ms"].items()]
+            lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
