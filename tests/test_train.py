@@ -88,6 +88,18 @@ def test_export_every_leaves_a_loadable_snapshot_with_its_heldout_table(smoke_ru
         assert torch.equal(v, mid[k])
 
 
+def test_compare_describes_a_snapshot_from_its_own_heldout_table(smoke_run):
+    from eval.harness.results_doc import describe_training
+
+    run_dir, _ = smoke_run
+    snap = json.loads((run_dir / "exports" / "step00000008" / "heldout.json").read_text())
+    final = json.loads((run_dir / "heldout.json").read_text())
+    mid, end = describe_training(run_dir / "exports" / "step00000008"), describe_training(run_dir / "export")
+    assert (mid["run"], mid["steps"], end["run"], end["steps"]) == ("smoke/step00000008", 8, "smoke", 16)
+    assert mid["heldout_top1"] == [d["top1"] for d in snap["depths"]]
+    assert end["heldout_top1"] == [d["top1"] for d in final["depths"]]
+
+
 def test_medusa_format_export(smoke_run, tmp_path):
     run_dir, _ = smoke_run
     proc = _cli(["export", "--run", str(run_dir), "--format", "medusa", "--out", str(tmp_path / "m")])

@@ -112,7 +112,9 @@ def family_key(report: dict) -> str:
 def describe_training(export: Path) -> dict:
     import yaml
 
-    run = export.parent
+    # a snapshot (train.export_every) lives in runs/<run>/exports/step<N>/ with its own heldout.json
+    snapshot = export.parent.name == "exports"
+    run = export.parent.parent if snapshot else export.parent
     cfg = json.loads((export / "config.json").read_text())
     run_cfg = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").is_file() else {}
     epochs = float((run_cfg.get("train") or {}).get("epochs") or 1)
@@ -124,9 +126,11 @@ def describe_training(export: Path) -> dict:
             epochs = round(cfg["trained_steps"] * batch / rows, 2)
         else:  # older exports: a time budget (train.max_minutes) can only have stopped a run early
             epochs = round(min(epochs, cfg["trained_steps"] / (rows // batch)), 2)
-    heldout = json.loads((run / "heldout.json").read_text()) if (run / "heldout.json").is_file() else None
+    heldout_path = (export if snapshot else run) / "heldout.json"
+    heldout = json.loads(heldout_path.read_text()) if heldout_path.is_file() else None
     onpolicy = (heldout or {}).get("onpolicy")
-    return {"run": run.name, "family": cfg["family"], "params": trainable_params(export),
+    return {"run": f"{run.name}/{export.name}" if snapshot else run.name, "family": cfg["family"],
+            "params": trainable_params(export),
             "train_s": train_seconds(run, cfg), "steps": cfg.get("trained_steps"), "epochs": epochs,
             "tokens": per_epoch * epochs if per_epoch else None,
             "heldout_top1": [d["top1"] for d in heldout["depths"]] if heldout else None,
