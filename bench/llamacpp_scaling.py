@@ -2,16 +2,18 @@
 random-weight LLaMA bases of the 1B and 8B shapes and of an EAGLE-3 draft of their shape (no acceptance is
 claimed from random weights), then the speedup a given per-position acceptance would give there.
 
-    python bench/llamacpp_scaling.py [--shapes llama-1b,llama-8b] [--threads 2] [--rates 0.45,0.3,0.25]
+    python bench/llamacpp_scaling.py [--shapes llama-1b,llama-8b] [--threads 2] [--rates 0.45,0.2,0.1,0.05]
 
 Costs, from llama-server's own timings, batch 1, greedy, one untimed warm-up per server, -nr:
   AR step       predicted_ms / (predicted_n - 1), plain decoding
   verify(w)     prompt_ms of w new tokens appended to a cached context (a verify step of width w)
   step(n)       with --spec-synth-rates 0,...,0 (nothing accepted, so every step drafts n and verifies n+1):
                 predicted_ms / (predicted_n - 1); draft(n) = step(n) - verify(n+1)
-Projection: tokens per step E(n) = 1 + sum_k prod_{j<=k} a_j from a measured per-position acceptance a (the
-chain's conditional rates), speedup(n) = E(n) * AR step / step(n). A step that accepts more tokens costs the
-same here: llama.cpp drafts n and verifies n+1 whatever is accepted.
+Projection: tokens per step E(n) = 1 + p_1 + ... + p_n from a draft's measured per-position acceptance p_k (the
+share of steps whose first k drafts were all accepted, what `specdraft eval` reports; a greedy chain's first k
+drafts do not depend on its length, so a chain of 4's rates serve every n <= 4), speedup(n) = E(n) * AR step /
+step(n). A step that accepts more tokens costs the same here: llama.cpp drafts n and verifies n+1 whatever is
+accepted.
 The base files are written once (bench/llamacpp_random_gguf.py in .venv-llamacpp) under
 ~/.cache/specdraft/llamacpp/random/. Writes runs/bench-llamacpp-scaling/results.json and prints Markdown.
 """
@@ -71,12 +73,12 @@ def verify_ms(args: list[str], prompts: list[list[int]], widths: list[int], log:
 
 
 def tokens_per_step(rates: list[float], n: int) -> float:
-    """1 + sum_k prod_{j<=k} a_j over the first n conditional acceptance rates (a chain of n)."""
-    e, run = 1.0, 1.0
-    for a in rates[:n]:
-        run *= a
-        e += run
-    return e
+    """1 + p_1 + ... + p_n: tokens per step of a chain of n, from per-position acceptance p_k (P(drafts 1..k all
+    accepted))."""
+    if any(b > a for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"per-position acceptance {rates} grows with depth: give P(drafts 1..k all accepted), "
+                         "which cannot; conditional rates multiply up to it")
+    return 1.0 + sum(rates[:n])
 
 
 def main() -> None:
