@@ -218,3 +218,27 @@ def test_decoder_records_the_runner_up_other_than_the_committed_token():
     assert [int(t) for t in rows.argmax(-1)] == [6910, 7, 4]
     assert r.runner_up[0] == 12947 and r.runner_up[1] == 9 and r.runner_up[2] in (5, 6)
     assert r.top2_gaps == [0.0, 0.75, 0.0]
+    # near ties: every other token within NEAR_TIE_BAND of the top-1, never the committed one
+    assert r.near_ties[0] == [[12947, 0.0]] and r.near_ties[1] == [[9, 0.75]]
+    assert sorted(r.near_ties[2]) == [[5, 0.0], [6, 0.0]]
+
+
+def test_near_ties_keep_only_tokens_within_the_band():
+    from eval.engine.top2 import NEAR_TIE_BAND, near_ties_rows
+
+    row = torch.full((1, 100), -5.0)
+    row[0, 3], row[0, 8], row[0, 11] = 4.0, 4.0 - NEAR_TIE_BAND / 2, 4.0 - 2 * NEAR_TIE_BAND
+    assert near_ties_rows(row) == [[[8, NEAR_TIE_BAND / 2]]]  # 11 is too far below, 3 is the committed token
+
+
+def test_a_three_way_tie_is_a_tie_only_within_the_tolerance():
+    """bf16 can tie three tokens exactly; the verification forward may commit the third (a real SmolLM2 run:
+    gap 0.0, spec token neither the argmax nor the runner-up)."""
+    plain, gaps, second = [5, 6, 7], [3.0, 0.0, 4.0], [1, 9, 1]
+    near = [[], [[9, 0.0], [11, 0.0], [12, 0.6]], []]
+    tie = classify([5, 11, 3], plain, gaps, second, 0.05, near)
+    assert (tie.kind, tie.spec_gap) == (TIE, 0.0)
+    assert classify([5, 12, 3], plain, gaps, second, 0.05, near).kind == MISMATCH  # 0.6 below the top: too far
+    assert classify([5, 12, 3], plain, gaps, second, 0.75, near).kind == TIE
+    assert classify([5, 13, 3], plain, gaps, second, 0.75, near).kind == MISMATCH  # not near the top at all
+    assert classify([5, 11, 3], plain, gaps, second, 0.05).kind == MISMATCH  # no near-tie record: no evidence

@@ -28,7 +28,7 @@ from eval.engine.acceptance import Accepted, greedy_accept, rejection_accept, ty
 from eval.engine.backends.backend import Backend
 from eval.engine.drafters.drafter import DecodeState, Drafter, NoDrafter
 from eval.engine.sampling import check_sampling_params, sample, warped_probs
-from eval.engine.top2 import top2_rows
+from eval.engine.top2 import near_ties_rows, top2_rows
 from eval.engine.tree import Tree
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
@@ -50,6 +50,7 @@ class GenerationResult:
     # rank-2 token in the logits row that chose it; computed outside the timed regions.
     top2_gaps: list[float] = field(default_factory=list)
     runner_up: list[int] = field(default_factory=list)
+    near_ties: list[list] = field(default_factory=list)  # per token: [[token, top1 - its logit], ...] (top2.py)
 
     @property
     def base_steps(self) -> int:
@@ -202,12 +203,13 @@ def autoregressive_generate(backend: Backend, prompt_ids, *, max_new_tokens: int
 
 
 def _record_top2(result: GenerationResult, rows: torch.Tensor) -> None:
-    """Append (top1 - top2 gap, rank-2 token) of each logits row [n, V] to the result."""
+    """Append (top1 - top2 gap, rank-2 token, near ties) of each logits row [n, V] to the result."""
     if rows.shape[0] == 0:
         return
     gaps, runner_up = top2_rows(rows)
     result.top2_gaps.extend(gaps)
     result.runner_up.extend(runner_up)
+    result.near_ties.extend(near_ties_rows(rows))
 
 
 def _check_tree(tree: Tree, root: int, drafter: Drafter) -> None:

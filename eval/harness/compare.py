@@ -211,7 +211,7 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
                            accept_lengths=list(g.accepted_lengths), accept_counts=list(g.accept_counts),
                            proposed_counts=list(g.proposed_counts))
                 if lab == AR and greedy:  # the tie-aware losslessness evidence (eval/harness/lossless.py)
-                    row.update(top2_gaps=g.top2_gaps, runner_up=g.runner_up)
+                    row.update(top2_gaps=g.top2_gaps, runner_up=g.runner_up, near_ties=g.near_ties)
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows.add(row)
@@ -266,7 +266,8 @@ def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greed
             g = _Gen(r)
             div = None
             if greedy:
-                divs.append(classify(r["tokens"], a["tokens"], a.get("top2_gaps"), a.get("runner_up"), tol[0]))
+                divs.append(classify(r["tokens"], a["tokens"], a.get("top2_gaps"), a.get("runner_up"), tol[0],
+                                     a.get("near_ties")))
                 div = divs[-1].to_dict()
             results.append(prompt_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None, div))
         extra = {"label": m.label, "setting": name, **run_context(ecfg, base, results, tree_nodes),

@@ -9,8 +9,10 @@ on the outputs drift apart. That is the base's precision, not the algorithm.
 The tie-aware check, per prompt whose speculative tokens differ from plain decoding:
   i    = first position where they differ
   gap  = top1 - top2 logit of the base at position i in the PLAIN run (recorded per step, cheaply)
-  tie  iff gap <= tolerance AND the speculative token at i is the plain run's runner-up (rank 2):
-       a rounding flip swaps the two best tokens; a different token is a real error whatever the gap
+  tie  iff the speculative token at i is the plain run's runner-up (rank 2) and gap <= tolerance, or another
+       of the plain run's near ties (several tokens can tie exactly in bf16) within tolerance of its top-1:
+       a rounding flip swaps tokens that were (nearly) level; a token further down is a real error whatever
+       the gap
   tolerance = the rounding difference MEASURED on this base + dtype + device (`measure_tolerance`):
        for a few prompts, the top-ranked logits of one-token forwards vs a multi-token (chain) forward on
        the same positions; a top-2 gap can shrink by at most twice the largest such logit difference.
@@ -42,6 +44,7 @@ class Divergence:
     spec_token: int | None = None
     plain_token: int | None = None
     plain_runner_up: int | None = None
+    spec_gap: float | None = None  # plain run's top1 - the speculative token's logit, when it was a near tie
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -56,9 +59,11 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def classify(spec: Sequence[int], plain: Sequence[int], plain_gaps: Sequence[float] | None,
-             plain_runner_up: Sequence[int] | None, tolerance: float) -> Divergence:
+             plain_runner_up: Sequence[int] | None, tolerance: float,
+             plain_near_ties: Sequence[Sequence] | None = None) -> Divergence:
     """One prompt's verdict. plain_gaps[i] / plain_runner_up[i]: the plain run's top1 - top2 logit gap and
-    rank-2 token at new-token index i (the logits that chose plain[i]). Missing data is a mismatch: a
+    rank-2 token at new-token index i (the logits that chose plain[i]); plain_near_ties[i]: [[token, top1 - its
+    logit], ...] of the other tokens close to the top there (eval/engine/top2.py). Missing data is a mismatch: a
     verdict of "tie" needs evidence."""
     i = first_difference(spec, plain)
     if i is None:
@@ -68,8 +73,15 @@ def classify(spec: Sequence[int], plain: Sequence[int], plain_gaps: Sequence[flo
     if plain_gaps is None or plain_runner_up is None or i >= len(plain_gaps) or i >= len(spec):
         return d  # one output simply stopped earlier (or nothing recorded): not explained by a tie
     d.gap, d.plain_runner_up = float(plain_gaps[i]), int(plain_runner_up[i])
-    if d.gap <= (tolerance or 0.0) and d.spec_token == d.plain_runner_up:
+    tol = tolerance or 0.0
+    if d.gap <= tol and d.spec_token == d.plain_runner_up:
         d.kind = TIE
+    elif plain_near_ties is not None and i < len(plain_near_ties):
+        near = {int(t): float(g) for t, g in plain_near_ties[i]}
+        if d.spec_token in near:
+            d.spec_gap = near[d.spec_token]
+            if d.spec_gap <= tol:
+                d.kind = TIE
     return d
 
 

@@ -103,7 +103,7 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
             ar_time += a.decode_time
             matches = (s.tokens == a.tokens) if greedy else None
             if greedy:
-                divs.append(classify(s.tokens, a.tokens, a.top2_gaps, a.runner_up, tol))
+                divs.append(classify(s.tokens, a.tokens, a.top2_gaps, a.runner_up, tol, a.near_ties))
                 div = divs[-1].to_dict()
         if cfg.hf_baseline and greedy:
             h = hf_generate_timed(model, p.input_ids, cfg.max_new_tokens, eos)
