@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_serve_check import _have_vllm
 
 from models.base import last_hidden_and_aux
 from models.dflash import DFlashDraft
@@ -103,16 +104,6 @@ def _base_probs(draft, out):
     """Layer outputs [..., d] -> the draft's distribution scattered onto base ids [..., V]."""
     ids = draft.to_base(torch.arange(draft.lm_head.out_features))
     return torch.zeros(*out.shape[:-1], draft.vocab_size).index_add_(-1, ids, draft.logits(out).softmax(-1))
-
-
-def _have_vllm() -> bool:
-    from eval.serving.serve_check import ServeCheckError, vllm_python
-
-    try:
-        vllm_python()
-        return True
-    except ServeCheckError:
-        return False
 
 
 @pytest.mark.vllm
