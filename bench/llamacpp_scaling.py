@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from core.paths import default_cache_dir
 from eval.serving.llamacpp_paths import converter_python, llamacpp_source
-from eval.serving.llamacpp_server import LlamaServer
+from eval.serving.llamacpp_server import LlamaServer, runtime_args, verify_costs
 
 
 def random_ggufs(shape: str, base_type: str) -> tuple[Path, Path]:
@@ -42,10 +41,7 @@ def random_ggufs(shape: str, base_type: str) -> tuple[Path, Path]:
     return out / f"{shape}-base-{base_type}.gguf", out / f"{shape}-eagle3-f16.gguf"
 
 
-def _args(threads: int, extra: list[str]) -> list[str]:
-    t = str(threads)
-    out = [*extra, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"]
-    return out + (["-td", t, "-tbd", t] if "-md" in extra else [])
+CTX = 4096  # llama-server's context: the prompt, the new tokens and the drafts fit
 
 
 def step_ms(args: list[str], prompts: list[list[int]], new_tokens: int, log: Path) -> float:
@@ -58,18 +54,6 @@ def step_ms(args: list[str], prompts: list[list[int]], new_tokens: int, log: Pat
             ms += t["predicted_ms"]
             n += t["predicted_n"] - 1
     return ms / n
-
-
-def verify_ms(args: list[str], prompts: list[list[int]], widths: list[int], log: Path, reps: int = 3) -> dict:
-    out: dict[int, list[float]] = {}
-    with LlamaServer(args, log, timeout=1800) as srv:
-        for p in prompts:
-            for _ in range(reps):
-                for w in widths:
-                    srv.complete(p, 1, cache_prompt=True)
-                    r = srv.complete(p + p[:w], 1, cache_prompt=True)["timings"]
-                    out.setdefault(int(r["prompt_n"]), []).append(r["prompt_ms"])
-    return {w: statistics.median(v) for w, v in sorted(out.items())}
 
 
 def tokens_per_step(rates: list[float], n: int) -> float:
@@ -113,16 +97,18 @@ def main() -> None:
         base, draft = random_ggufs(shape, a.base_type)
         r: dict = {"base": str(base), "draft": str(draft)}
         print(f"{shape}: AR", flush=True)
-        r["ar_ms"] = step_ms(_args(a.threads, ["-m", str(base)]), prompts, a.new_tokens, logs / f"{shape}-ar.log")
+        plain = runtime_args(["-m", str(base)], a.threads, CTX)
+        r["ar_ms"] = step_ms(plain, prompts, a.new_tokens, logs / f"{shape}-ar.log")
         print(f"{shape}: verify", flush=True)
-        r["verify_ms"] = verify_ms(_args(a.threads, ["-m", str(base)]), prompts[:1], [1, *[n + 1 for n in n_maxes]],
-                                   logs / f"{shape}-verify.log")
+        r["verify_ms"] = verify_costs(plain, prompts[:1], [1, *[n + 1 for n in n_maxes]],
+                                      logs / f"{shape}-verify.log", timeout=1800)
         r["step_ms"] = {}
         for n in n_maxes:
             print(f"{shape}: EAGLE-3 step, n-max {n}", flush=True)
             spec = ["-m", str(base), "-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
                     "--spec-synth-rates", ",".join(["0"] * n)]
-            r["step_ms"][n] = step_ms(_args(a.threads, spec), prompts, a.new_tokens, logs / f"{shape}-step{n}.log")
+            r["step_ms"][n] = step_ms(runtime_args(spec, a.threads, CTX), prompts, a.new_tokens,
+                                      logs / f"{shape}-step{n}.log")
         res["shapes"][shape] = r
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=2) + "\n")  # each shape as it finishes

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 from pathlib import Path
 
@@ -37,11 +36,9 @@ def _prompts(n: int, base):
 
 
 def _serve(args: list[str], prompts, new_tokens: int, threads: int, log: Path, warmup: int = 16) -> dict:
-    from eval.serving.llamacpp_server import LlamaServer
+    from eval.serving.llamacpp_server import LlamaServer, runtime_args
 
-    t = str(threads)
-    full = [*args, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"]
-    full += ["-td", t, "-tbd", t] if "-md" in args else []
+    full = runtime_args(args, threads, 4096)
     rows = []
     with LlamaServer(full, log, timeout=900) as srv:
         srv.complete(prompts[0].input_ids, warmup)
@@ -57,26 +54,6 @@ def _serve(args: list[str], prompts, new_tokens: int, threads: int, log: Path, w
             "mean_accept_rate": accepted / drafted if drafted else None,
             "acceptance_length": gen / (gen - accepted) if gen > accepted else 1.0,
             "drafted": drafted, "accepted": accepted, "outputs": {r["id"]: r["tokens"] for r in rows}}
-
-
-def _verify_costs(base_file: str, prompts, widths, threads: int, log: Path, reps: int = 5) -> dict[int, float]:
-    """prompt_ms by the number of tokens the server actually evaluated (timings.prompt_n) after appending w tokens
-    to a cached context (median over prompts x reps)."""
-    from eval.serving.llamacpp_server import LlamaServer
-
-    t = str(threads)
-    out: dict[int, list[float]] = {}
-    with LlamaServer(["-m", base_file, "-t", t, "-tb", t, "-c", "4096", "--no-webui", "-nr"], log,
-                     timeout=900) as srv:
-        for p in prompts:
-            ids = list(p.input_ids)
-            for _ in range(reps):
-                for w in widths:
-                    srv.complete(ids, 1, cache_prompt=True)  # the context, cached
-                    extra = ids[-w:] if len(ids) >= w else ids[:w]
-                    r = srv.complete(ids + extra, 1, cache_prompt=True)
-                    out.setdefault(int(r["timings"]["prompt_n"]), []).append(r["timings"]["prompt_ms"])
-    return {w: statistics.median(v) for w, v in sorted(out.items())}
 
 
 def main() -> None:
@@ -136,8 +113,10 @@ def main() -> None:
             res["synthetic0"][n] = _serve(spec + ["--spec-synth-rates", ",".join(["0"] * n)], prompts[:4],
                                           args.new_tokens, args.threads, logs / f"synth0-{n}.log")
     print("verify costs", flush=True)
-    res["verify_ms"] = _verify_costs(bf, prompts[:4], [1, *[n + 1 for n in n_maxes]], args.threads,
-                                     logs / "verify.log")
+    from eval.serving.llamacpp_server import runtime_args, verify_costs
+
+    res["verify_ms"] = verify_costs(runtime_args(["-m", bf], args.threads, 4096), [p.input_ids for p in prompts[:4]],
+                                    [1, *[n + 1 for n in n_maxes]], logs / "verify.log", reps=5)
     for section in ("ar", "draft", "ngram", "synthetic0"):
         for r in res[section].values():
             r.pop("outputs", None)

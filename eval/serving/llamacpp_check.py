@@ -18,7 +18,7 @@ from pathlib import Path
 
 from eval.serving.llamacpp_gguf import base_gguf, draft_gguf
 from eval.serving.llamacpp_paths import LLAMACPP_PIN, llama_server
-from eval.serving.llamacpp_server import LlamaServer
+from eval.serving.llamacpp_server import LlamaServer, runtime_args
 from eval.serving.serve_check_report import (
     agreement,
     compare_mean_acceptance,
@@ -44,10 +44,7 @@ class LlamaCppJob:
 def run_llamacpp(job: LlamaCppJob, label: str, server_args: list[str]) -> dict:
     """One llama-server over every prompt; the raw per-prompt results (tokens, timings)."""
     server_args = [str(a) for a in server_args]
-    t = str(job.threads)
-    args = [*server_args, "-t", t, "-tb", t, "-c", str(job.ctx), "--no-webui", *(["-nr"] if job.no_repack else [])]
-    if "-md" in server_args:
-        args += ["-td", t, "-tbd", t]
+    args = runtime_args(server_args, job.threads, job.ctx, job.no_repack)
     print(f"[serve-check] {label}: llama-server {' '.join(server_args)}", flush=True)
     results = []
     with LlamaServer(args, job.workdir / f"{label}.log", job.timeout) as srv:

@@ -24,6 +24,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def runtime_args(server_args: list, threads: int, ctx: int, no_repack: bool = True) -> list[str]:
+    """`server_args` (model, draft, speculative options) plus how it runs: `threads` for batch and decode (for the
+    draft too when one is given with -md), a context of `ctx` tokens, no web UI, and -nr (no weight repacking: AMX
+    tiles die with SIGILL on a sandboxed Xeon) unless `no_repack` is False."""
+    server_args, t = [str(a) for a in server_args], str(threads)
+    args = [*server_args, "-t", t, "-tb", t, "-c", str(ctx), "--no-webui", *(["-nr"] if no_repack else [])]
+    return args + (["-td", t, "-tbd", t] if "-md" in server_args else [])
+
+
 class LlamaServer:
     """`with LlamaServer(args, log_path, timeout) as srv: srv.complete(ids, n)`.
 
@@ -127,3 +136,23 @@ class LlamaServer:
         if status != 200:
             self._fail(f"/completion answered HTTP {status}: {json.dumps(out)[:500]}")
         return out
+
+
+def verify_costs(args: list[str], prompts: list[list[int]], widths: list[int], log_path: Path, reps: int = 3,
+                 timeout: float = 900.0) -> dict[int, float]:
+    """What a verify step of width w costs on the server `args` starts: prompt_ms of a request whose prompt extends
+    a cached context by w tokens (cache_prompt on: only those are evaluated), keyed by the number of tokens the
+    server says it evaluated (timings.prompt_n), median over prompts x reps."""
+    import statistics
+
+    out: dict[int, list[float]] = {}
+    with LlamaServer(args, log_path, timeout) as srv:
+        for ids in prompts:
+            ids = list(ids)
+            for _ in range(reps):
+                for w in widths:
+                    srv.complete(ids, 1, cache_prompt=True)  # the context, cached
+                    extra = ids[-w:] if len(ids) >= w else ids[:w]
+                    r = srv.complete(ids + extra, 1, cache_prompt=True)["timings"]
+                    out.setdefault(int(r["prompt_n"]), []).append(r["prompt_ms"])
+    return {w: statistics.median(v) for w, v in sorted(out.items())}
