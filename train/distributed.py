@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from core.net import free_port
 
 
 @dataclass
@@ -22,12 +23,6 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> DistInfo:
     """Start (or join) the process group. Without a launcher we become a 1-rank world on localhost.
 
@@ -38,7 +33,7 @@ def init_distributed() -> DistInfo:
 
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(_free_port()))})
+                           "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))})
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()

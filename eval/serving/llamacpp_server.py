@@ -9,19 +9,13 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+from core.net import free_port
 from eval.serving.llamacpp_paths import LlamaCppError, llama_server
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def runtime_args(server_args: list, threads: int, ctx: int, no_repack: bool = True) -> list[str]:
