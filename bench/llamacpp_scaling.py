@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from core.paths import default_cache_dir
+from eval.serving.llamacpp_gguf import serve_args
 from eval.serving.llamacpp_paths import converter_python, llamacpp_source
 from eval.serving.llamacpp_server import LlamaServer, runtime_args, verify_costs
 
@@ -105,8 +106,7 @@ def main() -> None:
         r["step_ms"] = {}
         for n in n_maxes:
             print(f"{shape}: EAGLE-3 step, n-max {n}", flush=True)
-            spec = ["-m", str(base), "-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n),
-                    "--spec-synth-rates", ",".join(["0"] * n)]
+            spec = [*serve_args(str(base), str(draft), n), "--spec-synth-rates", ",".join(["0"] * n)]
             r["step_ms"][n] = step_ms(runtime_args(spec, a.threads, CTX), prompts, a.new_tokens,
                                       logs / f"{shape}-step{n}.log")
         res["shapes"][shape] = r

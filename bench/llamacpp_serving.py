@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench-llamacpp/results.json")
     args = p.parse_args()
 
-    from eval.serving.llamacpp_gguf import base_gguf, draft_gguf
+    from eval.serving.llamacpp_gguf import base_gguf, draft_gguf, serve_args
     from eval.serving.serve_check import base_hf_dir
     from models.base import load_base
 
@@ -104,7 +104,7 @@ def main() -> None:
         loaded = load_export(Path(args.draft), dtype="fp32")
         dfile = str(draft_gguf(loaded.draft, loaded.config, base_dir, tmp / "draft.gguf", args.draft_type))
         for n in n_maxes:
-            spec = ["-m", bf, "-md", dfile, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n)]
+            spec = serve_args(bf, dfile, n)
             print(f"EAGLE-3 n-max {n}", flush=True)
             r = _serve(spec, prompts, args.new_tokens, args.threads, logs / f"eagle3-{n}.log")
             r["identical_to_ar"] = r["outputs"] == ar_ref["outputs"]

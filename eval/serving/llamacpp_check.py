@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from eval.serving.llamacpp_gguf import base_gguf, draft_gguf
+from eval.serving.llamacpp_gguf import base_gguf, draft_gguf, serve_args
 from eval.serving.llamacpp_paths import LLAMACPP_PIN, llama_server
 from eval.serving.llamacpp_server import LlamaServer, runtime_args
 from eval.serving.serve_check_report import (
@@ -71,8 +71,7 @@ def llamacpp_side(plan, job: LlamaCppJob, cfg, ours: dict, tolerance: float) -> 
                                 cfg.serve_llamacpp_draft_type)
     engines = {"llamacpp_ar": llamacpp_engine_numbers(run_llamacpp(job, "llamacpp_ar", ["-m", base_file]))}
     if draft_file is not None:
-        args = ["-m", base_file, "-md", draft_file, "--spec-type", "draft-eagle3", "--spec-draft-n-max",
-                str(plan.depth)]
+        args = serve_args(str(base_file), str(draft_file), plan.depth)
         engines["llamacpp_draft"] = llamacpp_engine_numbers(run_llamacpp(job, "llamacpp_draft", args))
     w = cfg.serve_ngram_w or plan.depth
     ngram_args = ["-m", base_file, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(cfg.serve_ngram_q),
