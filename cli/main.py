@@ -19,6 +19,8 @@ def _add_config_args(p: argparse.ArgumentParser, default_help: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from eval.serving.llamacpp_gguf import BASE_TYPES, CONVERT_TYPES  # GGUF types, one list
+
     parser = argparse.ArgumentParser(prog="specdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -55,10 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True,
                    choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm", "gguf"])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--base-type", default="f32", choices=["q4_1", "f32", "f16", "bf16", "q8_0"],
+    p.add_argument("--base-type", default="f32", choices=BASE_TYPES,
                    help="--format gguf: the base's GGUF type (q4_1 = the packaged SmolLM2 file as is; f32 matches our "
                    "fp32 decoder exactly)")
-    p.add_argument("--draft-type", default="f32", choices=["f32", "f16", "bf16", "q8_0"],
+    p.add_argument("--draft-type", default="f32", choices=CONVERT_TYPES,
                    help="--format gguf: the draft's GGUF type")
     p.add_argument("--method", default=None, help="--format vllm for a learning-free method (ngram), no --run")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="--method ngram: extra.w=4 extra.q=2")

@@ -358,12 +358,13 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
 
     dtype = DTYPES[next(base.model.parameters()).dtype]
     longest = max(len(p.input_ids) for p in prompts)
+    ctx = longest + cfg.max_new_tokens + plan.depth + 16  # the longest prompt, its answer, a chain, slack
     vllm_version, acc, ngram_acc = None, None, None
     if use_vllm:
         job = {"base_dir": str(plan.base_dir), "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
                "warmup_tokens": cfg.warmup_tokens, "stop_token_ids": eos_ids(base.model, base.tokenizer),
                "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
-               "max_model_len": longest + cfg.max_new_tokens + plan.depth + 16, "seed": cfg.seed,
+               "max_model_len": ctx, "seed": cfg.seed,
                "enforce_eager": cfg.serve_enforce_eager}
         runs = [("vllm_ar", None)] + ([("vllm_draft", plan.spec)] if plan.spec else []) \
             + [("vllm_ngram", plan.ngram_spec)]
@@ -385,8 +386,7 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
         from eval.serving.llamacpp_check import LlamaCppJob, llamacpp_side
 
         lc_job = LlamaCppJob(prompts, cfg.max_new_tokens, cfg.warmup_tokens, cfg.serve_llamacpp_threads,
-                             cfg.serve_llamacpp_no_repack, longest + cfg.max_new_tokens + plan.depth + 16,
-                             out_dir / "llamacpp", timeout)
+                             cfg.serve_llamacpp_no_repack, ctx, out_dir / "llamacpp", timeout)
         lc_job.workdir.mkdir(parents=True, exist_ok=True)
         lc_engines, llamacpp = llamacpp_side(plan, lc_job, cfg, engines_out.get("ours_draft", {}), tolerance)
         engines_out.update(lc_engines)
