@@ -20,7 +20,7 @@ from eval.harness.results_doc import train_seconds, trainable_params
 def describe(run: Path, eval_names: list[str]) -> dict:
     cfg = json.loads((run / "export" / "config.json").read_text())
     heldout = json.loads((run / "heldout.json").read_text()) if (run / "heldout.json").is_file() else None
-    row = {"run": run.name, "family": cfg["family"], "params": trainable_params(run / "export"),
+    row = {"run": run.name, "family": cfg["family"], "params": trainable_params(run / "export", cfg),
            "train_s": train_seconds(run, cfg), "steps": cfg.get("trained_steps"),
            "tree": "searched" if isinstance(cfg.get("tree"), list) else cfg.get("tree", "default"),
            "heldout_top1": [d["top1"] for d in heldout["depths"]] if heldout else None,

@@ -68,6 +68,23 @@ def test_export_holds_only_draft_tensors_and_round_trips(smoke_run):
         load_draft(export, BaseView.from_model(base.model), "not-this-base")
 
 
+def test_trainable_params_are_recorded_not_read_off_the_weights_file(smoke_run, tmp_path):
+    """The export records what was trained; the weights file can hold more (a frozen LM head kept for serving),
+    so its tensor count is only the fallback for exports that predate the record."""
+    from safetensors.torch import save_file
+
+    from eval.harness.results_doc import trainable_params
+
+    run_dir, _ = smoke_run
+    config = json.loads((run_dir / "export" / "config.json").read_text())
+    base = load_base("tiny")
+    draft, _ = load_draft(run_dir / "export", BaseView.from_model(base.model), base.fingerprint)
+    assert config["trainable_params"] == sum(p.numel() for p in draft.parameters()) > 0
+    save_file({"w": torch.zeros(3, 5), "lm_head.weight": torch.zeros(7, 2)}, str(tmp_path / "model.safetensors"))
+    assert trainable_params(tmp_path, {"trainable_params": 15}) == 15
+    assert trainable_params(tmp_path, {}) == 29  # an older export: every tensor counts
+
+
 def test_export_every_leaves_a_loadable_snapshot_with_its_heldout_table(smoke_run):
     run_dir, _ = smoke_run
     snaps = sorted(p.name for p in (run_dir / "exports").iterdir())
@@ -196,9 +213,9 @@ def test_max_tokens_sets_the_steps_at_the_mean_conversation_length():
 def test_epoch_tokens_counts_the_selected_rows_of_a_split_table():
     from datasets import Dataset
 
-    from train.loop import _epoch_tokens
+    from train.loop import epoch_tokens_of
 
     ds = Dataset.from_dict({"input_ids": [[1] * n for n in (3, 2, 10, 7, 1)]})
     split = ds.train_test_split(test_size=2, seed=0)  # index-mapped views of the same table
     for part in (ds, split["train"], split["test"]):
-        assert _epoch_tokens(part) == sum(len(ids) for ids in part["input_ids"])
+        assert epoch_tokens_of(part) == sum(len(ids) for ids in part["input_ids"])

@@ -137,7 +137,7 @@ def train(cfg: TrainConfig) -> Path:
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
                       info.rank, info.world_size, cfg.train.seed)
-    epoch_tokens = _epoch_tokens(train_ds)  # what one pass over the train rows sees
+    epoch_tokens = epoch_tokens_of(train_ds)  # what one pass over the train rows sees
     total_steps = cfg.train.max_steps or _steps_for(cfg.train, epoch_tokens, len(train_ds), order.steps_per_epoch)
     warmup = int(cfg.train.warmup_ratio * total_steps)
     log.info("base %s (%s) | %s draft, %.2fM trainable params | %d train / %d val conversations, %d tokens an "
@@ -278,7 +278,7 @@ def _train_data_entry(source, max_records, epoch_tokens: int) -> dict:
     return {**entry, "epoch_tokens": epoch_tokens}
 
 
-def _epoch_tokens(train_ds) -> int:
+def epoch_tokens_of(train_ds) -> int:
     """Tokens of the train rows: a pack knows its row lengths; a `datasets` table has its list lengths counted by
     Arrow, batch by batch (all of ShareGPT as Python lists would take GBs)."""
     if hasattr(train_ds, "lengths"):
@@ -470,6 +470,8 @@ def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype,
             # train_data lets `specdraft eval dataset=sharegpt` pick prompts this draft never saw.
             export_specdraft(draft, export_dir, base.name, base.fingerprint,
                              extra={"trained_steps": step, "train_seconds": round(train_seconds, 1),
+                                    # what was trained: the weights file also holds a frozen LM head kept for serving
+                                    "trainable_params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
                                     "hidden_cache": bool(cfg.data.hidden_cache),
                                     "train_dtype": str(compute_dtype).removeprefix("torch."),
                                     "train_data": train_data, **(vocab_info or {}),

@@ -56,8 +56,12 @@ class Targets:
                                                                      self.vllm_speedup_vs_ar))
 
 
-def trainable_params(export_dir: Path) -> int:
-    """Parameter count from the safetensors header shapes (nothing is loaded or unpickled)."""
+def trainable_params(export_dir: Path, export_cfg: dict) -> int:
+    """The parameters the run trained: the export's `trainable_params`, else (exports written before the loop
+    recorded it) the tensors of model.safetensors from their header shapes (nothing is loaded or unpickled), which
+    also counts a frozen LM head the export carries for serving (a shared-head EAGLE-3 or DFlash)."""
+    if export_cfg.get("trainable_params"):
+        return int(export_cfg["trainable_params"])
     from safetensors import safe_open
 
     total = 0
@@ -130,7 +134,7 @@ def describe_training(export: Path) -> dict:
     heldout = json.loads(heldout_path.read_text()) if heldout_path.is_file() else None
     onpolicy = (heldout or {}).get("onpolicy")
     return {"run": f"{run.name}/{export.name}" if snapshot else run.name, "family": cfg["family"],
-            "params": trainable_params(export),
+            "params": trainable_params(export, cfg),
             "train_s": train_seconds(run, cfg), "steps": cfg.get("trained_steps"), "epochs": epochs,
             "tokens": per_epoch * epochs if per_epoch else None,
             "heldout_top1": [d["top1"] for d in heldout["depths"]] if heldout else None,

@@ -92,6 +92,7 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "rnn": _is(bool, "true or false"),
     "trained_steps": _int(0),
     "train_seconds": _float(0.0),
+    "trainable_params": _int(0),
     "hidden_cache": _is(bool, "true or false"),
     "train_dtype": _is(str, "a string"),
     "train_data": _is(dict, "a mapping"),
