@@ -1,18 +1,52 @@
 #!/usr/bin/env bash
-# DFlash at the EAGLE-3 same-budget row's data and tokens (docs/families/dflash.md): the on-policy ablation's 800
-# regenerated conversations (runs/onpolicy/regen-800.jsonl, launch/onpolicy_ablation.sh), as many training tokens
-# as its EAGLE-3 arm (runs/abl-eagle3-regen), from the same hidden-state cache (the same aux layers [2, 15, 27]),
-# 128 anchors a conversation (the 23 GB CPU box's memory), a checkpoint every 10 steps. Resumable: rerun it after a
-# kill. Then `specdraft compare --config configs/compare_dflash.yaml --update-docs`.
-set -euo pipefail
+# DFlash at the EAGLE-3 same-budget row's data and tokens (docs/families/dflash.md), at block size γ = 16 (the
+# recipe) and γ = 8: the on-policy ablation's 800 regenerated conversations, as many training tokens as the
+# ablation's arms (one epoch of the original-answers split), the same hidden-state cache (aux layers [2, 15, 27]),
+# 128 anchors a conversation (the 23 GB CPU box's memory), a checkpoint every 10 steps. Whatever is missing is
+# made, whatever exists is kept, so a rerun after a kill continues:
+#   runs/onpolicy/regen-800.jsonl     the base's own answers (launch/onpolicy_ablation.sh makes the same file)
+#   runs/abl-eagle3-regen             EAGLE-3 at that budget (the ablation's regenerated arm)
+#   runs/dflash-regen                 DFlash, γ = 16
+#   runs/dflash-g8-regen              DFlash, γ = 8 (num_heads = γ - 1 = 7 slots reported)
+# Then `specdraft compare --config configs/compare_dflash.yaml --update-docs` (COMPARE=1 runs it here).
+#   launch/dflash_budget.sh                       # all of it, ~1.5 h alone on 2 cores
+#   GAMMAS="8" launch/dflash_budget.sh            # one block size
+set -uo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
-RUN=${RUN:-dflash-regen}
+PY=${PY:-.venv/bin/python}
+mkdir -p runs/logs runs/onpolicy
+. launch/train_once.sh  # train <run> <args...>
+
 DATA=runs/onpolicy/regen-800.jsonl
-[ -f "$DATA" ] || { echo "no $DATA: run launch/onpolicy_ablation.sh first"; exit 1; }
-# the EAGLE-3 arm's token budget (its train.max_tokens: the original-answers arm's epoch)
-T=$(.venv/bin/python -c "import yaml; print(yaml.safe_load(open('runs/abl-eagle3-regen/config.yaml'))['train']['max_tokens'])")
-mkdir -p runs/logs
-$S train --config configs/dflash.yaml --config configs/cpu_budget.yaml data.source="$DATA" data.max_records=null \
-  data.onpolicy_heldout=64 draft.num_anchors=128 train.max_tokens="$T" train.save_every=10 \
-  resume=auto run_name="$RUN" 2>&1 | tee -a "runs/logs/$RUN.log" | grep --line-buffered -v "step/s\]\|s/step\]"
+if [ ! -f "$DATA" ]; then  # up to 8 turns of 256 tokens, greedy; a longer regeneration with these settings serves it
+  echo "=== regenerate 800 conversations $(date +%T) (log runs/logs/regen-800.log)"
+  out=$($S regenerate --max-records 800 --max-turns 8 --max-new-tokens 256 --dtype bf16 --batch-size 256 \
+        2> runs/logs/regen-800.log | tail -1) || { echo "!!! regenerate failed (runs/logs/regen-800.log)"; exit 1; }
+  cp "$out.meta.json" "$DATA.meta.json" && cp "$out" "$DATA"
+fi
+
+# The token budget: one epoch of the original answers' train split (configs/cpu_budget.yaml's 800 ShareGPT records),
+# what launch/onpolicy_ablation.sh gives every arm. Tokenizing 800 conversations takes seconds (cached).
+T=$($PY - <<'EOF'
+import torch
+from train.config import load_train_config
+from train.distributed import DistInfo
+from train.loop import epoch_tokens_of, load_base_and_data
+
+cfg = load_train_config(["configs/hydra.yaml", "configs/cpu_budget.yaml"], [])
+_, train_ds, *_ = load_base_and_data(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "fp32")
+print(epoch_tokens_of(train_ds))
+EOF
+) || { echo "!!! could not count the budget's tokens"; exit 1; }
+echo "token budget per run: $T"
+
+B="--config configs/cpu_budget.yaml data.source=$DATA data.max_records=null data.onpolicy_heldout=64 train.max_tokens=$T"
+train abl-eagle3-regen --config configs/eagle3.yaml $B train.lr=2e-3
+for g in ${GAMMAS:-16 8}; do
+  run=dflash-regen; [ "$g" = 16 ] || run=dflash-g$g-regen
+  train "$run" --config configs/dflash.yaml $B draft.block_size="$g" draft.num_heads=$((g - 1)) \
+    draft.num_anchors=128 train.save_every=10 resume=auto
+done
+[ "${COMPARE:-0}" = 1 ] && $S compare --config configs/compare_dflash.yaml --update-docs
+exit 0
