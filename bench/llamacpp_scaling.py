@@ -106,7 +106,7 @@ def main() -> None:
         r["step_ms"] = {}
         for n in n_maxes:
             print(f"{shape}: EAGLE-3 step, n-max {n}", flush=True)
-            spec = [*serve_args(str(base), str(draft), n), "--spec-synth-rates", ",".join(["0"] * n)]
+            spec = [*serve_args(str(base), str(draft), "eagle3", n), "--spec-synth-rates", ",".join(["0"] * n)]
             r["step_ms"][n] = step_ms(runtime_args(spec, a.threads, CTX), prompts, a.new_tokens,
                                       logs / f"{shape}-step{n}.log")
         res["shapes"][shape] = r

@@ -104,7 +104,7 @@ def main() -> None:
         loaded = load_export(Path(args.draft), dtype="fp32")
         dfile = str(draft_gguf(loaded.draft, loaded.config, base_dir, tmp / "draft.gguf", args.draft_type))
         for n in n_maxes:
-            spec = serve_args(bf, dfile, n)
+            spec = serve_args(bf, dfile, loaded.config["family"], n)
             print(f"EAGLE-3 n-max {n}", flush=True)
             r = _serve(spec, prompts, args.new_tokens, args.threads, logs / f"eagle3-{n}.log")
             r["identical_to_ar"] = r["outputs"] == ar_ref["outputs"]

@@ -199,7 +199,8 @@ class DFlashCache:
 
 
 class DFlashDraft(DraftVocabMixin, DraftModel):
-    facts = FamilyFacts("dflash", "DFlash", ("specdraft", "vllm"), vllm_method="dflash",
+    facts = FamilyFacts("dflash", "DFlash", ("specdraft", "vllm", "gguf"), vllm_method="dflash",
+                        llamacpp_spec_type="draft-dflash",
                         export_keys=("aux_layers", "block_size", "num_layers", "mask_token_id"))
 
     @classmethod

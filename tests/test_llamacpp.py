@@ -52,10 +52,10 @@ def test_pin_is_the_same_in_make_the_build_script_and_the_code():
     assert make == script == LLAMACPP_PIN
 
 
-def test_only_eagle3_is_servable_and_declares_gguf():
-    assert llamacpp_families() == ("eagle3",)
+def test_eagle3_and_dflash_are_servable_and_declare_gguf():
+    assert llamacpp_families() == ("eagle3", "dflash")  # DFlash: tests/test_dflash_llamacpp.py
     for name, facts in FAMILIES.items():
-        assert ("gguf" in facts.export_formats) == (name == "eagle3")
+        assert ("gguf" in facts.export_formats) == (name in ("eagle3", "dflash"))
 
 
 def test_converter_input_is_what_llamacpps_eagle3_conversion_reads(tmp_path):
@@ -89,6 +89,7 @@ def test_gguf_export_refuses_two_aux_layers_and_other_families(tmp_path, smoke_r
     assert main(["export", "--run", str(run_dir), "--format", "gguf", "--out", str(tmp_path / "g")]) == 2
     err = capsys.readouterr().err
     assert "llama.cpp cannot serve a medusa draft" in err and "EAGLE-3 (eagle3, --spec-type draft-eagle3)" in err
+    assert "DFlash (dflash, --spec-type draft-dflash)" in err
 
 
 def _result(rows):

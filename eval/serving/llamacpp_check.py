@@ -3,7 +3,8 @@
 On the GGUFs of the base our decoder ran (serve_llamacpp_base_type, default f32: token-exact with our fp32
 decoder) and of the draft (serve_llamacpp_draft_type), one llama-server per run, batch 1 (-np 1), greedy:
   llamacpp_ar     the base alone
-  llamacpp_draft  + the EAGLE-3 draft, --spec-type draft-eagle3, --spec-draft-n-max = the chain our row ran
+  llamacpp_draft  + the draft, --spec-type = its family's (draft-eagle3, draft-dflash), --spec-draft-n-max = the
+                  chain our row ran (EAGLE-3: its ttt_steps; DFlash: block_size - 1, the whole block)
   llamacpp_ngram  llama.cpp's learning-free ngram-simple (n = serve_ngram_q, m = the n-gram row length)
 Prompts are our own token ids (the eval config's prompts rendered with our chat template), sent as ids: the
 server adds no BOS and does no tokenization, and each response's timings.prompt_n is checked against the id
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from eval.serving.llamacpp_gguf import base_gguf, draft_gguf, serve_args
+from eval.serving.llamacpp_gguf import base_gguf, draft_gguf, serve_args, spec_draft_n_max
 from eval.serving.llamacpp_paths import LLAMACPP_PIN, llama_server
 from eval.serving.llamacpp_server import LlamaServer, runtime_args
 from eval.serving.serve_check_report import (
@@ -71,7 +72,11 @@ def llamacpp_side(plan, job: LlamaCppJob, cfg, ours: dict, tolerance: float) -> 
                                 cfg.serve_llamacpp_draft_type)
     engines = {"llamacpp_ar": llamacpp_engine_numbers(run_llamacpp(job, "llamacpp_ar", ["-m", base_file]))}
     if draft_file is not None:
-        args = serve_args(str(base_file), str(draft_file), plan.depth)
+        n_max = spec_draft_n_max(plan.draft_model, plan.name)
+        if n_max != plan.depth:  # llama.cpp would draft another chain than the one our row ran
+            raise ValueError(f"our {plan.compared} is not what llama.cpp drafts for this {plan.name} draft "
+                             f"(--spec-draft-n-max {n_max}); serve-check compares equal chains")
+        args = serve_args(str(base_file), str(draft_file), plan.name, n_max)
         engines["llamacpp_draft"] = llamacpp_engine_numbers(run_llamacpp(job, "llamacpp_draft", args))
     w = cfg.serve_ngram_w or plan.depth
     ngram_args = ["-m", base_file, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(cfg.serve_ngram_q),
