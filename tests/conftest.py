@@ -4,8 +4,12 @@ import os
 
 import pytest
 import torch
+from helpers.decoding import DECODE_NEW_TOKENS
 
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate
 from models.base import load_base
+from models.draft import BaseView
 from models.tiny import diverse_tiny_llama
 from train.config import load_train_config
 
@@ -52,6 +56,19 @@ def model():
 def prompts():
     gen = torch.Generator().manual_seed(5)
     return [torch.randint(3, 320, (n,), generator=gen) for n in (7, 12)]
+
+
+@pytest.fixture(scope="module")
+def view(model):
+    """The frozen-base view of `model` that the module's drafts read (modules with their own base override it)."""
+    return BaseView.from_model(model)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(model, prompts):
+    """Plain greedy decoding of each prompt (DECODE_NEW_TOKENS, hf backend): what speculative decoding must equal."""
+    backend = HFBackend(model)
+    return [autoregressive_generate(backend, p, max_new_tokens=DECODE_NEW_TOKENS).tokens for p in prompts]
 
 
 def fit_draft(draft, batches, view, loss_cfg, *, steps: int, lr: float):

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.oracles import NoisyPathsOracle
 
 from eval.engine.backends.fast import FastBackend, supports
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
-from eval.engine.drafters.drafter import DecodeState, Drafter
-from eval.engine.tree import Tree, tree_from_paths
 from models.tiny import TINY_ARCHS, tiny_config, tiny_model
 
 NEW = 24
@@ -23,24 +22,6 @@ IDS = [a if w is None else f"{a}-w{w}" for a, w in CASES]
 
 def make_model(arch: str, window: int | None):
     return tiny_model(arch, seed=0, diverse=True, **({} if window is None else {"sliding_window": window}))
-
-
-class NoisyOracle(Drafter):
-    """Ragged paths that follow the true greedy continuation up to a random point, then go random:
-    accepted lengths vary from 0 to the full depth, and commit must gather off-first-branch paths."""
-
-    def __init__(self, reference: list[int], num_paths: int = 4, length: int = 4, seed: int = 0):
-        self.ref, self.p, self.len = reference, num_paths, length
-        self.gen = torch.Generator().manual_seed(seed)
-        self.max_nodes = 1 + num_paths * length
-
-    def propose(self, state: DecodeState) -> Tree:
-        n = state.ids.numel()
-        true = torch.tensor([self.ref[n + j] if n + j < len(self.ref) else 0 for j in range(1, self.len + 1)])
-        paths = torch.randint(3, 320, (self.p, self.len), generator=self.gen)
-        follow = torch.randint(0, self.len + 1, (self.p,), generator=self.gen)
-        paths = torch.where(torch.arange(self.len)[None] < follow[:, None], true[None].expand_as(paths), paths)
-        return tree_from_paths(state.root, paths)
 
 
 def greedy_reference(model, prompt: torch.Tensor) -> list[int]:
@@ -58,7 +39,7 @@ def check_lossless(model, backend, prompts) -> None:
         assert len(set(want)) > 4, "degenerate continuation: the check would be trivial"
         ar = autoregressive_generate(backend, prompt, max_new_tokens=NEW, eos_ids=None)
         assert ar.tokens == want
-        res = speculative_generate(backend, NoisyOracle(ref, seed=i), prompt, max_new_tokens=NEW, eos_ids=None)
+        res = speculative_generate(backend, NoisyPathsOracle(ref, seed=i), prompt, max_new_tokens=NEW, eos_ids=None)
         assert res.tokens == want
         assert res.acceptance_length > 1.5  # drafts really were accepted
 

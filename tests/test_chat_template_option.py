@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+from helpers.chat import masked_runs
 
 from core.config_loader import ConfigError
 from data.template import (
@@ -28,19 +29,6 @@ CHAT = [
 ]
 # What each named template writes after an assistant message's content, inside the assistant's turn.
 TURN_END = {"chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>\n"}
-
-
-def masked_runs(tok, ids, mask):
-    runs, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r) for r in runs]
 
 
 def bare_tokenizer(extra_specials=()):

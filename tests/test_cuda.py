@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMOKE_RECIPE
+from helpers.drafts import perturb
+from helpers.trees import deepest_path, full_forward, random_tree, root_path
 
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
@@ -44,32 +46,6 @@ NEW = 32
 ATOL = 1e-4  # fp32 on CUDA: cuBLAS/SDPA reduction order differs from a from-scratch forward
 
 
-def _reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [T, V] fp32, hidden [T, d]) of one plain causal forward over `ids`, no cache."""
-    with torch.no_grad():
-        hidden = model.model(torch.tensor([ids], device=CUDA)).last_hidden_state[0]
-        return model.lm_head(hidden).float(), hidden
-
-
-def _tree(n: int, gen: torch.Generator):
-    """Random tree of n nodes in topological order: (parents, depths [n], ancestor-or-self mask [n, n])."""
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    depths = torch.zeros(n, dtype=torch.long)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        depths[i] = depths[parents[i]] + 1
-        mask[i] |= mask[parents[i]]
-    return parents, depths, mask
-
-
-def _path(parents: list[int], i: int) -> list[int]:
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
 @pytest.fixture(scope="module")
 def fp32_model():
     return diverse_tiny_llama(0).to(CUDA)
@@ -94,20 +70,21 @@ def test_compiled_static_step_matches_from_scratch_forwards(fp32_model, compiled
     compiled.reset(256)
     seq = torch.randint(3, VOCAB, (9,), generator=gen).tolist()
     logits, hidden = compiled.prefill(torch.tensor(seq))
-    ref_logits, ref_hidden = _reference(fp32_model, seq)
+    ref_logits, ref_hidden = full_forward(fp32_model, seq, device=CUDA)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     for n in (7, 5, 1, 6, 8, 1):  # buckets 8, 8, 1, 8, 8, 1: after the first of each, replays only
         if n == 6:
             graphs_before = counters["stats"]["unique_graphs"]
         tokens = torch.randint(3, VOCAB, (n,), generator=gen)
-        parents, depths, mask = _tree(n, gen)
+        parents, depths, mask = random_tree(n, gen)
         logits, hidden = compiled.forward_tree(tokens, depths, mask)
         assert logits.device.type == CUDA.type and logits.dtype == torch.float32 and logits.shape == (n, VOCAB)
         for i in range(n):
-            want_logits, want_hidden = _reference(fp32_model, seq + tokens[_path(parents, i)].tolist())
+            path = seq + tokens[root_path(parents, i)].tolist()
+            want_logits, want_hidden = full_forward(fp32_model, path, device=CUDA)
             torch.testing.assert_close(logits[i], want_logits[-1], atol=ATOL, rtol=0, msg=f"n={n} node {i}")
             torch.testing.assert_close(hidden[i], want_hidden[-1], atol=ATOL, rtol=0, msg=f"n={n} node {i}")
-        keep = _path(parents, max(range(n), key=lambda i: (len(_path(parents, i)), i)))  # deepest: a gather
+        keep = deepest_path(parents)  # usually not the first nodes: commit gathers
         compiled.commit(torch.tensor(keep))
         seq += tokens[keep].tolist()
     # Buckets already compiled were replayed, not recompiled (the CUDA-graph path is what ran).
@@ -129,10 +106,10 @@ def test_compiled_matches_hf_backend_in_bf16(fp32_model, compiled):
     outs = [b.prefill(prompt) for b in (fast, hf)]
     for n in (4, 1, 3):
         tokens = torch.randint(3, VOCAB, (n,), generator=gen)
-        parents, depths, mask = _tree(n, gen)
+        parents, depths, mask = random_tree(n, gen)
         outs += [b.forward_tree(tokens, depths, mask) for b in (fast, hf)]
         for b in (fast, hf):
-            b.commit(torch.tensor(_path(parents, n - 1)))
+            b.commit(torch.tensor(root_path(parents, n - 1)))
     for (fl, _), (hl, _) in zip(outs[::2], outs[1::2]):
         # bf16 rounding of logits with std ~3: a few 1e-2; a wrong mask/position/slot is O(1).
         torch.testing.assert_close(fl, hl.float(), atol=0.15, rtol=0.02)
@@ -166,10 +143,7 @@ def _random_drafter(name: str, model, tree: str = "auto"):
     family, overrides, extra = FAMILIES[name]
     view = BaseView.from_model(model)
     torch.manual_seed(0)
-    draft = DRAFT_MODELS[family].from_config(DraftSection(family=family, **overrides), view)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    draft = perturb(DRAFT_MODELS[family].from_config(DraftSection(family=family, **overrides), view), 0.1)
     draft = draft.to(CUDA, next(model.parameters()).dtype).eval()
     drafter, _ = build_drafter(draft, {"family": family, **draft.export_config()}, EvalConfig(tree=tree, extra=extra))
     return drafter
@@ -228,7 +202,7 @@ def _tie_aware_equal(model_fp32, prompt: torch.Tensor, got: list[int], want: lis
         return "identical"
     i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     assert i < min(len(got), len(want)), f"one output is a prefix of the other: {len(got)} vs {len(want)} tokens"
-    logits, _ = _reference(model_fp32, prompt.tolist() + want[:i])
+    logits, _ = full_forward(model_fp32, prompt.tolist() + want[:i], device=CUDA)
     gap = abs(float(logits[-1, got[i]] - logits[-1, want[i]]))
     top = float(logits[-1].max())
     tol = 0.05 + abs(top) / 256

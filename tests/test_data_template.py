@@ -1,6 +1,7 @@
 """Assistant-only loss masks from prefix-by-prefix chat template renders (tiny ChatML tokenizer)."""
 
 import pytest
+from helpers.chat import masked_runs
 from tokenizers import processors
 
 from data.template import ChatTemplateError, render_with_assistant_mask
@@ -12,20 +13,6 @@ END = "<|im_end|>\n"  # what the tiny ChatML template writes after each turn's c
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()
-
-
-def masked_runs(tok, ids, mask):
-    """Decode each contiguous run of mask==1 tokens separately."""
-    runs, current = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            current.append(i)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tok.decode(r) for r in runs]
 
 
 CHAT = [

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from conftest import assert_chunked_matches_reference, fit_draft
+from helpers.drafts import four_layer_tiny_llama, random_batch_in_draft_vocab, random_batch_with_aux, with_draft_vocab
 from torch.nn import functional as F
 
 from data.targets import offset_labels
@@ -18,20 +19,15 @@ from losses.dflash import (
     linear_row_losses,
     linear_row_losses_reference,
 )
-from models.base import last_hidden_and_aux
 from models.dflash import DFlashDraft, block_attention, block_attention_reference, default_mask_token_id
-from models.draft import BaseView, DraftBatch
+from models.draft import BaseView
 from models.export.specdraft import export_specdraft, load_draft
-from models.tiny import tiny_llama_config
 from train.config import LossSection
 
 
 @pytest.fixture(scope="module")
 def base():
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_layers=4)).eval()
+    return four_layer_tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +39,6 @@ def _draft(view, **kw):
     torch.manual_seed(kw.pop("seed", 0))
     kw = {"num_layers": 2, "block_size": 4, "num_anchors": 64, **kw}
     return DFlashDraft(view, **kw)
-
-
-def _batch(base, draft, b=2, t=24, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 320, (b, t), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # a user turn: no targets into it
-    h, aux = last_hidden_and_aux(base, ids, None, draft.aux_layers)
-    return DraftBatch(h, ids, mask, aux)
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 4, 5, 8, 11), (1, 2, 1, 16, 4, 7)])
@@ -83,7 +70,7 @@ def test_training_blocks_equal_inference_with_the_context_cache(base, view):
     """The block of anchor t in training = draft_block after committing positions 0..t (in two pieces, the
     cache growing), rooted at x_{t+1}: the block-sparse mask is exactly what inference sees."""
     draft = _draft(view, block_size=5).eval()
-    batch = _batch(base, draft, b=1, t=16)
+    batch = random_batch_with_aux(base, draft, b=1, t=16)
     ids, aux = batch.input_ids, batch.aux_hidden
     anchors = torch.tensor([[0, 5, 9, 13]])
     with torch.no_grad():
@@ -154,14 +141,14 @@ def test_row_losses_fast_path_matches_reference(alpha):
                                 {"teacher_weight": 1.0, "position_weights": "dpace"}])
 def test_chunked_loss_matches_reference(base, view, kw):
     draft = _draft(view)  # num_anchors 64 >= every valid anchor: both paths see the same blocks
-    assert_chunked_matches_reference(draft, _batch(base, draft), view, chunk_size=7, **kw)
+    assert_chunked_matches_reference(draft, random_batch_with_aux(base, draft), view, chunk_size=7, **kw)
 
 
 def test_loss_targets_teachers_and_weights_by_hand(base, view):
     """Recompute the loss densely: every valid anchor t (depth-1 target valid), slot k targets x_{t+1+k}, soft
     CE to softmax(h_{t+k} W^T), decay weights, mean over valid rows."""
     draft = _draft(view)
-    batch = _batch(base, draft)
+    batch = random_batch_with_aux(base, draft)
     cfg = LossSection(teacher_weight=1.0, position_weights="decay", lambda0=1.0, decay=0.5)
     out = draft.loss(batch, view, cfg)
     ids, mask = batch.input_ids, batch.loss_mask
@@ -196,7 +183,7 @@ def test_anchor_sampling(view):
 
 def test_eval_mode_scores_every_anchor_in_chunks(base, view):
     draft = _draft(view, num_anchors=5).eval()
-    batch = _batch(base, draft)
+    batch = random_batch_with_aux(base, draft)
     out = draft.loss(batch, view, LossSection())
     for k in range(1, 4):
         assert out.per_depth[k - 1].count == int((offset_labels(batch.input_ids, batch.loss_mask, 1 + k) != -100)
@@ -205,15 +192,11 @@ def test_eval_mode_scores_every_anchor_in_chunks(base, view):
 
 def test_draft_vocabulary_rows_labels_and_misses(base, view):
     d2t = torch.tensor([5, 17, 3, 250, 64, 99, 120, 7])
-    small = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+    small = with_draft_vocab(view, d2t)
     draft = _draft(small, num_layers=1)
     assert draft.lm_head.weight.shape == (8, view.hidden_size)
     torch.testing.assert_close(draft.lm_head.weight, view.lm_head_weight[d2t])
-    gen = torch.Generator().manual_seed(0)
-    ids = d2t[torch.randint(0, 8, (2, 16), generator=gen)]
-    ids[1, 6] = 200  # not in the map
-    h, aux = last_hidden_and_aux(base, ids, None, draft.aux_layers)
-    batch = DraftBatch(h, ids, torch.ones_like(ids), aux)
+    batch = random_batch_in_draft_vocab(base, draft, d2t)
     for alpha in (0.0, 1.0):
         out = draft.loss(batch, small, LossSection(teacher_weight=alpha))
         assert out.per_depth[0].count == 2 * 14 and out.per_depth[0].oov == 1  # counted, as a miss
@@ -222,7 +205,7 @@ def test_draft_vocabulary_rows_labels_and_misses(base, view):
 
 def test_memorises_a_batch_and_export_round_trip(base, view, tmp_path):
     draft = _draft(view, block_size=3)
-    batch = _batch(base, draft)
+    batch = random_batch_with_aux(base, draft)
     first, last = fit_draft(draft, [batch], view, LossSection(teacher_weight=0.0), steps=40, lr=1e-2)
     assert float(last.loss.detach()) < 0.3 * first
     assert last.per_depth[0].top1 >= 0.9 * last.per_depth[0].count
@@ -240,7 +223,7 @@ def test_memorises_a_batch_and_export_round_trip(base, view, tmp_path):
 
 def test_export_round_trip_with_draft_vocabulary(view, tmp_path):
     d2t = torch.tensor([9, 4, 77, 31])
-    small = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+    small = with_draft_vocab(view, d2t)
     draft = _draft(small)
     export_specdraft(draft, tmp_path / "e", "tiny4", "fp")
     loaded, _ = load_draft(tmp_path / "e", view)

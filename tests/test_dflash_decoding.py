@@ -7,10 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import fit_draft
+from helpers.bigram_base import rejection_sampling_tv
+from helpers.cli import smoke_cli_eval, smoke_cli_train
+from helpers.decoding import DECODE_NEW_TOKENS as NEW
+from helpers.decoding import assert_lossless_and_accepting
+from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
 
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
-from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.decoder import speculative_generate
 from eval.engine.drafters.dflash import DFlashDrafter
 from eval.engine.drafters.registry import build_drafter, chain_overrides, drafter_family
 from eval.engine.tree import STATIC_TREES, StaticTree, chain_choices
@@ -20,49 +25,23 @@ from models.dflash import DFlashDraft
 from models.draft import BaseView, DraftBatch
 from train.config import LossSection
 
-NEW = 20
-
-
-@pytest.fixture(scope="module")
-def view(model):
-    return BaseView.from_model(model)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(model, prompts):
-    backend = HFBackend(model)
-    return [autoregressive_generate(backend, p, max_new_tokens=NEW).tokens for p in prompts]
-
 
 def _random_draft(view, seed=0, d2t=None, block_size=5):
     if d2t is not None:
-        view = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+        view = with_draft_vocab(view, d2t)
     torch.manual_seed(seed)
-    draft = DFlashDraft(view, num_layers=2, block_size=block_size)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return draft.eval()
+    return perturb(DFlashDraft(view, num_layers=2, block_size=block_size), 0.1).eval()
 
 
 def _trained_draft(model, view, prompts, steps=30):
     """A draft that memorised the base's own greedy continuations of the test prompts (hard CE)."""
     torch.manual_seed(0)
     draft = DFlashDraft(view, num_layers=2, block_size=5, num_anchors=64)
-    with torch.inference_mode():
-        seqs = [model.generate(p[None], max_new_tokens=NEW + 6, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0] for p in prompts]
-    width = max(s.numel() for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
-    h, aux = last_hidden_and_aux(model, ids, None, draft.aux_layers)
+    batch = greedy_continuation_batch(model, prompts, draft.aux_layers, NEW + 6)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many tiny ops: one thread is far faster on a busy 2-core box
     try:
-        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view, LossSection(chunk_size=64, position_weights="decay"),
-                  steps=steps, lr=2e-2)
+        fit_draft(draft, [batch], view, LossSection(chunk_size=64, position_weights="decay"), steps=steps, lr=2e-2)
     finally:
         torch.set_num_threads(threads)
     return draft.eval()
@@ -87,15 +66,7 @@ def test_lossless_with_random_drafts(model, view, prompts, ar_outputs, tree, bac
 
 def test_lossless_and_accepting_with_a_trained_draft(model, trained, prompts, ar_outputs):
     drafter = DFlashDrafter(trained, StaticTree(chain_choices(4)))
-    backend = HFBackend(model)
-    lengths = []
-    for prompt, want in zip(prompts, ar_outputs):
-        got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW)
-        assert got.tokens == want
-        lengths.append(got.acceptance_length)
-        # the draft's cache holds exactly the positions committed before the last propose()
-        assert drafter._cache.length == prompt.numel() + sum(got.accepted_lengths[:-1])
-    assert min(lengths) > 2.0  # memorised continuations: most steps accept several drafts
+    assert_lossless_and_accepting(HFBackend(model), drafter, prompts, ar_outputs)
 
 
 def test_draft_vocabulary_decodes_losslessly_with_base_ids(model, view, prompts, ar_outputs):
@@ -124,34 +95,9 @@ def test_builder_default_chain_trees_and_serving_chain(view):
 def _tv_of_dflash_sampling(samples: int, seed: int) -> float:
     """Sample 3 tokens with rejection sampling through DFlash trees on a bigram base; TV distance of the pair
     (t2, t3) from the exact base distribution."""
-    from test_eagle3_decoding import BOS, BigramAuxBackend, V
-    from transformers import LlamaForCausalLM
-
-    from models.tiny import tiny_llama_config
-
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(V, V, generator=gen) * 1.2
-    logits[:, BOS] = -1e9
-    logits[BOS] = -1e9
-    logits[BOS, 0] = 0.0  # after the prompt: t1 = 0 surely
-    torch.manual_seed(1)
-    toy = LlamaForCausalLM(tiny_llama_config(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1)).eval()
-    draft = _random_draft(BaseView.from_model(toy), seed=3, block_size=3)
-    be = BigramAuxBackend(logits, torch.randn(V, 16, generator=gen), torch.randn(V, 32, generator=gen))
-    drafter = DFlashDrafter(draft, StaticTree(STATIC_TREES["wide2"]))
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V, V)
-    nodes = 0
-    for _ in range(samples):
-        out = speculative_generate(be, drafter, [BOS], max_new_tokens=3, eos_ids=None, acceptance="rejection",
-                                   temperature=1.0, generator=gen)
-        assert out.tokens[0] == 0
-        counts[out.tokens[1], out.tokens[2]] += 1
-        nodes += out.tree_nodes
-    assert nodes > 2 * samples  # real trees were verified, not just roots
-    p = logits.softmax(-1)
-    exact = p[0][:, None] * p
-    return 0.5 * float((counts / samples - exact).abs().sum())
+    return rejection_sampling_tv(
+        lambda view: DFlashDrafter(_random_draft(view, seed=3, block_size=3), StaticTree(STATIC_TREES["wide2"])),
+        samples, seed)
 
 
 def test_rejection_sampling_with_dflash_trees_matches_the_base():
@@ -168,26 +114,17 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
     default chain and a static tree) on the export: lossless, per-position metrics for every slot."""
     import json
     import math
-    import subprocess
-    import sys
 
     run_dir = tmp_path / "dflash"
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "train", "--config", "configs/dflash.yaml", "--config",
-                           "configs/smoke.yaml", f"run_dir={run_dir}", "train.max_steps=4", "draft.num_layers=2",
-                           "draft.block_size=8", "draft.num_heads=7", "draft.num_anchors=32"],
-                          capture_output=True, text=True, timeout=900, env=clean_env())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    rows = smoke_cli_train(run_dir, "configs/dflash.yaml", ["train.max_steps=4", "draft.num_layers=2",
+                                                            "draft.block_size=8", "draft.num_heads=7",
+                                                            "draft.num_anchors=32"], clean_env())
     assert any(math.isfinite(r.get("loss/head7", math.nan)) for r in rows)
     assert json.loads((run_dir / "export" / "config.json").read_text())["family"] == "dflash"
     heldout = json.loads((run_dir / "heldout.json").read_text())
     assert [d["depth"] for d in heldout["depths"]] == list(range(1, 8))
     for name, extra in (("chain", []), ("tree", ["tree=tree16"])):
-        proc = subprocess.run([sys.executable, "-m", "cli.main", "eval", "--draft", str(run_dir / "export"),
-                               "--config", "configs/eval/smoke.yaml", f"name={name}", *extra],
-                              capture_output=True, text=True, timeout=900, env=clean_env())
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        report = json.loads((run_dir / "eval" / name / "report.json").read_text())
+        report = smoke_cli_eval(run_dir, name, extra, clean_env())
         assert report["method"] == "dflash" and report["lossless"] is True
         assert report["acceptance_length"] >= 1.0
 

@@ -1,6 +1,6 @@
 """DFlash vLLM export: names and config keys as speculators / vLLM read them (Qwen3-shaped layers, d2t as sorted
-offsets, the mask embedding file), our own round trip, and (when vLLM's venv is there) vLLM's config reader and
-its DFlash model class loading the export (tests/helpers/vllm_dflash_load.py)."""
+offsets, the mask embedding file), our own round trip, and (when vLLM's venv is there) vLLM's engine serving the
+export (tests/vllm_fixtures.py builds a draft that memorised the base's answers) and its grouped rms_norm on CPU."""
 
 import json
 import os
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.drafts import four_layer_tiny_llama, perturb, with_draft_vocab
 from safetensors.torch import load_file
 from test_serve_check import _have_vllm
 
@@ -17,7 +18,6 @@ from models.dflash import DFlashDraft
 from models.draft import BaseView
 from models.export.speculators_dflash import MASK_EMBEDDING_FILE, load_dflash_speculators
 from models.export.vllm import SPECULATIVE_CONFIG_FILE, export_vllm
-from models.tiny import tiny_llama_config
 
 REPO = Path(__file__).resolve().parent.parent
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-made, not sorted
@@ -25,22 +25,14 @@ D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-mad
 
 @pytest.fixture(scope="module")
 def base():
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_layers=4)).eval()
+    return four_layer_tiny_llama()
 
 
 def _draft(base, d2t=None, seed=1, learned_mask=True):
-    v = BaseView.from_model(base)
     torch.manual_seed(seed)
-    draft = DFlashDraft(BaseView(v.lm_head_weight, v.embed_weight, v.hidden_size, v.vocab_size, base, d2t),
-                        num_layers=2, block_size=4, learned_mask=learned_mask)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return draft.eval()
+    draft = DFlashDraft(with_draft_vocab(BaseView.from_model(base), d2t), num_layers=2, block_size=4,
+                        learned_mask=learned_mask)
+    return perturb(draft, 0.3, seed=seed).eval()
 
 
 @pytest.fixture

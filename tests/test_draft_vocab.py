@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from conftest import assert_chunked_matches_reference
+from helpers.drafts import with_draft_vocab
 
 from core.config_loader import ConfigError
 from data.draft_vocab import build_draft_vocab, count_targets, coverage, top_n_map, vocab_cache_key
@@ -23,7 +24,7 @@ from eval.engine.drafters.redrafter import ReDrafterDrafter
 from eval.engine.tree import STATIC_TREES, StaticTree
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from models.ctc import CTCDraft
-from models.draft import BaseView, DraftBatch
+from models.draft import DraftBatch
 from models.export.redrafter_trtllm import export_redrafter_trtllm
 from models.export.specdraft import export_medusa, export_specdraft, load_draft, read_tensors
 from models.hydra import HydraDraft
@@ -84,20 +85,11 @@ def test_config_rejects_a_negative_vocab_size():
 # ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def view(model):
-    return BaseView.from_model(model)
-
-
-def _with_map(view, d2t):
-    return BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
-
-
 def _build(family, view, d2t=None, seed=0, noise=0.05):
     """A draft of `family` with perturbed parameters; the same seed gives the same trunk weights for any map
     (own LM heads are W[d2t] either way)."""
     torch.manual_seed(seed)
-    v = _with_map(view, d2t)
+    v = with_draft_vocab(view, d2t)
     draft = {
         "medusa": lambda: MedusaDraft(3, 1, v),
         "medusa_shared": lambda: MedusaDraft(3, 1, v, share_lm_head=True),
@@ -141,7 +133,7 @@ def test_a_permutation_map_changes_nothing(model, view, family):
     mapped = _build(family, view, perm)
     assert mapped.d2t.tolist() == perm.tolist() and mapped.draft_vocab_size == V
     a = full.loss(batch, view, cfg)
-    b = mapped.loss(batch, _with_map(view, perm), cfg)
+    b = mapped.loss(batch, with_draft_vocab(view, perm), cfg)
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-5)
     for x, y in zip(a.per_depth, b.per_depth):
         assert (x.count, x.top1, x.topk, x.oov, y.oov) == (y.count, y.top1, y.topk, 0, 0)
@@ -164,7 +156,7 @@ def test_small_map_out_of_map_targets_are_misses_and_chunked_matches_reference(m
     if family.startswith("ctc"):
         assert draft.blank == 40 and sum(b.shape[0] for b in draft.projection_blocks()) == 41
     teacher = 0.5 if not family.startswith("ctc") else 0.0
-    fused, ref = assert_chunked_matches_reference(draft, batch, _with_map(view, d2t), chunk_size=16,
+    fused, ref = assert_chunked_matches_reference(draft, batch, with_draft_vocab(view, d2t), chunk_size=16,
                                                   teacher_weight=teacher, token_weight=0.1)
     full_counts = [s.count for s in _build(family, view).loss(batch, view, LossSection()).per_depth]
     t2d = inverse_map(d2t, V)
@@ -257,7 +249,7 @@ def test_trained_medusa_with_a_map_is_accepted(model, view, prompts):
     targets = torch.unique(torch.cat([g[m.bool()] for g, _, m in seqs]))
     fill = torch.tensor([i for i in range(V) if i not in set(targets.tolist())][: 64 - targets.numel()])
     d2t = torch.cat([targets, fill])
-    v = _with_map(view, d2t)
+    v = with_draft_vocab(view, d2t)
     torch.manual_seed(0)
     draft = MedusaDraft(3, 1, v)
     opt = torch.optim.Adam(draft.parameters(), lr=3e-2)
@@ -315,7 +307,7 @@ def test_export_round_trip_with_a_map(tmp_path, model, view, family):
     assert torch.equal(loaded.d2t, d2t) and torch.equal(loaded.base_rows(), view.lm_head_weight[d2t])
     batch = _batch(model, seed=2)
     with torch.no_grad():
-        a = draft.loss(batch, _with_map(view, d2t), LossSection())
+        a = draft.loss(batch, with_draft_vocab(view, d2t), LossSection())
         b = loaded.loss(batch, view, LossSection())
     torch.testing.assert_close(a.loss, b.loss)
 
@@ -324,7 +316,7 @@ def test_placeholder_map_is_replaced_on_load(view):
     """from_export_config before load_state_dict (the other loaders' path): the shared rows and t2d follow
     the loaded d2t (load_state_dict post-hook)."""
     d2t = torch.randperm(V, generator=torch.Generator().manual_seed(8))[:30]
-    src = MedusaDraft(2, 1, _with_map(view, d2t), share_lm_head=True)
+    src = MedusaDraft(2, 1, with_draft_vocab(view, d2t), share_lm_head=True)
     dst = MedusaDraft.from_export_config(src.export_config(), view)
     assert dst.d2t.tolist() == list(range(30))
     dst.load_state_dict(src.state_dict())
@@ -335,7 +327,7 @@ def test_a_map_that_does_not_fit_the_base_is_a_clear_error(tmp_path, view):
     from safetensors.torch import save_file
 
     d2t = torch.arange(40)
-    out = export_specdraft(MedusaDraft(2, 1, _with_map(view, d2t)), tmp_path / "e", "tiny", "fp")
+    out = export_specdraft(MedusaDraft(2, 1, with_draft_vocab(view, d2t)), tmp_path / "e", "tiny", "fp")
     tensors = read_tensors(out / "model.safetensors")
     tensors["d2t"] = torch.arange(V - 20, V + 20)  # ids past the base's 320 tokens
     save_file(tensors, str(out / "model.safetensors"))
@@ -349,9 +341,9 @@ def test_a_map_that_does_not_fit_the_base_is_a_clear_error(tmp_path, view):
 def test_formats_without_a_token_map_refuse_a_draft_vocabulary(tmp_path, view):
     d2t = torch.arange(40)
     with pytest.raises(ValueError, match="no token map"):
-        export_medusa(MedusaDraft(2, 1, _with_map(view, d2t)), tmp_path / "m", "tiny", view)
+        export_medusa(MedusaDraft(2, 1, with_draft_vocab(view, d2t)), tmp_path / "m", "tiny", view)
     with pytest.raises(ValueError, match="no\\s+token map"):
-        export_redrafter_trtllm(ReDrafterDraft(2, 1, _with_map(view, d2t)), tmp_path / "r", "tiny", view)
+        export_redrafter_trtllm(ReDrafterDraft(2, 1, with_draft_vocab(view, d2t)), tmp_path / "r", "tiny", view)
     export_medusa(MedusaDraft(2, 1, view), tmp_path / "m", "tiny", view)  # full vocabulary: still fine
 
 
@@ -384,7 +376,7 @@ def test_ctc_labels_are_cut_before_the_first_out_of_map_token(model, view):
     """CTC with a map: y = (a, b, X, c) with X outside -> target (a, b), depths 3-4 are misses (oov counts
     the starts whose prefix left the map); a start whose first label is outside carries no loss."""
     d2t = torch.tensor([10, 11, 12, 13, 14])
-    draft = CTCDraft(4, 4, 1, _with_map(view, d2t))
+    draft = CTCDraft(4, 4, 1, with_draft_vocab(view, d2t))
     labels = torch.tensor([[10, 11, 99, 12], [99, 10, 11, 12], [13, 14, 10, 11], [12, 12, 12, 77]])
     mapped, max_lengths, oov = draft._map_labels(labels)
     assert max_lengths.tolist() == [2, 0, 4, 3]
@@ -400,7 +392,7 @@ def test_ctc_loss_with_a_large_map_cuts_labels_and_matches_reference(model, view
     d2t = torch.randperm(V, generator=torch.Generator().manual_seed(9))[:300]
     draft = _build("ctc", view, d2t)
     batch = _batch(model, seed=3, b=3, t=40)
-    v = _with_map(view, d2t)
+    v = with_draft_vocab(view, d2t)
     fused, ref = assert_chunked_matches_reference(draft, batch, v, chunk_size=16, token_weight=0.1)
     assert 0 < fused[0].oov < fused[-1].oov < fused[-1].count  # some starts cut, more at deeper depths
     # The reference at the cut lengths (a plain per-row loop over ctc_loss on the truncated labels).

@@ -5,39 +5,27 @@ targets), the init, the draft vocabulary and the specdraft export round trip."""
 import pytest
 import torch
 from conftest import assert_chunked_matches_reference, fit_draft
+from helpers.drafts import four_layer_tiny_llama, random_batch_in_draft_vocab, random_batch_with_aux, with_draft_vocab
 from torch.nn import functional as F
 
 from data.targets import offset_labels
 from losses.ttt import ttt_step_weights, ttt_weighted_loss
 from models.base import _decoder, last_hidden_and_aux
-from models.draft import BaseView, DraftBatch
+from models.draft import BaseView
 from models.eagle3 import Eagle3Draft, default_aux_layers, ttt_attention, ttt_attention_reference
 from models.export.specdraft import export_specdraft, load_draft
-from models.tiny import tiny_llama, tiny_llama_config
+from models.tiny import tiny_llama
 from train.config import LossSection
 
 
 @pytest.fixture(scope="module")
 def base():
-    # 4 layers so that three distinct aux layers exist; fp32 and deterministic.
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_layers=4)).eval()
+    return four_layer_tiny_llama()
 
 
 @pytest.fixture(scope="module")
 def view(base):
     return BaseView.from_model(base)
-
-
-def _batch(base, draft, b=2, t=24, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 320, (b, t), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :5] = 0  # a user turn: no targets into it
-    h, aux = last_hidden_and_aux(base, ids, None, draft.aux_layers)
-    return DraftBatch(h, ids, mask, aux)
 
 
 def _randomize(draft, seed=1):
@@ -102,7 +90,7 @@ def test_ttt_unroll_equals_incremental_inference(base, view):
     """Step j of row t in training = drafting depth j+1 after committing rows 0..t, feeding the data tokens
     x_{t+1+i} and the draft's own outputs: the TTT mask is exactly what inference sees."""
     draft = _randomize(Eagle3Draft(view, ttt_steps=3)).eval()
-    batch = _batch(base, draft, b=1, t=12)
+    batch = random_batch_with_aux(base, draft, b=1, t=12)
     ids, aux = batch.input_ids[0], batch.aux_hidden[0]
     with torch.no_grad():
         outs = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 3)  # 3 x [1, 11, d]
@@ -120,7 +108,7 @@ def test_ttt_unroll_equals_incremental_inference(base, view):
 
 def test_fresh_draft_predicts_from_the_highest_aux_layer(base, view):
     draft = Eagle3Draft(view)
-    batch = _batch(base, draft)
+    batch = random_batch_with_aux(base, draft)
     out = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 1)[0]  # o_proj = down_proj = 0: out = fc(aux)
     d = view.hidden_size
     torch.testing.assert_close(out, batch.aux_hidden[:, :-1, -d:])
@@ -139,7 +127,7 @@ def test_loss_is_weighted_soft_ce_to_the_base_by_hand(base, view):
     """Recompute every step's loss densely from the unroll: soft CE to softmax(h_{t+1+j} W^T), rows with a
     valid target x_{t+2+j}, weight 0.8^j."""
     draft = _randomize(Eagle3Draft(view, ttt_steps=3))
-    batch = _batch(base, draft)
+    batch = random_batch_with_aux(base, draft)
     out = draft.loss(batch, view, LossSection(teacher_weight=1.0, decay=0.8))
     outs = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 3)
     s = batch.input_ids.shape[1] - 1
@@ -159,23 +147,20 @@ def test_loss_is_weighted_soft_ce_to_the_base_by_hand(base, view):
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
 def test_chunked_loss_matches_reference(base, view, alpha):
     draft = _randomize(Eagle3Draft(view, ttt_steps=3))
-    assert_chunked_matches_reference(draft, _batch(base, draft), view, teacher_weight=alpha, chunk_size=7)
+    assert_chunked_matches_reference(draft, random_batch_with_aux(base, draft), view, teacher_weight=alpha,
+                                     chunk_size=7)
 
 
 def test_draft_vocabulary_head_rows_labels_and_misses(base, view):
     d2t = torch.tensor([5, 17, 3, 250, 64, 99, 120, 7])
-    small = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+    small = with_draft_vocab(view, d2t)
     draft = Eagle3Draft(small)
     assert draft.lm_head.weight.shape == (8, view.hidden_size)
     torch.testing.assert_close(draft.lm_head.weight, view.lm_head_weight[d2t])
     assert "d2t" in draft.state_dict() and "t2d" not in draft.state_dict()
     assert draft.export_config()["draft_vocab_size"] == 8
     # Data drawn from the map except one id: every target is countable, the outside ones are misses.
-    gen = torch.Generator().manual_seed(0)
-    ids = d2t[torch.randint(0, 8, (2, 16), generator=gen)]
-    ids[1, 6] = 200  # not in the map
-    h, aux = last_hidden_and_aux(base, ids, None, draft.aux_layers)
-    batch = DraftBatch(h, ids, torch.ones_like(ids), aux)
+    batch = random_batch_in_draft_vocab(base, draft, d2t)
     for alpha in (0.0, 1.0):
         out = draft.loss(batch, small, LossSection(teacher_weight=alpha))
         assert out.per_depth[0].count == 2 * 14  # outside targets counted (as misses)
@@ -187,7 +172,7 @@ def test_draft_vocabulary_head_rows_labels_and_misses(base, view):
 
 def test_memorises_a_batch_and_export_round_trip(base, view, tmp_path):
     draft = Eagle3Draft(view, ttt_steps=2)
-    batch = _batch(base, draft)
+    batch = random_batch_with_aux(base, draft)
     first, last = fit_draft(draft, [batch], view, LossSection(teacher_weight=0.0), steps=20, lr=1e-2)
     assert float(last.loss.detach()) < 0.3 * first
     export_specdraft(draft, tmp_path / "export", "tiny4", "fp")
@@ -202,7 +187,7 @@ def test_memorises_a_batch_and_export_round_trip(base, view, tmp_path):
 
 def test_export_round_trip_with_draft_vocabulary(view, tmp_path):
     d2t = torch.tensor([9, 4, 77, 31])
-    small = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+    small = with_draft_vocab(view, d2t)
     draft = _randomize(Eagle3Draft(small))
     export_specdraft(draft, tmp_path / "e", "tiny4", "fp")
     loaded, _ = load_draft(tmp_path / "e", view)  # the eval side: no map in the view, it comes from the export

@@ -7,58 +7,36 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import fit_draft
+from helpers.bigram_base import rejection_sampling_tv
+from helpers.cli import smoke_cli_eval, smoke_cli_train
+from helpers.decoding import DECODE_NEW_TOKENS as NEW
+from helpers.decoding import assert_lossless_and_accepting
+from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
 
-from eval.engine.backends.backend import Backend
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
-from eval.engine.decoder import autoregressive_generate, speculative_generate
+from eval.engine.decoder import speculative_generate
 from eval.engine.drafters.eagle3 import Eagle3Drafter
 from eval.engine.drafters.registry import build_drafter
 from eval.harness.config import EvalConfig
 from models.base import last_hidden_and_aux
-from models.draft import BaseView, DraftBatch
 from models.eagle3 import Eagle3Draft
 from train.config import LossSection
-
-NEW = 20
-
-
-@pytest.fixture(scope="module")
-def view(model):
-    return BaseView.from_model(model)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(model, prompts):
-    backend = HFBackend(model)
-    return [autoregressive_generate(backend, p, max_new_tokens=NEW).tokens for p in prompts]
 
 
 def _random_draft(view, seed=0, d2t=None):
     if d2t is not None:
-        view = BaseView(view.lm_head_weight, view.embed_weight, view.hidden_size, view.vocab_size, view.model, d2t)
+        view = with_draft_vocab(view, d2t)
     torch.manual_seed(seed)
-    draft = Eagle3Draft(view)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return draft.eval()
+    return perturb(Eagle3Draft(view), 0.1).eval()
 
 
 def _trained_draft(model, view, prompts, steps=40):
     """A draft that memorised the base's own greedy continuations of the test prompts (TTT, hard CE)."""
     torch.manual_seed(0)
     draft = Eagle3Draft(view, ttt_steps=3)
-    with torch.inference_mode():
-        seqs = [model.generate(p[None], max_new_tokens=NEW + 6, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0] for p in prompts]
-    width = max(s.numel() for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
-    h, aux = last_hidden_and_aux(model, ids, None, draft.aux_layers)
-    fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view, LossSection(chunk_size=64), steps=steps, lr=1e-2)
+    batch = greedy_continuation_batch(model, prompts, draft.aux_layers, NEW + 6)
+    fit_draft(draft, [batch], view, LossSection(chunk_size=64), steps=steps, lr=1e-2)
     return draft.eval()
 
 
@@ -114,15 +92,7 @@ def test_lossless_with_random_drafts(model, view, prompts, ar_outputs, mode, bac
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lossless_and_accepting_with_a_trained_draft(model, trained, prompts, ar_outputs, mode):
     drafter = Eagle3Drafter(trained, mode=mode, chain_length=4, tree_topk=3, tree_depth=4, tree_nodes=16)
-    backend = HFBackend(model)
-    lengths = []
-    for prompt, want in zip(prompts, ar_outputs):
-        got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW)
-        assert got.tokens == want
-        lengths.append(got.acceptance_length)
-        # the draft's cache holds exactly the positions committed before the last propose()
-        assert drafter._cache.length == prompt.numel() + sum(got.accepted_lengths[:-1])
-    assert min(lengths) > 2.0  # memorised continuations: most steps accept several drafts
+    assert_lossless_and_accepting(HFBackend(model), drafter, prompts, ar_outputs)
 
 
 def test_draft_vocabulary_decodes_losslessly_with_base_ids(model, view, prompts, ar_outputs):
@@ -189,70 +159,11 @@ def test_builder_options(view):
 # tests/test_redrafter_decoding.py for the bound)
 # ---------------------------------------------------------------------------------------------------
 
-V = 5
-BOS = 4
-
-
-class BigramAuxBackend(Backend):
-    """Toy base: p(next | ..., a) = softmax(table[a]); hidden / aux states are fixed per token."""
-
-    def __init__(self, table, hidden, aux):
-        self.table, self.hidden, self.aux = table, hidden, aux
-        self.vocab_size, self.hidden_size = table.shape[0], hidden.shape[1]
-        self.device = torch.device("cpu")
-        self._len = 0
-
-    def set_aux_layers(self, ids) -> None:
-        self.aux_layers = tuple(ids)
-
-    def reset(self, max_len):
-        self._len = 0
-
-    @property
-    def cache_len(self):
-        return self._len
-
-    def prefill(self, input_ids):
-        self._len = int(input_ids.numel())
-        self.last_aux = self.aux[input_ids]
-        return self.table[input_ids], self.hidden[input_ids]
-
-    def forward_tree(self, tokens, depths, tree_mask):
-        self.last_aux = self.aux[tokens]
-        return self.table[tokens], self.hidden[tokens]
-
-    def commit(self, keep):
-        self._len += int(keep.numel())
-
 
 def _tv_of_eagle3_sampling(samples: int, seed: int) -> float:
-    from transformers import LlamaForCausalLM
-
-    from models.tiny import tiny_llama_config
-
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(V, V, generator=gen) * 1.2
-    logits[:, BOS] = -1e9
-    logits[BOS] = -1e9
-    logits[BOS, 0] = 0.0  # after the prompt: t1 = 0 surely
-    torch.manual_seed(1)
-    toy = LlamaForCausalLM(tiny_llama_config(vocab_size=V, hidden_size=16, num_heads=2, num_kv_heads=1)).eval()
-    draft = _random_draft(BaseView.from_model(toy), seed=3)
-    be = BigramAuxBackend(logits, torch.randn(V, 16, generator=gen), torch.randn(V, 32, generator=gen))
-    drafter = Eagle3Drafter(draft, mode="tree", tree_topk=2, tree_depth=2, tree_nodes=5)
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V, V)
-    nodes = 0
-    for _ in range(samples):
-        out = speculative_generate(be, drafter, [BOS], max_new_tokens=3, eos_ids=None, acceptance="rejection",
-                                   temperature=1.0, generator=gen)
-        assert out.tokens[0] == 0
-        counts[out.tokens[1], out.tokens[2]] += 1
-        nodes += out.tree_nodes
-    assert nodes > 2 * samples  # real trees were verified, not just roots
-    p = logits.softmax(-1)
-    exact = p[0][:, None] * p
-    return 0.5 * float((counts / samples - exact).abs().sum())
+    return rejection_sampling_tv(
+        lambda view: Eagle3Drafter(_random_draft(view, seed=3), mode="tree", tree_topk=2, tree_depth=2, tree_nodes=5),
+        samples, seed)
 
 
 def test_rejection_sampling_with_eagle3_trees_matches_the_base():
@@ -269,22 +180,12 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
     and tree) on the export: lossless, with the EAGLE-3 settings in the report."""
     import json
     import math
-    import subprocess
-    import sys
 
     run_dir = tmp_path / "eagle3"
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "train", "--config", "configs/eagle3.yaml", "--config",
-                           "configs/smoke.yaml", f"run_dir={run_dir}", "train.max_steps=4"],
-                          capture_output=True, text=True, timeout=900, env=clean_env())
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
+    rows = smoke_cli_train(run_dir, "configs/eagle3.yaml", ["train.max_steps=4"], clean_env())
     assert any(math.isfinite(r.get("loss/head3", math.nan)) for r in rows)
     assert json.loads((run_dir / "export" / "config.json").read_text())["family"] == "eagle3"
     for mode, extra in (("chain", ["extra.eagle3_mode=chain", "extra.chain_length=3"]), ("tree", [])):
-        proc = subprocess.run([sys.executable, "-m", "cli.main", "eval", "--draft", str(run_dir / "export"),
-                               "--config", "configs/eval/smoke.yaml", f"name={mode}", *extra],
-                              capture_output=True, text=True, timeout=900, env=clean_env())
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-        report = json.loads((run_dir / "eval" / mode / "report.json").read_text())
+        report = smoke_cli_eval(run_dir, mode, extra, clean_env())
         assert report["method"] == "eagle3" and report["lossless"] is True
         assert report["acceptance_length"] >= 1.0

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.drafts import four_layer_tiny_llama, perturb, with_draft_vocab
 from safetensors.torch import load_file, save_file
 
 from models.base import last_hidden_and_aux
 from models.draft import BaseView
 from models.eagle3 import Eagle3Draft
 from models.export.speculators import export_speculators, load_speculators
-from models.tiny import tiny_llama_config
 
 REPO = Path(__file__).resolve().parent.parent
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-made, not sorted
@@ -23,20 +23,11 @@ D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-mad
 
 @pytest.fixture(scope="module")
 def base():
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_layers=4)).eval()
+    return four_layer_tiny_llama()
 
 
 def _draft(base, d2t=None, seed=1):
-    v = BaseView.from_model(base)
-    draft = Eagle3Draft(BaseView(v.lm_head_weight, v.embed_weight, v.hidden_size, v.vocab_size, base, d2t))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return draft.eval()
+    return perturb(Eagle3Draft(with_draft_vocab(BaseView.from_model(base), d2t)), 0.3, seed=seed).eval()
 
 
 def test_layout_matches_speculators_and_vllm(base, tmp_path):

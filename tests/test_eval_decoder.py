@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.oracles import NoisyPathsOracle
 from torch import nn
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.medusa import MedusaDrafter
-from eval.engine.tree import STATIC_TREES, StaticTree, Tree, chain_tree, tree_from_paths
+from eval.engine.tree import STATIC_TREES, StaticTree, Tree, chain_tree
 
 VOCAB = 320
 NEW = 24
@@ -61,26 +62,6 @@ class StaticNoisyOracle(Drafter):
         return self.tree.fill(state.root, topk)
 
 
-class DynamicNoisyOracle(Drafter):
-    """Ragged random paths that follow the true continuation up to a random point, then go random."""
-
-    def __init__(self, reference: list[int], num_paths: int, length: int, seed: int):
-        self.ref, self.p, self.len = reference, num_paths, length
-        self.gen = torch.Generator().manual_seed(seed)
-        self.max_nodes = 1 + num_paths * length
-
-    def propose(self, state: DecodeState) -> Tree:
-        n = state.ids.numel()
-        true = torch.tensor([self.ref[n + j] if n + j < len(self.ref) else 0 for j in range(1, self.len + 1)])
-        paths = torch.randint(3, VOCAB, (self.p, self.len), generator=self.gen)
-        follow = torch.randint(0, self.len + 1, (self.p,), generator=self.gen)
-        keep_true = torch.arange(self.len)[None] < follow[:, None]
-        paths = torch.where(keep_true, true[None].expand_as(paths), paths)
-        lengths = torch.randint(1, self.len + 1, (self.p,), generator=self.gen)
-        paths[torch.arange(self.len)[None] >= lengths[:, None]] = -1
-        return tree_from_paths(state.root, paths)
-
-
 class ChainOracle(Drafter):
     """Chain of the true next `depth` tokens (shift=0) or of always-wrong tokens (shift != 0)."""
 
@@ -111,7 +92,7 @@ def test_greedy_lossless_dynamic_trees_and_ar_loop(model, prompts, references):
         want = ref[prompt.numel() : prompt.numel() + NEW]
         ar = autoregressive_generate(be, prompt, max_new_tokens=NEW, eos_ids=None)
         assert ar.tokens == want and ar.acceptance_length == 1.0 and ar.base_steps == NEW - 1
-        res = speculative_generate(be, DynamicNoisyOracle(ref, num_paths=5, length=4, seed=i), prompt,
+        res = speculative_generate(be, NoisyPathsOracle(ref, num_paths=5, length=4, seed=i, ragged=True), prompt,
                                    max_new_tokens=NEW, eos_ids=None)
         assert res.tokens == want
         assert res.acceptance_length > 1.0

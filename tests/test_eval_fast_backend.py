@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.trees import deepest_path, full_forward, random_tree, root_path, same_tree_steps
 from transformers import LlamaForCausalLM
 
 from eval.engine.backends.fast import FastBackend
@@ -15,56 +16,20 @@ from models.tiny import tiny_llama, tiny_llama_config
 ATOL = 1e-5
 
 
-def _reference(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits [T, V], hidden [T, d]) of a plain causal forward over `ids`, no cache."""
-    with torch.no_grad():
-        hidden = model.model(torch.tensor([ids])).last_hidden_state[0]
-        return model.lm_head(hidden).float(), hidden
-
-
-def _random_tree(n: int, gen: torch.Generator) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """Random tree of n nodes in topological order: node 0 is the root, node i's parent < i.
-    Returns (parents, depths [n], ancestor-or-self mask [n, n])."""
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    depths = torch.zeros(n, dtype=torch.long)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        depths[i] = depths[parents[i]] + 1
-        mask[i] |= mask[parents[i]]
-    return parents, depths, mask
-
-
-def _path(parents: list[int], i: int) -> list[int]:
-    """Node indices from the root down to node i."""
-    out = []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
-
-
 def _check_tree_step(model, backend, prefix: list[int], n: int, gen: torch.Generator):
     """forward_tree over a random tree after `prefix`; each node must match a from-scratch forward
     over prefix + its root-to-node path. Returns (tokens, parents) for a later commit."""
     tokens = torch.randint(3, model.config.vocab_size, (n,), generator=gen)
-    parents, depths, mask = _random_tree(n, gen)
+    parents, depths, mask = random_tree(n, gen)
     assert backend.cache_len == len(prefix)
     logits, hidden = backend.forward_tree(tokens, depths, mask)
     assert logits.shape == (n, model.config.vocab_size) and logits.dtype == torch.float32
     assert hidden.shape == (n, model.config.hidden_size)
     for i in range(n):
-        ref_logits, ref_hidden = _reference(model, prefix + tokens[_path(parents, i)].tolist())
+        ref_logits, ref_hidden = full_forward(model, prefix + tokens[root_path(parents, i)].tolist())
         torch.testing.assert_close(logits[i], ref_logits[-1], atol=ATOL, rtol=0, msg=f"node {i} logits")
         torch.testing.assert_close(hidden[i], ref_hidden[-1], atol=ATOL, rtol=0, msg=f"node {i} hidden")
     return tokens, parents
-
-
-def _deepest_path(parents: list[int]) -> list[int]:
-    """A root-to-leaf path of the deepest node: usually not the first m nodes, so commit must gather."""
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    return _path(parents, max(range(len(parents)), key=lambda i: (depth[i], i)))
 
 
 MODELS = {
@@ -103,14 +68,14 @@ def test_prefill_tree_commit_match_full_forward(name, static):
     prompt = torch.randint(3, model.config.vocab_size, (9,), generator=gen).tolist()
 
     logits, hidden = backend.prefill(torch.tensor(prompt))
-    ref_logits, ref_hidden = _reference(model, prompt)
+    ref_logits, ref_hidden = full_forward(model, prompt)
     torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
     torch.testing.assert_close(hidden, ref_hidden, atol=ATOL, rtol=0)
 
     seq = list(prompt)
     for n in (7, 5, 1):  # trees, then a plain AR step
         tokens, parents = _check_tree_step(model, backend, seq, n, gen)
-        keep = _deepest_path(parents)
+        keep = deepest_path(parents)
         backend.commit(torch.tensor(keep))
         seq += tokens[keep].tolist()
         assert backend.cache_len == len(seq)
@@ -190,15 +155,7 @@ def test_fast_matches_hf_backend_step_by_step():
     for b in (fast, hf):
         b.reset(40)
     prompt = torch.randint(3, 320, (7,), generator=gen)
-    outs = [b.prefill(prompt) for b in (fast, hf)]
-    for n in (6, 1, 4):
-        tokens = torch.randint(3, 320, (n,), generator=gen)
-        parents, depths, mask = _random_tree(n, gen)
-        outs += [b.forward_tree(tokens, depths, mask) for b in (fast, hf)]
-        keep = torch.tensor(_deepest_path(parents))
-        for b in (fast, hf):
-            b.commit(keep)
-    for (f_logits, f_hidden), (h_logits, h_hidden) in zip(outs[::2], outs[1::2]):
+    for (f_logits, f_hidden), (h_logits, h_hidden) in same_tree_steps(fast, hf, prompt, (6, 1, 4), gen):
         torch.testing.assert_close(f_logits, h_logits, atol=ATOL, rtol=0)
         torch.testing.assert_close(f_hidden, h_hidden, atol=ATOL, rtol=0)
     length = fast.cache_len
@@ -267,7 +224,7 @@ def test_compiled_static_step_matches_full_forward():
     prompt = torch.randint(3, 320, (5,), generator=gen).tolist()
     backend.prefill(torch.tensor(prompt))
     tokens, parents = _check_tree_step(model, backend, prompt, 3, gen)
-    keep = _deepest_path(parents)
+    keep = deepest_path(parents)
     backend.commit(torch.tensor(keep))
     _check_tree_step(model, backend, prompt + tokens[keep].tolist(), 4, gen)  # same bucket: no recompile
 
@@ -280,10 +237,10 @@ def test_bf16_dtype_runs_close_to_fp32():
     backend = FastBackend(model, max_len=16, dtype=torch.bfloat16)
     logits, hidden = backend.prefill(prompt)
     assert logits.dtype == torch.float32 and hidden.dtype == torch.bfloat16
-    ref_logits, _ = _reference(model, prompt.tolist())
+    ref_logits, _ = full_forward(model, prompt.tolist())
     torch.testing.assert_close(logits, ref_logits, atol=0.02, rtol=0)
     step, _ = backend.forward_tree(torch.tensor([9, 10]), torch.tensor([0, 1]), torch.ones(2, 2).tril().bool())
-    torch.testing.assert_close(step, _reference(model, prompt.tolist() + [9, 10])[0][-2:], atol=0.02, rtol=0)
+    torch.testing.assert_close(step, full_forward(model, prompt.tolist() + [9, 10])[0][-2:], atol=0.02, rtol=0)
 
 
 @pytest.mark.parametrize("bias, residual", [(False, False), (True, False), (False, True), (True, True)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.trees import same_tree_steps
 
 from eval.engine.backends.fast import FastBackend, supports
 from eval.engine.backends.hf import HFBackend
@@ -23,27 +24,6 @@ CASES = {
     "gemma3": ("gemma3", {}),
     "gemma3-w4": ("gemma3", {"sliding_window": 4}),
 }
-
-
-def _random_tree(n: int, gen: torch.Generator):
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
-    depths = torch.zeros(n, dtype=torch.long)
-    mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):
-        depths[i] = depths[parents[i]] + 1
-        mask[i] |= mask[parents[i]]
-    return parents, depths, mask
-
-
-def _deepest_path(parents: list[int]) -> list[int]:
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    i, out = max(range(len(parents)), key=lambda j: (depth[j], j)), []
-    while i >= 0:
-        out.append(i)
-        i = parents[i]
-    return out[::-1]
 
 
 def _model(name: str):
@@ -66,15 +46,8 @@ def test_fast_matches_hf_backend_step_by_step(name, static):
     for b in (fast, hf):
         b.reset(64)
     prompt = torch.randint(3, 320, (7,), generator=gen)
-    outs = [b.prefill(prompt) for b in (fast, hf)]
-    for n in (6, 1, 4, 9, 1, 5):
-        tokens = torch.randint(3, 320, (n,), generator=gen)
-        parents, depths, mask = _random_tree(n, gen)
-        outs += [b.forward_tree(tokens, depths, mask) for b in (fast, hf)]
-        keep = torch.tensor(_deepest_path(parents))
-        for b in (fast, hf):
-            b.commit(keep)
-    for step, ((f_logits, f_hidden), (h_logits, h_hidden)) in enumerate(zip(outs[::2], outs[1::2])):
+    steps = same_tree_steps(fast, hf, prompt, (6, 1, 4, 9, 1, 5), gen)
+    for step, ((f_logits, f_hidden), (h_logits, h_hidden)) in enumerate(steps):
         torch.testing.assert_close(f_logits, h_logits, atol=ATOL, rtol=0, msg=f"step {step} logits")
         torch.testing.assert_close(f_hidden, h_hidden, atol=ATOL, rtol=0, msg=f"step {step} hidden")
     length = fast.cache_len

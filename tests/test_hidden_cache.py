@@ -23,6 +23,12 @@ def tiny_data(tmp_path_factory):
     return base, train_ds
 
 
+def _train_losses(run_dir) -> list[float]:
+    """The training loss of every logged step of a run (metrics.jsonl rows with a "loss")."""
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
 def _build(base, ds, directory, **kw):
     return build_hidden_cache(HiddenStates(base.model), ds, directory, pad_id=0, device=torch.device("cpu"),
                               micro_batch_size=3, shard_rows=4, cache_dtype="fp32", **kw)
@@ -109,11 +115,7 @@ def test_training_from_the_cache_matches_online_training(tmp_path):
                                            "data.hidden_cache_dtype=fp32", *common]))
     assert len(list((tmp_path / "d" / "hidden").glob("*/manifest.json"))) == 1
 
-    def losses(run):
-        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in rows if "loss" in r]
-
-    online, cached = losses("online"), losses("cached")
+    online, cached = _train_losses(tmp_path / "online"), _train_losses(tmp_path / "cached")
     assert len(online) == 3
     assert cached == pytest.approx(online, rel=1e-4)
 
@@ -159,11 +161,7 @@ def test_eagle3_training_from_the_cache_matches_online_training(tmp_path):
     manifests = list((tmp_path / "d" / "hidden").glob("*/manifest.json"))
     assert len(manifests) == 1 and json.loads(manifests[0].read_text())["aux_layers"] == [0, 1]
 
-    def losses(run):
-        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in rows if "loss" in r]
-
-    online, cached = losses("online"), losses("cached")
+    online, cached = _train_losses(tmp_path / "online"), _train_losses(tmp_path / "cached")
     assert len(online) == 2
     assert cached == pytest.approx(online, rel=1e-4)
 
@@ -189,12 +187,8 @@ def test_a_family_without_aux_layers_trains_from_an_eagle3_cache_of_the_same_row
     own = json.loads(next((tmp_path / "own_d" / "hidden").glob("*/manifest.json")).read_text())
     assert own["aux_layers"] == []
 
-    def losses(run):
-        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in rows if "loss" in r]
-
-    assert len(losses("own")) == 2
-    assert losses("reused") == losses("own")
+    assert len(_train_losses(tmp_path / "own")) == 2
+    assert _train_losses(tmp_path / "reused") == _train_losses(tmp_path / "own")
 
 
 def test_the_superset_lookup_refuses_other_rows_and_caches_without_aux(tiny_data, tmp_path):

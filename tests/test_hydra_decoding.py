@@ -10,6 +10,9 @@ import math
 import pytest
 import torch
 from conftest import fit_draft
+from helpers.decoding import DECODE_NEW_TOKENS as NEW
+from helpers.decoding import assert_lossless_and_accepting
+from helpers.drafts import perturb
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
@@ -22,29 +25,13 @@ from models.draft import BaseView, DraftBatch
 from models.hydra import HydraDraft
 from train.config import LossSection
 
-NEW = 20
 FULL_3x3 = tuple((a,) for a in range(3)) + tuple((a, b) for a in range(3) for b in range(3)) + tuple(
     (a, b, c) for a in range(3) for b in range(3) for c in range(3))  # every path of width 3, depth 3
 
 
-@pytest.fixture(scope="module")
-def view(model):
-    return BaseView.from_model(model)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(model, prompts):
-    backend = HFBackend(model)
-    return [autoregressive_generate(backend, p, max_new_tokens=NEW).tokens for p in prompts]
-
-
 def _random_draft(view, prefix: bool, seed: int = 0) -> HydraDraft:
     torch.manual_seed(seed)
-    draft = HydraDraft(num_heads=4, num_layers=2, base=view, prefix_layer=prefix)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return draft.eval()
+    return perturb(HydraDraft(num_heads=4, num_layers=2, base=view, prefix_layer=prefix), 0.1).eval()
 
 
 def _sequence(model, prompt, n_new):
@@ -85,15 +72,8 @@ def test_lossless_with_random_heads(model, view, prompts, ar_outputs, prefix, tr
 def test_lossless_and_accepting_with_trained_heads(model, view, prompts, ar_outputs, prefix):
     draft = _trained_draft(model, view, prompts, prefix)
     drafter = HydraDrafter(draft, StaticTree(FULL_3x3))
-    backend = HFBackend(model)
-    lengths = []
-    for prompt, want in zip(prompts, ar_outputs):
-        got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW)
-        assert got.tokens == want
-        lengths.append(got.acceptance_length)
-        if prefix:  # the prefix cache holds exactly the tokens committed before the last propose()
-            assert drafter._cache.length == prompt.numel() + sum(got.accepted_lengths[:-1])
-    assert min(lengths) > 2.0  # memorised continuations: most steps accept several drafts
+    # only Hydra++'s prefix layer keeps a cache of the committed tokens
+    assert_lossless_and_accepting(HFBackend(model), drafter, prompts, ar_outputs, context_cache=prefix)
 
 
 def test_bf16_draft_proposes_and_stays_lossless(model, view, prompts, ar_outputs):

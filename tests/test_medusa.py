@@ -3,20 +3,16 @@
 import pytest
 import torch
 from conftest import assert_chunked_matches_reference, fit_draft
+from helpers.drafts import random_ids_and_hidden, teacher_loss_sum_by_hand, tiny_view
 
 from data.targets import offset_labels
-from models.draft import BaseView, DraftBatch
+from models.draft import DraftBatch
 from models.medusa import MedusaDraft
-from models.tiny import tiny_llama
 from train.config import LossSection
 
 
-def _view(seed=0):
-    return BaseView.from_model(tiny_llama(seed))
-
-
 def test_parameters_are_distinct_modules():
-    view = _view()
+    view = tiny_view()
     d, v = view.hidden_size, view.vocab_size
     draft = MedusaDraft(num_heads=3, num_layers=2, base=view)
     unique = {id(p) for p in draft.parameters()}
@@ -29,7 +25,7 @@ def test_parameters_are_distinct_modules():
 
 
 def test_share_lm_head_trains_only_resblocks_and_exports_no_lm_head():
-    view = _view()
+    view = tiny_view()
     draft = MedusaDraft(num_heads=2, num_layers=1, base=view, share_lm_head=True)
     d = view.hidden_size
     assert sum(p.numel() for p in draft.parameters()) == 2 * (d * d + d)
@@ -39,7 +35,7 @@ def test_share_lm_head_trains_only_resblocks_and_exports_no_lm_head():
 
 def test_fresh_head_predicts_what_the_base_predicts():
     # Zero-initialised ResBlock weights: a new head = base lm_head on h_t plus a constant SiLU(b) shift.
-    view = _view()
+    view = tiny_view()
     draft = MedusaDraft(num_heads=2, num_layers=1, base=view)
     for blk in [draft.heads[0][0], draft.heads[1][0]]:
         torch.nn.init.zeros_(blk.linear.bias)
@@ -52,11 +48,9 @@ def test_fresh_head_predicts_what_the_base_predicts():
 def test_head_k_learns_the_token_at_offset_1_plus_k():
     """Memorisation: with h_t carrying the identity of position t, head k can fit x_{t+1+k}."""
     torch.manual_seed(0)
-    view = _view()
+    view = tiny_view()
     T, K = 24, 3
-    ids = torch.randint(3, view.vocab_size, (1, T))
-    mask = torch.ones(1, T, dtype=torch.long)
-    hidden = torch.randn(1, T, view.hidden_size)  # distinct random state per position
+    ids, mask, hidden = random_ids_and_hidden(view, 1, T)  # hidden: a distinct random state per position
     draft = MedusaDraft(num_heads=K, num_layers=1, base=view)
     _, out = fit_draft(draft, [DraftBatch(hidden, ids, mask)], view, LossSection(chunk_size=7), steps=150, lr=3e-2)
     assert out.loss.item() < 0.05
@@ -74,11 +68,9 @@ def test_head_k_learns_the_token_at_offset_1_plus_k():
 
 def test_chunked_and_plain_loss_agree_on_medusa():
     torch.manual_seed(1)
-    view = _view()
-    ids = torch.randint(3, view.vocab_size, (2, 16))
-    mask = torch.ones(2, 16, dtype=torch.long)
+    view = tiny_view()
+    ids, mask, hidden = random_ids_and_hidden(view, 2, 16)
     mask[:, :4] = 0  # a user turn
-    hidden = torch.randn(2, 16, view.hidden_size)
     draft = MedusaDraft(num_heads=3, num_layers=1, base=view)
     batch = DraftBatch(hidden, ids, mask)
     per_depth, _ = assert_chunked_matches_reference(draft, batch, view, chunk_size=5, teacher_weight=0.3)
@@ -88,7 +80,7 @@ def test_chunked_and_plain_loss_agree_on_medusa():
 
 def test_inference_forward_equals_per_head_logits():
     """The batched shared-head forward (decode fast path) against its per-head twin."""
-    view = _view()
+    view = tiny_view()
     for share in (True, False):
         draft = MedusaDraft(num_heads=3, num_layers=2, base=view, share_lm_head=share)
         for p in draft.parameters():
@@ -102,19 +94,15 @@ def test_teacher_loss_targets_the_base_distribution_at_t_plus_k():
     """alpha=1: head k's loss is the soft CE to softmax(lm_head(h_{t+k})), the base's own prediction of
     x_{t+1+k}, summed over positions with a valid depth-k target (computed here by hand)."""
     torch.manual_seed(3)
-    view = _view()
-    ids = torch.randint(3, view.vocab_size, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.long)
+    view = tiny_view()
+    ids, mask, hidden = random_ids_and_hidden(view, 2, 12)
     mask[1, :3] = 0
-    hidden = torch.randn(2, 12, view.hidden_size)
     draft = MedusaDraft(num_heads=2, num_layers=1, base=view)
     out = draft.loss(DraftBatch(hidden, ids, mask), view, LossSection(teacher_weight=1.0, chunk_size=4))
-    W = view.lm_head_weight
+
+    def head_logits(k, b, t):  # head k on h_t alone
+        return draft.head_trunk(k, hidden[b, t][None])[0] @ draft.head_weight(k).T
+
     for k in (1, 2):
-        valid = offset_labels(ids, mask, 1 + k) != -100
-        total = 0.0
-        for b, t in valid.nonzero().tolist():
-            p_teacher = torch.softmax(hidden[b, t + k] @ W.T, -1)
-            log_q = torch.log_softmax(draft.head_trunk(k, hidden[b, t][None])[0] @ draft.head_weight(k).T, -1)
-            total += float(-(p_teacher * log_q).sum())
+        total = teacher_loss_sum_by_hand(hidden, ids, mask, view.lm_head_weight, k, head_logits)
         assert out.per_depth[k - 1].loss_sum == pytest.approx(total, rel=1e-5)

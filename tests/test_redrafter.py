@@ -5,18 +5,14 @@ import json
 
 import pytest
 import torch
+from helpers.drafts import random_ids_and_hidden, teacher_loss_sum_by_hand, tiny_view
 from torch.nn import functional as F
 
 from core.config_loader import ConfigError
 from data.targets import offset_labels
 from models.draft import BaseView, DraftBatch
 from models.redrafter import ReDrafterDraft
-from models.tiny import tiny_llama
 from train.config import LossSection, load_train_config
-
-
-def _view(seed=0):
-    return BaseView.from_model(tiny_llama(seed))
 
 
 def _randomise(draft, std=0.1, seed=0):
@@ -28,7 +24,7 @@ def _randomise(draft, std=0.1, seed=0):
 
 
 def test_one_parameter_set_shared_across_depths():
-    view = _view()
+    view = tiny_view()
     d, v = view.hidden_size, view.vocab_size
     counts = {k: sum(p.numel() for p in ReDrafterDraft(k, 2, view).parameters()) for k in (1, 5)}
     # rnn_w (d*d) + rnn_u (d*d + d) + 2 ResBlocks of width 2d + lm_head (2d -> V): independent of K.
@@ -51,7 +47,7 @@ def test_one_parameter_set_shared_across_depths():
 
 def test_fresh_draft_predicts_what_the_base_predicts():
     # lm_head = [W_base | 0] (or input_proj = [I | 0] with the shared head), zero-initialised ResBlocks.
-    view = _view()
+    view = tiny_view()
     h, s = torch.randn(5, view.hidden_size), torch.randn(5, view.hidden_size)
     for share in (False, True):
         draft = ReDrafterDraft(3, 2, view, share_lm_head=share)
@@ -65,7 +61,7 @@ def test_teacher_forced_logits_follow_the_recursion(rnn):
     """Depth i at position t sees h_t and the data tokens x_{t+1..t+i}, through the paper's recursion
     written out by hand (s_0 = 0, SiLU(W e + U s + b)) or, without the RNN, a running sum of embeddings."""
     torch.manual_seed(0)
-    view = _view()
+    view = tiny_view()
     draft = _randomise(ReDrafterDraft(3, 2, view, rnn=rnn))
     ids = torch.randint(3, view.vocab_size, (1, 10))
     hidden = torch.randn(1, 10, view.hidden_size)
@@ -89,12 +85,10 @@ def test_fast_loss_equals_materialised_twin(share):
     """The row-filtered chunked loss (and the plain one) against CE over `teacher_forced_logits` with
     offset_labels: same per-depth sums and counts, same total, same gradients."""
     torch.manual_seed(1)
-    view = _view()
-    ids = torch.randint(3, view.vocab_size, (2, 16))
-    mask = torch.ones(2, 16, dtype=torch.long)
+    view = tiny_view()
+    ids, mask, hidden = random_ids_and_hidden(view, 2, 16)
     mask[0, :4] = 0  # a user turn
     mask[1, 9:11] = 0  # another one in the middle: targets must not cross it
-    hidden = torch.randn(2, 16, view.hidden_size)
     draft = _randomise(ReDrafterDraft(3, 1, view, share_lm_head=share), seed=2)
     batch = DraftBatch(hidden, ids, mask)
 
@@ -127,22 +121,16 @@ def test_fast_loss_equals_materialised_twin(share):
 def test_teacher_loss_targets_the_base_distribution_at_t_plus_i():
     """alpha=1: depth i's loss is the soft CE to softmax(lm_head(h_{t+i})), summed over valid rows."""
     torch.manual_seed(3)
-    view = _view()
-    ids = torch.randint(3, view.vocab_size, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.long)
+    view = tiny_view()
+    ids, mask, hidden = random_ids_and_hidden(view, 2, 12)
     mask[1, :3] = 0
-    hidden = torch.randn(2, 12, view.hidden_size)
     draft = _randomise(ReDrafterDraft(2, 1, view), seed=4)
     out = draft.loss(DraftBatch(hidden, ids, mask), view, LossSection(teacher_weight=1.0, chunk_size=4))
     with torch.no_grad():
         logits = draft.teacher_forced_logits(hidden, ids)
-    W = view.lm_head_weight
     for i in (1, 2):
-        valid = offset_labels(ids, mask, 1 + i) != -100
-        total = 0.0
-        for b, t in valid.nonzero().tolist():
-            p_teacher = torch.softmax(hidden[b, t + i] @ W.T, -1)
-            total += float(-(p_teacher * torch.log_softmax(logits[i - 1, b, t], -1)).sum())
+        total = teacher_loss_sum_by_hand(hidden, ids, mask, view.lm_head_weight, i,
+                                         lambda k, b, t: logits[k - 1, b, t])
         assert out.per_depth[i - 1].loss_sum == pytest.approx(total, rel=1e-5)
 
 

@@ -31,6 +31,19 @@ def _build(base, tmp_path, name="sd.jsonl", **kw):
     return build_self_distilled(base, FIXTURE, out=tmp_path / name, **kw)
 
 
+def _recording(real, calls: list[int], crash_on_call: int | None = None):
+    """A stand-in for sd._distill_batch that records each batch's size in `calls` and runs `real`; on call
+    number `crash_on_call` it raises instead, as a build killed mid-way."""
+
+    def distill_batch(tok, batch, *args):
+        calls.append(len(batch))
+        if len(calls) == crash_on_call:
+            raise RuntimeError("simulated crash")
+        return real(tok, batch, *args)
+
+    return distill_batch
+
+
 def _unbatched_greedy(base, messages, max_new_tokens=8) -> str:
     tok = base.tokenizer
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -76,14 +89,7 @@ def test_resume_after_crash_generates_only_the_rest(base, tmp_path, monkeypatch)
     (tmp_path / "ref").mkdir()  # apart: a finished file beside the build would be copied, not generated
     reference = _build(base, tmp_path / "ref", "ref.jsonl").read_text()
     real, calls = sd._distill_batch, []
-
-    def crash_after_first_batch(tok, batch, *args):
-        calls.append(len(batch))
-        if len(calls) == 2:
-            raise RuntimeError("simulated crash")
-        return real(tok, batch, *args)
-
-    monkeypatch.setattr(sd, "_distill_batch", crash_after_first_batch)
+    monkeypatch.setattr(sd, "_distill_batch", _recording(real, calls, crash_on_call=2))  # dies after batch 1
     with pytest.raises(RuntimeError, match="simulated crash"):
         _build(base, tmp_path)
     partial = tmp_path / "sd.jsonl.partial"
@@ -91,7 +97,7 @@ def test_resume_after_crash_generates_only_the_rest(base, tmp_path, monkeypatch)
     with open(partial, "a") as f:
         f.write('{"id": "cut mid-li')  # a line torn by the crash is dropped on resume
     calls.clear()
-    monkeypatch.setattr(sd, "_distill_batch", lambda *a: calls.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(sd, "_distill_batch", _recording(real, calls))
     out = _build(base, tmp_path)
     assert calls == [2] and out.read_text() == reference and not partial.exists()
     ref_meta, meta = (json.loads(sidecar(p).read_text()) for p in (tmp_path / "ref" / "ref.jsonl", out))
@@ -106,18 +112,11 @@ def test_a_slice_is_copied_from_a_longer_file_with_the_same_settings(base, tmp_p
     assert [json.loads(x)["id"] for x in fresh.read_text().splitlines()] == [f"sharegpt_tiny-{i}" for i in (1, 2, 3)]
     assert json.loads(sidecar(fresh).read_text())["derived_from"] == {"source": FIXTURE, "max_records": 4, "skip": 1}
     real, calls = sd._distill_batch, []
-
-    def crash_after_first_batch(tok, batch, *args):
-        calls.append(len(batch))
-        if len(calls) == 2:
-            raise RuntimeError("simulated crash")
-        return real(tok, batch, *args)
-
-    monkeypatch.setattr(sd, "_distill_batch", crash_after_first_batch)
+    monkeypatch.setattr(sd, "_distill_batch", _recording(real, calls, crash_on_call=2))  # dies after batch 1
     with pytest.raises(RuntimeError):
         _build(base, tmp_path, "long.jsonl")  # a longer build, killed after conversations 0..2
     calls.clear()
-    monkeypatch.setattr(sd, "_distill_batch", lambda *a: calls.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(sd, "_distill_batch", _recording(real, calls))
     # conversations 1..2 come from the partial, 3 is generated: the same file as generated from scratch
     sliced = _build(base, tmp_path, "mid.jsonl", skip=1, max_records=3)
     assert calls == [1] and sliced.read_text() == fresh.read_text()
