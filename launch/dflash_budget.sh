@@ -8,7 +8,8 @@
 #   runs/abl-eagle3-regen             EAGLE-3 at that budget (the ablation's regenerated arm)
 #   runs/dflash-regen                 DFlash, γ = 16
 #   runs/dflash-g8-regen              DFlash, γ = 8 (num_heads = γ - 1 = 7 slots reported)
-# Then `specdraft compare --config configs/compare_dflash.yaml --update-docs` (COMPARE=1 runs it here).
+# Then `specdraft compare --config configs/compare_dflash.yaml --update-docs` (block 16) and
+# `... --config configs/compare_dflash_block8.yaml` (block 8); COMPARE=1 runs those of the block sizes trained here.
 #   launch/dflash_budget.sh                       # all of it, ~1.5 h alone on 2 cores
 #   GAMMAS="8" launch/dflash_budget.sh            # one block size
 set -uo pipefail
@@ -48,5 +49,10 @@ for g in ${GAMMAS:-16 8}; do
   train "$run" --config configs/dflash.yaml $B draft.block_size="$g" draft.num_heads=$((g - 1)) \
     draft.num_anchors=128 train.save_every=10 resume=auto
 done
-[ "${COMPARE:-0}" = 1 ] && $S compare --config configs/compare_dflash.yaml --update-docs
+if [ "${COMPARE:-0}" = 1 ]; then
+  for g in ${GAMMAS:-16 8}; do
+    c=configs/compare_dflash.yaml; [ "$g" = 16 ] || c=configs/compare_dflash_block$g.yaml
+    $S compare --config "$c" --update-docs
+  done
+fi
 exit 0
