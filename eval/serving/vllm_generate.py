@@ -17,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from eval.serving.serve_check import DTYPES, ServeCheckError, base_hf_dir, root_cause, vllm_python
@@ -65,6 +66,7 @@ class VllmGenerator:
         self._command = [str(vllm_python()), str(WORKER), str(job_path)]
         self._env, self._start_timeout, self._dtype = env, start_timeout, job["dtype"]
         self.proc: subprocess.Popen | None = None
+        self.start_seconds = 0.0  # the engine's build (once, on the first batch): benchmarks time generation apart
         installed = installed_vllm_version(vllm_python())
         self.version = f"vllm {installed} {self._dtype}" if installed else None
         if self.version is None:  # no package metadata to read: the running engine names its version
@@ -72,6 +74,7 @@ class VllmGenerator:
 
     def _start(self) -> None:
         # Own session: on an error or a timeout the whole group (engine core and worker) is killed.
+        t0 = time.perf_counter()
         self.proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=self._env, cwd=str(self.rundir),
                                      start_new_session=True)
@@ -81,6 +84,7 @@ class VllmGenerator:
             raise self._fail(f"the engine reports {running!r}, its package metadata {self.version!r}; the cache key "
                              "would name the wrong engine")
         self.version = running
+        self.start_seconds = time.perf_counter() - t0
 
     def _pump(self) -> None:
         with open(self.log_path, "w") as log:
