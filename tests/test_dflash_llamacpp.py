@@ -6,6 +6,7 @@ the real SmolLM2 with the real llama-server (marker `llamacpp`: `make test-llama
 
 import copy
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,10 @@ def test_dflash_is_served_by_draft_dflash_with_its_whole_block():
     assert "gguf" in facts.export_formats and facts.llamacpp_spec_type == "draft-dflash"
     draft = _tiny_dflash()
     # llama.cpp's block is [id_last, mask x n_max]: n_max = block_size - 1 is the block our chain runs
-    assert spec_draft_n_max(draft, "dflash") == 3
+    assert spec_draft_n_max(draft, "dflash") == spec_draft_n_max(draft, "dflash", chain=2) == 3  # never shorter
+    # EAGLE-3 drafts autoregressively: the chain our row ran (a chain of 4 from a 3-step draft), else its ttt_steps
+    eagle3 = types.SimpleNamespace(ttt_steps=3)
+    assert spec_draft_n_max(eagle3, "eagle3", chain=4) == 4 and spec_draft_n_max(eagle3, "eagle3") == 3
     assert serve_args("b.gguf", "d.gguf", "dflash", 3) == [
         "-m", "b.gguf", "-md", "d.gguf", "--spec-type", "draft-dflash", "--spec-draft-n-max", "3"]
     assert serve_args("b.gguf", None, "dflash", 3) == ["-m", "b.gguf"]

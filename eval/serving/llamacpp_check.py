@@ -72,7 +72,7 @@ def llamacpp_side(plan, job: LlamaCppJob, cfg, ours: dict, tolerance: float) -> 
                                 cfg.serve_llamacpp_draft_type)
     engines = {"llamacpp_ar": llamacpp_engine_numbers(run_llamacpp(job, "llamacpp_ar", ["-m", base_file]))}
     if draft_file is not None:
-        n_max = spec_draft_n_max(plan.draft_model, plan.name)
+        n_max = spec_draft_n_max(plan.draft_model, plan.name, plan.depth)
         if n_max != plan.depth:  # llama.cpp would draft another chain than the one our row ran
             raise ValueError(f"our {plan.compared} is not what llama.cpp drafts for this {plan.name} draft "
                              f"(--spec-draft-n-max {n_max}); serve-check compares equal chains")

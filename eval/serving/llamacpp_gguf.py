@@ -217,12 +217,13 @@ def draft_gguf(draft, export_cfg: dict, base_dir: Path, out_file: Path, outtype:
         return run_converter(src, Path(out_file), outtype, target_dir=base_dir)
 
 
-def spec_draft_n_max(draft, family: str) -> int:
-    """llama.cpp's --spec-draft-n-max that drafts what our family's chain drafts: EAGLE-3 its ttt_steps
-    autoregressive steps; DFlash block_size - 1 (its block is n_max + 1 slots, and the slots see each other)."""
+def spec_draft_n_max(draft, family: str, chain: int | None = None) -> int:
+    """llama.cpp's --spec-draft-n-max that drafts what our family's chain drafts: DFlash block_size - 1 (its block
+    is n_max + 1 slots and the slots see each other, so no other length drafts the same tokens); EAGLE-3 drafts
+    autoregressively, so any chain: the one our row ran, else its ttt_steps."""
     if family == "dflash":
         return int(draft.block_size) - 1
-    return int(getattr(draft, "ttt_steps", 0) or 0)
+    return int(chain) if chain else int(getattr(draft, "ttt_steps", 0) or 0)
 
 
 def serve_args(base_file: str, draft_file: str | None, family: str | None, n_max: int | None) -> list[str]:
