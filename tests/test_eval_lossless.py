@@ -25,6 +25,7 @@ from eval.harness.lossless import (
     format_verdict,
     measure_tolerance,
     verdict,
+    verify_widths,
 )
 
 # ---------------------------------------------------------------------------------------------------
@@ -131,10 +132,49 @@ class RoundingBackend(HFBackend):
 
 
 def test_measured_tolerance_sees_the_rounding(model, prompts):
-    exact = measure_tolerance(HFBackend(model), prompts, new_tokens=12, chunk=4)
+    exact = measure_tolerance(HFBackend(model), prompts, new_tokens=12, widths=[4])
     assert exact["positions"] == 24 and exact["tolerance"] < 1e-4  # fp32 tree vs one-token: ~1e-6
-    rounded = measure_tolerance(RoundingBackend(model, 0.25), prompts, new_tokens=12, chunk=4)
+    rounded = measure_tolerance(RoundingBackend(model, 0.25), prompts, new_tokens=12, widths=[4])
     assert rounded["tolerance"] == pytest.approx(0.5, abs=1e-3)  # 2 x the largest top-8 logit change
+
+
+class BucketRoundingBackend(RoundingBackend):
+    """Rounds differently only at verify widths 3-4 (the bucket a 3-node tree pads to), as a CUDA GEMM can:
+    width-1 and width-16 forwards agree bit for bit there, so a tolerance measured at width 16 alone is 0."""
+
+    def forward_tree(self, tokens, depths, tree_mask):
+        if tokens.numel() in (3, 4):
+            return super().forward_tree(tokens, depths, tree_mask)
+        return HFBackend.forward_tree(self, tokens, depths, tree_mask)
+
+
+def test_verify_widths_cover_every_bucket_up_to_the_largest_tree():
+    assert verify_widths(1) == [2] and verify_widths(3) == [2, 4] and verify_widths(4) == [2, 4]
+    assert verify_widths(16) == [2, 4, 8, 16] and verify_widths(17) == [2, 4, 8, 16, 32]
+    assert verify_widths(63) == [2, 4, 8, 16, 32, 64]
+    with pytest.raises(ValueError, match="must be >= 2"):
+        measure_tolerance(None, [], widths=[1])
+
+
+def test_the_tolerance_is_measured_at_the_widths_the_decoder_verifies(model, prompts):
+    """A rounding difference that only the width-4 verify has: width 16 alone measures 0 (what a CUDA eval
+    printed: tolerance 0.0, then 'real mismatches'); the drafter's widths see it, per width."""
+    backend = BucketRoundingBackend(model, 0.25)
+    assert measure_tolerance(backend, prompts, new_tokens=12, widths=[16])["tolerance"] < 1e-4
+    m = measure_tolerance(backend, prompts, new_tokens=12, widths=verify_widths(3))
+    assert m["tolerance"] == pytest.approx(0.5, abs=1e-3) and m["widths"] == [2, 4]
+    assert m["by_width"]["2"] < 1e-4 and m["by_width"]["4"] == pytest.approx(0.25, abs=1e-3)
+
+
+def test_ties_at_a_bucket_only_the_tree_uses_are_ties_not_mismatches(monkeypatch, tmp_path):
+    """The decoder's 3-node chain verifies at width 3 (bucket 4): the eval must judge its divergences with the
+    rounding of that width, not of width 16."""
+    report = _eval(monkeypatch, tmp_path, lambda m: BucketRoundingBackend(m, 0.1), lambda v: ChainDrafter(2, v),
+                   True)
+    ex = report["extra"]
+    assert ex["tie_tolerance"] == pytest.approx(0.2, abs=1e-3)
+    assert ex["tie_tolerance_measure"]["widths"] == [2, 4]
+    assert ex["lossless_ties"] >= 1 and ex["lossless_mismatches"] == 0 and ex["lossless_up_to_ties"] is True
 
 
 def _eval(monkeypatch, tmp_path, backend_factory, drafter_factory, low_precision: bool):

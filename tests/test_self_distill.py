@@ -206,5 +206,5 @@ def test_resume_reads_records_whose_text_holds_unicode_line_separators(tmp_path)
     partial.write_text(json.dumps({"selfdistill_key": "K"}) + "\n" + json.dumps(rec, ensure_ascii=False) + "\n",
                        encoding="utf-8")
     assert sd._resume(partial, "K") == (1, {}, 2)
-    text, records, cut = sd._finalize(partial)
+    text, records, cut, _ = sd._finalize(partial)
     assert records == 1 and json.loads(text)["conversations"][0]["value"] == "one\u2028two\x85three"

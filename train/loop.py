@@ -38,6 +38,7 @@ from data.hidden_cache import (
     find_superset_cache,
     resolve_cache_dir,
 )
+from data.onpolicy_store import check_base, is_store, read_card
 from data.packed import is_packed, load_packed, packed_train_data
 from data.self_distill import build_self_distilled, train_data_entry
 from models.base import HiddenStates, draft_inputs, load_base
@@ -346,6 +347,8 @@ def _training_source(cfg, base) -> tuple[str, int | None]:
     """(source, max_records) build_datasets reads: with data.self_distill, the cached file of the base's own
     answers to the first data.max_records conversations (built once, resumable; docs/concepts.md#on-policy-data)."""
     d = cfg.data
+    if is_store(d.source):  # a lasting on-policy dataset (data/onpolicy_store.py): the answers of THIS base only
+        check_base(read_card(d.source), base.fingerprint, f"data.source={d.source}")
     if not d.self_distill:
         return d.source, d.max_records
     path = build_self_distilled(base, d.source, max_records=d.max_records, max_new_tokens=d.self_distill_max_new_tokens,

@@ -14,8 +14,12 @@ The tie-aware check, per prompt whose speculative tokens differ from plain decod
        a rounding flip swaps tokens that were (nearly) level; a token further down is a real error whatever
        the gap
   tolerance = the rounding difference MEASURED on this base + dtype + device (`measure_tolerance`):
-       for a few prompts, the top-ranked logits of one-token forwards vs a multi-token (chain) forward on
-       the same positions; a top-2 gap can shrink by at most twice the largest such logit difference.
+       for a few prompts, the top-ranked logits of one-token forwards vs multi-token (chain) forwards on
+       the same positions, at every verify width the decoder can use (`verify_widths`: the powers of two up
+       to the drafter's largest tree, the buckets a static / compiled backend pads trees to); a top-2 gap can
+       shrink by at most twice the largest such logit difference. One width is not enough: on CUDA a width-1
+       and a width-16 forward can round bit for bit alike (the same GEMM kernel serves both) while the
+       width-4 verify of a 3-node tree does not, and a tolerance of 0 then calls every tie a mismatch.
 In fp32 the tolerance is 0: the verdict is the exact one (tree and one-token forwards agree to ~1e-6,
 far below any gap that is not an exact tie).
 
@@ -94,52 +98,68 @@ def verdict(divergences: Sequence[Divergence], tolerance: float | None) -> dict:
             "tie_tolerance": tolerance}
 
 
+def verify_widths(max_nodes: int) -> list[int]:
+    """The verify widths to measure for a drafter whose trees have at most `max_nodes` nodes: 2, 4, ... up to
+    the power of two >= max_nodes (a static backend pads an N-node tree to that bucket; an eager one runs N
+    exactly, and these sample the range)."""
+    top = 1 << max(1, int(max_nodes) - 1).bit_length()
+    return [1 << k for k in range(1, top.bit_length())]
+
+
 @torch.no_grad()
-def measure_tolerance(backend, prompts: Sequence, *, new_tokens: int = 32, chunk: int = 16,
+def measure_tolerance(backend, prompts: Sequence, *, new_tokens: int = 32, widths: Sequence[int] = (16,),
                       top: int = 8) -> dict:
     """Measure the rounding difference between one-token and multi-token forwards on `backend`.
 
-    Per prompt (token ids [T]): greedy-decode `new_tokens` one token per forward, keeping each row of
-    logits; then re-prefill and feed the same tokens as chains of `chunk` nodes (the shape of a tree
-    verification: one forward over many tokens, K/V of the chain computed in that forward) and compare
-    the logits at the same positions. Per position, the difference that matters is on the tokens that
-    could win: the `top` best of the one-token run. A top-2 gap can shrink by at most twice the largest
-    such difference, so tolerance = 2 x max |logit_multi - logit_one| over those tokens and all positions.
-    Returns {"tolerance", "max_abs_logit_diff", "max_gap_change", "positions", "prompts", "chunk"}.
+    Per prompt (token ids [T]): greedy-decode max(new_tokens, max(widths)) tokens one per forward, keeping each
+    row of logits; then, per width w, re-prefill and feed the same tokens as chains of w nodes (the shape of a
+    tree verification: one forward over many tokens, K/V of the chain computed in that forward) and compare
+    the logits at the same positions. Per position, the difference that matters is on the tokens that could
+    win: the `top` best of the one-token run. A top-2 gap can shrink by at most twice the largest such
+    difference, so tolerance = 2 x max |logit_multi - logit_one| over those tokens, all positions and widths.
+    Returns {"tolerance", "max_abs_logit_diff", "max_gap_change", "positions", "prompts", "widths",
+    "by_width": {w: max |diff|}}.
     """
-    max_diff, max_gap_change, positions = 0.0, 0.0, 0
+    widths = sorted({int(w) for w in widths})
+    if not widths or widths[0] < 2:
+        raise ValueError(f"measure_tolerance: widths {widths} must be >= 2 (width 1 is the reference itself)")
+    n_tok = max(new_tokens, widths[-1])
+    by_width = {w: 0.0 for w in widths}
+    max_gap_change, positions = 0.0, 0
+    dev = backend.device
     for ids in prompts:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
-        room = ids.numel() + new_tokens + chunk + 1
-        dev = backend.device
+        room = ids.numel() + n_tok + widths[-1] + 1
         backend.reset(room)
         logits, _ = backend.prefill(ids.to(dev))
         seq = [int(logits[-1].argmax())]
-        one = []  # [new_tokens] rows [V]: logits after seq[j] (they predict seq[j+1])
-        for _ in range(new_tokens):
+        one = []  # [n_tok] rows [V]: logits after seq[j] (they predict seq[j+1])
+        for _ in range(n_tok):
             t = chain_tree(seq[-1])
             row, _ = backend.forward_tree(t.tokens.to(dev), t.depths.to(dev), t.mask.to(dev))
             backend.commit(torch.zeros(1, dtype=torch.long, device=dev))
             one.append(row[0].float().cpu())
             seq.append(int(row[0].argmax()))
-        backend.reset(room)
-        backend.prefill(ids.to(dev))
-        multi = []
-        for s in range(0, new_tokens, chunk):
-            toks = seq[s:min(s + chunk, new_tokens)]
-            t = chain_tree(toks[0], toks[1:])
-            rows, _ = backend.forward_tree(t.tokens.to(dev), t.depths.to(dev), t.mask.to(dev))
-            backend.commit(torch.arange(len(toks), device=dev))
-            multi.extend(rows.float().cpu())
-        for a, b in zip(one, multi):
-            idx = torch.topk(a, top).indices
-            diff = (b[idx] - a[idx]).abs()
-            max_diff = max(max_diff, float(diff.max()))
-            gap_a, gap_b = float(a[idx[0]] - a[idx[1]]), float(b[idx[0]] - b[idx[1]])
-            max_gap_change = max(max_gap_change, abs(gap_a - gap_b))
-            positions += 1
+        for w in widths:
+            backend.reset(room)
+            backend.prefill(ids.to(dev))
+            multi = []
+            for s in range(0, n_tok, w):
+                toks = seq[s:min(s + w, n_tok)]
+                t = chain_tree(toks[0], toks[1:])
+                rows, _ = backend.forward_tree(t.tokens.to(dev), t.depths.to(dev), t.mask.to(dev))
+                backend.commit(torch.arange(len(toks), device=dev))
+                multi.extend(rows.float().cpu())
+            for a, b in zip(one, multi):
+                idx = torch.topk(a, top).indices
+                by_width[w] = max(by_width[w], float((b[idx] - a[idx]).abs().max()))
+                gap_a, gap_b = float(a[idx[0]] - a[idx[1]]), float(b[idx[0]] - b[idx[1]])
+                max_gap_change = max(max_gap_change, abs(gap_a - gap_b))
+                positions += 1
+    max_diff = max(by_width.values())
     return {"tolerance": 2 * max_diff, "max_abs_logit_diff": max_diff, "max_gap_change": max_gap_change,
-            "positions": positions, "prompts": len(prompts), "chunk": chunk}
+            "positions": positions, "prompts": len(prompts), "widths": widths,
+            "by_width": {str(w): d for w, d in by_width.items()}}
 
 
 def is_exact_dtype(dtype: torch.dtype) -> bool:
@@ -177,4 +197,4 @@ def format_verdict(report: dict) -> str:
 
 
 __all__ = ["IDENTICAL", "TIE", "MISMATCH", "Divergence", "first_difference", "classify", "verdict",
-           "measure_tolerance", "is_exact_dtype", "format_verdict"]
+           "verify_widths", "measure_tolerance", "is_exact_dtype", "format_verdict"]

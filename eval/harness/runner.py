@@ -22,7 +22,14 @@ from eval.engine.backends.choice import choose_backend, make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
 from eval.harness.config import EvalConfig, load_eval_config
 from eval.harness.hf_baseline import hf_generate_timed
-from eval.harness.lossless import classify, format_verdict, is_exact_dtype, measure_tolerance, verdict
+from eval.harness.lossless import (
+    classify,
+    format_verdict,
+    is_exact_dtype,
+    measure_tolerance,
+    verdict,
+    verify_widths,
+)
 from eval.harness.prompts import config_prompts
 from eval.harness.report import PromptResult, build_report, write_report
 
@@ -40,17 +47,18 @@ def prompt_result(prompt, gen, tokenizer, matches: bool | None, divergence: dict
         output=tokenizer.decode(gen.tokens), tokens=list(gen.tokens), divergence=divergence)
 
 
-def tie_tolerance(cfg: EvalConfig, backend, model, prompts: list) -> tuple[float | None, dict]:
+def tie_tolerance(cfg: EvalConfig, backend, model, prompts: list, max_nodes: int = 64) -> tuple[float | None, dict]:
     """The bf16/fp16 rounding tolerance for the tie-aware losslessness check (eval/harness/lossless.py), measured
-    on this base + dtype + device over the first cfg.tie_prompts prompts; 0 in fp32 (exact verdict);
-    None when the run has no greedy plain-decoding reference."""
+    on this base + dtype + device over the first cfg.tie_prompts prompts, at every verify width a tree of up to
+    `max_nodes` nodes runs at (the drafter's max_nodes; 64 covers every static tree); 0 in fp32 (exact
+    verdict); None when the run has no greedy plain-decoding reference."""
     if not cfg.ar_baseline or cfg.temperature > 0:
         return None, {}
     dtype = next(model.parameters()).dtype
     if is_exact_dtype(dtype) or cfg.tie_prompts == 0:
         return 0.0, {"exact_dtype": is_exact_dtype(dtype)}
     m = measure_tolerance(backend, [p.input_ids for p in prompts[: cfg.tie_prompts]],
-                          new_tokens=min(32, cfg.max_new_tokens), chunk=16)
+                          new_tokens=min(32, cfg.max_new_tokens), widths=verify_widths(max_nodes))
     return m["tolerance"], m
 
 
@@ -87,7 +95,8 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
         if cfg.hf_baseline:
             hf_generate_timed(model, w, cfg.warmup_tokens, eos)
 
-    tol, tol_info = tie_tolerance(cfg, backend, model, prompts)  # untimed; seconds (a few short decodes)
+    # untimed; seconds (a few short decodes per verify width)
+    tol, tol_info = tie_tolerance(cfg, backend, model, prompts, getattr(drafter, "max_nodes", 64))
     results, ar_tokens, ar_time, hf_tokens, hf_time, hf_match, divs = [], 0, 0.0, 0, 0.0, [], []
     # Dynamic-tree drafters (ReDrafter) count tokens before/after prefix sharing; only the timed prompts count.
     packed0, unpacked0 = (getattr(drafter, k, 0) for k in ("total_tokens_packed", "total_tokens_unpacked"))

@@ -112,11 +112,12 @@ class VllmGenerator:
             raise self._fail(f"{what}: the engine exited with code {self.proc.wait()}")
         return line.removeprefix(marker).strip()
 
-    def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+    def __call__(self, prompts: list[list[int]], seed: int, limits: list[int] | None = None) -> list[list[int]]:
         if self.proc is None:
             self._start()
+        request = {"prompts": prompts, "seed": seed, **({"limits": limits} if limits is not None else {})}
         try:
-            self.proc.stdin.write(json.dumps({"prompts": prompts, "seed": seed}) + "\n")
+            self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             raise self._fail("sending a batch: the engine is gone") from None

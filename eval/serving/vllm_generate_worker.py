@@ -5,9 +5,10 @@ INSIDE .venv-vllm.
 
 Standalone like vllm_runner.py: it imports only vllm and the standard library. JOB.json: {"base_dir", "dtype",
 "max_model_len", "max_new_tokens", "temperature", "stop_token_ids"}. It prints `@@READY <vllm version>` once the
-engine is built, then reads one JSON request per line on stdin, {"prompts": [[ids], ...], "seed": S} (or
-{"quit": true}), and answers each with one line `@@RESULT {"outputs": [[new ids], ...]}`; every other line on
-stdout is vLLM's own log. The whole list of a request goes to one `generate` call, which vLLM batches itself.
+engine is built, then reads one JSON request per line on stdin, {"prompts": [[ids], ...], "seed": S, "limits":
+[n, ...]} (limits optional: per-prompt caps on new tokens) or {"quit": true}, and answers each with one line
+`@@RESULT {"outputs": [[new ids], ...]}`; every other line on stdout is vLLM's own log. The whole list of a
+request goes to one `generate` call, which vLLM batches itself.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ def main(argv: list[str]) -> int:
         if request.get("quit"):
             break
         temperature = float(job["temperature"])
+        # "limits": each prompt's own cap on new tokens (the token budget), at most the job's max_new_tokens
+        cap = int(job["max_new_tokens"])
+        limits = [min(cap, int(n)) for n in request.get("limits") or [cap] * len(request["prompts"])]
         # One seed per prompt (the batch's seed + its index): a resumed build samples what an uninterrupted one did.
         params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=0 if temperature > 0 else -1,
-                                 max_tokens=int(job["max_new_tokens"]), stop_token_ids=list(job["stop_token_ids"]),
+                                 max_tokens=limits[i], stop_token_ids=list(job["stop_token_ids"]),
                                  seed=int(request["seed"]) + i if temperature > 0 else None, detokenize=False)
                   for i in range(len(request["prompts"]))]
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], params, use_tqdm=False)
