@@ -1,4 +1,4 @@
-"""`specdraft` command line: train, cache, eval, tree-search, compare, export, serve-check, self-distill, demo,
+"""`specdraft` command line: train, cache, eval, tree-search, compare, export, serve-check, tune, self-distill, demo,
 config-reference (docs/architecture.md)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cli import CONFIGS
+from cli.tune import add_tune_parser, cmd_tune
 from core.config_loader import ConfigError
 
 
@@ -77,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                    "where installed, else llamacpp")
     _add_config_args(p, "default configs/eval/mtbench.yaml")
 
+    add_tune_parser(sub)
+
     for name, what, turns in (("regenerate", "regenerate the assistant turns of ShareGPT conversations with the base, "
                                "turn by turn (on-policy data)", 8),
                               ("self-distill", "the same as regenerate, first turns only by default (Medusa-2's "
@@ -100,9 +103,10 @@ def _parser() -> argparse.ArgumentParser:
                        "in its card's segments)")
         p.add_argument("--hf-cache", default="dynamic", choices=["dynamic", "static"],
                        help="--engine hf: transformers' KV cache (static: preallocated, compiled on CUDA)")
-        p.add_argument("--engine", default="auto", choices=["auto", "hf", "vllm"],
-                       help="vllm: vLLM's engine from .venv-vllm (`make vllm`); hf: transformers generate here; "
-                       "auto: vllm when .venv-vllm exists")
+        p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"],
+                       help="vllm: vLLM's engine from .venv-vllm (`make vllm`); fast: our batched static-cache engine "
+                       "(LLaMA-family bases; CUDA graphs on a GPU); hf: transformers generate here; auto: vllm when "
+                       ".venv-vllm exists, else fast on CUDA, else hf")
         p.add_argument("--max-new-tokens", type=int, default=256, help="per answer; longer answers are cut, kept "
                        "and counted")
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -193,8 +197,11 @@ def cmd_export(args) -> int:
         out = export_redrafter_trtllm(draft, Path(args.out), config["base_model"], view)
     elif args.format == "speculators":  # EAGLE-3 as vLLM serves it (method: eagle3)
         from models.export.speculators import export_speculators
+        from models.export.vllm import TUNED_TOKENS_KEY
 
-        out = export_speculators(draft, Path(args.out), config["base_model"])
+        # tune's vLLM choice (config.json, when speculating won) as the default proposal, like --format vllm
+        out = export_speculators(draft, Path(args.out), config["base_model"],
+                                 speculative_tokens=config.get(TUNED_TOKENS_KEY))
     elif args.format == "vllm":
         from models.export.vllm import export_vllm
 
@@ -278,13 +285,14 @@ def cmd_regenerate(args) -> int:
     from models.base import load_base
 
     engine_name = args.engine
+    device = resolve_device(args.device)
     if engine_name == "auto":
         try:
             vllm_python()
             engine_name = "vllm"
         except ServeCheckError:
-            engine_name = "hf"
-    base = load_base(args.base, dtype=args.dtype, device=resolve_device(args.device))
+            engine_name = "fast" if device.type == "cuda" else "hf"
+    base = load_base(args.base, dtype=args.dtype, device=device)
     context = int(getattr(base.model.config, "max_position_embeddings", 0) or 0)
     if context and args.max_prompt_tokens + args.max_new_tokens > context:
         fits = context - args.max_new_tokens
@@ -306,6 +314,15 @@ def cmd_regenerate(args) -> int:
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         engine = HFGenerator(base.model, eos, pad, args.max_new_tokens, args.temperature, cache=args.hf_cache)
         out = build_self_distilled(base, args.source, **settings, engine=engine)
+    elif engine_name == "fast":
+        from eval.engine.batch_generate import BatchOutOfMemory, FastBatchGenerator
+
+        engine = FastBatchGenerator(base.model, end_of_turn_ids(base), args.max_new_tokens, args.temperature,
+                                    batch_size=args.batch_size)
+        try:
+            out = build_self_distilled(base, args.source, **settings, engine=engine)
+        except BatchOutOfMemory as exc:  # one line with the batch size to try; what was generated is kept
+            raise ValueError(f"{exc} (what was generated is kept: rerun to resume)") from None
     else:
         from eval.serving.vllm_generate import VllmGenerator
 
@@ -360,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
                "self-distill": cmd_regenerate, "regenerate": cmd_regenerate, "cache": cmd_cache,
-               "serve-check": cmd_serve_check,
+               "serve-check": cmd_serve_check, "tune": cmd_tune,
                "tree-search": cmd_tree_search, "compare": cmd_compare,
                "config-reference": cmd_config_reference}[args.command]
     try:

@@ -60,6 +60,9 @@ class EvalConfig:
     # "" = the template the draft was trained with (export's chat_template) or the tokenizer's own;
     # else chatml | llama3 | gemma | a .jinja file (bases that ship no chat template)
     chat_template: str = ""
+    # eval / serve-check: apply the export's tuning.json (`specdraft tune`) when the config names no draft shape
+    # (tree, tree_choices, the family's extra options); false = the export's default shape
+    use_tuning: bool = True
 
 
 def validate_eval(cfg: EvalConfig) -> EvalConfig:

@@ -176,6 +176,7 @@ def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
 def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
     from eval.engine.drafters.registry import build_drafter
+    from eval.harness.tune_apply import tuned_eval_config
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 
@@ -183,7 +184,12 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))  # a bad heldout_skip fails before any load
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                          chat_template=cfg.chat_template)
+    cfg, tuned = tuned_eval_config(cfg, export_dir, loaded.family)  # the shape `specdraft tune` chose, if any
+    if tuned:
+        print(f"eval: {tuned}", flush=True)
     drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
+    if tuned:
+        info["tuning"] = tuned
     out_dir = export_dir.parent / "eval" / cfg.name
     report = evaluate(cfg, loaded.base, drafter, loaded.family, out_dir, {"export": str(export_dir), **info})
     return report, out_dir

@@ -213,12 +213,34 @@ def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
     return {"w": cfg.serve_ngram_w or w, "q": cfg.serve_ngram_q, "q_min": cfg.serve_ngram_q_min}
 
 
-def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tuple[_Plan, EvalConfig]:
+def _tuned_depth(cfg: EvalConfig, draft_dir: Path, engines: tuple[str, ...], family: str) -> tuple[int | None, str]:
+    """The chain `specdraft tune` chose for the engine this check is about (vLLM where it runs, else llama.cpp), and
+    the line that says so; (None, line) when tuning.json has none to apply."""
+    from eval.harness.tune import describe_choice, tuned_choice
+
+    engine = "vllm" if "vllm" in engines else "llamacpp"
+    choice = tuned_choice(draft_dir, engine)
+    if choice is None:
+        return None, ""
+    line = describe_choice(engine, choice)
+    if not cfg.use_tuning:
+        return None, f"{line}; not applied (use_tuning=false): checking the draft's trained chain"
+    if not choice["speculate"]:
+        return None, f"{line}; checking the draft's trained chain"
+    if family == "dflash" and "llamacpp" in engines:  # llama.cpp drafts DFlash's whole block only
+        return None, f"{line}; not applied: llama.cpp checks a DFlash draft's whole block"
+    knobs = choice["knobs"]
+    return int(knobs.get("num_speculative_tokens") or knobs["n_max"]), f"using {line}"
+
+
+def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
+                engines: tuple[str, ...] = ("vllm",)) -> tuple[_Plan, EvalConfig]:
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.runner import resolve_heldout_skip
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
     from models.export.vllm import (
+        TUNED_TOKENS_KEY,
         export_vllm,
         read_engine_args,
         read_speculative_config,
@@ -231,8 +253,15 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path) -> tupl
     family = export_cfg["family"]
     if family not in vllm_families():
         return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
-    vllm_dir = export_vllm(draft.float(), workdir / "export", export_cfg, view)  # fp32 files, whatever the run dtype
+    # fp32 files, whatever the run dtype; without the tuned count of config.json unless the tuning applies
+    tuned, tuned_line = _tuned_depth(cfg, Path(draft_dir), engines, family)
+    vllm_cfg = {k: v for k, v in export_cfg.items() if k != TUNED_TOKENS_KEY or tuned}
+    vllm_dir = export_vllm(draft.float(), workdir / "export", vllm_cfg, view)
     spec = read_speculative_config(vllm_dir)
+    if tuned:
+        spec = {**spec, "num_speculative_tokens": tuned}
+    if tuned_line:
+        print(f"[serve-check] {tuned_line}", flush=True)
     depth = int(spec["num_speculative_tokens"])
     base_dir = base_hf_dir(base, workdir)
     check_fingerprint(export_cfg, base_dir, str(draft_dir))
@@ -339,7 +368,7 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
     workdir = out_dir / "vllm"
     workdir.mkdir(parents=True, exist_ok=True)
     if draft_dir is not None:
-        plan, cfg = _plan_draft(cfg, Path(draft_dir), device, workdir)
+        plan, cfg = _plan_draft(cfg, Path(draft_dir), device, workdir, engines)
     else:
         plan = _plan_ngram(cfg, method, device, workdir)
     base = plan.base

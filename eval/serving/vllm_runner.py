@@ -1,6 +1,7 @@
 """One vLLM engine over a list of token-id prompts: run by `specdraft serve-check` INSIDE .venv-vllm.
 
     <.venv-vllm>/bin/python eval/serving/vllm_runner.py JOB.json
+    <.venv-vllm>/bin/python eval/serving/vllm_runner.py --serve JOB.json   # `specdraft tune`: see serve()
 
 Standalone on purpose: it imports only vllm and the standard library (never specdraft, whose torch and
 transformers pins differ from vLLM's), and is run by path with the vLLM venv's python. The engine spawns
@@ -67,37 +68,59 @@ def decode_seconds(output, wall: float) -> tuple[float, str]:
     return wall, "wall_clock"
 
 
-def run(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def build(job: dict):
+    """The job's engine, or {"error": "load", ...} when vLLM cannot build it."""
+    from vllm import LLM
 
-    label = job["label"]
-    progress(f"{label}: building the vLLM engine on {job['base_dir']} (dtype {job['dtype']}, speculative_config "
-             f"{json.dumps(job.get('speculative_config'))})")
+    progress(f"{job['label']}: building the vLLM engine on {job['base_dir']} (dtype {job['dtype']}, "
+             f"speculative_config {json.dumps(job.get('speculative_config'))})")
     try:
-        llm = LLM(model=job["base_dir"], dtype=job["dtype"], speculative_config=job.get("speculative_config"),
-                  disable_log_stats=False, max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)),
-                  max_num_seqs=1, enable_prefix_caching=False, enforce_eager=bool(job.get("enforce_eager", False)),
-                  **(job.get("engine_args") or {}))  # what the draft's export needs (engine_args.json)
+        return LLM(model=job["base_dir"], dtype=job["dtype"], speculative_config=job.get("speculative_config"),
+                   disable_log_stats=False, max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)),
+                   max_num_seqs=1, enable_prefix_caching=False, enforce_eager=bool(job.get("enforce_eager", False)),
+                   **(job.get("engine_args") or {}))  # what the draft's export needs (engine_args.json)
     except Exception as exc:  # whatever vLLM raises, the user needs its reason
         return {"error": "load", "message": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc()[-4000:]}
 
-    def params(n: int):
-        return SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=list(job.get("stop_token_ids") or []),
-                              detokenize=False)
 
-    prompts = job["prompts"]
-    if int(job.get("warmup_tokens", 0)) > 0:  # one-off costs (allocation, kernel selection) stay out of timings
-        progress(f"{label}: warm-up")
-        llm.generate([TokensPrompt(prompt_token_ids=prompts[0]["input_ids"])], params(int(job["warmup_tokens"])),
-                     use_tqdm=False)
+def _params(job: dict, n: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=list(job.get("stop_token_ids") or []),
+                          detokenize=False)
+
+
+def warm_up(llm, job: dict) -> None:
+    """One-off costs (allocation, kernel selection) stay out of the timings."""
+    from vllm.inputs import TokensPrompt
+
+    if int(job.get("warmup_tokens", 0)) > 0:
+        progress(f"{job['label']}: warm-up")
+        llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0]["input_ids"])],
+                     _params(job, int(job["warmup_tokens"])), use_tqdm=False)
+
+
+def run(job: dict) -> dict:
+    llm = build(job)
+    if isinstance(llm, dict):
+        return llm
+    warm_up(llm, job)
+    return generate(llm, job)
+
+
+def generate(llm, job: dict) -> dict:
+    """Every prompt of the job once on a built engine: tokens, decode seconds, the spec-decode counters of just
+    these prompts."""
+    from vllm.inputs import TokensPrompt
+
+    label, prompts = job["label"], job["prompts"]
     before = spec_counters(llm)
     results, clocks = [], set()
     for i, p in enumerate(prompts):
         progress(f"{label}: prompt {i + 1}/{len(prompts)} {p['id']}")
         t0 = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=p["input_ids"])], params(int(job["max_new_tokens"])),
+        out = llm.generate([TokensPrompt(prompt_token_ids=p["input_ids"])], _params(job, int(job["max_new_tokens"])),
                            use_tqdm=False)[0]
         wall = time.perf_counter() - t0
         secs, clock = decode_seconds(out, wall)
@@ -112,9 +135,33 @@ def run(job: dict) -> dict:
             **({"paired_ar": job["paired_ar"]} if job.get("paired_ar") else {})}
 
 
+def serve(job: dict) -> int:
+    """`--serve`: build and warm the engine once, print "[tune] ready", then for every line "RUN <path>" on stdin
+    run the prompts again, write the result to <path> and print "[tune] done <path>" (`specdraft tune` keeps an AR
+    engine and a speculative one open side by side this way). Ends at EOF or "QUIT"."""
+    llm = build(job)
+    if isinstance(llm, dict):
+        with open(job["out"], "w") as f:
+            json.dump(llm, f)
+        return 3
+    warm_up(llm, job)
+    print("[tune] ready", flush=True)
+    for line in sys.stdin:
+        cmd, _, path = line.strip().partition(" ")
+        if cmd != "RUN":
+            break
+        with open(path, "w") as f:
+            json.dump(generate(llm, job), f)
+        print(f"[tune] done {path}", flush=True)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"] and len(argv) == 2:
+        with open(argv[1]) as f:
+            return serve(json.load(f))
     if len(argv) != 1:
-        print("usage: vllm_runner.py JOB.json", file=sys.stderr)
+        print("usage: vllm_runner.py JOB.json | vllm_runner.py --serve JOB.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         job = json.load(f)

@@ -99,6 +99,7 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "chat_template": _is(str, "a string"),
     "tree": _tree,
     "tree_search": _is(dict, "a mapping"),
+    "vllm_num_speculative_tokens": _int(1),  # `specdraft tune`'s vLLM choice (models/export/vllm.py TUNED_TOKENS_KEY)
     # drafter options an export may carry (typed again by the family's Options)
     "beam_width": _int(1),
     "beam_length": _int(2),

@@ -52,6 +52,14 @@ SPECULATIVE_CONFIG_FILE = "speculative_config.json"
 ENGINE_ARGS_FILE = "engine_args.json"  # extra LLM(...) keyword arguments the draft needs (absent = none)
 # vLLM 0.32 Medusa + token_map: load_weights reads the map but does not report it loaded (module docstring).
 MEDUSA_TOKEN_MAP_ENGINE_ARGS = {"model_loader_extra_config": {"enable_weights_track": False}}
+# `specdraft tune` stores vLLM's fastest speculative-token count under this key of the export's config.json (only
+# when speculating beat vLLM AR); the exporters below write it instead of the draft's trained depth.
+TUNED_TOKENS_KEY = "vllm_num_speculative_tokens"
+
+
+def speculative_tokens(export_cfg: dict, trained: int) -> int:
+    """The tuned count when the export has one, else the depth the draft was trained for."""
+    return int(export_cfg.get(TUNED_TOKENS_KEY) or trained)
 
 
 def draft_vocabulary(draft: torch.nn.Module, export_cfg: dict, vocab_size: int) -> torch.Tensor | None:
@@ -120,7 +128,8 @@ def export_vllm_medusa(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     tensors = medusa_vllm_tensors(draft, base, d2t)
     config = medusa_vllm_config(draft, base, d2t, export_cfg)
     out_dir = Path(out_dir)
-    spec = {"method": "medusa", "model": str(out_dir.resolve()), "num_speculative_tokens": draft.num_heads}
+    spec = {"method": "medusa", "model": str(out_dir.resolve()),
+            "num_speculative_tokens": speculative_tokens(export_cfg, draft.num_heads)}
     files = {
         "model.safetensors": lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n"),
@@ -154,8 +163,9 @@ def export_vllm_eagle3(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     speculative_config vLLM needs: method eagle3, a chain of ttt_steps drafts (what the draft was trained for)."""
     from models.export.speculators import export_speculators
 
-    out_dir = export_speculators(draft, Path(out_dir), export_cfg.get("base_model") or "base")
-    spec = {"method": "eagle3", "model": str(Path(out_dir).resolve()), "num_speculative_tokens": draft.ttt_steps}
+    n = speculative_tokens(export_cfg, draft.ttt_steps)
+    out_dir = export_speculators(draft, Path(out_dir), export_cfg.get("base_model") or "base", speculative_tokens=n)
+    spec = {"method": "eagle3", "model": str(Path(out_dir).resolve()), "num_speculative_tokens": n}
     (Path(out_dir) / SPECULATIVE_CONFIG_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     return Path(out_dir)
 
@@ -168,7 +178,8 @@ def export_vllm_dflash(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     from models.export.speculators_dflash import export_dflash_speculators
 
     out_dir = Path(out_dir)
-    spec = {"method": "dflash", "model": str(out_dir.resolve()), "num_speculative_tokens": draft.block_size - 1}
+    spec = {"method": "dflash", "model": str(out_dir.resolve()),
+            "num_speculative_tokens": speculative_tokens(export_cfg, draft.block_size - 1)}
     return export_dflash_speculators(draft, out_dir, verifier_path(export_cfg.get("base_model") or "base"),
                                      extra_files={SPECULATIVE_CONFIG_FILE: lambda p: p.write_text(
                                          json.dumps(spec, indent=2) + "\n")})

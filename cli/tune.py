@@ -1,0 +1,178 @@
+"""`specdraft tune`: the fastest speculation setting of a draft on each engine, measured against that engine's AR
+in the same run, written into the export (docs/howto/serve.md, "Tune").
+
+    specdraft tune --draft runs/<run>/export [--engine ours|vllm|llamacpp|all] [--prompts mtbench|sharegpt|X.jsonl]
+                   [--budget-minutes N] [--num-prompts N] [--max-new-tokens N] [--repeats N] [--threads N]
+
+The composition root: our decoder (eval/harness/tune_ours.py) and the serving engines (eval/serving/tune_engines.py)
+go to the engine-agnostic sweep (eval/harness/tune.py); outputs by eval/harness/tune_report.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+
+ENGINE_CHOICES = ("ours", "vllm", "llamacpp", "all")
+
+
+def add_tune_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("tune", help="sweep each engine's speculation settings against its own AR and write the "
+                       "fastest (or 'do not speculate') into the export")
+    p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export)")
+    p.add_argument("--engine", default="ours", choices=ENGINE_CHOICES,
+                   help="ours (our decoder), vllm (.venv-vllm, `make vllm`), llamacpp (`make llamacpp`), all")
+    p.add_argument("--prompts", default=None, help="mtbench, sharegpt (held out) or a .jsonl of prompts (default: "
+                   "the eval config's dataset)")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per pass (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    p.add_argument("--repeats", type=int, default=2, help="paired AR / setting passes per setting (default 2)")
+    p.add_argument("--budget-minutes", type=float, default=60.0, help="wall-clock budget for the whole sweep; a "
+                   "budget that cannot fit one setting per engine is refused (default 60)")
+    p.add_argument("--noise", type=float, default=None, help="noise floor of a speedup (default 0.03): closer "
+                   "settings are a tie and the cheaper one wins")
+    p.add_argument("--threads", type=int, default=1, help="the thread count you serve with: torch threads for our "
+                   "decoder, -t/-td for llama.cpp (default 1; vLLM uses its own)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds an engine may take to start or to run one "
+                   "pass before the setting counts as hung (default 900)")
+    p.add_argument("--name", default="tune", help="report directory: <run>/tune/<name>/")
+    p.add_argument("--config", action="append", default=[], metavar="YAML",
+                   help="eval config deltas (default configs/eval/mtbench.yaml): dtype, backend, GGUF types, ...")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="eval config overrides, e.g. dtype=bf16")
+    return p
+
+
+def _check_installed(engines: tuple[str, ...]) -> None:
+    """Before any model work: a missing engine is one line naming its make target."""
+    from eval.harness.tune import EngineUnavailable
+    from eval.serving.llamacpp_paths import LlamaCppError, converter_python, llama_server
+    from eval.serving.serve_check import ServeCheckError, vllm_python
+
+    try:
+        if "vllm" in engines:
+            vllm_python()
+        if "llamacpp" in engines:
+            llama_server()
+            converter_python()
+    except (ServeCheckError, LlamaCppError) as exc:
+        raise EngineUnavailable(str(exc).splitlines()[0]) from None
+
+
+def _eval_config(args):
+    from core.paths import CONFIGS
+    from eval.harness.config import load_eval_config
+
+    cfg = load_eval_config(args.config or [str(CONFIGS / "eval" / "mtbench.yaml")], args.overrides)
+    changes = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+               "serve_llamacpp_threads": args.threads, "num_threads": args.threads, "hf_baseline": False,
+               "name": args.name}
+    if args.prompts:
+        changes["dataset"] = args.prompts
+    if cfg.temperature != 0:
+        raise ValueError("tune measures greedy decoding (batch 1); use temperature=0")
+    return dataclasses.replace(cfg, **changes)
+
+
+def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: int) -> list:
+    from eval.harness.prompts import config_prompts
+    from eval.harness.tune_ours import OursEngine
+    from eval.serving.serve_check import base_hf_dir, check_fingerprint
+
+    engines = []
+    if "ours" in names:
+        engines.append(OursEngine(loaded, cfg))
+    if "vllm" in names or "llamacpp" in names:
+        from eval.serving.tune_engines import LlamaCppEngine, VllmEngine
+
+        prompts = config_prompts(cfg, loaded.base.tokenizer)
+        base_dir = base_hf_dir(loaded.base, out_dir)
+        check_fingerprint(loaded.config, base_dir, "the export")
+        if "vllm" in names:
+            engines.append(VllmEngine(loaded, cfg, prompts, base_dir, out_dir / "vllm", timeout))
+        if "llamacpp" in names:
+            engines.append(LlamaCppEngine(loaded, cfg, prompts, base_dir, out_dir / "llamacpp", timeout, threads))
+    return engines
+
+
+def _progress_bar(engines):
+    from tqdm import tqdm
+
+    from eval.harness.tune import EngineUnavailable
+
+    total = 0
+    for e in engines:
+        try:
+            total += len(e.settings())
+        except EngineUnavailable:
+            pass
+    bar = tqdm(total=total, desc="tune", unit="setting", dynamic_ncols=True)
+
+    def progress(label: str, record: dict | None) -> None:
+        status = "" if record is None else (f"{record['speedup']:.2f}x AR" if record.get("status") == "ok"
+                                            else record.get("status", ""))
+        bar.set_postfix_str(f"{label}: {status}", refresh=False)
+        bar.update(1)
+
+    return bar, progress
+
+
+def cmd_tune(args) -> int:
+    import torch
+
+    from core.hardware import resolve_device
+    from eval.harness.runner import resolve_heldout_skip
+    from eval.harness.tune import (
+        DEFAULT_NOISE_FLOOR,
+        BudgetTooSmall,
+        EngineUnavailable,
+        check_budget,
+        machine_info,
+        run_sweeps,
+    )
+    from eval.harness.tune_report import write_export, write_report
+    from models.export.load import load_export
+    from models.export.specdraft import read_export_config
+
+    names = ("ours", "vllm", "llamacpp") if args.engine == "all" else (args.engine,)
+    if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        raise ValueError("--repeats, --num-prompts, --max-new-tokens and --threads must be at least 1")
+    noise = DEFAULT_NOISE_FLOOR if args.noise is None else args.noise
+    draft_dir = Path(args.draft)
+    try:
+        _check_installed(names)
+        cfg = resolve_heldout_skip(_eval_config(args), read_export_config(draft_dir))
+        torch.set_num_threads(args.threads)
+        loaded = load_export(draft_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                             chat_template=cfg.chat_template)
+        out_dir = draft_dir.resolve().parent / "tune" / cfg.name
+        engines = _build_engines(names, loaded, cfg, out_dir, args.timeout, args.threads)
+        budget_s = args.budget_minutes * 60
+        check_budget(engines, args.repeats, budget_s)  # before the progress bar lists (and searches) settings
+        bar, progress = _progress_bar(engines)
+        t0 = time.monotonic()
+        with bar:
+            records = run_sweeps(engines, args.repeats, noise, budget_s - (time.monotonic() - t0), progress)
+    except (EngineUnavailable, BudgetTooSmall) as exc:
+        print(f"specdraft tune: {exc}", file=sys.stderr)
+        return 3
+    context = {"export": str(draft_dir), "machine": machine_info(), "dataset": cfg.dataset,
+               "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "repeats": args.repeats,
+               "noise_floor": noise, "budget_minutes": args.budget_minutes,
+               "wall_seconds": time.monotonic() - t0, "command": shlex.join(sys.argv)}
+    for rec in records.values():
+        rec["tuned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    write_report(out_dir, context, records)
+    tuning = write_export(draft_dir, context, records)
+    for name, rec in records.items():
+        c = rec.get("choice")
+        if c is None:
+            print(f"{name}: {rec['status']}: {rec.get('error')}")
+        else:
+            what = c["label"] if c["speculate"] else "do not speculate"
+            print(f"{name}: {what} ({c['speedup_vs_ar']:.2f}x its AR; {c['reason']})")
+    print(f"wrote {tuning} and {draft_dir / 'NOTES.md'}; report: {out_dir / 'report.md'}")
+    return 0

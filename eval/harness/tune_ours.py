@@ -1,0 +1,177 @@
+"""Our decoder as a `specdraft tune` engine (eval/harness/tune.py): chains of 1-6 and the family's tree shapes and
+sizes, each an EvalConfig override a user can pass to `specdraft eval` (and which eval applies from tuning.json).
+
+Shapes per family:
+  medusa, hydra   chains; the static trees that fit the heads (wide2, tree16, medusa63); trees grown by the tree
+                  search (eval/harness/tree_search.py) on held-out ShareGPT prompts, never the tuning prompts
+  eagle3          chains (any length: the draft runs autoregressively); EAGLE-2 dynamic trees of 8 / 16 / 32 nodes
+  dflash          chains up to block_size - 1; the static trees that fit
+  redrafter       one beam (a chain) of each length up to its trained length; 2 / 4 / 8 beams of that length
+  ctc             4 / 8 / 16 / 24 CTC paths (it has no chain)
+A shape the draft cannot run (a chain deeper than its heads) is left out when the settings are listed.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import torch
+
+from eval.engine.backends.choice import choose_backend, make_backend
+from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
+from eval.engine.drafters.registry import build_drafter, chain_overrides
+from eval.engine.tree import STATIC_TREES
+from eval.harness.config import EvalConfig
+from eval.harness.prompts import config_prompts
+from eval.harness.tune import Measurement, Setting, machine_info
+from eval.harness.tune_apply import apply_knobs
+
+MAX_CHAIN = 6
+STATIC_TREE_NAMES = ("wide2", "tree16", "medusa63")  # chain4 is a chain, already swept
+SEARCHED_SIZES = (4, 8, 16, 32)
+EAGLE_TREE_NODES = (8, 16, 32)
+BEAMS = (2, 4, 8)
+CTC_PATHS = (4, 8, 16, 24)
+ASSUMED_TOKENS_PER_SECOND = 15.0  # a-priori pace of a CPU decode (SmolLM2 fp32 ran at ~22 tok/s, docs/lab)
+
+
+class OursEngine:
+    """Our decoder on a loaded export (models.export.load.LoadedExport), the eval config's prompts, dtype, backend
+    and thread count. Sessions share the base and its backend (one decode at a time)."""
+
+    name = "ours"
+    open_seconds = 2.0
+
+    def __init__(self, loaded, cfg: EvalConfig, *, searched_tree: bool = True, tree_search_prompts: int = 8):
+        self.loaded, self.cfg = loaded, cfg
+        self.family = loaded.family
+        self.base = loaded.base
+        self.backend = make_backend(cfg.backend, self.base.model)
+        self.eos = eos_ids(self.base.model, self.base.tokenizer)
+        self.prompts = config_prompts(cfg, self.base.tokenizer)
+        self.pass_seconds = len(self.prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
+        self.searched_tree, self.tree_search_prompts = searched_tree, tree_search_prompts
+        self.notes: list[str] = []
+        self._settings: list[Setting] | None = None
+
+    def describe(self) -> dict:
+        try:
+            version = metadata.version("specdraft")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        return {"engine": "ours", "version": f"specdraft {version}", "family": self.family,
+                "backend": choose_backend(self.cfg.backend, self.base.model)[0],
+                "dtype": str(next(self.base.model.parameters()).dtype).removeprefix("torch."),
+                "threads": torch.get_num_threads(), "machine": machine_info(), "dataset": self.cfg.dataset,
+                "prompts": [p.id for p in self.prompts], "max_new_tokens": self.cfg.max_new_tokens,
+                "notes": self.notes}
+
+    # -- settings -------------------------------------------------------------------------------------------
+    def settings(self) -> list[Setting]:
+        if self._settings is None:
+            self._settings = [s for s in self._candidates() if s is not None]
+        return self._settings
+
+    def _setting(self, label: str, knobs: dict) -> Setting | None:
+        """The setting if the draft can run it (its cost: tokens verified per step besides the root)."""
+        try:
+            drafter, _ = build_drafter(self.loaded.draft, self.loaded.config, apply_knobs(self.cfg, knobs))
+        except ValueError:
+            return None
+        return Setting(label, knobs, float(getattr(drafter, "max_nodes", 1) - 1))
+
+    def _candidates(self):
+        f = self.family
+        if f != "ctc":
+            for d in range(1, MAX_CHAIN + 1):
+                yield self._setting(f"chain {d}", chain_overrides(f, d))
+        if f in ("medusa", "hydra", "dflash"):
+            for name in STATIC_TREE_NAMES:
+                yield self._setting(f"{name} ({len(STATIC_TREES[name])} nodes)", {"tree": name, "tree_choices": None})
+        if f in ("medusa", "hydra") and self.searched_tree:
+            for size, choices in self._searched_trees():
+                yield self._setting(f"searched tree, {size} nodes", {"tree_choices": choices})
+        if f == "eagle3":
+            for n in EAGLE_TREE_NODES:
+                yield self._setting(f"EAGLE-2 tree, {n} nodes", {"extra": {"eagle3_mode": "tree", "tree_nodes": n}})
+        if f == "redrafter":
+            length = int(self.loaded.draft.beam_length)
+            for w in BEAMS:
+                yield self._setting(f"{w} beams x {length}", {"extra": {"beam_width": w, "beam_length": length}})
+        if f == "ctc":
+            for n in CTC_PATHS:
+                yield self._setting(f"{n} CTC paths", {"extra": {"ctc_num_paths": n}})
+
+    def _searched_trees(self) -> list[tuple[int, list]]:
+        """Trees of SEARCHED_SIZES grown from rank statistics on held-out prompts (the tree search's own steps)."""
+        from eval.harness.tree_search import TreeSearchConfig, candidate_sizes, grow_tree, node_hit_counts, tree_choices
+        from eval.harness.tree_search_cli import collect_ranks, tuning_prompts
+
+        draft = self.loaded.draft
+        ts = TreeSearchConfig(num_prompts=self.tree_search_prompts, new_tokens=48, max_nodes=max(SEARCHED_SIZES),
+                              backend=self.cfg.backend, base_path=self.cfg.base_path)
+        try:
+            prompts = tuning_prompts(ts, self.loaded.config, self.base.tokenizer)
+        except ValueError as exc:  # e.g. no held-out ShareGPT conversations: the static trees remain
+            self.notes.append(f"no searched trees: {exc}")
+            return []
+        probe, _ = build_drafter(draft, self.loaded.config, apply_knobs(self.cfg, {"tree_choices": [[0]]}))
+        depth = int(draft.num_heads)
+        ranks, _ = collect_ranks(self.backend, probe, prompts, self.eos, ts, depth)
+        if ranks.shape[0] == 0:
+            self.notes.append("no searched trees: the held-out continuations ended at once")
+            return []
+        grown = grow_tree(node_hit_counts(ranks, ts.max_rank), int(ranks.shape[0]), ts.max_nodes)
+        self.notes.append(f"searched trees grown on {len(prompts)} held-out {ts.dataset} prompts "
+                          f"({int(ranks.shape[0])} positions)")
+        return [(s, tree_choices(grown, s)) for s in candidate_sizes(SEARCHED_SIZES, len(grown))]
+
+    # -- sessions -------------------------------------------------------------------------------------------
+    def open(self, setting: Setting):
+        if not setting.speculative:
+            return _OursSession(self, None)
+        drafter, _ = build_drafter(self.loaded.draft, self.loaded.config, apply_knobs(self.cfg, setting.knobs))
+        return _OursSession(self, drafter)
+
+    def generate(self, drafter, ids, n):
+        if drafter is None:
+            return autoregressive_generate(self.backend, ids, max_new_tokens=n, eos_ids=self.eos)
+        return speculative_generate(self.backend, drafter, ids, max_new_tokens=n, eos_ids=self.eos)
+
+    def command(self, setting: Setting) -> str:
+        """The eval overrides that run the setting (what `specdraft eval` applies from tuning.json)."""
+        if not setting.speculative:
+            return "plain decoding (no draft)"
+        parts = []
+        for key, value in setting.knobs.items():
+            if key == "extra":
+                parts += [f"extra.{k}={v}" for k, v in value.items()]
+            elif value is not None:
+                parts.append(f"{key}={value}".replace(" ", ""))
+        return "specdraft eval --draft <export> " + " ".join(parts)
+
+
+class _OursSession:
+    def __init__(self, engine: OursEngine, drafter):
+        self.engine, self.drafter = engine, drafter
+        if engine.cfg.warmup_tokens > 0:  # kernels for this tree width, allocator: out of the timed passes
+            engine.generate(drafter, engine.prompts[0].input_ids, engine.cfg.warmup_tokens)
+
+    def run(self) -> Measurement:
+        e = self.engine
+        tokens = steps = verified = accepted = 0
+        secs = 0.0
+        outputs = {}
+        for p in e.prompts:
+            g = e.generate(self.drafter, p.input_ids, e.cfg.max_new_tokens)
+            tokens += len(g.tokens) - 1  # the prefill's token is not a decode-step token
+            secs += g.decode_time
+            steps += g.base_steps
+            verified += g.tree_nodes - g.base_steps  # drafted tokens verified (the root is the base's own)
+            accepted += sum(g.accepted_lengths) - g.base_steps
+            outputs[p.id] = list(g.tokens)
+        return Measurement(tokens, secs, steps=steps, drafted=verified if self.drafter else None,
+                           accepted=accepted if self.drafter else None, outputs=outputs)
+
+    def close(self) -> None:
+        self.drafter = None

@@ -1,0 +1,165 @@
+"""`specdraft tune` outputs: report.json / report.md / tune.png under <run>/tune/<name>/, and in the export the
+tuned settings where each engine or user finds them: tuning.json (eval/harness/tune.py), vLLM's speculative-token
+count in config.json (models/export/vllm.py writes it into every vLLM / speculators export), and NOTES.md with the
+command line of each engine's choice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.atomic import atomic_open, write_text_atomic
+from eval.harness.tune import write_tuning
+from models.export.vllm import TUNED_TOKENS_KEY
+
+NOTES_FILE = "NOTES.md"
+NOTES_BEGIN = "<!-- specdraft tune: begin (rewritten by every tune) -->"
+NOTES_END = "<!-- specdraft tune: end -->"
+TITLES = {"ours": "our decoder", "vllm": "vLLM", "llamacpp": "llama.cpp"}
+
+
+def _f(x, spec=".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def markdown(context: dict, engines: dict[str, dict]) -> str:
+    m = context["machine"]
+    lines = [f"# specdraft tune: {context['export']}", "",
+             f"Machine: {m['cpu']} ({m['cores']} cores, avx512_bf16: {'yes' if m['avx512_bf16'] else 'no'}). "
+             f"Prompts: {context['num_prompts']} x {context['max_new_tokens']} new tokens of {context['dataset']}; "
+             f"{context['repeats']} paired repeats per setting (AR and the setting alternating), noise floor "
+             f"{context['noise_floor']:.3f}; budget {context['budget_minutes']} min, used "
+             f"{context['wall_seconds'] / 60:.1f} min.", ""]
+    for name, rec in engines.items():
+        lines += [f"## {TITLES.get(name, name)}", ""]
+        head = [f"{k}: {rec[k]}" for k in ("version", "dtype", "threads") if rec.get(k) is not None]
+        if head:
+            lines += ["; ".join(head), ""]
+        if rec.get("status") in ("failed", "unservable"):
+            lines += [f"**{rec['status']}**: {rec.get('error')}", ""]
+            if rec.get("log_tail"):
+                lines += ["```", *rec["log_tail"], "```", ""]
+            continue
+        ar = rec.get("ar") or {}
+        lines += [f"AR: {_f(ar.get('tokens_per_second'), '.1f')} tok/s (median of its paired passes).", "",
+                  "| setting | tok/s | AR tok/s (paired) | speedup vs AR | noise | acceptance length | "
+                  "accepted / drafted | same tokens as AR | status |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        chosen = (rec.get("choice") or {}).get("label")
+        for p in rec["points"]:
+            mark = " **(chosen)**" if p["label"] == chosen else ""
+            if p["status"] != "ok":
+                lines.append(f"| {p['label']} | | | | | | | | {p['status']}: {p.get('error', '')} |")
+                continue
+            lines.append(f"| {p['label']}{mark} | {_f(p['tokens_per_second'], '.1f')} | "
+                         f"{_f(p['ar_tokens_per_second'], '.1f')} | {p['speedup']:.3f}x | {p['noise']:.3f} | "
+                         f"{_f(p['acceptance_length'])} | {_f(p['accepted_per_drafted'], '.3f')} | "
+                         f"{_f(p['same_tokens_as_ar'])} | ok |")
+        c = rec.get("choice")
+        if c:
+            runner = (f"; runner-up {c['runner_up']} at {c['runner_up_speedup']:.3f}x (margin "
+                      f"{c['margin_over_runner_up']:+.3f})") if c.get("runner_up") else ""
+            lines += ["", f"**Choice: {c['label']}** ({c['speedup_vs_ar']:.3f}x AR{runner}): {c['reason']}."]
+            if c.get("command"):
+                lines += ["", "```bash", c["command"], "```"]
+        for p in rec["points"]:
+            if p["status"] == "failed" and p.get("log_tail"):
+                lines += ["", f"Last log lines of {p['label']}:", "", "```", *p["log_tail"], "```"]
+        for note in rec.get("notes") or []:
+            lines += ["", f"- {note}"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(engines: dict[str, dict], path: Path) -> None:
+    """Speed vs knob per engine, AR as the horizontal line, the choice marked, failed settings as x at 0."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state (as eval/harness/report.py)
+
+    shown = {n: r for n, r in engines.items() if r.get("points")}
+    fig = Figure(figsize=(5.5 * max(1, len(shown)), 4.2), dpi=100, layout="constrained")
+    axes = fig.subplots(1, max(1, len(shown)), squeeze=False)[0]
+    for ax, (name, rec) in zip(axes, shown.items(), strict=False):
+        pts = rec["points"]
+        xs = list(range(len(pts)))
+        ok = [(i, p) for i, p in enumerate(pts) if p["status"] == "ok"]
+        ax.plot([i for i, _ in ok], [p["tokens_per_second"] for _, p in ok], "o-", label="setting (median)")
+        bad = [i for i, p in enumerate(pts) if p["status"] != "ok"]
+        if bad:
+            ax.plot(bad, [0] * len(bad), "x", color="C3", label="failed / skipped")
+        ar = (rec.get("ar") or {}).get("tokens_per_second")
+        if ar:
+            ax.axhline(ar, color="k", linestyle=":", label=f"AR {ar:.1f} tok/s")
+        chosen = (rec.get("choice") or {}).get("label")
+        for i, p in ok:
+            if p["label"] == chosen:
+                ax.plot([i], [p["tokens_per_second"]], "*", color="C2", markersize=16, label=f"chosen: {chosen}")
+        ax.set_xticks(xs, [p["label"] for p in pts], rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("new tokens / s")
+        ax.set_title(f"{TITLES.get(name, name)} ({rec.get('dtype', '?')})", fontsize=9)
+        ax.legend(fontsize=7)
+    with atomic_open(path, binary=True) as f:
+        fig.savefig(f, format="png")
+
+
+def write_report(out_dir: Path, context: dict, engines: dict[str, dict]) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "report.md", markdown(context, engines))
+    plot(engines, out_dir / "tune.png")
+    write_text_atomic(out_dir / "report.json",
+                      json.dumps({**context, "engines": engines}, indent=2, allow_nan=False) + "\n")
+
+
+def notes_section(engines: dict[str, dict]) -> str:
+    lines = [NOTES_BEGIN, "## Tuned serving settings (`specdraft tune`)", "",
+             "Measured on one machine: re-tune where you serve (see tuning.json for every point).", ""]
+    for name, rec in engines.items():
+        c = rec.get("choice")
+        m = (rec.get("machine") or {}).get("cpu", "?")
+        if not c:
+            lines.append(f"- **{TITLES.get(name, name)}**: not tuned ({rec.get('status')}: {rec.get('error')})")
+            continue
+        what = c["label"] if c["speculate"] else "do not speculate"
+        lines.append(f"- **{TITLES.get(name, name)}** ({m}, {rec.get('dtype')}, threads {rec.get('threads')}): "
+                     f"{what}, {c['speedup_vs_ar']:.2f}x its AR; {c['reason']}")
+        if c.get("command"):
+            lines += ["", "  ```bash", f"  {c['command']}", "  ```"]
+    return "\n".join([*lines, NOTES_END]) + "\n"
+
+
+def write_notes(export_dir: Path, engines: dict[str, dict]) -> Path:
+    """NOTES.md in the export: the tuned section replaced (or appended), anything else in the file kept."""
+    path = Path(export_dir) / NOTES_FILE
+    text = path.read_text() if path.is_file() else ""
+    section = notes_section(engines)
+    if NOTES_BEGIN in text and NOTES_END in text:
+        head, rest = text.split(NOTES_BEGIN, 1)
+        tail = rest.split(NOTES_END, 1)[1].lstrip("\n")
+        text = head + section + tail
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
+    write_text_atomic(path, text)
+    return path
+
+
+def store_vllm_tokens(export_dir: Path, record: dict | None) -> None:
+    """config.json's vLLM speculative-token count: the choice's when vLLM should speculate, else removed (the
+    vLLM / speculators exporters then write the draft's trained depth)."""
+    path = Path(export_dir) / "config.json"
+    config = json.loads(path.read_text())
+    choice = (record or {}).get("choice") or {}
+    if choice.get("speculate"):
+        config[TUNED_TOKENS_KEY] = int(choice["knobs"]["num_speculative_tokens"])
+    else:
+        config.pop(TUNED_TOKENS_KEY, None)
+    write_text_atomic(path, json.dumps(config, indent=2) + "\n")
+
+
+def write_export(export_dir: Path, context: dict, engines: dict[str, dict]) -> Path:
+    """Everything tune leaves in the export; returns tuning.json's path. The notes cover every engine tuned so
+    far (tuning.json merges this run into earlier ones)."""
+    path = write_tuning(export_dir, context, engines)
+    merged = json.loads(path.read_text())["engines"]
+    if "vllm" in engines:
+        store_vllm_tokens(export_dir, engines["vllm"])
+    write_notes(export_dir, merged)
+    return path

