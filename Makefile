@@ -55,7 +55,8 @@ gpu-data: setup
 	$(PY) launch/pack_data.py
 
 gpu-dry: setup
-	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry setup tests decode gguf train fulldata evaldraft
+	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry setup tests decode gguf train fulldata evaldraft \
+	  regenbench prompts regen eagle3 evalpayoff
 
 # vLLM's CPU build for `specdraft serve-check` (docs/howto/serve.md), in its own venv: it pins its own torch and
 # transformers, and the main .venv never imports vllm. Idempotent (stamp file). serve-check finds it through

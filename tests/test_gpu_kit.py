@@ -65,3 +65,25 @@ def test_llama8b_shape_is_8b():
     per_layer = d * d * 2 + d * kv * 2 + 3 * d * f
     total = layers * per_layer + 2 * v * d
     assert 7.9e9 < total < 8.1e9, json.dumps({"params": total})
+
+
+def test_regeneration_prompts_give_the_same_plans_as_their_source(tmp_path):
+    """The GPU machine regenerates from .gpudata/prompts (the payoff's `prompts` stage) instead of the ShareGPT
+    package: conversation i must give regeneration the same system turns and first 8 user turns as the source."""
+    import importlib.util
+    import lzma
+
+    from data.self_distill import _plan
+    from data.sharegpt import read_sharegpt
+
+    spec = importlib.util.spec_from_file_location("pack_data", Path("launch/pack_data.py"))
+    pack_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack_data)
+    fixture = "tests/fixtures/sharegpt_tiny.json"
+    made = pack_data.write_prompts(fixture, tmp_path, None)
+    plain = tmp_path / "prompts.jsonl"
+    plain.write_bytes(lzma.decompress(Path(made["path"]).read_bytes()))
+    source, _ = read_sharegpt(fixture)
+    compact, _ = read_sharegpt(str(plain))
+    assert made["conversations"] == len(source) == len(compact)
+    assert [_plan(c, 8) for c in compact] == [_plan(c, 8) for c in source]

@@ -5,6 +5,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from data.self_distill import HFGenerator, build_self_distilled, end_of_turn_ids, sidecar
 from models.base import fingerprint_model
@@ -134,3 +135,27 @@ def test_a_time_budget_writes_what_is_done_and_the_same_call_continues(base, tmp
     assert meta["complete"] is True and meta["derived_from"]["max_records"] == 6
     whole = build_self_distilled(base, FIXTURE, **{**kw, "out": tmp_path / "whole.jsonl"})
     assert again.read_text() == whole.read_text()
+
+
+def test_out_of_memory_is_one_line_with_the_batch_size_to_try(base, tmp_path, monkeypatch):
+    """An engine that runs out of memory on the second batch: one error naming the batch size to try; the first
+    batch stays in the partial file and a rerun with that size resumes after it."""
+    tok, eos = base.tokenizer, end_of_turn_ids(base)
+    engine = HFGenerator(base.model, eos, tok.pad_token_id, 8, 0.0)
+    real, calls = base.model.generate, []
+
+    def generate(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(base.model, "generate", generate)
+    kw = dict(max_records=6, max_new_tokens=8, out=tmp_path / "o.jsonl", engine=engine)
+    with pytest.raises(ValueError, match=r"out of memory at a batch of 3 .* --batch-size 1 \(it resumes"):
+        build_self_distilled(base, FIXTURE, batch_size=3, **kw)
+    partial = tmp_path / "o.jsonl.partial"
+    assert len(partial.read_text().splitlines()) == 1 + 3  # header + the first batch
+    monkeypatch.setattr(base.model, "generate", real)
+    out = build_self_distilled(base, FIXTURE, batch_size=1, **kw)
+    assert json.loads(sidecar(out).read_text())["records"] == 6
