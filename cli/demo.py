@@ -1,12 +1,16 @@
 """`specdraft demo`: the main job on this machine, end to end, on the real small base.
 
+0. size the work to this machine: a few seconds' probe of the base's forward speed in the dtype the run uses
+   (cli/demo_probe.py), then a plan (conversations, max length, epochs, eval prompts; cli/demo_plan.py) that fits
+   the time budget, printed in one line; plan keys the user sets (`specdraft demo data.max_records=...`) are kept
+   and their cost is printed;
 1. train a one-head Hydra draft on SmolLM2-135M-Instruct + a ShareGPT subset (configs/hydra.yaml +
    configs/demo.yaml): the frozen base runs once over the data into the hidden-state cache, then several
    cheap epochs train the head from it, with a wall-time budget so it fits a laptop CPU;
 2. print the held-out per-head accuracy table (written by training to runs/demo/heldout.json);
-3. decode MT-bench prompts with the bundled speculative decoder (configs/eval/demo.yaml: dtype=fast, i.e. bf16 on
-   CPUs with bf16 matrix instructions and fp32 elsewhere, a 3-node tree
-   of the head's top-3), with own-AR and transformers-generate baselines side by side in the same run, and
+3. decode MT-bench prompts with the bundled speculative decoder (configs/eval/demo.yaml, in the training's dtype:
+   `fast`, i.e. bf16 on CPUs with bf16 matrix instructions and fp32 elsewhere, unless train.precision says; a
+   3-node tree of the head's top-3), with own-AR and transformers-generate baselines side by side in the same run, and
    print acceptance length (with the tree size), both speedups and the losslessness verdict in words;
 4. (bf16 only; an fp32 run is exact already) an exact fp32 check on a few prompts: there the speculative output
    must equal plain greedy decoding token for token.
@@ -30,25 +34,80 @@ def _family(cfg) -> str:
 
 
 def run_demo(overrides: list[str]) -> int:
+    """`overrides`: `key=value` for the training recipe, or `eval.key=value` for configs/eval/demo.yaml."""
+    from core.config_loader import ConfigError
+    from eval.harness.config import load_eval_config
     from train.config import load_train_config
     from train.loop import train
 
-    cfg = load_train_config([str(CONFIGS / RECIPE), str(CONFIGS / "demo.yaml")], overrides)
+    train_overrides = [o for o in overrides if not o.startswith("eval.")]
+    eval_overrides = [o.removeprefix("eval.") for o in overrides if o.startswith("eval.")]
+    configs = [str(CONFIGS / RECIPE), str(CONFIGS / "demo.yaml")]
+    cfg = load_train_config(configs, train_overrides)  # a bad override fails here, before the probe
+    try:  # and a bad eval.* one
+        load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], eval_overrides)
+    except ConfigError as err:
+        raise ConfigError(f"an eval.* override (for configs/eval/demo.yaml): {err}") from None
     t0 = time.perf_counter()
+    plan, dtype = plan_for_this_machine(cfg, _user_plan_keys(overrides))
+    planned = plan.overrides()
+    cfg = load_train_config(configs, [f"{k}={v}" for k, v in planned.items() if not k.startswith("eval.")]
+                            + train_overrides)
     heads = f"{cfg.draft.num_heads} {_family(cfg)} head{'s' if cfg.draft.num_heads > 1 else ''}"
     cache = "the base's hidden states cached once, then " if cfg.data.hidden_cache else ""
+    epochs = f"{cfg.train.epochs:g} epoch{'' if cfg.train.epochs == 1 else 's'}"
     print(f"[demo 1/4] training {heads} on {cfg.base.path} with {cfg.data.max_records} ShareGPT conversations "
-          f"({cache}{cfg.train.epochs:g} epochs, budget {cfg.train.max_minutes:g} min of training)", flush=True)
+          f"of up to {cfg.data.max_length} tokens ({cache}{epochs}, budget {cfg.train.max_minutes:g} min of "
+          "training)", flush=True)
     run_dir = train(cfg)
     t_train = time.perf_counter() - t0
-    evaluate_demo_run(run_dir)
-    print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min (training incl. set-up "
-          f"{t_train / 60:.1f} min); run directory {run_dir}")
+    # The decoding runs in the dtype the cache and the training used (fp32 when train.precision=fp32 forces it).
+    evaluate_demo_run(run_dir, [f"dtype={dtype}", f"num_prompts={planned['eval.num_prompts']}", *eval_overrides])
+    print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min (probe, training incl. set-up "
+          f"{t_train / 60:.1f} min; planned {plan.total_s / 60:.1f}); run directory {run_dir}")
     return 0
 
 
-def evaluate_demo_run(run_dir: Path) -> None:
-    """Steps 2-4 of the demo on a finished run: held-out table, MT-bench decoding, exact check, summary."""
+def _user_plan_keys(overrides: list[str]) -> dict[str, str]:
+    """{plan key: value} of the overrides that set one of cli.demo_plan.PLAN_KEYS."""
+    from cli.demo_plan import PLAN_KEYS
+
+    pairs = (o.split("=", 1) for o in overrides if "=" in o)
+    return {k.strip(): v.strip() for k, v in pairs if k.strip() in PLAN_KEYS}
+
+
+def plan_for_this_machine(cfg, user: dict[str, str]):
+    """Probe this machine's base speed in the run's dtype and plan the demo on it; prints the plan line.
+    Returns (plan, the dtype name the run uses: "bf16" | "fp32" | ...)."""
+    import gc
+
+    from cli.demo_plan import class_speed, make_plan, speed_class
+    from cli.demo_probe import machine_key, probe_forward_speed, remember_class, remembered_class
+    from core.hardware import resolve_device
+    from models.base import load_base
+    from train.ds_config import resolve_precision
+
+    if cfg.train.num_threads:  # the probe must see the threads training will use
+        torch.set_num_threads(cfg.train.num_threads)
+    device = resolve_device("auto")  # what training picks (train/distributed.py): CUDA when there is one
+    precision = resolve_precision(cfg.train.precision, device)
+    dtype = precision if cfg.base.dtype == "auto" else cfg.base.dtype  # the base's dtype in the cache build
+    # Loading the base converts the packaged GGUF on the first run (~20 s), which training would do otherwise.
+    base = load_base(cfg.base.path, dtype=dtype, device=device, chat_template=cfg.data.chat_template or None)
+    measured = probe_forward_speed(base.model)
+    del base
+    gc.collect()
+    key = machine_key(dtype, device)
+    k = speed_class(measured, remembered_class(key))
+    remember_class(key, k)
+    plan = make_plan(class_speed(k), "bf16" if dtype in ("bf16", "fp16") else "fp32", user=user)
+    print(f"[demo plan] {plan.line()} (measured {measured:.0f} tok/s)", flush=True)
+    return plan, dtype
+
+
+def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None) -> None:
+    """Steps 2-4 of the demo on a finished run: held-out table, MT-bench decoding, exact check, summary.
+    overrides: for configs/eval/demo.yaml (the plan's dtype and prompt count, the user's eval.* keys)."""
     from core.hardware import resolve_device, resolve_dtype
     from eval.harness.config import load_eval_config
     from eval.harness.lossless import format_verdict
@@ -59,8 +118,10 @@ def evaluate_demo_run(run_dir: Path) -> None:
     print("[demo 2/4] held-out accuracy of the draft (teacher forced, next to a trivial predictor)", flush=True)
     if heldout.exists():
         print(format_heldout_table(json.loads(heldout.read_text())), flush=True)
-    eval_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")])
-    # dtype=fast: bf16 on CPUs with bf16 matrix instructions, fp32 elsewhere (then the run itself is the exact check)
+    overrides = list(overrides or [])
+    eval_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], overrides)
+    # run_demo passes the training dtype; alone, configs/eval/demo.yaml's dtype=fast is bf16 on CPUs with bf16
+    # matrix instructions and fp32 elsewhere (then the run itself is the exact check)
     dtype = resolve_dtype(eval_cfg.dtype, resolve_device(eval_cfg.device))
     print(f"[demo 3/4] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
           f"({eval_cfg.max_new_tokens} new tokens each, {str(dtype).removeprefix('torch.')}), own AR and HF generate "
@@ -68,14 +129,14 @@ def evaluate_demo_run(run_dir: Path) -> None:
     report, out_dir = eval_export(run_dir / "export", eval_cfg)
     exact = None
     if dtype != torch.float32:
-        check_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [
+        check_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [*overrides,
             "dtype=fp32", "num_prompts=2", "max_new_tokens=32", "hf_baseline=false", "warmup_tokens=4",
             "name=mtbench-demo-fp32-check"])
         print(f"[demo 4/4] exact losslessness check in fp32 on {check_cfg.num_prompts} prompts", flush=True)
         exact, _ = eval_export(run_dir / "export", check_cfg)
     else:
-        print("[demo 4/4] the decoding above ran in fp32 (this CPU has no fast bf16): its verdict is the exact "
-              "losslessness check", flush=True)
+        print("[demo 4/4] the decoding above ran in fp32 (no fast bf16 on this CPU, or train.precision=fp32): its "
+              "verdict is the exact losslessness check", flush=True)
 
     print("\n" + "=" * 100)
     print(format_summary(report, out_dir))

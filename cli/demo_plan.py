@@ -1,0 +1,229 @@
+"""How much work `specdraft demo` does on this machine: a pure function of the measured base speed, the dtype and
+the time budget (the probe that measures the speed is cli/demo_probe.py).
+
+The demo's costs all scale with how fast the CPU runs the base: the hidden-state cache build (the base once over
+every training token; the largest part), training the head (every epoch over the same tokens), the held-out table
+and the MT-bench decoding with both baselines. An AVX2-only CPU runs the base in fp32 ~3x slower than a CPU with
+AVX512-BF16 runs it in bf16, so one fixed size cannot keep `make demo` within its promise on both (measured in
+docs/lab/benchmarks.md, "The demo").
+
+The plan is the first shape of `SHAPES` (best first) whose estimate fits the budget. What the head needs decides
+the order: it drafts x_{t+2} in the base's answers to first questions (MT-bench), and the first answers' tokens
+are at the start of each conversation, so the shapes cut `data.max_length` (later turns, the tails of long
+answers) before they cut conversations, and cut conversations before epochs and eval prompts. The largest shape
+is the recipe measured on the AVX512-BF16 CPU (800 conversations, 512 tokens, 3 epochs, 8 prompts).
+
+Plans are deterministic per speed class: the measured speed is quantized (`speed_class`, ~19% steps, with
+hysteresis against the class a previous run on the same machine used), so a rerun picks the same shape and reuses
+its hidden-state cache, whose key depends on the rows (data.max_records, data.max_length).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+# The keys a plan sets, as `specdraft demo` override names; eval.num_prompts goes to configs/eval/demo.yaml.
+PLAN_KEYS = ("data.max_records", "data.max_length", "train.epochs", "train.max_minutes", "eval.num_prompts")
+
+# Minutes `specdraft demo` may take: the README promises `make demo` in under 15 min on a 2-core CPU with its
+# set-up (`make setup`, ~2 min from a fresh clone), and the estimate needs ~1 min of margin.
+BUDGET_MINUTES = 12.0
+
+# ShareGPT as the demo reads it (the first 2,000 conversations of the packaged file, SmolLM2's chat template,
+# >= 8 assistant tokens within max_length): max_length -> (share of conversations kept, mean tokens of a kept
+# row). Longer max_length keeps more rows (a long first prompt leaves its answer beyond a short cut).
+SHAREGPT_ROWS = {128: (0.734, 127), 192: (0.804, 189), 256: (0.826, 249), 320: (0.840, 309), 384: (0.856, 366),
+                 448: (0.870, 421), 512: (0.880, 474), 640: (0.891, 577), 768: (0.900, 673), 1024: (0.918, 851)}
+VAL_FRACTION = 0.05  # configs/demo.yaml keeps the default data.val_fraction
+HELDOUT_ROWS = 24  # train.val_batches (6) x micro_batch_size (4): the held-out table's base forwards
+PROBE_LENGTH = 256  # the probe's row length (cli/demo_probe.py)
+PAD_EFFICIENCY = 0.95  # the cache build right-pads micro-batches of 4 rows; most rows reach max_length
+
+# Per dtype, measured on the 2-core AMD EPYCs (bench/demo_plan_costs.py; docs/lab/benchmarks.md, "The demo"):
+#  - attn_len: a token's forward cost grows with the row length through attention, as (1 + mean position /
+#    attn_len): 512-token rows cost ~15% more a token than the probe's 256-token ones (0-18% in fp32, 15-22% in
+#    bf16 over four one-thread runs); the larger value is used for both;
+#  - train_ratio: training tokens/s of the one-head Hydra per probe token/s. fp32: the AVX2-only box trained
+#    3.6k tok/s where its cache ran 470 tok/s on 512-token rows (= ~570 probe tok/s), DeepSpeed included; bf16:
+#    that scaled by the one-thread ratio of head training to forward (4.6 in bf16 against 4.7-5.7 in fp32);
+#  - decode_s, ref: seconds per MT-bench token of the three decoders together (speculative, own AR, HF generate)
+#    at the probe speed `ref`; decoding scales with the CPU like the probe does;
+#  - fixed_s: base conversion, tokenizing, DeepSpeed start, draft vocabulary, export, loading the base for eval
+#    and the tie tolerance (in bf16 also the short fp32 exact check).
+COSTS = {
+    "fp32": {"attn_len": 700.0, "train_ratio": 6.0, "decode_s": 0.149, "ref": 570.0, "fixed_s": 75.0},
+    "bf16": {"attn_len": 700.0, "train_ratio": 5.0, "decode_s": 0.117, "ref": 1200.0, "fixed_s": 90.0},
+}
+MAX_NEW_TOKENS = 96  # configs/eval/demo.yaml
+
+
+@dataclass(frozen=True)
+class Shape:
+    max_records: int
+    max_length: int
+    epochs: float
+    num_prompts: int
+
+
+# Best first. Every step is cheaper than the one before it (test_demo_plan.py checks that).
+SHAPES = (
+    *(Shape(800, length, 3, 8) for length in (512, 448, 384, 320, 256)),
+    *(Shape(records, 256, 3, 8) for records in (700, 600, 500, 400)),
+    Shape(400, 256, 2, 8), Shape(400, 256, 2, 6), Shape(300, 256, 2, 4),
+)
+
+
+def speed_class(tok_s: float, previous: int | None = None) -> int:
+    """The class of a measured speed: floor(4 log2 tok/s), so classes are 2^(1/4) (~19%) apart. A speed within half
+    a class of `previous` (the class the last run on this machine used) keeps it: a rerun whose probe lands just
+    across a boundary still gets the same plan and the same cache."""
+    if tok_s <= 0:
+        raise ValueError(f"measured speed must be positive, got {tok_s}")
+    x = 4 * math.log2(tok_s)
+    if previous is not None and previous - 0.5 <= x < previous + 1.5:
+        return previous
+    return math.floor(x)
+
+
+def class_speed(k: int) -> float:
+    """The speed a class stands for: the geometric middle of its interval."""
+    return 2 ** ((k + 0.5) / 4)
+
+
+def _interp(table: dict[int, tuple[float, float]], length: int) -> tuple[float, float]:
+    """(kept share, tokens a kept row) at `length`: linear between the measured lengths, clamped at the ends."""
+    keys = sorted(table)
+    if length <= keys[0]:
+        return table[keys[0]][0], min(table[keys[0]][1], length)
+    for lo, hi in zip(keys, keys[1:]):
+        if length <= hi:
+            w = (length - lo) / (hi - lo)
+            return tuple(a + w * (b - a) for a, b in zip(table[lo], table[hi]))
+    lo, hi = keys[-2], keys[-1]  # beyond the table: the last segment's slope, kept share capped at 1
+    slope = (table[hi][1] - table[lo][1]) / (hi - lo)
+    return min(1.0, table[hi][0]), table[hi][1] + slope * (length - hi)
+
+
+def train_rows_and_tokens(max_records: int, max_length: int) -> tuple[int, int]:
+    """Estimated (train conversations, train tokens) of the demo's split: the rows the cache holds."""
+    kept_share, tokens_per_row = _interp(SHAREGPT_ROWS, max_length)
+    kept = round(max_records * kept_share)
+    train = kept - max(1, math.ceil(VAL_FRACTION * kept))
+    return max(train, 1), round(max(train, 1) * tokens_per_row)
+
+
+def _cost_per_token(max_length: int, attn_len: float) -> float:
+    """A token's forward cost at `max_length` relative to the probe's rows (mean position ~ half the row)."""
+    return (1 + max_length / 2 / attn_len) / (1 + PROBE_LENGTH / 2 / attn_len)
+
+
+@dataclass(frozen=True)
+class Plan:
+    dtype: str
+    tok_s: float  # the speed class's speed (probe tokens/s)
+    shape: Shape
+    train_rows: int
+    train_tokens: int
+    cache_s: float
+    train_s: float
+    max_minutes: float  # the training cap: the estimate plus slack, so a busier machine still ends in time
+    eval_s: float
+    fixed_s: float
+    budget_minutes: float
+    user_keys: tuple[str, ...] = field(default=())  # plan keys the user set (kept as given)
+    base_total_s: float | None = None  # with user keys: the total of the plan without them
+
+    @property
+    def total_s(self) -> float:
+        return self.fixed_s + self.cache_s + self.train_s + self.eval_s
+
+    @property
+    def fits(self) -> bool:
+        return self.total_s <= 60 * self.budget_minutes
+
+    def overrides(self) -> dict[str, str]:
+        """The plan as `specdraft demo` overrides (PLAN_KEYS), including the keys the user set."""
+        s = self.shape
+        return {"data.max_records": str(s.max_records), "data.max_length": str(s.max_length),
+                "train.epochs": f"{s.epochs:g}", "train.max_minutes": f"{self.max_minutes:g}",
+                "eval.num_prompts": str(s.num_prompts)}
+
+    def line(self) -> str:
+        """The one line the demo prints before it starts."""
+        s = self.shape
+        epochs = f"{s.epochs:g} epoch{'' if s.epochs == 1 else 's'}"
+        text = (f"this CPU: {self.dtype}, ~{self.tok_s:.0f} tok/s -> {s.max_records} conversations cut at "
+                f"{s.max_length} tokens, ~{self.train_tokens / 1000:.0f}k tokens cached in ~{self.cache_s / 60:.1f} "
+                f"min, {epochs} in ~{self.train_s / 60:.1f} min (cap {self.max_minutes:g}), "
+                f"{s.num_prompts} MT-bench prompts in ~{self.eval_s / 60:.1f} min: ~{self.total_s / 60:.1f} min "
+                f"in all (budget {self.budget_minutes:g})")
+        if self.user_keys:
+            delta = (self.total_s - self.base_total_s) / 60 if self.base_total_s is not None else 0.0
+            text += (f"; your {', '.join(self.user_keys)} cost{'s' if len(self.user_keys) == 1 else ''} "
+                     f"{delta:+.1f} min against this CPU's plan")
+        if not self.fits:
+            text += f"; over the budget by ~{self.total_s / 60 - self.budget_minutes:.1f} min"
+        return text
+
+
+def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_minutes: float | None = None) -> Plan:
+    """The time estimate of one shape at a speed (probe tokens/s) in a dtype."""
+    if dtype not in COSTS:
+        raise ValueError(f"no demo cost model for dtype {dtype!r}; known: {', '.join(COSTS)}")
+    c = COSTS[dtype]
+    rows, tokens = train_rows_and_tokens(shape.max_records, shape.max_length)
+    forward_tok_s = tok_s / _cost_per_token(shape.max_length, c["attn_len"])
+    cache_s = tokens / (forward_tok_s * PAD_EFFICIENCY)
+    heldout_s = HELDOUT_ROWS * tokens / rows / forward_tok_s
+    train_s = shape.epochs * tokens / (tok_s * c["train_ratio"]) + heldout_s
+    eval_s = shape.num_prompts * MAX_NEW_TOKENS * c["decode_s"] * c["ref"] / tok_s
+    if max_minutes is None:
+        # A cap, not a target: the estimate plus a quarter and half a minute, plus half of the budget the plan
+        # leaves unused, so a machine slower than its probe loses epochs only when the budget is really at stake.
+        spare = max(0.0, budget_minutes - (c["fixed_s"] + cache_s + train_s + eval_s) / 60)
+        max_minutes = math.ceil(2 * (1.25 * train_s / 60 + 0.5 + spare / 2)) / 2
+    return Plan(dtype, tok_s, shape, rows, tokens, cache_s, train_s, max_minutes, eval_s, c["fixed_s"],
+                budget_minutes)
+
+
+SHAREGPT_RECORDS = 17_671  # complete conversations in the packaged ShareGPT: what data.max_records=null reads
+
+
+def _apply(shape: Shape, user: dict[str, str]) -> Shape:
+    """`shape` with the plan keys the user set."""
+    fields = {"data.max_records": ("max_records", int), "data.max_length": ("max_length", int),
+              "train.epochs": ("epochs", float), "eval.num_prompts": ("num_prompts", int)}
+    values = {}
+    for key, (name, cast) in fields.items():
+        if key not in user:
+            continue
+        if key == "data.max_records" and user[key].lower() in ("null", "none", "~"):
+            values[name] = SHAREGPT_RECORDS
+            continue
+        try:
+            values[name] = cast(user[key])
+        except ValueError:
+            raise ValueError(f"{key}={user[key]!r}: the demo plans with a number here (e.g. {key}="
+                             f"{getattr(shape, name):g})") from None
+    return replace(shape, **values)
+
+
+def make_plan(tok_s: float, dtype: str, budget_minutes: float = BUDGET_MINUTES,
+              user: dict[str, str] | None = None) -> Plan:
+    """The demo's plan at `tok_s` (a speed class's speed) in `dtype` ("fp32" | "bf16"): the first of SHAPES that
+    fits `budget_minutes`, else the cheapest one. `user` = plan keys the user set (`PLAN_KEYS` -> value): they
+    replace the planned values as given (the rest of the plan stays, so an override changes only what it names;
+    without train.max_minutes the training cap follows the new estimate), and the plan says what they cost
+    against the plan without them."""
+    user = {k: v for k, v in (user or {}).items() if k in PLAN_KEYS}
+    plans = [estimate(s, tok_s, dtype, budget_minutes) for s in SHAPES]
+    plain = next((p for p in plans if p.fits), plans[-1])
+    if not user:
+        return plain
+    plan = estimate(_apply(plain.shape, user), tok_s, dtype, budget_minutes, _float(user.get("train.max_minutes")))
+    return replace(plan, user_keys=tuple(k for k in PLAN_KEYS if k in user), base_total_s=plain.total_s)
+
+
+def _float(value: str | None) -> float | None:
+    return None if value is None else float(value)
