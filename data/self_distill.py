@@ -34,8 +34,17 @@ from tqdm import tqdm
 from transformers import CompileConfig, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from core.atomic import write_text_atomic
+from data.onpolicy_store import (
+    check_settings,
+    is_store,
+    partial_record,
+    portable,
+    read_card,
+    read_store,
+    store_line,
+    write_store,
+)
 from data.onpolicy_store import derived_from as store_derived_from
-from data.onpolicy_store import is_store, read_card
 from data.sharegpt import PACKAGED_SOURCE, read_sharegpt, source_path
 
 SELFDISTILL_VERSION = 2  # bump when generation or the record format changes what a file contains
@@ -232,8 +241,6 @@ def build_self_distilled(base, source: str = "sharegpt", max_records: int | None
     meta_path, partial = sidecar(out), out.with_name(out.name + ".partial")
     card = None
     if store is not None:
-        from data.onpolicy_store import check_settings, is_store
-
         card = read_card(store) if is_store(store) else None
         if card is not None:
             check_settings(card, settings, any_engine)
@@ -488,8 +495,6 @@ def _seed_from_store(partial: Path, store, key: str, settings: dict, skip: int, 
                      source: str) -> None:
     """Start (or lengthen) the partial file from the store's lines when the store holds more conversations than
     the partial: on a new machine the cache is empty and the store is what survived."""
-    from data.onpolicy_store import partial_record, read_store
-
     card, lines = read_store(store)
     have = _count_lines(partial, 0) if partial.is_file() else 0
     lines = lines[:len(conversations)]
@@ -508,8 +513,6 @@ def _pack_store(partial: Path, store, card: dict | None, engine_id: str, base, s
     """Write the partial file's complete lines into the store (data/onpolicy_store.py); returns the new card.
     Lines past what the store held before are credited to this run's engine in the card's segments."""
     from importlib.metadata import PackageNotFoundError, version
-
-    from data.onpolicy_store import portable, store_line, write_store
 
     raw = partial.read_bytes()
     lines = _jsonl_lines(raw[:raw.rfind(b"\n") + 1].decode("utf-8"))[1:]
