@@ -4,27 +4,22 @@ resumes from it."""
 
 import json
 import lzma
-from types import SimpleNamespace
 
 import pytest
+from helpers.regen_base import SHAREGPT_FIXTURE, regen_base
 
 import data.self_distill as sd
 from data.onpolicy_store import CARD, DATA, StoreError, check_base, read_card, read_store
 from data.self_distill import build_self_distilled, train_data_entry
 from data.sharegpt import read_sharegpt
-from models.base import fingerprint_model
-from models.tiny import diverse_tiny_llama, tiny_tokenizer
 
-FIXTURE = "tests/fixtures/sharegpt_tiny.json"
+FIXTURE = SHAREGPT_FIXTURE
 KW = dict(max_new_tokens=12, max_turns=2, batch_size=2, token_budget=100)
 
 
 @pytest.fixture(scope="module")
 def base():
-    model = diverse_tiny_llama(0)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return SimpleNamespace(model=model, tokenizer=tiny_tokenizer(), fingerprint=fingerprint_model(model), name="tiny")
+    return regen_base()
 
 
 def _counting(calls):

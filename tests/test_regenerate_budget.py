@@ -2,24 +2,19 @@
 tiny random LLaMA in fp32 (data/self_distill.py)."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.regen_base import SHAREGPT_FIXTURE, regen_base
 
 from data.self_distill import HFGenerator, build_self_distilled, end_of_turn_ids, sidecar
-from models.base import fingerprint_model
-from models.tiny import diverse_tiny_llama, tiny_tokenizer
 
-FIXTURE = "tests/fixtures/sharegpt_tiny.json"
+FIXTURE = SHAREGPT_FIXTURE
 
 
 @pytest.fixture(scope="module")
 def base():
-    model = diverse_tiny_llama(0)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return SimpleNamespace(model=model, tokenizer=tiny_tokenizer(), fingerprint=fingerprint_model(model), name="tiny")
+    return regen_base()
 
 
 def _records(path):

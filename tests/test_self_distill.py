@@ -2,28 +2,22 @@
 resume after a crash, the held-out skip through derived_from, and the config checks."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.regen_base import SHAREGPT_FIXTURE, regen_base
 
 import data.self_distill as sd
 from core.config_loader import ConfigError
 from data.self_distill import build_self_distilled, sidecar, train_data_entry
 from data.sharegpt import read_sharegpt
-from models.base import fingerprint_model
-from models.tiny import diverse_tiny_llama, tiny_tokenizer
 
-FIXTURE = "tests/fixtures/sharegpt_tiny.json"
+FIXTURE = SHAREGPT_FIXTURE
 
 
 @pytest.fixture(scope="module")
 def base():
-    """A base whose greedy answers vary (fp32, so batched and unbatched decodes agree exactly)."""
-    model = diverse_tiny_llama(0)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return SimpleNamespace(model=model, tokenizer=tiny_tokenizer(), fingerprint=fingerprint_model(model), name="tiny")
+    return regen_base()
 
 
 def _build(base, tmp_path, name="sd.jsonl", **kw):
