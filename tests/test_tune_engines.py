@@ -7,28 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_llamacpp import _built as _have_llamacpp
+from test_serve_check import _have_vllm
 from test_tune_cli import tune
-
-
-def _have_vllm() -> bool:
-    from eval.serving.serve_check import ServeCheckError, vllm_python
-
-    try:
-        vllm_python()
-        return True
-    except ServeCheckError:
-        return False
-
-
-def _have_llamacpp() -> bool:
-    from eval.serving.llamacpp_paths import LlamaCppError, converter_python, llama_server
-
-    try:
-        llama_server()
-        converter_python()
-        return True
-    except LlamaCppError:
-        return False
 
 
 def _check_engine_record(rec: dict, labels: list[str]) -> None:
