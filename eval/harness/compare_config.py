@@ -135,7 +135,7 @@ def draft_entries(cfg: CompareConfig, setting_names: list[str]) -> list[DraftEnt
         export = Path(d["export"]) if "export" in d else None
         if export is not None and not (export / "config.json").is_file():
             raise ConfigError(f"{where} ({label}): {export}/config.json not found; train it first "
-                              "(launch/compare.sh trains every draft of configs/compare.yaml)")
+                              "(recipes/compare.sh trains every draft of configs/compare.yaml)")
         only = d.get("settings")
         if only is not None:
             unknown = sorted(set(only) - set(setting_names))

@@ -6,9 +6,9 @@
 # sampling, which regenerates docs/lab/results.md.
 # Resumable: a trained export, a stored tree search and every finished (prompt, method) are kept and skipped.
 #
-#   launch/compare.sh                  # everything (~60 min training + ~60 min comparing on 2 CPU cores)
-#   TRAIN_ONLY=1 launch/compare.sh     # stop after training + tree search
-#   SELF_DISTILL=1 launch/compare.sh   # also train Medusa and Hydra++ on the base's own answers (cmp-sd-*, +~55 min:
+#   recipes/compare.sh                 # everything (~60 min training + ~60 min comparing on 2 CPU cores)
+#   TRAIN_ONLY=1 recipes/compare.sh    # stop after training + tree search
+#   SELF_DISTILL=1 recipes/compare.sh  # also train Medusa and Hydra++ on the base's own answers (cmp-sd-*, +~55 min:
 #                                      # ~20 min generating them) and compare them too (configs/compare_self_distill.yaml)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ S=${SPECDRAFT:-.venv/bin/specdraft}
 B="--config configs/cpu_budget.yaml"
 mkdir -p runs/logs
 
-. launch/train_once.sh  # train <run> <args...>, search <run>
+. recipes/train_once.sh  # train <run> <args...>, search <run>
 
 # Learning rates: the recipes' rates are for GPU runs of several epochs; one CPU epoch (82 steps) needs
 # larger steps. Medusa/Hydra/ReDrafter (zero-init MLP blocks): 5e-3, the demo's rate. Hydra++ / CTC (a

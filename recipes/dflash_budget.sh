@@ -4,20 +4,20 @@
 # ablation's arms (one epoch of the original-answers split), the same hidden-state cache (aux layers [2, 15, 27]),
 # 128 anchors a conversation (the 23 GB CPU box's memory), a checkpoint every 10 steps. Whatever is missing is
 # made, whatever exists is kept, so a rerun after a kill continues:
-#   runs/onpolicy/regen-800.jsonl     the base's own answers (launch/onpolicy_ablation.sh makes the same file)
+#   runs/onpolicy/regen-800.jsonl     the base's own answers (recipes/onpolicy_ablation.sh makes the same file)
 #   runs/abl-eagle3-regen             EAGLE-3 at that budget (the ablation's regenerated arm)
 #   runs/dflash-regen                 DFlash, γ = 16
 #   runs/dflash-g8-regen              DFlash, γ = 8 (num_heads = γ - 1 = 7 slots reported)
 # Then `specdraft compare --config configs/compare_dflash.yaml --update-docs` (block 16) and
 # `... --config configs/compare_dflash_block8.yaml` (block 8); COMPARE=1 runs those of the block sizes trained here.
-#   launch/dflash_budget.sh                       # all of it, ~1.5 h alone on 2 cores
-#   GAMMAS="8" launch/dflash_budget.sh            # one block size
+#   recipes/dflash_budget.sh                      # all of it, ~1.5 h alone on 2 cores
+#   GAMMAS="8" recipes/dflash_budget.sh           # one block size
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 PY=${PY:-.venv/bin/python}
 mkdir -p runs/logs runs/onpolicy
-. launch/train_once.sh  # train <run> <args...>
+. recipes/train_once.sh  # train <run> <args...>
 
 DATA=runs/onpolicy/regen-800.jsonl
 if [ ! -f "$DATA" ]; then  # up to 8 turns of 256 tokens, greedy; a longer regeneration with these settings serves it
@@ -28,7 +28,7 @@ if [ ! -f "$DATA" ]; then  # up to 8 turns of 256 tokens, greedy; a longer regen
 fi
 
 # The token budget: one epoch of the original answers' train split (configs/cpu_budget.yaml's 800 ShareGPT records),
-# what launch/onpolicy_ablation.sh gives every arm. Tokenizing 800 conversations takes seconds (cached).
+# what recipes/onpolicy_ablation.sh gives every arm. Tokenizing 800 conversations takes seconds (cached).
 T=$($PY - <<'EOF'
 import torch
 from train.config import load_train_config

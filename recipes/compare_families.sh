@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The first family comparison (16 MT-bench questions, per-run evals, ReDrafter beam sweep, fp32 losslessness):
-# trains through launch/compare.sh (same budget), then evaluates each export with `specdraft eval`.
-# The full comparison (80 questions + held-out ShareGPT, greedy and T=0.7, one run) is launch/compare.sh.
+# trains through recipes/compare.sh (same budget), then evaluates each export with `specdraft eval`.
+# The full comparison (80 questions + held-out ShareGPT, greedy and T=0.7, one run) is recipes/compare.sh.
 # Resumable: a stage whose output exists is skipped, so re-running after a crash continues.
 # This produced the "families on one CPU budget" section of docs/lab/benchmarks.md (~75 min on 2 cores, +40 min for the 3-epoch Hydra++).
 #
-#   launch/compare_families.sh            # runs under runs/cmp-<family>, logs in runs/logs/
+#   recipes/compare_families.sh           # runs under runs/cmp-<family>, logs in runs/logs/
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
@@ -24,7 +24,7 @@ searched16() {  # the first 16 nodes grown by the tree search, as tree_choices
 print(json.dumps([n['choice'] for n in d['nodes'][:16]]).replace(' ', ''))"
 }
 
-TRAIN_ONLY=1 launch/compare.sh  # trains every family + the 3-epoch Hydra++, searches trees (resumable)
+TRAIN_ONLY=1 recipes/compare.sh  # trains every family + the 3-epoch Hydra++, searches trees (resumable)
 for r in cmp-medusa cmp-hydra cmp-hydra_pp cmp-redrafter cmp-ctc; do evaluate $r mtbench-cpu; done
 for r in cmp-medusa cmp-hydra cmp-hydra_pp; do
   evaluate $r mtbench-cpu-tree16 tree=tree16

@@ -6,7 +6,7 @@
 # on-policy held-out score on the 64 prompts after the slice. Resumable: rerun it after a kill and training continues
 # from the last checkpoint (resume=auto); the snapshots already written stay.
 #
-#   N=3328 EPOCHS=2 launch/onpolicy_best.sh
+#   N=3328 EPOCHS=2 recipes/onpolicy_best.sh
 #   specdraft compare --config configs/compare_onpolicy_best.yaml --update-docs    # then decode the snapshots
 set -euo pipefail
 cd "$(dirname "$0")/.."

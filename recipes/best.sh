@@ -6,8 +6,8 @@
 # last checkpoint with its clock (resume=auto; the 90 min count across restarts), a finished run is skipped,
 # and compare reuses every finished (prompt, method). One family per session fits a 3-hour session:
 #
-#   FAMILIES="eagle3" launch/best.sh          # cache (~30 min, once) + EAGLE-3 (90 min) + compare (~20 min)
-#   FAMILIES="hydra_pp medusa" TRAIN_ONLY=1 launch/best.sh
+#   FAMILIES="eagle3" recipes/best.sh         # cache (~30 min, once) + EAGLE-3 (90 min) + compare (~20 min)
+#   FAMILIES="hydra_pp medusa" TRAIN_ONLY=1 recipes/best.sh
 #
 # compare_best.yaml lists the families trained so far; add a family's rows there once its export exists.
 set -uo pipefail
@@ -17,13 +17,13 @@ B="--config configs/cpu_budget.yaml --config configs/best_budget.yaml"
 FAMILIES=${FAMILIES:-"eagle3 hydra_pp medusa hydra redrafter ctc"}
 mkdir -p runs/logs
 
-. launch/train_once.sh  # train <run> <args...>, search <run>
+. recipes/train_once.sh  # train <run> <args...>, search <run>
 
 echo "=== hidden-state cache $(date +%T)"  # with EAGLE-3's aux layers: every family reads it
 $S cache --config configs/eagle3.yaml $B run_name=best-cache > runs/logs/best-cache.log 2>&1 \
   || { echo "!!! cache build failed (runs/logs/best-cache.log)"; exit 1; }
 
-# Recipes: the same-budget learning rates (launch/compare.sh), which the longer runs anneal with a cosine to the
+# Recipes: the same-budget learning rates (recipes/compare.sh), which the longer runs anneal with a cosine to the
 # deadline; frozen base LM head over the 16k draft vocabulary (configs/cpu_budget.yaml). Hydra++ keeps its
 # dropout of 0.2 for the several epochs it now sees.
 for f in $FAMILIES; do

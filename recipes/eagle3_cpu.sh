@@ -8,14 +8,14 @@
 # transformers `generate` in the same run, and the vLLM serve-check of the best run (chain of 3, what it trained).
 # Resumable: a finished export / eval report is skipped.
 #
-#   launch/eagle3_cpu.sh              # everything (~20 min + ~55 min training, ~40 min evaluating)
-#   TRAIN_ONLY=1 launch/eagle3_cpu.sh
+#   recipes/eagle3_cpu.sh             # everything (~20 min + ~55 min training, ~40 min evaluating)
+#   TRAIN_ONLY=1 recipes/eagle3_cpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 mkdir -p runs/logs
 
-. launch/train_once.sh  # train <run> <args...>
+. recipes/train_once.sh  # train <run> <args...>
 evaluate() {  # evaluate <run> <name> <args...>: MT-bench, bf16, own AR + HF generate side by side
   local run=$1 name=$2; shift 2
   [ -f "runs/$run/eval/$name/report.json" ] && { echo "skip eval $run/$name"; return; }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Original vs regenerated answers (docs/concepts.md#on-policy-data), everything else equal: the same 800 ShareGPT
-# prompts (configs/cpu_budget.yaml), the same recipes and learning rates as launch/compare.sh, the same number of
+# prompts (configs/cpu_budget.yaml), the same recipes and learning rates as recipes/compare.sh, the same number of
 # training tokens (the regenerated arm's epochs are scaled to the original arm's token count), for Hydra (the
 # demo's family) and EAGLE-3. Every run also scores the draft on the base's own answers to the 64 prompts after
 # record 800 (data.onpolicy_heldout), so both kinds of held-out accuracy sit beside the measured acceptance.
@@ -8,15 +8,15 @@
 # chain of 4 and 16-node tree, EAGLE-3's chain also in vLLM, the hidden ShareGPT set). Hydra's tree is the static 16-node one for both arms (no per-arm
 # search, so the tree cannot favour either). Resumable: finished exports and compare rows are kept.
 #
-#   launch/onpolicy_ablation.sh                 # regenerate (vLLM when `make vllm` ran), train, search, compare
-#   TRAIN_ONLY=1 launch/onpolicy_ablation.sh
+#   recipes/onpolicy_ablation.sh                # regenerate (vLLM when `make vllm` ran), train, search, compare
+#   TRAIN_ONLY=1 recipes/onpolicy_ablation.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 B="--config configs/cpu_budget.yaml data.onpolicy_heldout=64"
 mkdir -p runs/logs runs/onpolicy
 
-. launch/train_once.sh  # train <run> <args...>
+. recipes/train_once.sh  # train <run> <args...>
 
 train abl-hydra-orig --config configs/hydra.yaml $B train.lr=5e-3
 train abl-eagle3-orig --config configs/eagle3.yaml $B train.lr=2e-3

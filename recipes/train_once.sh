@@ -1,4 +1,4 @@
-# Sourced by launch/compare.sh, launch/best.sh and launch/eagle3_cpu.sh (needs $S, the specdraft command).
+# Sourced by the recipes in this folder (compare.sh, best.sh, eagle3_cpu.sh, ...; needs $S, the specdraft command).
 # train <run> <args...>: `specdraft train ... run_name=<run>`, skipped once runs/<run>/export exists (resumable
 # scripts); the log goes to runs/logs/<run>.log and a failure is reported without stopping the script.
 train() {

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The strongest EAGLE-3 draft of SmolLM2 from the on-policy store kept in the repository
+# (datasets/smollm2-sharegpt-onpolicy: the base's own answers to the first ShareGPT conversations, cut at the
+# 512-token training length; docs/concepts.md#on-policy-data). The recipe of the 3,328-conversation draft of
+# docs/lab/results.md ("The strongest on-policy EAGLE-3"): configs/eagle3.yaml on configs/cpu_budget.yaml, its own
+# LM head over the 16k draft vocabulary, lr 2e-3, EPOCHS epochs from the hidden-state cache, a snapshot export every
+# EXPORT_EVERY steps (the learning curve), scored on the base's answers to the 64 conversations after the store.
+#
+#   recipes/eagle3_store.sh                    # every record the store holds now
+#   N=6000 EPOCHS=2 recipes/eagle3_store.sh    # its first 6,000 records (conversations whose first prompt fits)
+#   specdraft compare --config configs/compare_store_eagle3.yaml --update-docs   # then decode it and its snapshots
+#
+# Resumable: rerun after a kill and training continues from the last checkpoint (resume=auto). The run is named
+# after the conversations it reads, so a store that has grown since trains a new run instead of resuming the old one.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+S=${SPECDRAFT:-.venv/bin/specdraft}
+PY=${PYTHON:-.venv/bin/python}
+STORE=${STORE:-datasets/smollm2-sharegpt-onpolicy}
+HAVE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/card.json'))['records'])" "$STORE")
+N=${N:-$HAVE}
+if [ "$N" -gt "$HAVE" ]; then
+  echo "eagle3_store: N=$N but $STORE holds $HAVE records; grow it first (the command is its card's extend_with)" >&2
+  exit 2
+fi
+EPOCHS=${EPOCHS:-3}
+EXPORT_EVERY=${EXPORT_EVERY:-240}
+RUN=${RUN:-eagle3-store-${N}}
+mkdir -p runs/logs
+$S train --config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" \
+  draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.save_every=40 \
+  train.export_every="$EXPORT_EVERY" resume=auto run_name="$RUN" 2>&1 | tee -a "runs/logs/$RUN.log" \
+  | grep --line-buffered -v "step/s\]\|s/step\]"
