@@ -6,8 +6,9 @@ batch 1 on a GPU, whatever the batch), so a batch of 256 makes under 1,000 tok/s
 sequence of kernels over fixed shapes, replayed as a CUDA graph.
 
 Layout:
-- weights: `_LlamaCore` of eval/engine/backends/fast.py (fused q/k/v and gate/up, RoPE tables; its own batch-1 KV
-  cache stays at one slot and is never used here);
+- weights and layers: `_LlamaCore` of eval/engine/backends/fast.py (fused q/k/v and gate/up, RoPE tables; its own
+  batch-1 KV cache stays at one slot and is never used here). Its `run_layers` is the one layer loop of both; this
+  module passes the attention (an `attend` callback over its own per-row cache) and takes logits from `head`;
 - KV cache: `[layers, B, kv_heads, capacity, head_dim]`, one row per live sequence (a "slot"). Row b's token at
   position p sits at slot p of row b: every row's positions start at 0, there is no left padding;
 - prefill: the new rows of a refill, right padded to the longest of them, in one eager forward that writes their
@@ -34,7 +35,6 @@ import torch
 import torch.nn.functional as F
 
 from eval.engine.backends.fast import _LlamaCore
-from eval.engine.backends.fast_matmul import matmul_wx, matmul_xw
 from eval.engine.backends.fast_support import supports
 
 CAPACITY_MULTIPLE = 64  # slots per row are rounded up to this, so buffers (and graphs) repeat across calls
@@ -86,7 +86,6 @@ class FastBatchGenerator:
         if self.graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True needs a CUDA device, not {self.device}")
         self.version = f"specdraft-fast {torch.__version__} {str(self.dtype).removeprefix('torch.')} {self.device.type}"
-        self._mm = matmul_wx if self.core.wx else matmul_xw
         # KV buffers: allocated on the first call, grown (never shrunk) when a call needs more rows or slots
         self.rows = self.capacity = 0
         self.k_cache = self.v_cache = None
@@ -260,8 +259,9 @@ class FastBatchGenerator:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[c.windows[i]], scale=c.scale)
             return o.unflatten(2, (G, t)).permute(0, 3, 1, 2, 4).reshape(r * t, H * hd)
 
+        x = c.run_layers(ids.reshape(-1), positions, self.cos, self.sin, attend)  # [R*T, d]
         last = torch.tensor([k * t + len(p) - 1 for k, p in enumerate(prompts)], device=dev)
-        return self._forward(ids.reshape(-1), positions, attend, last)
+        return c.head(x.index_select(0, last))[0]  # the prompts' last tokens only: no [R*T, V] logits
 
     def _decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of the first `width` rows at its position: logits [width, V] fp32."""
@@ -315,46 +315,4 @@ class FastBatchGenerator:
                                                attn_mask=masks[c.windows[i]], scale=c.scale)  # [width, Hkv, G, hd]
             return o.reshape(width, H * hd)
 
-        return self._forward(tokens, positions, attend, None)
-
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend, last: torch.Tensor | None
-                 ) -> torch.Tensor:
-        """The body of _LlamaCore.forward over N flat tokens with an `attend(layer, q, k, v)` of the caller's
-        (which writes the K/V where its rows keep them); logits [N or len(last), V] fp32 of the rows `last`."""
-        c = self.core
-        n = tokens.shape[0]
-        H, Hkv, hd, eps, dims, act, _mm = c.n_heads, c.n_kv, c.head_dim, c.eps, c.dims, c.act, self._mm
-        coss = self.cos[:, positions].unsqueeze(2)  # [tables, N, 1, hd], broadcast over heads
-        sins = self.sin[:, positions].unsqueeze(2)
-        x = F.embedding(tokens, c.embed)  # [N, d]
-        if c.embed_scale is not None:
-            x = x * c.embed_scale
-        for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, pan, ln2, wgu, bgu, wd, bd, pfn), r) in enumerate(
-                zip(c.layers, c.rope_ids)):
-            h = F.rms_norm(x, dims, ln1, eps)
-            qkv = _mm(h, wqkv, bqkv).view(n, H + 2 * Hkv, hd)
-            qk = qkv[:, :H + Hkv]
-            if qn is not None:  # Qwen3 / Gemma-3: per-head RMSNorm of q and of k before RoPE
-                qk = torch.cat([F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)], 1)
-            qk = torch.addcmul(qk * coss[r], qk.roll(hd // 2, -1), sins[r])  # RoPE on q and k: [N, H + Hkv, hd]
-            o = attend(i, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [N, H*hd]
-            if pan is None:
-                x = _mm(o, wo, bo, residual=x)
-            else:  # Gemma: normalise the attention output before the residual add
-                x = x + F.rms_norm(_mm(o, wo, bo), dims, pan, eps)
-            h = F.rms_norm(x, dims, ln2, eps)
-            gate, up = _mm(h, wgu, bgu).chunk(2, -1)  # [N, I] each
-            if pfn is None:
-                x = _mm(act(gate).mul_(up), wd, bd, residual=x)
-            else:
-                x = x + F.rms_norm(_mm(act(gate).mul_(up), wd, bd), dims, pfn, eps)
-        if last is not None:
-            x = x.index_select(0, last)  # the prompts' last tokens only: no [R*T, V] logits
-        hidden = F.rms_norm(x, dims, c.final_norm, eps)
-        if c.wx and hidden.shape[0] > 1:  # fp32 "wx" layout: (W [V, d] @ h^T)^T
-            logits = torch.mm(c.lm_head_w, hidden.t()).t()
-        else:
-            logits = torch.mm(hidden, c.lm_head_t).float()
-        if c.softcap:  # Gemma: cap * tanh(z / cap)
-            logits = torch.tanh(logits / c.softcap) * c.softcap
-        return logits
+        return c.head(c.run_layers(tokens, positions, self.cos, self.sin, attend))[0]

@@ -47,7 +47,7 @@ from eval.engine.backends.fast_support import (  # noqa: F401 (FAST_ARCHITECTURE
     supports,
 )
 
-# Per-layer tensors in the order `_LlamaCore.forward` unpacks them (biases and q/k norms may be None).
+# Per-layer tensors in the order `_LlamaCore.run_layers` unpacks them (biases and q/k norms may be None).
 # ln2 is the norm in front of the MLP; pan / pfn the norms after attention / MLP (Gemma; else None).
 _LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "qn", "kn", "wo", "bo", "pan", "ln2", "wgu", "bgu", "wd", "bd", "pfn")
 
@@ -267,49 +267,66 @@ class _LlamaCore(nn.Module):
         see `group_mask`) or None for "see every slot"; win_mask: the same for sliding-window layers
         (mask with the window applied; None = use `mask`); new K/V are written at `slots`, then every
         query attends over slots [0, kv_len). Returns (logits [N, V] fp32, hidden [N, d])."""
+        n = tokens.shape[0]
+        H, Hkv, G, hd, scale = self.n_heads, self.n_kv, self.groups, self.head_dim, self.scale
+        caches = self.cache_views
+        if torch.compiler.is_compiling():  # buffers by name: static addresses, see run_layers
+            caches = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
+        layer_masks = [win_mask if sliding and win_mask is not None else mask for sliding in self.is_sliding]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = caches[i]  # [Hkv, capacity, hd]
+            kc.index_copy_(1, slots, k.transpose(0, 1))
+            vc.index_copy_(1, slots, v.transpose(0, 1))
+            # GQA without repeating K/V: query head j*G+g uses K/V head j, so [H, N, hd] viewed as
+            # [Hkv, G*N, hd] puts all queries of one K/V head in one row block (order g, n).
+            q = q.transpose(0, 1).reshape(1, Hkv, G * n, hd)
+            o = F.scaled_dot_product_attention(q, kc.narrow(1, 0, kv_len).unsqueeze(0),
+                                               vc.narrow(1, 0, kv_len).unsqueeze(0),
+                                               attn_mask=layer_masks[i], scale=scale)  # [1, Hkv, G*N, hd]
+            # [Hkv, G*N, hd] -> [N, H*hd] with head h = j*G + g. unflatten, not view: CUDA's flash/efficient
+            # kernels return o laid out as [1, G*N, Hkv, hd] (transposed strides), which no view of
+            # [H, N, hd] can read; splitting one dim is a view for any strides.
+            return o[0].unflatten(1, (G, n)).permute(2, 0, 1, 3).reshape(n, H * hd)
+
+        return self.head(self.run_layers(tokens, positions, self.cos, self.sin, attend))
+
+    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attend) -> torch.Tensor:
+        """Embedding and every decoder layer over N flat tokens; returns the residual stream x [N, d] after the
+        last layer (before the final norm, see `head`). cos / sin: RoPE tables [tables, >= max position + 1, hd]
+        (`rope_tables`). Attention is the caller's: `attend(i, q [N, H, hd], k [N, Hkv, hd], v [N, Hkv, hd])
+        -> [N, H*hd]` for layer i, with q and k already normed and rotated; it stores k / v wherever its cache
+        keeps them and attends with its own masks (`forward` here, FastBatchGenerator's per-row cache in
+        eval/engine/batch_generate.py). With `aux_layers` set, also leaves the EAGLE-3 aux states in last_aux."""
         # Every aten call costs a few microseconds of dispatch, ~35 of them per layer: the loop
         # below is written to keep that count low (fused matmuls, views over copies, no K/V repeat).
         n = tokens.shape[0]
-        H, Hkv, G, hd, eps, dims = self.n_heads, self.n_kv, self.groups, self.head_dim, self.eps, self.dims
-        coss = self.cos[:, positions].unsqueeze(2)  # [tables, N, 1, hd], broadcast over heads
-        sins = self.sin[:, positions].unsqueeze(2)
+        H, Hkv, hd, eps, dims, act = self.n_heads, self.n_kv, self.head_dim, self.eps, self.dims, self.act
+        coss = cos[:, positions].unsqueeze(2)  # [tables, N, 1, hd], broadcast over heads
+        sins = sin[:, positions].unsqueeze(2)
         x = F.embedding(tokens, self.embed)  # [N, d]
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        layers, caches = self.layers, self.cache_views
+        layers = self.layers
         if torch.compiler.is_compiling():
             # Read the registered buffers by name so the compiler sees them as module state (static
             # addresses for CUDA graphs), not as loose tensors it would copy in on every replay.
             layers = self._layer_tensors()
-            caches = [(self.k_cache[i], self.v_cache[i]) for i in range(self.n_layers)]
         aux_ids, aux = self.aux_layers, []
-        layer_masks = [win_mask if sliding and win_mask is not None else mask for sliding in self.is_sliding]
-        scale, act = self.scale, self.act
         _mm = matmul_wx if self.wx else matmul_xw
-        for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, pan, ln2, wgu, bgu, wd, bd, pfn), (kc, vc), m, r) in enumerate(
-                zip(layers, caches, layer_masks, self.rope_ids)):
+        for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, pan, ln2, wgu, bgu, wd, bd, pfn), r) in enumerate(
+                zip(layers, self.rope_ids)):
             if i in aux_ids:  # EAGLE-3: the residual stream after i layers, before layer i
                 aux.append(x)
-            cos, sin = coss[r], sins[r]
             h = F.rms_norm(x, dims, ln1, eps)
             qkv = _mm(h, wqkv, bqkv).view(n, H + 2 * Hkv, hd)
             # RoPE on q and k together (adjacent heads of the fused output): x*cos + rot(x)*sin.
             qk = qkv[:, : H + Hkv]
-            if qn is not None:  # Qwen3: per-head RMSNorm of q and of k first
+            if qn is not None:  # Qwen3 / Gemma-3: per-head RMSNorm of q and of k first
                 qk = torch.cat([F.rms_norm(qk[:, :H], (hd,), qn, eps), F.rms_norm(qk[:, H:], (hd,), kn, eps)], 1)
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # [N, H + Hkv, hd]
-            kc.index_copy_(1, slots, qk[:, H:].transpose(0, 1))  # cache [Hkv, capacity, hd]
-            vc.index_copy_(1, slots, qkv[:, H + Hkv:].transpose(0, 1))
-            # GQA without repeating K/V: query head j*G+g uses K/V head j, so [H, N, hd] viewed as
-            # [Hkv, G*N, hd] puts all queries of one K/V head in one row block (order g, n).
-            q = qk[:, :H].transpose(0, 1).reshape(1, Hkv, G * n, hd)
-            o = F.scaled_dot_product_attention(q, kc.narrow(1, 0, kv_len).unsqueeze(0),
-                                               vc.narrow(1, 0, kv_len).unsqueeze(0),
-                                               attn_mask=m, scale=scale)  # [1, Hkv, G*N, hd]
-            # [Hkv, G*N, hd] -> [N, H*hd] with head h = j*G + g. unflatten, not view: CUDA's flash/efficient
-            # kernels return o laid out as [1, G*N, Hkv, hd] (transposed strides), which no view of
-            # [H, N, hd] can read; splitting one dim is a view for any strides.
-            o = o[0].unflatten(1, (G, n)).permute(2, 0, 1, 3).reshape(n, H * hd)
+            qk = torch.addcmul(qk * coss[r], qk.roll(hd // 2, -1), sins[r])  # [N, H + Hkv, hd]
+            o = attend(i, qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [N, H*hd]
             if pan is None:
                 x = _mm(o, wo, bo, residual=x)
             else:  # Gemma: normalise the attention output before the residual add
@@ -320,16 +337,21 @@ class _LlamaCore(nn.Module):
                 x = _mm(act(gate).mul_(up), wd, bd, residual=x)
             else:
                 x = x + F.rms_norm(_mm(act(gate).mul_(up), wd, bd), dims, pfn, eps)
-        hidden = F.rms_norm(x, dims, self.final_norm, eps)
-        if self.wx and n > 1:  # full vocab for every node: [N, V]
+        if aux_ids:  # [N, k*d] in aux_ids' order (collected in layer order); eager path only, see set_aux_layers
+            found = dict(zip(sorted(aux_ids), aux))
+            self.last_aux = torch.cat([found[i] for i in aux_ids], -1)
+        return x
+
+    def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream x [M, d] (of run_layers, or rows of it) -> (logits [M, V] fp32, hidden [M, d]): the final
+        norm, the lm_head, Gemma's soft-cap."""
+        hidden = F.rms_norm(x, self.dims, self.final_norm, self.eps)
+        if self.wx and x.shape[0] > 1:  # fp32 "wx" layout, full vocab for every row: (W [V, d] @ h^T)^T
             logits = torch.mm(self.lm_head_w, hidden.t()).t().contiguous()
         else:
             logits = torch.mm(hidden, self.lm_head_t).float()
         if self.softcap:  # Gemma: cap * tanh(z / cap)
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        if aux_ids:  # [N, k*d] in aux_ids' order (collected in layer order); eager path only, see set_aux_layers
-            found = dict(zip(sorted(aux_ids), aux))
-            self.last_aux = torch.cat([found[i] for i in aux_ids], -1)
         return logits, hidden
 
     def group_mask(self, mask: torch.Tensor) -> torch.Tensor:
