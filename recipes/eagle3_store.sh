@@ -30,6 +30,14 @@ EXPORT_EVERY=${EXPORT_EVERY:-240}
 RUN=${RUN:-eagle3-store-${N}}
 HIDDEN=${HIDDEN:-runs/cache/$RUN}
 mkdir -p runs/logs
+# The on-policy held-out slice (the 64 conversations after the store, whole answers: no token budget) through vLLM
+# when it is installed (`make vllm`); training would generate it with transformers, ~3x slower on this CPU.
+SKIP=$("$PY" -c "import json, sys; c = json.load(open(sys.argv[1] + '/card.json')); print(c.get('skip', 0) + c['conversations'])" "$STORE")
+if [ -x .venv-vllm/bin/python ]; then
+  $S regenerate --base smollm2 --source sharegpt --engine vllm --max-turns 8 --max-new-tokens 256 --token-budget 0 \
+    --dtype bf16 --batch-size 64 --skip "$SKIP" --max-records 64 > /dev/null 2> "runs/logs/regen-heldout-$RUN.log" \
+    || echo "eagle3_store: the held-out regeneration failed (runs/logs/regen-heldout-$RUN.log); training makes it" >&2
+fi
 $S train --config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" \
   data.hidden_cache="$HIDDEN" draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.save_every=40 \
   train.export_every="$EXPORT_EVERY" resume=auto run_name="$RUN" 2>&1 | tee -a "runs/logs/$RUN.log" \
