@@ -9,9 +9,9 @@ docs/lab/benchmarks.md, "The demo").
 
 The plan is the first shape of `SHAPES` (best first) whose estimate fits the budget. What the head needs decides
 the order: it drafts x_{t+2} in the base's answers to first questions (MT-bench), and the first answers' tokens
-are at the start of each conversation, so the shapes cut `data.max_length` (later turns, the tails of long
-answers) before they cut conversations, and cut conversations before epochs and eval prompts. The largest shape
-is the recipe measured on the AVX512-BF16 CPU (800 conversations, 512 tokens, 3 epochs, 8 prompts).
+are at the start of each conversation, so every shape cuts the conversations at 128 tokens and a faster machine
+gets more conversations, not longer ones (measured: docs/lab/benchmarks.md, "The demo: which data cut"). The
+largest shape, 3,400 conversations x 128 tokens x 3 epochs x 8 prompts, is what the AVX512-BF16 CPU affords in bf16.
 
 Plans are deterministic per speed class: the measured speed is quantized (`speed_class`, ~19% steps, with
 hysteresis against the class a previous run on the same machine used), so a rerun picks the same shape and reuses
@@ -66,11 +66,15 @@ class Shape:
     num_prompts: int
 
 
-# Best first. Every step is cheaper than the one before it (test_demo_plan.py checks that).
+# Best first. Every step is cheaper than the one before it (test_demo_plan.py checks that). Measured
+# (recipes/demo_data_cuts.sh; docs/lab/benchmarks.md, "The demo: which data cut"), MT-bench acceptance of the
+# 3-epoch head with the demo's tree: at equal cached tokens a 128-token cut decodes as well as a 256-token one
+# (1.40 / 1.41 at ~150k tokens, 1.44 / 1.43 at ~300k), whole 512-token conversations worse (1.33 at ~150k, 1.39 at
+# ~310k): the head learns from the first answers, so every shape cuts at 128 tokens (the cheapest rows) and spends
+# what the machine affords on conversations, then on epochs and eval prompts.
 SHAPES = (
-    *(Shape(800, length, 3, 8) for length in (512, 448, 384, 320, 256)),
-    *(Shape(records, 256, 3, 8) for records in (700, 600, 500, 400)),
-    Shape(400, 256, 2, 8), Shape(400, 256, 2, 6), Shape(300, 256, 2, 4),
+    *(Shape(records, 128, 3, 8) for records in (3400, 3000, 2600, 2200, 1900, 1600, 1300, 1000, 800, 600, 400)),
+    Shape(400, 128, 2, 8), Shape(400, 128, 2, 6), Shape(300, 128, 2, 4),
 )
 
 

@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Which smaller data costs the demo's head the least acceptance (docs/lab/benchmarks.md, "The demo: which data cut"):
 # the demo's recipe (configs/hydra.yaml + configs/demo.yaml: one Hydra head, 3 epochs from the hidden-state cache)
-# trained on about the same number of cached tokens (~150k, what a slow CPU can cache within the demo's budget)
-# cut three ways, and the full 312k-token shape as the ceiling:
-#   len128   1,700 conversations cut at 128 tokens (the first answers of many conversations)
-#   len256     800 conversations cut at 256 tokens (what cli/demo_plan.py picks on a slow CPU)
+# trained on ShareGPT's first conversations cut different ways at ~150k cached tokens (what a slow CPU caches within
+# the demo's budget) and at ~300k (what a fast one does):
 #   len512     400 conversations cut at 512 tokens (fewer conversations, whole)
-#   full       800 conversations cut at 512 tokens (the plan on a fast CPU: twice the tokens)
+#   len256     800 conversations cut at 256 tokens
+#   len128   1,700 conversations cut at 128 tokens (the first answers of many conversations)
+#   full       800 conversations cut at 512 tokens (the demo's largest shape before this measurement)
+#   wide256  1,600 conversations cut at 256 tokens (full's tokens, spent on more first answers)
+#   wide128  3,400 conversations cut at 128 tokens (the same, shorter still: the largest shape since)
 # No wall-time cap (train.max_minutes=0), so every arm trains its full 3 epochs however busy the machine is; each
 # export is then decoded with the demo's 3-node tree on EVAL_PROMPTS MT-bench prompts (acceptance is what counts
 # here; the speed columns are only valid on an idle machine). Resumable: a finished arm is skipped.
 #
 #   recipes/demo_data_cuts.sh
-#   grep -h "acceptance length" runs/cut-*/eval/mtbench-demo/report.md
+#   grep -H "acceptance_length" runs/cut-*/eval/mtbench-demo/report.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
@@ -30,7 +32,9 @@ arm() {  # arm <name> <max_records> <max_length>
     num_threads="$THREADS" > "runs/logs/eval-cut-$1.log" 2>&1 \
     || echo "!!! eval cut-$1 failed (runs/logs/eval-cut-$1.log)"
 }
-arm len256 800 256
 arm len512 400 512
+arm len256 800 256
 arm len128 1700 128
 arm full 800 512
+arm wide256 1600 256
+arm wide128 3400 128
