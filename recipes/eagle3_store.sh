@@ -6,7 +6,7 @@
 # LM head over the 16k draft vocabulary, lr 2e-3, EPOCHS epochs from the hidden-state cache, a snapshot export every
 # EXPORT_EVERY steps (the learning curve), scored on the base's answers to the 64 conversations after the store.
 # Two epochs by default: that draft's held-out gain per epoch halved after its second, and 12,000 conversations are
-# ~4.3M tokens an epoch. On the 2-core CPU: ~1 h to build the cache, then ~1 h an epoch (~3 s a step of 8).
+# ~4.3M tokens an epoch. On the 2-core CPU: ~1 h to build the cache, then ~1-1.3 h an epoch (~3 s a step of 8).
 #
 #   recipes/eagle3_store.sh                    # every record the store holds now
 #   N=6000 EPOCHS=2 recipes/eagle3_store.sh    # its first 6,000 records (conversations whose first prompt fits)
