@@ -271,10 +271,11 @@ def test_compare_cli_errors_are_clear(tmp_path, clean_env):
 
 
 @pytest.mark.parametrize("path", ["configs/compare.yaml", "configs/compare_best.yaml",
-                                  "configs/compare_self_distill.yaml"])
+                                  "configs/compare_self_distill.yaml", "configs/compare_onpolicy_best.yaml",
+                                  "configs/compare_store_eagle3.yaml"])
 def test_shipped_compare_configs_parse(path):
     """The settings and vLLM settings of every shipped compare config validate (the drafts' exports are built by
-    recipes/compare.sh / recipes/best.sh, so they are not checked here)."""
+    the recipes/ scripts, so they are not checked here)."""
     from eval.harness.compare_config import setting_configs, vllm_setting_names
 
     cfg = load_compare_config([path] if "self_distill" not in path else ["configs/compare.yaml", path])
