@@ -381,7 +381,11 @@ stage_eagle3() {
     run eagle3 "$PY" -m cli.main train "${common[@]}" train.max_steps=3 train.precision=fp32 data.max_length=96 \
       train.global_batch_size=2 train.micro_batch_size=1 train.val_batches=1 draft.vocab_size=64 || return 1
   else
-    run eagle3 timeout 400 "$PY" -m cli.main train "${common[@]}" train.epochs=50 \
+    # training stops itself at EAGLE3_MINUTES and exports; the timeout only catches a hang: that plus start-up
+    # (loading the base, tokenizing ~11k store records, the draft vocabulary) and the export
+    local hang_s
+    hang_s=$(awk -v m="${EAGLE3_MINUTES:-2.5}" 'BEGIN { print int(m * 60 + 180) }')
+    run eagle3 timeout "$hang_s" "$PY" -m cli.main train "${common[@]}" train.epochs=50 \
       "train.max_minutes=${EAGLE3_MINUTES:-2.5}" train.micro_batch_size=32 train.global_batch_size=64 train.lr=2e-3 \
       train.precision=bf16 train.val_batches=10 || return 1
   fi
