@@ -10,6 +10,8 @@
 #
 #   recipes/eagle3_store.sh                    # every record the store holds now
 #   N=6000 EPOCHS=2 recipes/eagle3_store.sh    # its first 6,000 records (conversations whose first prompt fits)
+#   MINUTES=60 RUN=eagle3-store-60min HIDDEN=runs/cache/eagle3-store-10778 recipes/eagle3_store.sh
+#                                              # a one-hour training budget on the same cache (for a 3-hour session)
 #   specdraft compare --config configs/compare_store_eagle3.yaml --update-docs   # then decode it and its snapshots
 #
 # Resumable: rerun after a kill and training continues from the last checkpoint (resume=auto). The run is named
@@ -21,7 +23,9 @@ cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 PY=${PYTHON:-.venv/bin/python}
 STORE=${STORE:-datasets/smollm2-sharegpt-onpolicy}
-HAVE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/card.json'))['records'])" "$STORE")
+# The store's card: the records it holds, and where the held-out slice starts (after every conversation it read).
+read -r HAVE SKIP < <("$PY" -c "import json, sys; c = json.load(open(sys.argv[1] + '/card.json'))
+print(c['records'], c.get('skip', 0) + c['conversations'])" "$STORE")
 N=${N:-$HAVE}
 if [ "$N" -gt "$HAVE" ]; then
   echo "eagle3_store: N=$N but $STORE holds $HAVE records; grow it first (the command is its card's extend_with)" >&2
@@ -29,18 +33,18 @@ if [ "$N" -gt "$HAVE" ]; then
 fi
 EPOCHS=${EPOCHS:-2}
 EXPORT_EVERY=${EXPORT_EVERY:-320}
+MINUTES=${MINUTES:-0}  # > 0: a training time budget (train.max_minutes): the LR anneals by it, training stops there
 RUN=${RUN:-eagle3-store-${N}}
 HIDDEN=${HIDDEN:-runs/cache/$RUN}
 mkdir -p runs/logs
 # The on-policy held-out slice (the 64 conversations after the store, whole answers: no token budget) through vLLM
 # when it is installed (`make vllm`); training would generate it with transformers, ~3x slower on this CPU.
-SKIP=$("$PY" -c "import json, sys; c = json.load(open(sys.argv[1] + '/card.json')); print(c.get('skip', 0) + c['conversations'])" "$STORE")
 if [ -x .venv-vllm/bin/python ]; then
   $S regenerate --base smollm2 --source sharegpt --engine vllm --max-turns 8 --max-new-tokens 256 --token-budget 0 \
     --dtype bf16 --batch-size 64 --skip "$SKIP" --max-records 64 > /dev/null 2> "runs/logs/regen-heldout-$RUN.log" \
     || echo "eagle3_store: the held-out regeneration failed (runs/logs/regen-heldout-$RUN.log); training makes it" >&2
 fi
 $S train --config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" \
-  data.hidden_cache="$HIDDEN" draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.save_every=40 \
+  data.hidden_cache="$HIDDEN" draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.max_minutes="$MINUTES" train.save_every=40 \
   train.export_every="$EXPORT_EVERY" resume=auto run_name="$RUN" 2>&1 | tee -a "runs/logs/$RUN.log" \
   | grep --line-buffered -v "step/s\]\|s/step\]"
