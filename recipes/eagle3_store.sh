@@ -10,8 +10,8 @@
 #
 #   recipes/eagle3_store.sh                    # every record the store holds now
 #   N=6000 EPOCHS=2 recipes/eagle3_store.sh    # its first 6,000 records (conversations whose first prompt fits)
-#   MINUTES=60 RUN=eagle3-store-60min HIDDEN=runs/cache/eagle3-store-10778 recipes/eagle3_store.sh
-#                                              # a one-hour training budget on the same cache (for a 3-hour session)
+#   LENGTH=256 EPOCHS=2 MINUTES=75 EXPORT_EVERY=575 RUN=eagle3-store-10778-256 recipes/eagle3_store.sh
+#                                              # first 256 tokens of each, 75 min of training (fits a 3-hour session)
 #   specdraft compare --config configs/compare_store_eagle3.yaml --update-docs   # then decode it and its snapshots
 #
 # Resumable: rerun after a kill and training continues from the last checkpoint (resume=auto). The run is named
@@ -33,6 +33,7 @@ if [ "$N" -gt "$HAVE" ]; then
 fi
 EPOCHS=${EPOCHS:-2}
 EXPORT_EVERY=${EXPORT_EVERY:-320}
+LENGTH=${LENGTH:-512}  # data.max_length: each conversation's first LENGTH tokens (the store's token budget is 512)
 MINUTES=${MINUTES:-0}  # > 0: a training time budget (train.max_minutes): the LR anneals by it, training stops there
 RUN=${RUN:-eagle3-store-${N}}
 HIDDEN=${HIDDEN:-runs/cache/$RUN}
@@ -44,7 +45,7 @@ if [ -x .venv-vllm/bin/python ]; then
     --dtype bf16 --batch-size 64 --skip "$SKIP" --max-records 64 > /dev/null 2> "runs/logs/regen-heldout-$RUN.log" \
     || echo "eagle3_store: the held-out regeneration failed (runs/logs/regen-heldout-$RUN.log); training makes it" >&2
 fi
-$S train --config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" \
+$S train --config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" data.max_length="$LENGTH" \
   data.hidden_cache="$HIDDEN" draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.max_minutes="$MINUTES" train.save_every=40 \
   train.export_every="$EXPORT_EVERY" resume=auto run_name="$RUN" 2>&1 | tee -a "runs/logs/$RUN.log" \
   | grep --line-buffered -v "step/s\]\|s/step\]"
