@@ -202,3 +202,37 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path):
     depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
     assert depth is None and "do not speculate on vllm" in line
     assert Setting("x", {}, 0.0).speculative is False and AR.cost == 0.0
+
+
+def test_tune_ours_sweeps_eagle3_trees_down_to_a_4_node_tree_of_2_draft_steps(tmp_path):
+    """An EAGLE-3 export (untrained, tiny base): besides the chains, EAGLE-2 trees of 4 nodes / 2 draft steps and 8 /
+    16 / 32 nodes / 4 steps are settings; the small tree's drafter runs 2 steps, verifies at most 4 nodes, and its
+    output is plain decoding's."""
+    import torch
+
+    from eval.harness.config import load_eval_config
+    from eval.harness.tune import AR
+    from eval.harness.tune_ours import OursEngine
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.eagle3 import Eagle3Draft
+    from models.export.load import load_export
+    from models.export.specdraft import export_specdraft
+
+    base = load_base("tiny")
+    torch.manual_seed(0)
+    export = export_specdraft(Eagle3Draft(BaseView.from_model(base.model), ttt_steps=3).eval(),
+                              tmp_path / "run" / "export", base.name, base.fingerprint)
+    cfg = load_eval_config(["configs/eval/smoke.yaml"], ["num_prompts=2"])
+    engine = OursEngine(load_export(export, dtype="fp32"), cfg)
+    by_label = {s.label: s for s in engine.settings()}
+    trees = [label for label in by_label if label.startswith("EAGLE-2 tree")]
+    assert trees == ["EAGLE-2 tree, 4 nodes, depth 2", "EAGLE-2 tree, 8 nodes", "EAGLE-2 tree, 16 nodes",
+                     "EAGLE-2 tree, 32 nodes"]
+    small = by_label["EAGLE-2 tree, 4 nodes, depth 2"]
+    session = engine.open(small)
+    assert (session.drafter.tree_depth, session.drafter.max_nodes) == (2, 4)
+    measured = session.run()
+    ar = engine.open(AR).run()
+    assert measured.outputs == ar.outputs and measured.drafted <= 3 * measured.steps
+    assert "extra.tree_depth=2" in engine.command(small)

@@ -4,7 +4,8 @@ sizes, each an EvalConfig override a user can pass to `specdraft eval` (and whic
 Shapes per family:
   medusa, hydra   chains; the static trees that fit the heads (wide2, tree16, medusa63); trees grown by the tree
                   search (eval/harness/tree_search.py) on held-out ShareGPT prompts, never the tuning prompts
-  eagle3          chains (any length: the draft runs autoregressively); EAGLE-2 dynamic trees of 8 / 16 / 32 nodes
+  eagle3          chains (any length: the draft runs autoregressively); EAGLE-2 dynamic trees of 4 nodes (2 draft
+                  steps) and of 8 / 16 / 32 nodes (4 steps)
   dflash          chains up to block_size - 1; the static trees that fit
   redrafter       one beam (a chain) of each length up to its trained length; 2 / 4 / 8 beams of that length
   ctc             4 / 8 / 16 / 24 CTC paths (it has no chain)
@@ -29,7 +30,9 @@ from eval.harness.tune_apply import apply_knobs
 MAX_CHAIN = 6
 STATIC_TREE_NAMES = ("wide2", "tree16", "medusa63")  # chain4 is a chain, already swept
 SEARCHED_SIZES = (4, 8, 16, 32)
-EAGLE_TREE_NODES = (8, 16, 32)
+# EAGLE-2 trees as (nodes with the root, draft steps): where verifying up to ~5 tokens costs about one AR step (a
+# 2-core CPU, docs/lab/benchmarks.md) a 4-node tree can win, and 2 draft steps are all its 3 drafted nodes use.
+EAGLE_TREES = ((4, 2), (8, 4), (16, 4), (32, 4))
 BEAMS = (2, 4, 8)
 CTC_PATHS = (4, 8, 16, 24)
 ASSUMED_TOKENS_PER_SECOND = 15.0  # a-priori pace of a CPU decode (SmolLM2 fp32 ran at ~22 tok/s, docs/lab)
@@ -92,8 +95,10 @@ class OursEngine:
             for size, choices in self._searched_trees():
                 yield self._setting(f"searched tree, {size} nodes", {"tree_choices": choices})
         if f == "eagle3":
-            for n in EAGLE_TREE_NODES:
-                yield self._setting(f"EAGLE-2 tree, {n} nodes", {"extra": {"eagle3_mode": "tree", "tree_nodes": n}})
+            for n, depth in EAGLE_TREES:
+                extra = {"eagle3_mode": "tree", "tree_nodes": n, "tree_depth": depth}
+                yield self._setting(f"EAGLE-2 tree, {n} nodes" + (f", depth {depth}" if depth != 4 else ""),
+                                    {"extra": extra})
         if f == "redrafter":
             length = int(self.loaded.draft.beam_length)
             for w in BEAMS:
