@@ -5,18 +5,21 @@
 # docs/lab/results.md ("The strongest on-policy EAGLE-3"): configs/eagle3.yaml on configs/cpu_budget.yaml, its own
 # LM head over the 16k draft vocabulary, lr 2e-3, EPOCHS epochs from the hidden-state cache, a snapshot export every
 # EXPORT_EVERY steps (the learning curve), scored on the base's answers to the 64 conversations after the store.
-# Two epochs by default: that draft's held-out gain per epoch halved after its second, and 12,000 conversations are
-# ~4.3M tokens an epoch. On the 2-core CPU: ~1 h to build the cache, then ~1-1.3 h an epoch (~3 s a step of 8).
+# Two epochs by default: that draft's held-out gain per epoch halved after its second. Costs on the 2-core
+# AVX512-BF16 EPYC (bf16), measured: the whole store at 512 tokens is 4.38M tokens an epoch, its cache ~85 min at
+# ~860 tok/s; at LENGTH=256, 2.33M tokens (9,590 train conversations), cache 34 min at ~1.1k tok/s, ~2 s a step of 8
+# conversations, ~1,200 steps an epoch.
 #
-#   recipes/eagle3_store.sh                    # every record the store holds now
+#   recipes/eagle3_store.sh                    # every record the store holds now, whole (512 tokens)
 #   N=6000 EPOCHS=2 recipes/eagle3_store.sh    # its first 6,000 records (conversations whose first prompt fits)
 #   LENGTH=256 EPOCHS=2 MINUTES=75 EXPORT_EVERY=575 RUN=eagle3-store-10778-256 recipes/eagle3_store.sh
-#                                              # first 256 tokens of each, 75 min of training (fits a 3-hour session)
+#       # the draft of docs/lab/results.md ("EAGLE-3 on the 12,000-conversation store"): each conversation's first
+#       # 256 tokens (where MT-bench's first answers live), 75 min of training (2,169 of 2,396 steps, 1.8 epochs)
 #   specdraft compare --config configs/compare_store_eagle3.yaml --update-docs   # then decode it and its snapshots
 #
 # Resumable: rerun after a kill and training continues from the last checkpoint (resume=auto). The run is named
 # after the records it reads, so a store that has grown since trains a new run instead of resuming the old one.
-# The hidden-state cache (~1 h of base forwards for 10k records, ~4 GB per million tokens) is written inside the
+# The hidden-state cache (base forwards over every token once, ~4.3 GB per million tokens) is written inside the
 # work tree, runs/cache/<run> (git-ignored), beside the checkpoints, so a machine swap that wipes ~/.cache keeps it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
