@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `specdraft tune` on the strongest draft (docs/lab/serving.md, "`specdraft tune` on the strongest draft"): each
 # engine's speculation settings against that engine's AR, in interleaved pairs, on MT-bench and on the hidden ShareGPT
-# set; the choices land in the export's tuning.json (MT-bench's last, so they are the ones kept), then the 1B / 8B
-# projection for llama.cpp from the draft's measured acceptance.
+# set; the choices land in the export's tuning.json (MT-bench's last, so they are the ones kept). The section's 1B / 8B
+# projection for llama.cpp is `python bench/llamacpp_scaling.py --tables-only --rates <the chain's per-depth rates>`.
 #
 #   recipes/tune_store.sh                               # the draft of recipes/eagle3_store.sh (LENGTH=256 run)
 #   DRAFT=runs/<run>/export ENGINES="ours llamacpp" recipes/tune_store.sh
