@@ -5,7 +5,7 @@ Shapes per family:
   medusa, hydra   chains; the static trees that fit the heads (wide2, tree16, medusa63); trees grown by the tree
                   search (eval/harness/tree_search.py) on held-out ShareGPT prompts, never the tuning prompts
   eagle3          chains (any length: the draft runs autoregressively); EAGLE-2 dynamic trees of 4 nodes (2 draft
-                  steps) and of 8 / 16 / 32 nodes (4 steps)
+                  steps) and of 8 / 16 / 32 nodes (the drafter's default 4)
   dflash          chains up to block_size - 1; the static trees that fit
   redrafter       one beam (a chain) of each length up to its trained length; 2 / 4 / 8 beams of that length
   ctc             4 / 8 / 16 / 24 CTC paths (it has no chain)
@@ -20,6 +20,7 @@ import torch
 
 from eval.engine.backends.choice import choose_backend, make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
+from eval.engine.drafters.eagle3 import Options as Eagle3Options
 from eval.engine.drafters.registry import build_drafter, chain_overrides
 from eval.engine.tree import STATIC_TREES
 from eval.harness.config import EvalConfig
@@ -31,8 +32,10 @@ MAX_CHAIN = 6
 STATIC_TREE_NAMES = ("wide2", "tree16", "medusa63")  # chain4 is a chain, already swept
 SEARCHED_SIZES = (4, 8, 16, 32)
 # EAGLE-2 trees as (nodes with the root, draft steps): where verifying up to ~5 tokens costs about one AR step (a
-# 2-core CPU, docs/lab/benchmarks.md) a 4-node tree can win, and 2 draft steps are all its 3 drafted nodes use.
-EAGLE_TREES = ((4, 2), (8, 4), (16, 4), (32, 4))
+# 2-core CPU, docs/lab/benchmarks.md) a 4-node tree can win, and 2 draft steps are all its 3 drafted nodes use; the
+# larger trees keep the drafter's default depth.
+EAGLE_DEFAULT_DEPTH = Eagle3Options.tree_depth
+EAGLE_TREES = ((4, 2), (8, EAGLE_DEFAULT_DEPTH), (16, EAGLE_DEFAULT_DEPTH), (32, EAGLE_DEFAULT_DEPTH))
 BEAMS = (2, 4, 8)
 CTC_PATHS = (4, 8, 16, 24)
 ASSUMED_TOKENS_PER_SECOND = 15.0  # a-priori pace of a CPU decode (SmolLM2 fp32 ran at ~22 tok/s, docs/lab)
@@ -97,8 +100,8 @@ class OursEngine:
         if f == "eagle3":
             for n, depth in EAGLE_TREES:
                 extra = {"eagle3_mode": "tree", "tree_nodes": n, "tree_depth": depth}
-                yield self._setting(f"EAGLE-2 tree, {n} nodes" + (f", depth {depth}" if depth != 4 else ""),
-                                    {"extra": extra})
+                label = f"EAGLE-2 tree, {n} nodes" + (f", depth {depth}" if depth != EAGLE_DEFAULT_DEPTH else "")
+                yield self._setting(label, {"extra": extra})
         if f == "redrafter":
             length = int(self.loaded.draft.beam_length)
             for w in BEAMS:
