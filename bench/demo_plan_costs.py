@@ -3,6 +3,7 @@
 
     python bench/demo_plan_costs.py            # one thread, CPU time: meaningful on a shared, loaded box
     python bench/demo_plan_costs.py --threads 2 --wall
+    python bench/demo_plan_costs.py --lengths 256 --teacher-weight 0     # hard labels, against the soft loss
 
 CPU seconds of one thread (`time.thread_time`, best of --repeats) are what a one-thread process would take alone,
 whatever else runs; with --wall, wall seconds (an idle box only). Training = the demo's one Hydra head (configs/
@@ -26,6 +27,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lengths", default="128,256,384,512")
     p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--teacher-weight", type=float, default=None,
+                   help="the head's loss.teacher_weight (default: configs/demo.yaml's); 0 = hard labels only")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not args.wall and args.threads != 1:
@@ -36,7 +39,9 @@ def main() -> None:
     from cli.demo import RECIPE
     from train.config import load_train_config
 
-    cfg = load_train_config([str(CONFIGS / RECIPE), str(CONFIGS / "demo.yaml")])
+    extra = [] if args.teacher_weight is None else [f"loss.teacher_weight={args.teacher_weight}"]
+    cfg = load_train_config([str(CONFIGS / RECIPE), str(CONFIGS / "demo.yaml")], extra)
+    print(f"head trained with loss.teacher_weight={cfg.loss.teacher_weight}")
     lengths = [int(x) for x in args.lengths.split(",")]
     print(f"{'dtype':6} " + " ".join(f"fw{n:>5}" for n in lengths) + "   train  train/fw256")
     for dtype in args.dtypes.split(","):

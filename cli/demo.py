@@ -7,12 +7,16 @@
 1. train a one-head Hydra draft on SmolLM2-135M-Instruct + a ShareGPT subset (configs/hydra.yaml +
    configs/demo.yaml): the frozen base runs once over the data into the hidden-state cache, then several
    cheap epochs train the head from it, with a wall-time budget so it fits a laptop CPU;
-2. print the held-out per-head accuracy table (written by training to runs/demo/heldout.json);
-3. decode MT-bench prompts with the bundled speculative decoder (configs/eval/demo.yaml, in the training's dtype:
-   `fast`, i.e. bf16 on CPUs with bf16 matrix instructions and fp32 elsewhere, unless train.precision says; a
-   3-node tree of the head's top-3), with own-AR and transformers-generate baselines side by side in the same run, and
-   print acceptance length (with the tree size), both speedups and the losslessness verdict in words;
-4. (bf16 only; an fp32 run is exact already) an exact fp32 check on a few prompts: there the speculative output
+2. choose the tree on this machine (cli/demo_tune.py): the head's top-1, top-2 or top-3, each decoded side by side
+   with own AR on a few held-out conversations; the cheapest one no other beats by more than the noise wins (what
+   verifying 2-4 tokens costs depends on the CPU and the dtype); a tree the user sets (eval.tree_choices=...) is
+   kept as given;
+3. print the held-out per-head accuracy table (written by training to runs/demo/heldout.json);
+4. decode MT-bench prompts with the bundled speculative decoder and that tree (configs/eval/demo.yaml, in the
+   training's dtype: `fast`, i.e. bf16 on CPUs with bf16 matrix instructions and fp32 elsewhere, unless
+   train.precision says), with own-AR and transformers-generate baselines side by side in the same run, and print
+   acceptance length (with the tree size), both speedups and the losslessness verdict in words;
+5. (bf16 only; an fp32 run is exact already) an exact fp32 check on a few prompts: there the speculative output
    must equal plain greedy decoding token for token.
 """
 
@@ -49,23 +53,41 @@ def run_demo(overrides: list[str]) -> int:
     except ConfigError as err:
         raise ConfigError(f"an eval.* override (for configs/eval/demo.yaml): {err}") from None
     t0 = time.perf_counter()
-    plan, dtype = plan_for_this_machine(cfg, _user_plan_keys(overrides))
+    plan, dtype = plan_for_this_machine(cfg, _user_plan_keys(overrides), tree_sweep=not _sets_tree(eval_overrides))
     planned = plan.overrides()
     cfg = load_train_config(configs, [f"{k}={v}" for k, v in planned.items() if not k.startswith("eval.")]
                             + train_overrides)
     heads = f"{cfg.draft.num_heads} {_family(cfg)} head{'s' if cfg.draft.num_heads > 1 else ''}"
     cache = "the base's hidden states cached once, then " if cfg.data.hidden_cache else ""
     epochs = f"{cfg.train.epochs:g} epoch{'' if cfg.train.epochs == 1 else 's'}"
-    print(f"[demo 1/4] training {heads} on {cfg.base.path} with {cfg.data.max_records} ShareGPT conversations "
+    print(f"[demo 1/5] training {heads} on {cfg.base.path} with {cfg.data.max_records} ShareGPT conversations "
           f"of up to {cfg.data.max_length} tokens ({cache}{epochs}, budget {cfg.train.max_minutes:g} min of "
           "training)", flush=True)
     run_dir = train(cfg)
     t_train = time.perf_counter() - t0
     # The decoding runs in the dtype the cache and the training used (fp32 when train.precision=fp32 forces it).
-    evaluate_demo_run(run_dir, [f"dtype={dtype}", f"num_prompts={planned['eval.num_prompts']}", *eval_overrides])
+    eval_args = [f"dtype={dtype}", f"num_prompts={planned['eval.num_prompts']}"]
+    if _sets_tree(eval_overrides):
+        print("[demo 2/5] the tree: yours (eval.tree / eval.tree_choices), not tuned", flush=True)
+    else:
+        from cli.demo_tune import TUNE_PROMPTS, TUNE_TOKENS, describe, tune_demo_tree
+
+        print(f"[demo 2/5] choosing the tree on this machine: the head's top-1 / top-2 / top-3 against own AR, "
+              f"{TUNE_PROMPTS} held-out conversations x {TUNE_TOKENS} tokens", flush=True)
+        choice = tune_demo_tree(run_dir / "export", [*eval_args, *eval_overrides])
+        print(f"[demo 2/5] {describe(choice)}", flush=True)
+        # A chosen tree reaches the eval through tuning.json (configs/eval/demo.yaml's own tree set aside, so the
+        # eval says which tuning it applies); with no tree beating AR the demo still decodes with the top-1.
+        eval_args += (["tree_choices=null"] if choice["speculate"] else ["tree_choices=[[0]]", "use_tuning=false"])
+    evaluate_demo_run(run_dir, [*eval_args, *eval_overrides])
     print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min (probe, training incl. set-up "
           f"{t_train / 60:.1f} min; planned {plan.total_s / 60:.1f}); run directory {run_dir}")
     return 0
+
+
+def _sets_tree(eval_overrides: list[str]) -> bool:
+    """Whether the user chose the demo's tree (eval.tree=... / eval.tree_choices=...): then it is not tuned."""
+    return any(o.split("=", 1)[0].strip() in ("tree", "tree_choices") for o in eval_overrides)
 
 
 def _user_plan_keys(overrides: list[str]) -> dict[str, str]:
@@ -76,9 +98,10 @@ def _user_plan_keys(overrides: list[str]) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs if k.strip() in PLAN_KEYS}
 
 
-def plan_for_this_machine(cfg, user: dict[str, str]):
+def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True):
     """Probe this machine's base speed in the run's dtype and plan the demo on it; prints the plan line.
-    Returns (plan, the dtype name the run uses: "bf16" | "fp32" | ...)."""
+    tree_sweep: the demo sweeps its trees before decoding (priced in the plan). Returns (plan, the dtype name the
+    run uses: "bf16" | "fp32" | ...)."""
     import gc
 
     from cli.demo_plan import class_speed, make_plan, speed_class
@@ -100,7 +123,8 @@ def plan_for_this_machine(cfg, user: dict[str, str]):
     key = machine_key(dtype, device)
     k = speed_class(measured, remembered_class(key))
     remember_class(key, k)
-    plan = make_plan(class_speed(k), "bf16" if dtype in ("bf16", "fp16") else "fp32", user=user)
+    plan = make_plan(class_speed(k), "bf16" if dtype in ("bf16", "fp16") else "fp32", user=user,
+                     soft_loss=cfg.loss.teacher_weight > 0, tree_sweep=tree_sweep)
     print(f"[demo plan] {plan.line()} (measured {measured:.0f} tok/s)", flush=True)
     return plan, dtype
 
@@ -115,7 +139,7 @@ def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None) -> None
     from train.heldout import format_heldout_table
 
     heldout = run_dir / "heldout.json"
-    print("[demo 2/4] held-out accuracy of the draft (teacher forced, next to a trivial predictor)", flush=True)
+    print("[demo 3/5] held-out accuracy of the draft (teacher forced, next to a trivial predictor)", flush=True)
     if heldout.exists():
         print(format_heldout_table(json.loads(heldout.read_text())), flush=True)
     overrides = list(overrides or [])
@@ -123,7 +147,7 @@ def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None) -> None
     # run_demo passes the training dtype; alone, configs/eval/demo.yaml's dtype=fast is bf16 on CPUs with bf16
     # matrix instructions and fp32 elsewhere (then the run itself is the exact check)
     dtype = resolve_dtype(eval_cfg.dtype, resolve_device(eval_cfg.device))
-    print(f"[demo 3/4] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
+    print(f"[demo 4/5] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
           f"({eval_cfg.max_new_tokens} new tokens each, {str(dtype).removeprefix('torch.')}), own AR and HF generate "
           "in the same run", flush=True)
     report, out_dir = eval_export(run_dir / "export", eval_cfg)
@@ -132,10 +156,10 @@ def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None) -> None
         check_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [*overrides,
             "dtype=fp32", "num_prompts=2", "max_new_tokens=32", "hf_baseline=false", "warmup_tokens=4",
             "name=mtbench-demo-fp32-check"])
-        print(f"[demo 4/4] exact losslessness check in fp32 on {check_cfg.num_prompts} prompts", flush=True)
+        print(f"[demo 5/5] exact losslessness check in fp32 on {check_cfg.num_prompts} prompts", flush=True)
         exact, _ = eval_export(run_dir / "export", check_cfg)
     else:
-        print("[demo 4/4] the decoding above ran in fp32 (no fast bf16 on this CPU, or train.precision=fp32): its "
+        print("[demo 5/5] the decoding above ran in fp32 (no fast bf16 on this CPU, or train.precision=fp32): its "
               "verdict is the exact losslessness check", flush=True)
 
     print("\n" + "=" * 100)

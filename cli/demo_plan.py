@@ -44,9 +44,12 @@ PAD_EFFICIENCY = 0.95  # the cache build right-pads micro-batches of 4 rows; mos
 #  - attn_len: a token's forward cost grows with the row length through attention, as (1 + mean position /
 #    attn_len): 512-token rows cost ~15% more a token than the probe's 256-token ones (0-18% in fp32, 15-22% in
 #    bf16 over four one-thread runs); the larger value is used for both;
-#  - train_ratio: training tokens/s of the one-head Hydra per probe token/s. fp32: the AVX2-only box trained
-#    3.6k tok/s where its cache ran 470 tok/s on 512-token rows (= ~570 probe tok/s), DeepSpeed included; bf16:
-#    that scaled by the one-thread ratio of head training to forward (4.6 in bf16 against 4.7-5.7 in fp32);
+#  - train_ratio: training tokens/s of the one-head Hydra per probe token/s. Trained on hard labels, fp32: the
+#    AVX2-only box trained 3.6k tok/s where its cache ran 470 tok/s on 512-token rows (= ~570 probe tok/s),
+#    DeepSpeed included, i.e. 6.0; bf16: that scaled by the one-thread ratio of head training to forward (4.6 in
+#    bf16 against 4.7-5.7 in fp32), 5.0. The soft loss to the base (configs/demo.yaml: loss.teacher_weight 1.0)
+#    computes the base's logits over the draft vocabulary at every target too: SOFT_LOSS_SPEED of the hard-label
+#    speed;
 #  - decode_s, ref: seconds per MT-bench token of the three decoders together (speculative, own AR, HF generate)
 #    at the probe speed `ref`; decoding scales with the CPU like the probe does;
 #  - fixed_s: base conversion, tokenizing, DeepSpeed start, draft vocabulary, export, loading the base for eval
@@ -56,6 +59,10 @@ COSTS = {
     "bf16": {"attn_len": 700.0, "train_ratio": 5.0, "decode_s": 0.117, "ref": 1200.0, "fixed_s": 90.0},
 }
 MAX_NEW_TOKENS = 96  # configs/eval/demo.yaml
+# Head training with the soft loss (loss.teacher_weight > 0) against hard labels, tokens/s: 0.65 in both dtypes
+# (2,052 / 3,188 and 1,915 / 2,895 in bf16, 1,178 / 1,808 twice in fp32; one thread, CPU time, the demo's head on
+# [4, 256] cached rows, bench/demo_plan_costs.py --teacher-weight 1).
+SOFT_LOSS_SPEED = 0.65
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,7 @@ class Plan:
     budget_minutes: float
     user_keys: tuple[str, ...] = field(default=())  # plan keys the user set (kept as given)
     base_total_s: float | None = None  # with user keys: the total of the plan without them
+    tree_sweep: bool = True  # eval_s includes the demo's tree sweep (cli/demo_tune.py)
 
     @property
     def total_s(self) -> float:
@@ -160,8 +168,8 @@ class Plan:
         text = (f"this CPU: {self.dtype}, ~{self.tok_s:.0f} tok/s -> {s.max_records} conversations cut at "
                 f"{s.max_length} tokens, ~{self.train_tokens / 1000:.0f}k tokens cached in ~{self.cache_s / 60:.1f} "
                 f"min, {epochs} in ~{self.train_s / 60:.1f} min (cap {self.max_minutes:g}), "
-                f"{s.num_prompts} MT-bench prompts in ~{self.eval_s / 60:.1f} min: ~{self.total_s / 60:.1f} min "
-                f"in all (budget {self.budget_minutes:g})")
+                f"{'the tree sweep and ' if self.tree_sweep else ''}{s.num_prompts} MT-bench prompts in "
+                f"~{self.eval_s / 60:.1f} min: ~{self.total_s / 60:.1f} min in all (budget {self.budget_minutes:g})")
         if self.user_keys:
             delta = (self.total_s - self.base_total_s) / 60 if self.base_total_s is not None else 0.0
             text += (f"; your {', '.join(self.user_keys)} cost{'s' if len(self.user_keys) == 1 else ''} "
@@ -171,8 +179,11 @@ class Plan:
         return text
 
 
-def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_minutes: float | None = None) -> Plan:
-    """The time estimate of one shape at a speed (probe tokens/s) in a dtype."""
+def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_minutes: float | None = None, *,
+             soft_loss: bool = True, tree_sweep: bool = True) -> Plan:
+    """The time estimate of one shape at a speed (probe tokens/s) in a dtype. soft_loss: the head trains with
+    the soft loss to the base (loss.teacher_weight > 0; slower a token); tree_sweep: the demo sweeps its trees
+    before decoding (not when the user sets the tree)."""
     if dtype not in COSTS:
         raise ValueError(f"no demo cost model for dtype {dtype!r}; known: {', '.join(COSTS)}")
     c = COSTS[dtype]
@@ -180,15 +191,33 @@ def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_
     forward_tok_s = tok_s / _cost_per_token(shape.max_length, c["attn_len"])
     cache_s = tokens / (forward_tok_s * PAD_EFFICIENCY)
     heldout_s = HELDOUT_ROWS * tokens / rows / forward_tok_s
-    train_s = shape.epochs * tokens / (tok_s * c["train_ratio"]) + heldout_s
+    train_tok_s = tok_s * c["train_ratio"] * (SOFT_LOSS_SPEED if soft_loss else 1.0)
+    train_s = shape.epochs * tokens / train_tok_s + heldout_s
     eval_s = shape.num_prompts * MAX_NEW_TOKENS * c["decode_s"] * c["ref"] / tok_s
+    if tree_sweep:
+        eval_s += tune_seconds(tok_s, dtype)
     if max_minutes is None:
         # A cap, not a target: the estimate plus a quarter and half a minute, plus half of the budget the plan
         # leaves unused, so a machine slower than its probe loses epochs only when the budget is really at stake.
         spare = max(0.0, budget_minutes - (c["fixed_s"] + cache_s + train_s + eval_s) / 60)
         max_minutes = math.ceil(2 * (1.25 * train_s / 60 + 0.5 + spare / 2)) / 2
     return Plan(dtype, tok_s, shape, rows, tokens, cache_s, train_s, max_minutes, eval_s, c["fixed_s"],
-                budget_minutes)
+                budget_minutes, tree_sweep=tree_sweep)
+
+
+# The tree sweep before the MT-bench decoding (cli/demo_tune.py): its decoded tokens are AR and speculative passes,
+# ~0.3 of decode_s a token (which also pays for HF generate, the slowest of the three), plus loading the export,
+# warm-ups and the prompts' prefills.
+TUNE_SHARE_OF_DECODE = 0.3
+TUNE_FIXED_S = 15.0
+
+
+def tune_seconds(tok_s: float, dtype: str) -> float:
+    """Seconds of the demo's tree sweep at a probe speed."""
+    from cli.demo_tune import TUNE_DECODED_TOKENS
+
+    c = COSTS[dtype]
+    return TUNE_FIXED_S + TUNE_DECODED_TOKENS * TUNE_SHARE_OF_DECODE * c["decode_s"] * c["ref"] / tok_s
 
 
 SHAREGPT_RECORDS = 17_671  # complete conversations in the packaged ShareGPT: what data.max_records=null reads
@@ -214,18 +243,20 @@ def _apply(shape: Shape, user: dict[str, str]) -> Shape:
 
 
 def make_plan(tok_s: float, dtype: str, budget_minutes: float = BUDGET_MINUTES,
-              user: dict[str, str] | None = None) -> Plan:
+              user: dict[str, str] | None = None, *, soft_loss: bool = True, tree_sweep: bool = True) -> Plan:
     """The demo's plan at `tok_s` (a speed class's speed) in `dtype` ("fp32" | "bf16"): the first of SHAPES that
     fits `budget_minutes`, else the cheapest one. `user` = plan keys the user set (`PLAN_KEYS` -> value): they
     replace the planned values as given (the rest of the plan stays, so an override changes only what it names;
     without train.max_minutes the training cap follows the new estimate), and the plan says what they cost
-    against the plan without them."""
+    against the plan without them. soft_loss / tree_sweep: see `estimate`."""
     user = {k: v for k, v in (user or {}).items() if k in PLAN_KEYS}
-    plans = [estimate(s, tok_s, dtype, budget_minutes) for s in SHAPES]
+    kinds = {"soft_loss": soft_loss, "tree_sweep": tree_sweep}
+    plans = [estimate(s, tok_s, dtype, budget_minutes, **kinds) for s in SHAPES]
     plain = next((p for p in plans if p.fits), plans[-1])
     if not user:
         return plain
-    plan = estimate(_apply(plain.shape, user), tok_s, dtype, budget_minutes, _float(user.get("train.max_minutes")))
+    plan = estimate(_apply(plain.shape, user), tok_s, dtype, budget_minutes, _float(user.get("train.max_minutes")),
+                    **kinds)
     return replace(plan, user_keys=tuple(k for k in PLAN_KEYS if k in user), base_total_s=plain.total_s)
 
 

@@ -171,13 +171,16 @@ class HydraDraft(DraftVocabMixin, DraftModel):
         """LM head weight [N or V, d] of head k (1-based)."""
         return self.shared_lm_head if self.share_lm_head else self.heads[k - 1].lm_head.weight
 
-    def head_logits(self, k: int, z: torch.Tensor, path_emb: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, k: int, z: torch.Tensor, path_emb: torch.Tensor, matmul=None) -> torch.Tensor:
         """Inference: head k on n nodes at once. z [n, d], path_emb [n, k, d] -> logits [n, N or V] over draft
-        ids (map picks to base ids with `to_base`)."""
+        ids (map picks to base ids with `to_base`). matmul(x [n, d], w_t [d, N or V]) -> [n, N or V] computes
+        the LM-head product (default x @ w_t; a decoder passes its machine's fastest layout of the same product)."""
         if path_emb.shape[1] != k:
             raise ValueError(f"head {k} reads the root and its k-1 ancestors ({k} embeddings), got path_emb "
                              f"{tuple(path_emb.shape)}; pass [n, {k}, d]")
-        return self.head_trunk(k, self.head_input(z, path_emb)) @ self.head_weight(k).T
+        x = self.head_trunk(k, self.head_input(z, path_emb))
+        w_t = self.head_weight(k).T  # [d, N or V], a transposed view of the [N or V, d] rows
+        return x @ w_t if matmul is None else matmul(x, w_t)
 
     # -- training ---------------------------------------------------------------------------------------
 

@@ -90,7 +90,7 @@ def test_each_level_is_one_batched_call_conditioned_on_the_node_path(view):
     drafter = HydraDrafter(draft, tree)
     calls = []
     original = draft.head_logits
-    draft.head_logits = lambda k, z, e: calls.append((k, z.shape[0])) or original(k, z, e)
+    draft.head_logits = lambda k, z, e, mm=None: calls.append((k, z.shape[0])) or original(k, z, e, mm)
     h = torch.randn(4, view.hidden_size)
     state = DecodeState(ids=torch.tensor([5, 6, 7, 8]), root=9, new_hidden=h, new_ids=torch.tensor([5, 6, 7, 8]))
     out = drafter.propose(state)
@@ -189,3 +189,27 @@ def test_default_tree_is_cut_to_a_one_head_draft():
     assert speculative_generate(backend, drafter, prompt, max_new_tokens=8).tokens == want
     with pytest.raises(ValueError, match="deep"):
         build_drafter(draft, {"family": "hydra"}, EvalConfig(tree="tree16"))
+
+
+@pytest.mark.parametrize("layout", ["xw", "wx"])
+def test_fp32_head_product_layouts_propose_the_same_tree(view, monkeypatch, layout):
+    """The drafter's fast fp32 LM-head product ("wx": (W @ x^T)^T, padded to 2 rows for 1) is the twin of the
+    model's own x @ W.T: same logits within fp32 rounding, same proposed tokens, on 1-row and wider levels."""
+    from eval.engine.backends.fast_matmul import FP32_LAYOUT_ENV
+
+    monkeypatch.setenv(FP32_LAYOUT_ENV, layout)
+    draft = _random_draft(view, prefix=False, seed=5)
+    drafter = HydraDrafter(draft, StaticTree(FULL_3x3))
+    assert (drafter._matmul is not None) == (layout == "wx")
+    h = torch.randn(4, view.hidden_size)
+    state = DecodeState(ids=torch.tensor([5, 6, 7, 8]), root=9, new_hidden=h, new_ids=torch.tensor([5, 6, 7, 8]))
+    reference = HydraDrafter(draft, StaticTree(FULL_3x3))
+    reference._matmul = None  # the model's plain product
+    assert drafter.propose(state).tokens.tolist() == reference.propose(state).tokens.tolist()
+    with torch.no_grad():
+        for n in (1, 3, 9):  # the widths the 3x3 tree's levels run
+            z = torch.randn(n, view.hidden_size)
+            emb = draft.embed_tokens(torch.randint(0, 50, (n, 2)))
+            fast = draft.head_logits(2, z, emb, drafter._matmul)
+            torch.testing.assert_close(fast, draft.head_logits(2, z, emb), rtol=1e-5, atol=1e-5)
+            assert fast.shape == (n, draft.head_weight(2).shape[0])

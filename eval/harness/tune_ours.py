@@ -14,6 +14,7 @@ A shape the draft cannot run (a chain deeper than its heads) is left out when th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import metadata
 
 import torch
@@ -48,8 +49,12 @@ class OursEngine:
     name = "ours"
     open_seconds = 2.0
 
-    def __init__(self, loaded, cfg: EvalConfig, *, searched_tree: bool = True, tree_search_prompts: int = 8):
+    def __init__(self, loaded, cfg: EvalConfig, *, searched_tree: bool = True, tree_search_prompts: int = 8,
+                 shapes: Sequence[tuple[str, dict]] | None = None):
+        """shapes: (label, knobs) pairs to sweep instead of the family's list (`specdraft demo` sweeps the few
+        trees a one-head draft has); a shape the draft cannot run is left out, as in the family's list."""
         self.loaded, self.cfg = loaded, cfg
+        self.shapes = None if shapes is None else list(shapes)
         self.family = loaded.family
         self.base = loaded.base
         self.backend = make_backend(cfg.backend, self.base.model)
@@ -87,6 +92,9 @@ class OursEngine:
         return Setting(label, knobs, float(getattr(drafter, "max_nodes", 1) - 1))
 
     def _candidates(self):
+        if self.shapes is not None:
+            yield from (self._setting(label, knobs) for label, knobs in self.shapes)
+            return
         f = self.family
         if f != "ctc":
             for d in range(1, MAX_CHAIN + 1):

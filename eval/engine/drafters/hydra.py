@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eval.engine.backends.fast_matmul import fp32_layout, matmul_wx
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import (
@@ -59,6 +60,11 @@ class HydraDrafter(Drafter):
         self._device, self._dtype = param.device, param.dtype
         self._cache = None  # the prefix layer's KV cache for the current sequence
         self._levels = self._plan_levels(tree)
+        # The head's LM-head product over a few rows is the largest part of drafting. In fp32 on a CPU whose MKL
+        # runs the transposed product faster ("wx", eval/engine/backends/fast_matmul.py), it goes that way too:
+        # 1 row x SmolLM2's 16k draft rows 1.1 ms against 3.4 ms as x @ W.T (docs/lab/benchmarks.md, "The demo").
+        wx = self._dtype == torch.float32 and self._device.type == "cpu" and fp32_layout(self._device) == "wx"
+        self._matmul = matmul_wx if wx else None
 
     def _plan_levels(self, tree: StaticTree) -> list[_Level]:
         ranks = torch.tensor([0] + [c[-1] for c in tree.choices], dtype=torch.long)  # [N]; rank of each node
@@ -96,7 +102,8 @@ class HydraDrafter(Drafter):
         for lvl in self._levels:
             path_tokens = tokens[lvl.path_nodes]  # [P, k]: root + ancestors of each expanded node
             p = path_tokens.shape[0]
-            logits = self.draft.head_logits(lvl.depth, z.expand(p, -1), self.draft.embed_tokens(path_tokens))
+            logits = self.draft.head_logits(lvl.depth, z.expand(p, -1), self.draft.embed_tokens(path_tokens),
+                                            self._matmul)
             top = logits.topk(lvl.width, dim=-1).indices  # [P, width] draft ids, rank order
             tokens[lvl.child_nodes] = self.draft.to_base(top[lvl.child_slot, lvl.child_rank])  # base ids
         return Tree(tokens.cpu(), tree.parents, tree.depths, mask=tree.mask, paths=tree.paths)

@@ -1,0 +1,97 @@
+"""The demo's tree, chosen on this machine: `specdraft tune`'s sweep (eval/harness/tune.py) over the few trees a
+one-head draft has, side by side with own AR, before the demo decodes MT-bench with the fastest one.
+
+Why measure instead of fixing one tree: what verifying 2, 3 or 4 tokens costs against a 1-token step depends on the
+CPU and the dtype far more than on the draft. On the AVX512-BF16 EPYC a bf16 forward over 4 tokens costs ~1.1 AR
+steps, but the same CPU in fp32 pays ~1.3 for 4 tokens and ~0.9 for 2 (bench/demo_costs.py; docs/lab/benchmarks.md,
+"The demo"), and an AVX2-only EPYC verifies 4 fp32 tokens at about one step. The same trained head made 1.20x own AR
+with its top-3 in bf16 and 0.89x with it in fp32 on one machine, where its top-1 alone made 1.11x.
+
+The sweep decodes held-out ShareGPT conversations (those after the ones the draft trained on: never the MT-bench
+prompts the demo reports), TUNE_PROMPTS x TUNE_TOKENS tokens, REPEATS paired passes against AR per shape, and keeps
+the cheapest shape no other one beats by more than the noise (eval/harness/tune.py: choose). The record goes to the
+export's tuning.json like any `specdraft tune` run.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from cli import CONFIGS
+
+# The trees of a one-head Hydra draft: its top-k for x_{t+2}, k = 1..3 (root + k nodes verified).
+DEMO_SHAPES = (
+    ("top-1 (2 nodes)", {"tree_choices": [[0]]}),
+    ("top-2 (3 nodes)", {"tree_choices": [[0], [1]]}),
+    ("top-3 (4 nodes)", {"tree_choices": [[0], [1], [2]]}),
+)
+TUNE_PROMPTS = 3
+TUNE_TOKENS = 48
+TUNE_PROMPT_TOKENS = 256  # longer conversations are skipped: each pass prefills every prompt again
+REPEATS = 2
+WARMUP_TOKENS = 4
+# Tokens the sweep decodes: per shape, REPEATS passes of AR and of the shape over the prompts (cli/demo_plan.py
+# prices them like the MT-bench decoding, per token).
+TUNE_DECODED_TOKENS = len(DEMO_SHAPES) * REPEATS * 2 * TUNE_PROMPTS * TUNE_TOKENS
+
+
+def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 240.0,
+                   config: Path = CONFIGS / "eval" / "demo.yaml", dataset: str = "sharegpt") -> dict:
+    """Sweep DEMO_SHAPES on this machine in the eval's dtype (overrides for `config`, e.g. the plan's dtype) on
+    `dataset` (held-out ShareGPT: the conversations after the draft's training ones); write the record to the
+    export's tuning.json and return the choice (eval/harness/tune.py: choose), with "tree_choices": the tree the
+    demo decodes with (top-1 when no shape beats AR: the demo still shows its draft, and says so)."""
+    import torch
+    from tqdm import tqdm
+
+    from core.hardware import resolve_device
+    from eval.harness.config import load_eval_config
+    from eval.harness.runner import resolve_heldout_skip
+    from eval.harness.tune import DEFAULT_NOISE_FLOOR, machine_info, sweep_engine
+    from eval.harness.tune_ours import OursEngine
+    from eval.harness.tune_report import write_export
+    from models.export.load import load_export
+    from models.export.specdraft import read_export_config
+
+    sweep = [f"num_prompts={TUNE_PROMPTS}", f"max_new_tokens={TUNE_TOKENS}", "hf_baseline=false",
+             f"warmup_tokens={WARMUP_TOKENS}", f"max_prompt_tokens={TUNE_PROMPT_TOKENS}", "name=demo-tune"]
+    cfg = load_eval_config([str(config)], [*overrides, *sweep, f"dataset={dataset}"])
+    try:
+        cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))
+    except ValueError:  # trained on every ShareGPT conversation: other MT-bench questions than the report's
+        cfg = load_eval_config([str(config)], [*overrides, *sweep, "dataset=mtbench", "seed=1"])
+    loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                         chat_template=cfg.chat_template)
+    engine = OursEngine(loaded, cfg, searched_tree=False, shapes=DEMO_SHAPES)
+    t0 = time.monotonic()
+    with tqdm(total=len(engine.settings()), desc="tune", unit="tree", dynamic_ncols=True) as bar:
+        def progress(label: str, record: dict | None) -> None:
+            ok = record is not None and record.get("status") == "ok"
+            bar.set_postfix_str(f"{label}: {record['speedup']:.2f}x AR" if ok else label, refresh=False)
+            bar.update(1)
+
+        record = sweep_engine(engine, REPEATS, DEFAULT_NOISE_FLOOR, time.monotonic() + budget_s, progress)
+    record["tuned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    context = {"export": str(export_dir), "machine": machine_info(), "dataset": cfg.dataset,
+               "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "repeats": REPEATS,
+               "noise_floor": DEFAULT_NOISE_FLOOR, "budget_minutes": budget_s / 60,
+               "wall_seconds": time.monotonic() - t0, "command": "specdraft demo (its tree sweep)"}
+    write_export(export_dir, context, {"ours": record})
+    del engine, loaded
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    choice = dict(record["choice"])
+    choice["tree_choices"] = choice["knobs"].get("tree_choices") if choice["speculate"] else [[0]]
+    choice["points"] = [(p["label"], p.get("speedup"), p.get("acceptance_length")) for p in record["points"]
+                        if p.get("status") == "ok"]
+    return choice
+
+
+def describe(choice: dict) -> str:
+    """One line: each tree's measured speedup and acceptance, and what the demo decodes with."""
+    measured = "; ".join(f"{label} {speed:.2f}x AR (AL {al:.2f})" for label, speed, al in choice["points"])
+    if choice["speculate"]:
+        return f"{measured or 'nothing measured'} -> {choice['label']} ({choice['reason']})"
+    return (f"{measured or 'nothing measured'} -> no tree beat AR here ({choice['reason']}); the demo decodes with "
+            "the cheapest, its top-1")
