@@ -9,6 +9,7 @@
 #   full       800 conversations cut at 512 tokens (the demo's largest shape before this measurement)
 #   wide256  1,600 conversations cut at 256 tokens (full's tokens, spent on more first answers)
 #   wide128  3,400 conversations cut at 128 tokens (the same, shorter still: the largest shape since)
+# Hard labels (loss.teacher_weight=0.0, as configs/demo.yaml had then; the soft loss is recipes/demo_soft_loss.sh's).
 # No wall-time cap (train.max_minutes=0), so every arm trains its full 3 epochs however busy the machine is; each
 # export is then decoded with the demo's 3-node tree on EVAL_PROMPTS MT-bench prompts (acceptance is what counts
 # here; the speed columns are only valid on an idle machine). Resumable: a finished arm is skipped.
@@ -24,7 +25,7 @@ mkdir -p runs/logs
 source recipes/train_once.sh
 arm() {  # arm <name> <max_records> <max_length>
   train "cut-$1" --config configs/hydra.yaml --config configs/demo.yaml data.max_records="$2" data.max_length="$3" \
-    train.max_minutes=0 train.num_threads="$THREADS"
+    train.max_minutes=0 train.num_threads="$THREADS" loss.teacher_weight=0.0
   local report="runs/cut-$1/eval/mtbench-demo/report.md"
   [ -f "$report" ] && { echo "skip eval cut-$1"; return; }
   echo "=== eval cut-$1 $(date +%T)"
