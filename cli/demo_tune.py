@@ -3,9 +3,10 @@ one-head draft has, side by side with own AR, before the demo decodes MT-bench w
 
 Why measure instead of fixing one tree: what verifying 2, 3 or 4 tokens costs against a 1-token step depends on the
 CPU and the dtype far more than on the draft. On the AVX512-BF16 EPYC a bf16 forward over 4 tokens costs ~1.1 AR
-steps, but the same CPU in fp32 pays ~1.3 for 4 tokens and ~0.9 for 2 (bench/demo_costs.py; docs/lab/benchmarks.md,
-"The demo"), and an AVX2-only EPYC verifies 4 fp32 tokens at about one step. The same trained head made 1.20x own AR
-with its top-3 in bf16 and 0.89x with it in fp32 on one machine, where its top-1 alone made 1.11x.
+steps, but the same CPU in fp32 pays ~1.3 for 4 tokens and ~0.9 for 2, and an AVX2-only EPYC verifies 4 fp32 tokens
+at about one step (bench/demo_costs.py; docs/lab/benchmarks.md, "The demo: the soft loss and a tree chosen per
+machine"). The same trained head made 1.20x own AR with its top-3 in bf16 and 0.89x with it in fp32 on one machine,
+where its top-1 alone made 1.11x.
 
 The sweep decodes held-out ShareGPT conversations (those after the ones the draft trained on: never the MT-bench
 prompts the demo reports), TUNE_PROMPTS x TUNE_TOKENS tokens, REPEATS paired passes against AR per shape, and keeps
@@ -59,7 +60,8 @@ def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 240
     cfg = load_eval_config([str(config)], [*overrides, *sweep, f"dataset={dataset}"])
     try:
         cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))
-    except ValueError:  # trained on every ShareGPT conversation: other MT-bench questions than the report's
+    except ValueError:  # trained on every ShareGPT conversation: MT-bench questions drawn with another seed
+        # (they may overlap the ones the demo reports; nothing else is held out)
         cfg = load_eval_config([str(config)], [*overrides, *sweep, "dataset=mtbench", "seed=1"])
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                          chat_template=cfg.chat_template)

@@ -11,27 +11,19 @@
 #   wide128  3,400 conversations cut at 128 tokens (the same, shorter still: the largest shape since)
 # Hard labels (loss.teacher_weight=0.0, as configs/demo.yaml had then; the soft loss is recipes/demo_soft_loss.sh's).
 # No wall-time cap (train.max_minutes=0), so every arm trains its full 3 epochs however busy the machine is; each
-# export is then decoded with the demo's 3-node tree on EVAL_PROMPTS MT-bench prompts (acceptance is what counts
-# here; the speed columns are only valid on an idle machine). Resumable: a finished arm is skipped.
+# export is then decoded with the demo's 4-node tree (the head's top-3) on EVAL_PROMPTS MT-bench prompts
+# (acceptance is what counts here; the speed columns are only valid on an idle machine; recipes/demo_arm.sh).
+# Resumable: a finished arm is skipped.
 #
 #   recipes/demo_data_cuts.sh
 #   grep -H "acceptance_length" runs/cut-*/eval/mtbench-demo/report.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
-THREADS=${THREADS:-0}   # 0 = torch's default; 1 beside another CPU job
-EVAL_PROMPTS=${EVAL_PROMPTS:-24}
-mkdir -p runs/logs
 source recipes/train_once.sh
+source recipes/demo_arm.sh   # THREADS (0 = torch's default; 1 beside another CPU job), EVAL_PROMPTS (24)
 arm() {  # arm <name> <max_records> <max_length>
-  train "cut-$1" --config configs/hydra.yaml --config configs/demo.yaml data.max_records="$2" data.max_length="$3" \
-    train.max_minutes=0 train.num_threads="$THREADS" loss.teacher_weight=0.0
-  local report="runs/cut-$1/eval/mtbench-demo/report.md"
-  [ -f "$report" ] && { echo "skip eval cut-$1"; return; }
-  echo "=== eval cut-$1 $(date +%T)"
-  $S eval --draft "runs/cut-$1/export" --config configs/eval/demo.yaml num_prompts="$EVAL_PROMPTS" \
-    num_threads="$THREADS" > "runs/logs/eval-cut-$1.log" 2>&1 \
-    || echo "!!! eval cut-$1 failed (runs/logs/eval-cut-$1.log)"
+  demo_arm "cut-$1" data.max_records="$2" data.max_length="$3" loss.teacher_weight=0.0
 }
 arm len512 400 512
 arm len256 800 256

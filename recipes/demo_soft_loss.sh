@@ -20,20 +20,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
-THREADS=${THREADS:-0}   # 0 = torch's default; 1 beside another CPU job
-EVAL_PROMPTS=${EVAL_PROMPTS:-24}
-mkdir -p runs/logs
 source recipes/train_once.sh
-arm() {  # arm <name> <overrides...>
+source recipes/demo_arm.sh   # THREADS (0 = torch's default; 1 beside another CPU job), EVAL_PROMPTS (24)
+arm() {  # arm <name> <overrides...>: ShareGPT's first 3,400 conversations cut at 128 tokens
   local name=$1; shift
-  train "cut-$name" --config configs/hydra.yaml --config configs/demo.yaml data.max_records=3400 data.max_length=128 \
-    train.max_minutes=0 train.num_threads="$THREADS" "$@"
-  local report="runs/cut-$name/eval/mtbench-demo/report.md"
-  [ -f "$report" ] && { echo "skip eval cut-$name"; return; }
-  echo "=== eval cut-$name $(date +%T)"
-  $S eval --draft "runs/cut-$name/export" --config configs/eval/demo.yaml num_prompts="$EVAL_PROMPTS" \
-    num_threads="$THREADS" hf_baseline=false > "runs/logs/eval-cut-$name.log" 2>&1 \
-    || echo "!!! eval cut-$name failed (runs/logs/eval-cut-$name.log)"
+  demo_arm "cut-$name" data.max_records=3400 data.max_length=128 "$@"
 }
 arm wide128 loss.teacher_weight=0.0
 arm wide128-kd05 loss.teacher_weight=0.5

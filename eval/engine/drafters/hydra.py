@@ -62,7 +62,8 @@ class HydraDrafter(Drafter):
         self._levels = self._plan_levels(tree)
         # The head's LM-head product over a few rows is the largest part of drafting. In fp32 on a CPU whose MKL
         # runs the transposed product faster ("wx", eval/engine/backends/fast_matmul.py), it goes that way too:
-        # 1 row x SmolLM2's 16k draft rows 1.1 ms against 3.4 ms as x @ W.T (docs/lab/benchmarks.md, "The demo").
+        # 1 row x SmolLM2's 16k draft rows 1.1 ms against 3.4 ms as x @ W.T on the AMD EPYC (docs/lab/benchmarks.md,
+        # "The demo: the soft loss and a tree chosen per machine").
         wx = self._dtype == torch.float32 and self._device.type == "cpu" and fp32_layout(self._device) == "wx"
         self._matmul = matmul_wx if wx else None
 
