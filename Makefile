@@ -56,7 +56,7 @@ gpu-data: setup
 
 gpu-dry: setup
 	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry setup tests decode gguf train fulldata evaldraft \
-	  regenbench prompts regen eagle3 evalpayoff
+	  regenbench prompts regen eagle3 evalpayoff demo
 
 # vLLM's CPU build for `specdraft serve-check` (docs/howto/serve.md), in its own venv: it pins its own torch and
 # transformers, and the main .venv never imports vllm. Idempotent (stamp file). serve-check finds it through

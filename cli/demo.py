@@ -60,7 +60,8 @@ def run_demo(overrides: list[str]) -> int:
     heads = f"{cfg.draft.num_heads} {_family(cfg)} head{'s' if cfg.draft.num_heads > 1 else ''}"
     cache = "the base's hidden states cached once, then " if cfg.data.hidden_cache else ""
     epochs = f"{cfg.train.epochs:g} epoch{'' if cfg.train.epochs == 1 else 's'}"
-    print(f"[demo 1/5] training {heads} on {cfg.base.path} with {cfg.data.max_records} ShareGPT conversations "
+    source = "ShareGPT" if cfg.data.source == "sharegpt" else f"{cfg.data.source}'s"
+    print(f"[demo 1/5] training {heads} on {cfg.base.path} with {cfg.data.max_records} {source} conversations "
           f"of up to {cfg.data.max_length} tokens ({cache}{epochs}, budget {cfg.train.max_minutes:g} min of "
           "training)", flush=True)
     run_dir = train(cfg)

