@@ -9,6 +9,7 @@
 #   wide128-kd-l2     1.0 with a second block in the head (draft.num_layers=2)
 #   wide128-kd-lr1e2  1.0 at lr 1e-2
 #   wide128-store-kd10 1.0 on the base's own answers (the on-policy store in datasets/)
+#   wide128-kd10-e4 / -e5  1.0 for 4 / 5 epochs instead of 3
 # Each export is decoded with configs/eval/demo.yaml's 4-node tree on EVAL_PROMPTS MT-bench questions (acceptance is
 # what counts; speed columns only on an idle machine). Then TREES=1 times the hard-label head's top-1 / top-2 / top-3
 # trees in fp32 and bf16 (8 questions each, own AR side by side: needs an idle machine). Resumable: finished arms and
@@ -32,6 +33,8 @@ arm wide128-kd10 loss.teacher_weight=1.0
 arm wide128-kd-l2 loss.teacher_weight=1.0 draft.num_layers=2
 arm wide128-kd-lr1e2 loss.teacher_weight=1.0 train.lr=1e-2
 arm wide128-store-kd10 loss.teacher_weight=1.0 data.source=datasets/smollm2-sharegpt-onpolicy
+arm wide128-kd10-e4 loss.teacher_weight=1.0 train.epochs=4
+arm wide128-kd10-e5 loss.teacher_weight=1.0 train.epochs=5
 
 [ "${TREES:-0}" = 1 ] || exit 0
 for dtype in fp32 bf16; do
