@@ -79,7 +79,8 @@ def run_demo(overrides: list[str]) -> int:
         print(f"[demo 2/5] {describe(choice)}", flush=True)
         # A chosen tree reaches the eval through tuning.json (configs/eval/demo.yaml's own tree set aside, so the
         # eval says which tuning it applies); with no tree beating AR the demo still decodes with the top-1.
-        eval_args += (["tree_choices=null"] if choice["speculate"] else ["tree_choices=[[0]]", "use_tuning=false"])
+        tree = str(choice["tree_choices"]).replace(" ", "")
+        eval_args += ["tree_choices=null"] if choice["speculate"] else [f"tree_choices={tree}", "use_tuning=false"]
     evaluate_demo_run(run_dir, [*eval_args, *eval_overrides])
     print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min (probe, training incl. set-up "
           f"{t_train / 60:.1f} min; planned {plan.total_s / 60:.1f}); run directory {run_dir}")

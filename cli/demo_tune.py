@@ -44,8 +44,8 @@ def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 240
     export's tuning.json and return the choice (eval/harness/tune.py: choose), with "tree_choices": the tree the
     demo decodes with (top-1 when no shape beats AR: the demo still shows its draft, and says so)."""
     import torch
-    from tqdm import tqdm
 
+    from cli.tune import progress_bar
     from core.hardware import resolve_device
     from eval.harness.config import load_eval_config
     from eval.harness.runner import resolve_heldout_skip
@@ -67,12 +67,8 @@ def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 240
                          chat_template=cfg.chat_template)
     engine = OursEngine(loaded, cfg, searched_tree=False, shapes=DEMO_SHAPES)
     t0 = time.monotonic()
-    with tqdm(total=len(engine.settings()), desc="tune", unit="tree", dynamic_ncols=True) as bar:
-        def progress(label: str, record: dict | None) -> None:
-            ok = record is not None and record.get("status") == "ok"
-            bar.set_postfix_str(f"{label}: {record['speedup']:.2f}x AR" if ok else label, refresh=False)
-            bar.update(1)
-
+    bar, progress = progress_bar([engine])
+    with bar:
         record = sweep_engine(engine, REPEATS, DEFAULT_NOISE_FLOOR, time.monotonic() + budget_s, progress)
     record["tuned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     context = {"export": str(export_dir), "machine": machine_info(), "dataset": cfg.dataset,

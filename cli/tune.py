@@ -98,7 +98,9 @@ def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: i
     return engines
 
 
-def _progress_bar(engines):
+def progress_bar(engines):
+    """A tqdm bar over every setting of `engines` and the `progress(label, record)` callback the sweep calls per
+    setting (also `specdraft demo`'s tree sweep)."""
     from tqdm import tqdm
 
     from eval.harness.tune import EngineUnavailable
@@ -152,7 +154,7 @@ def cmd_tune(args) -> int:
         engines = _build_engines(names, loaded, cfg, out_dir, args.timeout, args.threads)
         budget_s = args.budget_minutes * 60
         check_budget(engines, args.repeats, budget_s)  # before the progress bar lists (and searches) settings
-        bar, progress = _progress_bar(engines)
+        bar, progress = progress_bar(engines)
         t0 = time.monotonic()
         with bar:
             records = run_sweeps(engines, args.repeats, noise, budget_s - (time.monotonic() - t0), progress)
