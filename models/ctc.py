@@ -43,9 +43,9 @@ from torch import nn
 
 from data.targets import IGNORE_INDEX, offset_labels
 from losses.ctc import fused_linear_ctc, linear_ctc_reference
+from models.components import stack_resblocks
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
 from models.family import FamilyFacts
-from models.layers import stack_resblocks
 from models.prefix_attention import PrefixAttention
 from models.vocab_map import DraftVocabMixin, placeholder_map
 

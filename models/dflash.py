@@ -49,9 +49,8 @@ from torch.utils.checkpoint import checkpoint
 
 from data.targets import offset_labels
 from losses.dflash import block_position_weights, block_weighted_loss, linear_row_losses, linear_row_losses_reference
-from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
-from models.eagle3 import (
-    Eagle3MLP,
+from models.components import (
+    GatedMLP,
     RMSNorm,
     check_aux_layers,
     default_aux_layers,
@@ -59,6 +58,7 @@ from models.eagle3 import (
     rope_cos_sin,
     rotate_half,
 )
+from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
 from models.family import FamilyFacts
 from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
 
@@ -169,7 +169,7 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = DFlashAttention(config)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = Eagle3MLP(config)  # Qwen3's SiLU-gated MLP (gate_proj, up_proj, down_proj), whatever the base's
+        self.mlp = GatedMLP(config)  # Qwen3's SiLU-gated MLP (gate_proj, up_proj, down_proj), whatever the base's
         # activation: the export says hidden_act silu
 
 

@@ -46,62 +46,20 @@ from torch.nn import functional as F
 from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.ttt import ttt_step_weights, ttt_weighted_loss
+from models.components import (
+    GatedMLP,
+    RMSNorm,
+    check_aux_layers,
+    default_aux_layers,
+    expand_kv,
+    rope_cos_sin,
+    rotate_half,
+)
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
 from models.family import FamilyFacts
 from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
 
 MAX_TTT_STEPS = 7
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """speculators' / vLLM's default [2, L//2, L-3], clamped to [0, L-1] and deduplicated (a 2-layer
-    test base gets [0, 1]). Id l = the residual stream after l base layers (0 = the embeddings)."""
-    return sorted({min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)})
-
-
-def check_aux_layers(ids: list[int], num_layers: int) -> list[int]:
-    ids = [int(i) for i in ids]
-    if not ids or len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= num_layers:
-        raise ValueError(f"draft.aux_layers={ids}: give distinct base layer ids in [0, {num_layers - 1}] (id l = "
-                         f"the output of l base layers; the last layer's output is post-norm in HF and not "
-                         f"allowed), or [] for the default {default_aux_layers(num_layers)}")
-    return ids
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LLaMA RMSNorm, computed in fp32 like transformers/vLLM: [..., d] -> [..., d] in x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [...] long -> (cos, sin) [..., hd] in HF's rotate-half layout (fp32 angles); inv_freq [hd/2] and
-    scale are the base's rotary embedding's (attention_scaling)."""
-    freqs = positions[..., None].float() * inv_freq.to(positions.device)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-
-
-def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """GQA: [B, H_kv, n, hd] -> [B, H_kv * groups, n, hd] (query head h uses K/V head h // groups)."""
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
@@ -166,19 +124,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        d, i = int(config.hidden_size), int(config.intermediate_size)
-        bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(d, i, bias=bias)
-        self.up_proj = nn.Linear(d, i, bias=bias)
-        self.down_proj = nn.Linear(i, d, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     """The one decoder layer (speculators' `layers.0`): two input norms, 2d-wide attention, MLP."""
 
@@ -189,7 +134,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(d, eps)  # on the feature (fc output or the previous step's output)
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = Eagle3MLP(config)
+        self.mlp = GatedMLP(config)
 
     def pre(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """emb, hidden [B, n, d] -> (attention input [B, n, 2d] = [norm(emb); norm(hidden)], residual = hidden)."""

@@ -12,7 +12,7 @@ path, so unlike Medusa a node's token depends on its ancestors, not only on (dep
                                            `res_connection(x) + act(linear(x))`), W starts at zero and
                                            R at [I 0 ... 0], so a fresh head reads z_t like a fresh
                                            Medusa head reads h_t
-    blocks 2..L  ResBlock(d)               y = x + SiLU(W x + b), distinct modules (models/layers.py)
+    blocks 2..L  ResBlock(d)               y = x + SiLU(W x + b), distinct modules (models/components.py)
     LM head   Linear(d -> V)               own copy of the base lm_head, or the frozen shared one
 
 `num_layers` L counts the MLP blocks per head (Hydra 1, Hydra++ 4). Dropout (draft.dropout, Hydra++
@@ -41,9 +41,9 @@ from torch.nn import functional as F
 from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.weighted_ce import head_weights
+from models.components import stack_resblocks
 from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
 from models.family import FamilyFacts
-from models.layers import stack_resblocks
 from models.prefix_attention import PrefixAttention
 from models.vocab_map import DraftVocabMixin, placeholder_map
 

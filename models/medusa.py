@@ -25,9 +25,9 @@ from torch import nn
 from data.targets import offset_labels
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.weighted_ce import head_weights
+from models.components import stack_resblocks
 from models.draft import BaseView, DraftBatch, DraftLossOutput, DraftModel, add_depth_loss
 from models.family import FamilyFacts
-from models.layers import stack_resblocks
 from models.vocab_map import DraftVocabMixin, placeholder_map
 
 
