@@ -51,16 +51,34 @@ def fp32_model():
     return diverse_tiny_llama(0).to(CUDA)
 
 
-@pytest.fixture(scope="module")
-def compiled(fp32_model):
-    """One compiled fast backend for the module: each tree bucket (1, 2, 4, ... 64 nodes) compiles once and
-    is replayed as a CUDA graph afterwards (a new backend instance would compile again)."""
-    for knob in ("recompile_limit", "cache_size_limit"):  # one graph per bucket: allow more than the default 8
+@pytest.fixture(scope="module", autouse=True)
+def _room_for_graphs():
+    """One graph per bucket (1, 2, 4, ... 64 nodes), per aux-layer set and per backend that compiles: allow more
+    than dynamo's default of 8 recompiles of the one step function."""
+    for knob in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(64, getattr(torch._dynamo.config, knob)))
-    backend = FastBackend(fp32_model, max_len=256, compile=ON_CUDA, static=True)
+            setattr(torch._dynamo.config, knob, max(256, getattr(torch._dynamo.config, knob)))
+
+
+def _compiled_backend(model, max_len: int = 256) -> FastBackend:
+    backend = FastBackend(model, max_len=max_len, compile=ON_CUDA, static=True)
     assert backend.static and backend.compile == ON_CUDA
     return backend
+
+
+def assert_compiled(backend: FastBackend) -> None:
+    """The case ran compiled, as its name says: compilation is still on and tree steps went through the graph
+    (on the CPU rehearsal nothing compiles, so only the padding logic is checked)."""
+    assert backend.compile == ON_CUDA and backend.static
+    if ON_CUDA:
+        assert backend.compiled_steps > 0, "no step ran through the compiled graph"
+
+
+@pytest.fixture
+def compiled(fp32_model):
+    """A compiled fast backend of the case's own (no case can change another's mode); each tree bucket it meets
+    compiles once and is replayed as a CUDA graph afterwards."""
+    return _compiled_backend(fp32_model)
 
 
 def test_compiled_static_step_matches_from_scratch_forwards(fp32_model, compiled):
@@ -93,12 +111,13 @@ def test_compiled_static_step_matches_from_scratch_forwards(fp32_model, compiled
         # Inductor falls back to plain compiled kernels (correct, slower) when it cannot capture a graph, e.g.
         # for a mutated input it does not treat as static; the KV cache buffers must not cause that.
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    assert_compiled(compiled)
 
 
 def test_compiled_matches_hf_backend_in_bf16(fp32_model, compiled):
     """bf16 (the GPU decode setting): compiled fast vs the hf backend on the same bf16 weights."""
     model = diverse_tiny_llama(0).to(CUDA, torch.bfloat16)
-    fast, hf = FastBackend(model, max_len=64, compile=ON_CUDA, static=True), HFBackend(model)
+    fast, hf = _compiled_backend(model, max_len=64), HFBackend(model)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, VOCAB, (7,), generator=gen)
     for b in (fast, hf):
@@ -113,6 +132,7 @@ def test_compiled_matches_hf_backend_in_bf16(fp32_model, compiled):
     for (fl, _), (hl, _) in zip(outs[::2], outs[1::2]):
         # bf16 rounding of logits with std ~3: a few 1e-2; a wrong mask/position/slot is O(1).
         torch.testing.assert_close(fl, hl.float(), atol=0.15, rtol=0.02)
+    assert_compiled(fast)
 
 
 def test_compiled_ar_equals_hf_generate(fp32_model, compiled):
@@ -124,6 +144,7 @@ def test_compiled_ar_equals_hf_generate(fp32_model, compiled):
             ref = fp32_model.generate(prompt[None].to(CUDA), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                                       pad_token_id=0, attention_mask=torch.ones(1, n, dtype=torch.long, device=CUDA))
         assert ours == ref[0, n:].tolist()
+    assert_compiled(compiled)
 
 
 # ---- losslessness of every family's drafter on CUDA -------------------------------------------------
@@ -166,6 +187,7 @@ def test_fp32_lossless_every_family_compiled_and_eager(fp32_model, compiled, nam
             got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW, eos_ids=None)
             assert got.tokens == want, (name, backend.static)
             assert got.tree_nodes > got.base_steps  # trees were verified, not only roots
+    assert_compiled(compiled)  # EAGLE-3's aux capture included: it keeps the compiled graph
 
 
 @pytest.mark.parametrize("tree", ["tree16", "medusa63"])
@@ -184,6 +206,7 @@ def test_fp32_lossless_with_accepting_drafts(fp32_model, compiled, tree):
         got = speculative_generate(compiled, drafter, prompt, max_new_tokens=NEW, eos_ids=None)
         assert got.tokens == ref[prompt.numel(): prompt.numel() + NEW]
         assert got.acceptance_length > 1.5
+    assert_compiled(compiled)
 
 
 @pytest.mark.parametrize("strategy", ["context", "mixed"])
@@ -193,6 +216,7 @@ def test_fp32_lossless_ngram(fp32_model, compiled, strategy):
     for prompt in _prompts():
         want = autoregressive_generate(HFBackend(fp32_model), prompt, max_new_tokens=NEW, eos_ids=None).tokens
         assert speculative_generate(compiled, drafter, prompt, max_new_tokens=NEW, eos_ids=None).tokens == want
+    assert_compiled(compiled)
 
 
 def _tie_aware_equal(model_fp32, prompt: torch.Tensor, got: list[int], want: list[int]) -> str:
@@ -211,11 +235,11 @@ def _tie_aware_equal(model_fp32, prompt: torch.Tensor, got: list[int], want: lis
     return f"tie at {i}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def bf16_compiled():
-    """(bf16 model, its compiled fast backend), shared so each bucket compiles once for all families."""
+    """(bf16 model, a compiled fast backend of the case's own)."""
     model = diverse_tiny_llama(0).to(CUDA, torch.bfloat16)
-    return model, FastBackend(model, max_len=256, compile=ON_CUDA, static=True)
+    return model, _compiled_backend(model)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -231,6 +255,7 @@ def test_bf16_lossless_or_documented_tie(fp32_model, bf16_compiled, name):
         got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW, eos_ids=None).tokens
         verdicts.append(_tie_aware_equal(fp32_model, prompt, got, want))
     print(name, verdicts)
+    assert_compiled(backend)
 
 
 # ---- DeepSpeed on one GPU: NCCL, bf16, ZeRO 0/2, resume ---------------------------------------------
@@ -331,7 +356,7 @@ def smollm2_shaped():
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
         model = random_llama(config, dtype=dtype, device=CUDA, seed=1)
-        out[dtype] = (model, FastBackend(model, max_len=256, compile=ON_CUDA, static=True))
+        out[dtype] = (model, _compiled_backend(model))  # no family drafter here: sharing cannot switch modes
     return out
 
 
@@ -371,3 +396,4 @@ def test_bf16_verdict_on_the_compiled_paths_at_smollm2_shape(smollm2_shaped, cha
                 assert s.tokens == a.tokens, f"fp32 compiled speculative != AR at {d.position}"
             else:
                 assert d.kind != MISMATCH, f"bf16: {d.to_dict()} with tolerance {m['tolerance']} ({m['by_width']})"
+        assert_compiled(backend)

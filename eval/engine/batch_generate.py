@@ -259,7 +259,7 @@ class FastBatchGenerator:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[c.windows[i]], scale=c.scale)
             return o.unflatten(2, (G, t)).permute(0, 3, 1, 2, 4).reshape(r * t, H * hd)
 
-        x = c.run_layers(ids.reshape(-1), positions, self.cos, self.sin, attend)  # [R*T, d]
+        x, _ = c.run_layers(ids.reshape(-1), positions, self.cos, self.sin, attend)  # [R*T, d]
         last = torch.tensor([k * t + len(p) - 1 for k, p in enumerate(prompts)], device=dev)
         return c.head(x.index_select(0, last))[0]  # the prompts' last tokens only: no [R*T, V] logits
 
@@ -315,4 +315,4 @@ class FastBatchGenerator:
                                                attn_mask=masks[c.windows[i]], scale=c.scale)  # [width, Hkv, G, hd]
             return o.reshape(width, H * hd)
 
-        return c.head(c.run_layers(tokens, positions, self.cos, self.sin, attend))[0]
+        return c.head(c.run_layers(tokens, positions, self.cos, self.sin, attend)[0])[0]

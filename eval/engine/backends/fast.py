@@ -30,7 +30,6 @@ The slow reference twin is the `hf` backend; `tests/test_eval_fast_backend.py` c
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 from contextlib import contextmanager
 
@@ -50,9 +49,6 @@ from eval.engine.backends.fast_support import (  # noqa: F401 (FAST_ARCHITECTURE
 # Per-layer tensors in the order `_LlamaCore.run_layers` unpacks them (biases and q/k norms may be None).
 # ln2 is the norm in front of the MLP; pan / pfn the norms after attention / MLP (Gemma; else None).
 _LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "qn", "kn", "wo", "bo", "pan", "ln2", "wgu", "bgu", "wd", "bd", "pfn")
-
-log = logging.getLogger("specdraft.eval")
-
 
 # Spare slots after max_len for static-mode padding: enough for any tree of up to 65 nodes (the
 # 63-node Medusa tree pads to 64) wherever the cache stands.
@@ -216,8 +212,6 @@ class _LlamaCore(nn.Module):
                     "(partial rotary); only full-head RoPE is implemented, use backend=hf")
             self.rope.append((inv, float(scaling)))
         self.dtype, self.device = dtype, device
-        self.aux_layers: tuple[int, ...] = ()  # EAGLE-3 aux capture (FastBackend.set_aux_layers)
-        self.last_aux: torch.Tensor | None = None
         self.capacity = 0
         self.allocate(capacity)
 
@@ -261,12 +255,16 @@ class _LlamaCore(nn.Module):
         return torch.stack(coss).to(self.dtype), torch.stack(sins).to(self.dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor | None, kv_len: int, win_mask: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None, kv_len: int, win_mask: torch.Tensor | None = None,
+                aux_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """tokens, positions, slots [N] long; mask [G*N, kv_len] bool (rows ordered group-major,
         see `group_mask`) or None for "see every slot"; win_mask: the same for sliding-window layers
         (mask with the window applied; None = use `mask`); new K/V are written at `slots`, then every
-        query attends over slots [0, kv_len). Returns (logits [N, V] fp32, hidden [N, d])."""
+        query attends over slots [0, kv_len). aux_ids: base layers whose input residual stream EAGLE-3 reads
+        (see `run_layers`). Returns (logits [N, V] fp32, hidden [N, d], aux [N, len(aux_ids)*d] or None).
+
+        The aux states are an output, not a side effect: a compiled graph and a CUDA-graph replay return them
+        like the logits (aux_ids is a constant of the graph: torch.compile specialises on it)."""
         n = tokens.shape[0]
         H, Hkv, G, hd, scale = self.n_heads, self.n_kv, self.groups, self.head_dim, self.scale
         caches = self.cache_views
@@ -289,16 +287,19 @@ class _LlamaCore(nn.Module):
             # [H, N, hd] can read; splitting one dim is a view for any strides.
             return o[0].unflatten(1, (G, n)).permute(2, 0, 1, 3).reshape(n, H * hd)
 
-        return self.head(self.run_layers(tokens, positions, self.cos, self.sin, attend))
+        x, aux = self.run_layers(tokens, positions, self.cos, self.sin, attend, aux_ids)
+        logits, hidden = self.head(x)
+        return logits, hidden, aux
 
     def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   attend) -> torch.Tensor:
+                   attend, aux_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embedding and every decoder layer over N flat tokens; returns the residual stream x [N, d] after the
         last layer (before the final norm, see `head`). cos / sin: RoPE tables [tables, >= max position + 1, hd]
         (`rope_tables`). Attention is the caller's: `attend(i, q [N, H, hd], k [N, Hkv, hd], v [N, Hkv, hd])
         -> [N, H*hd]` for layer i, with q and k already normed and rotated; it stores k / v wherever its cache
         keeps them and attends with its own masks (`forward` here, FastBatchGenerator's per-row cache in
-        eval/engine/batch_generate.py). With `aux_layers` set, also leaves the EAGLE-3 aux states in last_aux."""
+        eval/engine/batch_generate.py). Returns (x, aux): aux [N, len(aux_ids)*d] is the residual stream entering each
+        layer of `aux_ids` (EAGLE-3's low / mid / high states), concatenated in aux_ids' order; None without aux_ids."""
         # Every aten call costs a few microseconds of dispatch, ~35 of them per layer: the loop
         # below is written to keep that count low (fused matmuls, views over copies, no K/V repeat).
         n = tokens.shape[0]
@@ -313,7 +314,7 @@ class _LlamaCore(nn.Module):
             # Read the registered buffers by name so the compiler sees them as module state (static
             # addresses for CUDA graphs), not as loose tensors it would copy in on every replay.
             layers = self._layer_tensors()
-        aux_ids, aux = self.aux_layers, []
+        aux = []
         _mm = matmul_wx if self.wx else matmul_xw
         for i, ((ln1, wqkv, bqkv, qn, kn, wo, bo, pan, ln2, wgu, bgu, wd, bd, pfn), r) in enumerate(
                 zip(layers, self.rope_ids)):
@@ -337,10 +338,10 @@ class _LlamaCore(nn.Module):
                 x = _mm(act(gate).mul_(up), wd, bd, residual=x)
             else:
                 x = x + F.rms_norm(_mm(act(gate).mul_(up), wd, bd), dims, pfn, eps)
-        if aux_ids:  # [N, k*d] in aux_ids' order (collected in layer order); eager path only, see set_aux_layers
-            found = dict(zip(sorted(aux_ids), aux))
-            self.last_aux = torch.cat([found[i] for i in aux_ids], -1)
-        return x
+        if not aux_ids:
+            return x, None
+        found = dict(zip(sorted(set(aux_ids)), aux))  # collected in layer order; returned in aux_ids' order
+        return x, torch.cat([found[i] for i in aux_ids], -1)  # [N, k*d]
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream x [M, d] (of run_layers, or rows of it) -> (logits [M, V] fp32, hidden [M, d]): the final
@@ -410,17 +411,14 @@ class FastBackend(Backend):
         self._max_len = max_len
         self._len = 0
         self._last_n = 0  # nodes of the last forward_tree, awaiting commit
+        self.compiled_steps = 0  # tree steps that ran through the compiled graph (tests check compile stayed on)
 
     def set_aux_layers(self, ids) -> None:
         ids = self._check_aux_ids(ids, self._core.n_layers)
-        if ids and self.compile:
-            # The capture writes a module attribute, which a compiled graph / CUDA graph replay would not do:
-            # run this backend's steps eagerly from now on (static shapes stay, so padding logic is unchanged).
-            log.warning("fast backend: EAGLE-3 aux states are captured on the eager path; torch.compile is off "
-                        "for this backend from now on")
-            self._step, self.compile = self._core.forward, False
-        self.aux_layers = self._core.aux_layers = ids
-        self.last_aux = self._core.last_aux = None
+        # The compiled step takes the ids as an argument and returns the aux states, so compilation and CUDA
+        # graphs stay on: a new set of ids compiles (once per bucket) a graph of its own.
+        self.aux_layers = ids
+        self.last_aux = None
 
     def _capacity_for(self, max_len: int) -> int:
         # Static mode pads a tree up to a power of two; the padding's K/V land in spare slots past
@@ -485,8 +483,8 @@ class FastBackend(Backend):
         causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril_()
         win = self._window_mask(causal, pos, pos)
         # Eager even in static mode: prompt lengths vary, a graph per length would not pay off.
-        logits, hidden = self._core(ids, pos, pos, self._core.group_mask(causal), t, win)
-        self.last_aux = self._core.last_aux
+        logits, hidden, self.last_aux = self._core(ids, pos, pos, self._core.group_mask(causal), t, win,
+                                                   self.aux_layers)
         self._len = t
         self._last_n = 0
         return logits, hidden
@@ -519,8 +517,7 @@ class FastBackend(Backend):
             # A lone root sees the prefix and itself, everything in [0, c+1): no mask needed.
             mask = None if n == 1 else self._core.group_mask(visible)
             # Not self._step: a compiled step is specialised to the static shapes.
-            logits, hidden = self._core(tokens, c + depths, slots, mask, kv_len, win)
-            self.last_aux = self._core.last_aux
+            logits, hidden, self.last_aux = self._core(tokens, c + depths, slots, mask, kv_len, win, self.aux_layers)
         self._last_n = n
         return logits, hidden
 
@@ -543,10 +540,11 @@ class FastBackend(Backend):
             kpos = torch.arange(cap, device=dev)
             kpos[c:c + b] = pos
             win = self._window_mask(mask, pos, kpos)
-        logits, hidden = self._step(tok, pos, slots, self._core.group_mask(mask), cap, win)
-        if self.aux_layers:
-            self.last_aux = self._core.last_aux[:n]
+        logits, hidden, aux = self._step(tok, pos, slots, self._core.group_mask(mask), cap, win, self.aux_layers)
+        if self.compile:
+            self.compiled_steps += 1
         # Copy out of CUDA-graph-owned memory before the next replay overwrites it.
+        self.last_aux = None if aux is None else aux[:n].clone()
         return logits[:n].clone(), hidden[:n].clone()
 
     def _commit(self, keep: torch.Tensor) -> None:
