@@ -141,6 +141,7 @@ def test_out_of_memory_names_the_batch_size_to_try(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
     monkeypatch.setattr(engine, "_ensure", oom)
-    with pytest.raises(BatchOutOfMemory, match="at batch size 10 .*retry with batch size 5$"):
+    with pytest.raises(BatchOutOfMemory, match="at batch size 10 .*retry with batch size 5$") as err:
         engine(_prompts(10), seed=0)
+    assert err.value.retry_rows == 5  # what `specdraft regenerate` names as --fast-rows
     assert engine.k_cache is None and not engine._graphs  # released: the next call starts clean

@@ -42,7 +42,12 @@ KV_BUCKET = 128  # CUDA graphs attend over the live rows' longest position round
 
 
 class BatchOutOfMemory(RuntimeError):
-    """The KV cache or a step did not fit the device at this batch size; the message names the size to try."""
+    """The KV cache or a step did not fit the device at this batch size; the message names the size to try, and
+    `retry_rows` holds it (the caller names its own flag: `specdraft regenerate --fast-rows`)."""
+
+    def __init__(self, message: str, retry_rows: int):
+        super().__init__(message)
+        self.retry_rows = retry_rows
 
 
 def _engine_hint(why: str) -> str:
@@ -122,9 +127,10 @@ class FastBatchGenerator:
                 self._run(prompts, limits, queue, answers, rows, gen)
         except torch.OutOfMemoryError:
             self._release()
+            retry = max(1, held // 2)
             raise BatchOutOfMemory(
                 f"fast engine: out of {self.device} memory at batch size {held} ({slots} KV slots per row, "
-                f"{str(self.dtype).removeprefix('torch.')}); retry with batch size {max(1, held // 2)}") from None
+                f"{str(self.dtype).removeprefix('torch.')}); retry with batch size {retry}", retry) from None
         return answers
 
     # -- buffers -------------------------------------------------------------------------------------------------
