@@ -4,9 +4,9 @@ The calls live in launch/gpu_calls.json, one list per window. For every call thi
 1. checks the plan: the stages in the command have budgets, the budgets add up inside the command's
    GPU_CHECK_DEADLINE and that inside the call's timeout (the collect step included), EAGLE3_MINUTES and
    DEMO_SECONDS fit their stage's budget, and the window's cold start plus every call's timeout fit the window;
-2. checks what the call carries: the tree (tracked and untracked-but-not-ignored files, what the device tool copies)
-   plus the `carry` paths, at most `carry_limit_mib`; a carried path that is missing names the make target that
-   builds it;
+2. checks what the call carries: the tree (tracked and untracked-but-not-ignored files, what the device tool copies,
+   less the `leave_aside` paths that launch/gpu_aside.sh moves out before the calls) plus the `carry` paths, at most
+   `carry_limit_mib`; a carried path that is missing names the make target that builds it;
 3. runs the command (GPU_CHECK_DRY=1: tiny sizes on the CPU) from a fresh copy of the tree holding only those
    files, with the machine's work dir (/tmp there) kept across the calls of one window, as on a warm machine, and
    with launch/image_guard/sitecustomize.py making every package the GPU image lacks unimportable until a stage
@@ -102,11 +102,13 @@ def check_budgets(plan: dict, window: str) -> list[str]:
     return problems
 
 
-def tree_files(repo: Path) -> list[str]:
-    """What the device tool copies of the working tree: tracked files and untracked ones git does not ignore."""
+def tree_files(repo: Path, aside: list[str] = ()) -> list[str]:
+    """What the device tool copies of the working tree: tracked files and untracked ones git does not ignore, less
+    the `leave_aside` paths that launch/gpu_aside.sh moves out before the calls."""
     out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, check=True,
                          capture_output=True).stdout.decode()
-    return [f for f in out.split("\0") if f and (repo / f).is_file()]
+    return [f for f in out.split("\0") if f and (repo / f).is_file()
+            and not any(f == a or f.startswith(a.rstrip("/") + "/") for a in aside)]
 
 
 def _size(path: Path) -> int:
@@ -116,7 +118,7 @@ def _size(path: Path) -> int:
 def check_carry(plan: dict, window: str, repo: Path = ROOT) -> tuple[list[str], dict[str, float]]:
     """(problems, MiB carried per call) for a window."""
     problems, sizes = [], {}
-    tree = sum((repo / f).stat().st_size for f in tree_files(repo))
+    tree = sum((repo / f).stat().st_size for f in tree_files(repo, plan.get("leave_aside", [])))
     for c in plan["windows"][window]:
         total = tree
         for rel in c.carry:
@@ -133,11 +135,11 @@ def check_carry(plan: dict, window: str, repo: Path = ROOT) -> tuple[list[str], 
     return problems, sizes
 
 
-def copy_tree(repo: Path, dest: Path, carry: list[str]) -> None:
+def copy_tree(repo: Path, dest: Path, carry: list[str], aside: list[str] = ()) -> None:
     """A fresh working tree as the device machine gets it: the tree's files plus the carried ignored paths."""
     if dest.exists():
         shutil.rmtree(dest)
-    for f in tree_files(repo):
+    for f in tree_files(repo, aside):
         (dest / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(repo / f, dest / f)
     for rel in carry:
@@ -200,7 +202,7 @@ def explain_missing(log: str, lacks: dict) -> list[str]:
 def run_call(call: Call, plan: dict, repo: Path, work: Path, out: Path, python: str) -> tuple[int, float, str]:
     """Run one call from a fresh copy of the tree; (exit status, seconds, the output's last lines)."""
     tree = out / "trees" / call.name
-    copy_tree(repo, tree, call.carry)
+    copy_tree(repo, tree, call.carry, plan.get("leave_aside", []))
     env = {**os.environ, **guard_env(plan, work, python), "GPU_CHECK_DRY": "1", "PY": python, "GPU_WORK": str(work),
            "OUT": str(out / "out"), "GPU_SITE": str(work / "site")}
     env.pop("PYTHONPATH", None)
@@ -217,6 +219,11 @@ def rehearse(plan: dict, windows: list[str], out: Path, *, repo: Path = ROOT, py
              check_only: bool = False) -> int:
     failed, rows = False, []
     for window in windows:
+        on_disk = [p for p in plan.get("leave_aside", []) if (repo / p).exists()]
+        if on_disk and not check_only:
+            print(f"gpu_rehearse: note: {', '.join(on_disk)} would travel with every call: before the real calls run "
+                  "`launch/gpu_aside.sh aside` (and `back` after); the rehearsal leaves them out as that does",
+                  file=sys.stderr)
         problems = check_budgets(plan, window)
         carry_problems, sizes = check_carry(plan, window, repo)
         problems += carry_problems

@@ -73,6 +73,12 @@ def test_carry_over_the_limit_or_missing_is_caught(tmp_path):
     assert sizes["c1"] > 64 and any("over 64 MiB" in p for p in problems)
     problems, _ = gr.check_carry(_plan(carry=[".gpudata/meta"]), "w", repo)
     assert problems == ["w/c1: carries .gpudata/meta, which is missing: run `make gpu-data` first"]
+    # a big tracked folder counts, unless the plan leaves it aside (launch/gpu_aside.sh moves it out for the calls)
+    (repo / "drafts" / "d").mkdir(parents=True)
+    with open(repo / "drafts" / "d" / "model.safetensors", "wb") as f:
+        f.truncate(65 * gr.MIB)
+    assert any("over 64 MiB" in p for p in gr.check_carry(_plan(), "w", repo)[0])
+    assert gr.check_carry({**_plan(), "leave_aside": ["drafts"]}, "w", repo)[0] == []
 
 
 # A stand-in for the kit's script: "stages" that import a package, the way a real stage would, with the kit's
