@@ -326,3 +326,27 @@ def test_compare_writes_its_tables_under_its_out_dir_unless_asked_to_update_docs
     with pytest.raises(ValueError, match="unknown key"):
         Targets.from_config({"speedup": 1.5})
     assert not Targets() and Targets.from_config({"speedup_vs_ar": 1.5})
+
+
+def test_a_tie_tolerance_measured_at_other_widths_is_measured_again(tmp_path, monkeypatch, capsys):
+    """compare keeps each setting's tolerance in tie_tolerance.json; one written before every verify width was
+    measured (width 16 only) must not judge today's reports."""
+    import json
+
+    from eval.harness import compare
+
+    calls = []
+
+    def measure(ecfg, backend, model, prompts):
+        calls.append(1)
+        return 0.5, {"tolerance": 0.5, "widths": [2, 4, 8, 16, 32, 64]}
+
+    monkeypatch.setattr(compare, "tie_tolerance", measure)
+    path = tmp_path / "tie_tolerance.json"
+    path.write_text(json.dumps({"tolerance": 0.0, "measure": {"tolerance": 0.0, "widths": [16]}}))
+    assert compare._tolerance(None, None, None, [], tmp_path) == (0.5, {"tolerance": 0.5,
+                                                                         "widths": [2, 4, 8, 16, 32, 64]})
+    assert len(calls) == 1 and "measuring it again" in capsys.readouterr().out
+    assert compare._tolerance(None, None, None, [], tmp_path)[0] == 0.5 and len(calls) == 1  # now reused
+    path.write_text(json.dumps({"tolerance": 0.0, "measure": {"exact_dtype": True}}))
+    assert compare._tolerance(None, None, None, [], tmp_path)[0] == 0.0 and len(calls) == 1  # fp32: exact, kept

@@ -49,7 +49,7 @@ from eval.harness.compare_config import (
 )
 from eval.harness.config import EvalConfig
 from eval.harness.hf_baseline import hf_generate_timed
-from eval.harness.lossless import classify, format_verdict
+from eval.harness.lossless import classify, format_verdict, verify_widths
 from eval.harness.prompts import config_prompts
 from eval.harness.report import build_report, write_report
 from eval.harness.runner import lossless_extra, prompt_result, resolve_heldout_skip, run_context, tie_tolerance
@@ -226,11 +226,16 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
 
 def _tolerance(ecfg: EvalConfig, backend, model, prompts, sdir: Path) -> tuple[float | None, dict]:
     """The setting's tie tolerance, measured once and kept in <setting>/tie_tolerance.json (a resumed run
-    reuses it, so every report of the setting is judged with the same number)."""
+    reuses it, so every report of the setting is judged with the same number). A file measured at other verify
+    widths than today's (every width up to 64 nodes; older files measured width 16 only) is measured again."""
     path = sdir / "tie_tolerance.json"
     if path.is_file():
         saved = json.loads(path.read_text())
-        return saved["tolerance"], saved["measure"]
+        measure, want = saved["measure"], list(verify_widths(64))
+        if not measure or measure.get("exact_dtype") is not None or measure.get("widths") == want:
+            return saved["tolerance"], measure
+        print(f"compare: {path} was measured at verify widths {measure.get('widths', [16])}, not {want}: "
+              "measuring it again", flush=True)
     tol, info = tie_tolerance(ecfg, backend, model, prompts)
     path.write_text(json.dumps({"tolerance": tol, "measure": info}))
     return tol, info
