@@ -171,8 +171,9 @@ def cmd_cache(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from models.export.formats import FORMAT_WRITERS
     from models.export.load import load_export
-    from models.export.specdraft import export_medusa, export_specdraft, read_export_config
+    from models.export.specdraft import read_export_config
     from models.registry import FAMILIES, family_facts, llamacpp_families
 
     if args.format == "vllm" and args.method:
@@ -192,31 +193,12 @@ def cmd_export(args) -> int:
         raise ValueError(f"--format {args.format}: a {family} draft exports as {', '.join(formats)} (formats by "
                          f"family: {table})")
     loaded = load_export(src)
-    draft, config, view = loaded.draft, loaded.config, loaded.view
-    if args.format == "medusa":
-        out = export_medusa(draft, Path(args.out), config["base_model"], view)
-    elif args.format == "redrafter-trtllm":
-        from models.export.redrafter_trtllm import export_redrafter_trtllm
-
-        out = export_redrafter_trtllm(draft, Path(args.out), config["base_model"], view)
-    elif args.format == "speculators":  # EAGLE-3 as vLLM serves it (method: eagle3)
-        from models.export.speculators import export_speculators
-        from models.export.vllm import TUNED_TOKENS_KEY
-
-        # tune's vLLM choice (config.json, when speculating won) as the default proposal, like --format vllm
-        out = export_speculators(draft, Path(args.out), config["base_model"],
-                                 speculative_tokens=config.get(TUNED_TOKENS_KEY))
-    elif args.format == "vllm":
-        from models.export.vllm import export_vllm
-
-        out = export_vllm(draft, Path(args.out), config, view)
-    elif args.format == "gguf":  # llama.cpp: base.gguf + draft.gguf through llama.cpp's own converter
+    if args.format == "gguf":  # llama.cpp: base.gguf + draft.gguf through llama.cpp's own converter
         out = _export_gguf(loaded, Path(args.out), args.base_type, args.draft_type)
         if out is None:
             return 3
     else:
-        extra = {k: v for k, v in config.items() if k not in draft.export_config()}
-        out = export_specdraft(draft, Path(args.out), config["base_model"], loaded.base.fingerprint, extra=extra)
+        out = FORMAT_WRITERS[args.format](loaded, Path(args.out))
     print(f"wrote {args.format} export to {out}")
     return 0
 
@@ -241,10 +223,12 @@ def _export_vllm_method(args) -> int:
     """`specdraft export --format vllm --method ngram --out DIR [extra.w=N extra.q=M]`: vLLM's speculative_config."""
     from eval.harness.config import load_eval_config
     from models.export.vllm import export_vllm_ngram
+    from models.registry import learning_free_vllm_families
 
-    if args.method != "ngram":
-        raise ValueError(f"--method {args.method!r}: the only learning-free method vLLM serves is ngram")
-    cfg = load_eval_config([str(CONFIGS / "eval" / "ngram.yaml")], args.overrides)
+    if args.method not in learning_free_vllm_families():
+        raise ValueError(f"--method {args.method!r}: the learning-free methods vLLM serves: "
+                         f"{', '.join(learning_free_vllm_families())}")
+    cfg = load_eval_config([str(CONFIGS / "eval" / f"{args.method}.yaml")], args.overrides)
     out = export_vllm_ngram(cfg.extra, Path(args.out))
     print(f"wrote vllm export to {out}")
     return 0

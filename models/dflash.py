@@ -200,7 +200,7 @@ class DFlashCache:
 
 class DFlashDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("dflash", "DFlash", ("specdraft", "vllm", "gguf"), vllm_method="dflash",
-                        llamacpp_spec_type="draft-dflash",
+                        llamacpp_spec_type="draft-dflash", llamacpp_whole_block=True,
                         export_keys=("aux_layers", "block_size", "num_layers", "mask_token_id"))
 
     @classmethod

@@ -25,6 +25,9 @@ class FamilyFacts:
     vllm_method: str | None = None
     # llama.cpp's `--spec-type` that serves its `--format gguf` export (None: llama.cpp cannot serve it).
     llamacpp_spec_type: str | None = None
+    # True: llama.cpp drafts the draft's whole block or none of it (DFlash: --spec-draft-n-max is block_size - 1,
+    # the slots see each other), so a shorter tuned chain cannot be served there.
+    llamacpp_whole_block: bool = False
     trainable: bool = True  # False: learning-free (no model to train, no export of weights)
     # Keys its export's config.json must have besides the common ones (checked by models/export/schema.py).
     export_keys: tuple[str, ...] = ()
@@ -39,3 +42,5 @@ class FamilyFacts:
         if (self.llamacpp_spec_type is None) == ("gguf" in self.export_formats):
             raise ValueError(f"family {self.name!r}: a llama.cpp spec type goes with the 'gguf' export format and "
                              "only then")
+        if self.llamacpp_whole_block and self.llamacpp_spec_type is None:
+            raise ValueError(f"family {self.name!r}: llamacpp_whole_block needs a llama.cpp spec type")

@@ -32,6 +32,11 @@ def vllm_families() -> tuple[str, ...]:
     return tuple(name for name, f in FAMILIES.items() if f.vllm_method)
 
 
+def learning_free_vllm_families() -> tuple[str, ...]:
+    """Learning-free families vLLM serves (no export: `--method <name>` of serve-check and `export --format vllm`)."""
+    return tuple(name for name, f in FAMILIES.items() if not f.trainable and f.vllm_method)
+
+
 def llamacpp_families() -> tuple[str, ...]:
     """Families llama.cpp serves (a `llamacpp_spec_type` declared)."""
     return tuple(name for name, f in FAMILIES.items() if f.llamacpp_spec_type)

@@ -104,13 +104,13 @@ def cache_manifest(run: Path) -> dict | None:
 
 
 def family_key(report: dict) -> str:
-    """Target family of a report: hydra with a prefix layer counts as Hydra++; EAGLE-3's target is its chain."""
+    """Target family of a report: the family's own `target_key` of the report's extra where its drafter module
+    declares one (Hydra++ rows apart from Hydra's, EAGLE-3's chain rows apart from its trees), else its name."""
+    from eval.engine.drafters.registry import DRAFTERS
+
     fam, ex = report["method"], report.get("extra", {})
-    if fam == "hydra" and "++" in ex.get("label", ""):
-        return "hydra++"
-    if fam == "eagle3":
-        return "eagle3-chain" if ex.get("eagle3_mode") == "chain" else "eagle3-tree"
-    return fam
+    spec = DRAFTERS.get(fam)
+    return spec.target_key(ex) if spec is not None and spec.target_key is not None else fam
 
 
 def describe_training(export: Path) -> dict:

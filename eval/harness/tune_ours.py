@@ -1,14 +1,11 @@
 """Our decoder as a `specdraft tune` engine (eval/harness/tune.py): chains of 1-6 and the family's tree shapes and
 sizes, each an EvalConfig override a user can pass to `specdraft eval` (and which eval applies from tuning.json).
 
-Shapes per family:
-  medusa, hydra   chains; the static trees that fit the heads (wide2, tree16, medusa63); trees grown by the tree
-                  search (eval/harness/tree_search.py) on held-out ShareGPT prompts, never the tuning prompts
-  eagle3          chains (any length: the draft runs autoregressively); EAGLE-2 dynamic trees of 4 nodes (2 draft
-                  steps) and of 8 / 16 / 32 nodes (the drafter's default 4)
-  dflash          chains up to block_size - 1; the static trees that fit
-  redrafter       one beam (a chain) of each length up to its trained length; 2 / 4 / 8 beams of that length
-  ctc             4 / 8 / 16 / 24 CTC paths (it has no chain)
+Settings, in order: chains of 1..MAX_CHAIN top-1 tokens (unless the family has no chain: CTC); the shapes its
+drafter module declares (`tune_shapes`, eval/engine/drafters/registry.py: Medusa, Hydra and DFlash the static
+trees wide2 / tree16 / medusa63, EAGLE-3 EAGLE-2 dynamic trees of 4-32 nodes, ReDrafter 2 / 4 / 8 beams, CTC 4-24
+paths); for the families that declare `searched_trees` (Medusa, Hydra), trees grown by the tree search
+(eval/harness/tree_search.py) on held-out ShareGPT prompts, never the tuning prompts.
 A shape the draft cannot run (a chain deeper than its heads) is left out when the settings are listed.
 """
 
@@ -21,24 +18,14 @@ import torch
 
 from eval.engine.backends.choice import choose_backend, make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
-from eval.engine.drafters.eagle3 import Options as Eagle3Options
-from eval.engine.drafters.registry import build_drafter, chain_overrides
-from eval.engine.tree import STATIC_TREES
+from eval.engine.drafters.registry import build_drafter, chain_overrides, drafter_family
 from eval.harness.config import EvalConfig
 from eval.harness.prompts import config_prompts
 from eval.harness.tune import Measurement, Setting, machine_info
 from eval.harness.tune_apply import apply_knobs
 
 MAX_CHAIN = 6
-STATIC_TREE_NAMES = ("wide2", "tree16", "medusa63")  # chain4 is a chain, already swept
 SEARCHED_SIZES = (4, 8, 16, 32)
-# EAGLE-2 trees as (nodes with the root, draft steps): where verifying up to ~5 tokens costs about one AR step (a
-# 2-core CPU, docs/lab/benchmarks.md) a 4-node tree can win, and 2 draft steps are all its 3 drafted nodes use; the
-# larger trees keep the drafter's default depth.
-EAGLE_DEFAULT_DEPTH = Eagle3Options.tree_depth
-EAGLE_TREES = ((4, 2), (8, EAGLE_DEFAULT_DEPTH), (16, EAGLE_DEFAULT_DEPTH), (32, EAGLE_DEFAULT_DEPTH))
-BEAMS = (2, 4, 8)
-CTC_PATHS = (4, 8, 16, 24)
 ASSUMED_TOKENS_PER_SECOND = 15.0  # a-priori pace of a CPU decode (SmolLM2 fp32 ran at ~22 tok/s, docs/lab)
 
 
@@ -96,27 +83,18 @@ class OursEngine:
             yield from (self._setting(label, knobs) for label, knobs in self.shapes)
             return
         f = self.family
-        if f != "ctc":
-            for d in range(1, MAX_CHAIN + 1):
-                yield self._setting(f"chain {d}", chain_overrides(f, d))
-        if f in ("medusa", "hydra", "dflash"):
-            for name in STATIC_TREE_NAMES:
-                yield self._setting(f"{name} ({len(STATIC_TREES[name])} nodes)", {"tree": name, "tree_choices": None})
-        if f in ("medusa", "hydra") and self.searched_tree:
+        for d in range(1, MAX_CHAIN + 1):
+            try:
+                knobs = chain_overrides(f, d)
+            except ValueError:  # the family has no chain (CTC)
+                break
+            yield self._setting(f"chain {d}", knobs)
+        spec = drafter_family(f)
+        for label, knobs in spec.tune_shapes(self.loaded.draft):
+            yield self._setting(label, knobs)
+        if spec.searched_trees and self.searched_tree:
             for size, choices in self._searched_trees():
                 yield self._setting(f"searched tree, {size} nodes", {"tree_choices": choices})
-        if f == "eagle3":
-            for n, depth in EAGLE_TREES:
-                extra = {"eagle3_mode": "tree", "tree_nodes": n, "tree_depth": depth}
-                label = f"EAGLE-2 tree, {n} nodes" + (f", depth {depth}" if depth != EAGLE_DEFAULT_DEPTH else "")
-                yield self._setting(label, {"extra": extra})
-        if f == "redrafter":
-            length = int(self.loaded.draft.beam_length)
-            for w in BEAMS:
-                yield self._setting(f"{w} beams x {length}", {"extra": {"beam_width": w, "beam_length": length}})
-        if f == "ctc":
-            for n in CTC_PATHS:
-                yield self._setting(f"{n} CTC paths", {"extra": {"ctc_num_paths": n}})
 
     def _searched_trees(self) -> list[tuple[int, list]]:
         """Trees of SEARCHED_SIZES grown from rank statistics on held-out prompts (the tree search's own steps)."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eval.engine.drafters.registry import drafter_family
-from models.registry import vllm_families
+from models.registry import family_facts, vllm_families
 
 log = logging.getLogger("specdraft.compare")
 def chain_depth(family: str, info: dict, drafter) -> int:
@@ -53,7 +53,7 @@ def speculative_config(entry, family: str, info: dict, depth: int, base, base_di
         vllm_ngram_config,
     )
 
-    if family == "ngram":
+    if not family_facts(family).trainable:  # learning-free: no export, the method's options are its config
         return vllm_ngram_config({"w": depth, "q": info["q"], "q_min": info["q_min"]}), {}
     out = workdir / f"export-{entry.label}"
     if not (out / SPECULATIVE_CONFIG_FILE).is_file():

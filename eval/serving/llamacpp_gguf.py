@@ -218,11 +218,15 @@ def draft_gguf(draft, export_cfg: dict, base_dir: Path, out_file: Path, outtype:
 
 
 def spec_draft_n_max(draft, family: str, chain: int | None = None) -> int:
-    """llama.cpp's --spec-draft-n-max that drafts what our family's chain drafts: DFlash block_size - 1 (its block
-    is n_max + 1 slots and the slots see each other, so no other length drafts the same tokens); EAGLE-3 drafts
+    """llama.cpp's --spec-draft-n-max that drafts what our family's chain drafts: a family served whole-block
+    (FamilyFacts.llamacpp_whole_block: DFlash, whose block is n_max + 1 slots that see each other, so no other
+    length drafts the same tokens) its deepest chain (the drafter's max_chain: block_size - 1); EAGLE-3 drafts
     autoregressively, so any chain: the one our row ran, else its ttt_steps."""
-    if family == "dflash":
-        return int(draft.block_size) - 1
+    from eval.engine.drafters.registry import drafter_family
+    from models.registry import family_facts
+
+    if family_facts(family).llamacpp_whole_block:
+        return int(drafter_family(family).max_chain(draft))
     return int(chain) if chain else int(getattr(draft, "ttt_steps", 0) or 0)
 
 

@@ -47,7 +47,7 @@ from eval.serving.serve_check_report import (
     vllm_engine_numbers,
     write_serve_report,
 )
-from models.registry import vllm_families
+from models.registry import family_facts, learning_free_vllm_families, vllm_families
 
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 VENV_ENV = "SPECDRAFT_VLLM_VENV"
@@ -227,8 +227,9 @@ def _tuned_depth(cfg: EvalConfig, draft_dir: Path, engines: tuple[str, ...], fam
         return None, f"{line}; not applied (use_tuning=false): checking the draft's trained chain"
     if not choice["speculate"]:
         return None, f"{line}; checking the draft's trained chain"
-    if family == "dflash" and "llamacpp" in engines:  # llama.cpp drafts DFlash's whole block only
-        return None, f"{line}; not applied: llama.cpp checks a DFlash draft's whole block"
+    facts = family_facts(family)
+    if facts.llamacpp_whole_block and "llamacpp" in engines:  # llama.cpp drafts DFlash's whole block only
+        return None, f"{line}; not applied: llama.cpp checks a {facts.title} draft's whole block"
     knobs = choice["knobs"]
     return int(knobs.get("num_speculative_tokens") or knobs["n_max"]), f"using {line}"
 
@@ -303,9 +304,9 @@ def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
     from models.base import load_base
     from models.export.vllm import vllm_ngram_config
 
-    if method != "ngram":
-        raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free ngram; "
-                         "trained drafts: --draft runs/<run>/export")
+    if method not in learning_free_vllm_families():
+        raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free "
+                         f"{', '.join(learning_free_vllm_families())}; trained drafts: --draft runs/<run>/export")
     opts = ngram_options(cfg.extra)
     base = load_base(cfg.base_path or cfg.method_base, dtype=cfg.dtype, device=device)
     ngram_spec = vllm_ngram_config(opts)

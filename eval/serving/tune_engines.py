@@ -50,13 +50,12 @@ def _job_base(loaded, cfg, prompts, base_dir: Path) -> dict:
 
 
 def _depth_cap(loaded) -> int:
-    """The longest chain the draft can be asked for: Medusa's heads, DFlash's block - 1, else MAX_TOKENS."""
-    draft, family = loaded.draft, loaded.family
-    if family == "medusa":
-        return min(MAX_TOKENS, int(draft.num_heads))
-    if family == "dflash":
-        return min(MAX_TOKENS, int(draft.block_size) - 1)
-    return MAX_TOKENS
+    """The longest chain the draft can be asked for: its family's `max_chain` (Medusa's heads, DFlash's block - 1;
+    eval/engine/drafters/registry.py), at most MAX_TOKENS."""
+    from eval.engine.drafters.registry import drafter_family
+
+    cap = drafter_family(loaded.family).max_chain(loaded.draft)
+    return MAX_TOKENS if cap is None else min(MAX_TOKENS, int(cap))
 
 
 # -- vLLM -----------------------------------------------------------------------------------------------------

@@ -38,6 +38,8 @@ from models.draft import BaseView
 from models.eagle3 import Eagle3Draft
 from models.export.specdraft import read_tensors
 
+# speculators' name for the EAGLE-3 layout (config.json's speculators_model_type; DFlash's is in speculators_dflash.py)
+MODEL_TYPE = "eagle3"
 _DROP_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
                     "auto_map", "quantization_config", "_commit_hash")
 
@@ -58,7 +60,7 @@ def speculators_config(draft: Eagle3Draft, verifier: str, speculative_tokens: in
         layer.pop(key, None)
     layer.update(num_hidden_layers=1, tie_word_embeddings=False, vocab_size=draft.vocab_size)
     return {
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": MODEL_TYPE,
         "architectures": ["Eagle3Speculator"],
         "transformer_layer_config": layer,
         "draft_vocab_size": draft.draft_vocab_size or draft.vocab_size,
@@ -106,7 +108,7 @@ def export_speculators(draft, out_dir: Path, base_name: str, *, verifier: str | 
     speculative_tokens: the chain length written as the default proposal (default: the draft's ttt_steps);
     dtype: cast floating tensors (e.g. torch.bfloat16 for serving); None keeps the training dtype.
     """
-    if getattr(draft, "family", None) != "eagle3":
+    if not isinstance(draft, Eagle3Draft):  # the layout is that class's (fc, layers.0, d2t / t2d)
         raise ValueError(f"--format speculators needs an EAGLE-3 draft, this run is {getattr(draft, 'family', None)!r}")
     config = speculators_config(draft, verifier or verifier_path(base_name),
                                 speculative_tokens or draft.ttt_steps)
@@ -138,7 +140,7 @@ def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
     checkpoints trained by speculators itself when they use this layout)."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
-    if config.get("speculators_model_type") != "eagle3":
+    if config.get("speculators_model_type") != MODEL_TYPE:
         raise ValueError(f"{export_dir} is not a speculators EAGLE-3 checkpoint "
                          f"(speculators_model_type={config.get('speculators_model_type')!r})")
     for key in ("norm_before_fc", "fc_norm", "norm_output"):

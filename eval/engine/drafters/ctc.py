@@ -233,3 +233,10 @@ def chain_depth(info: dict, drafter) -> int:
 
 def shape(info: dict) -> str:
     return f"{info.get('ctc_num_paths', '?')} CTC paths"
+
+
+TUNE_PATHS = (4, 8, 16, 24)  # raw candidate counts `specdraft tune` sweeps (it has no chain to sweep)
+
+
+def tune_shapes(draft) -> list[tuple[str, dict]]:
+    return [(f"{n} CTC paths", {"extra": {"ctc_num_paths": n}}) for n in TUNE_PATHS]

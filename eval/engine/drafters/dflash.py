@@ -21,7 +21,7 @@ import torch
 
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
-from eval.engine.drafters.static import resolve_tree, static_chain, static_chain_depth, static_shape
+from eval.engine.drafters.static import resolve_tree, static_chain, static_chain_depth, static_shape, static_tune_shapes
 from eval.engine.tree import StaticTree, Tree, chain_choices
 
 
@@ -76,3 +76,9 @@ def build(draft, export_cfg: dict, eval_cfg, options):
 
 
 chain, chain_depth, shape = static_chain, static_chain_depth, static_shape
+tune_shapes = static_tune_shapes
+
+
+def max_chain(draft) -> int:
+    """One block drafts its γ - 1 mask slots: no chain is deeper."""
+    return int(draft.block_size) - 1

@@ -24,10 +24,12 @@ from eval.engine.backends.fast_matmul import fp32_layout, matmul_wx
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import (
+    heads_max_chain,
     static_chain,
     static_chain_depth,
     static_shape,
     static_tree_builder,
+    static_tune_shapes,
 )
 from eval.engine.tree import StaticTree, Tree
 from models.vocab_map import to_draft_labels
@@ -152,3 +154,10 @@ class HydraDrafter(Drafter):
 Options = NoOptions  # the tree comes from the eval config's own keys (tree, tree_choices)
 build = static_tree_builder(HydraDrafter)
 chain, chain_depth, shape = static_chain, static_chain_depth, static_shape
+tune_shapes, max_chain = static_tune_shapes, heads_max_chain
+searched_trees = True  # `specdraft tune` also sweeps trees the tree search grows from its heads' ranks
+
+
+def target_key(extra: dict) -> str:
+    """Its acceptance target in docs/lab/results.md: a row labelled Hydra++ (the prefix layer) has its own."""
+    return "hydra++" if "++" in extra.get("label", "") else "hydra"

@@ -14,10 +14,12 @@ from torch import nn
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import (
+    heads_max_chain,
     static_chain,
     static_chain_depth,
     static_shape,
     static_tree_builder,
+    static_tune_shapes,
 )
 from eval.engine.tree import StaticTree, Tree
 from models.vocab_map import to_base_ids, to_draft_labels
@@ -98,3 +100,5 @@ class MedusaDrafter(Drafter):
 Options = NoOptions  # the tree comes from the eval config's own keys (tree, tree_choices)
 build = static_tree_builder(MedusaDrafter)
 chain, chain_depth, shape = static_chain, static_chain_depth, static_shape
+tune_shapes, max_chain = static_tune_shapes, heads_max_chain
+searched_trees = True  # `specdraft tune` also sweeps trees the tree search grows from its heads' ranks

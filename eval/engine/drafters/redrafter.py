@@ -92,3 +92,12 @@ def chain_depth(info: dict, drafter) -> int:
 
 def shape(info: dict) -> str:
     return f"{info.get('beam_width', '?')} beams × {info.get('beam_length', '?')}"
+
+
+TUNE_BEAMS = (2, 4, 8)  # beam widths `specdraft tune` sweeps besides the one-beam chains
+
+
+def tune_shapes(draft) -> list[tuple[str, dict]]:
+    """2 / 4 / 8 beams of the trained length (the chains, one beam of each length, are swept already)."""
+    length = int(draft.beam_length)
+    return [(f"{w} beams x {length}", {"extra": {"beam_width": w, "beam_length": length}}) for w in TUNE_BEAMS]

@@ -6,6 +6,12 @@ Each family's drafter module declares, next to its Drafter class:
     chain         depth -> EvalConfig overrides that make it draft a chain of top-1 tokens, what serving engines run
     chain_depth   (report info, drafter) -> drafted tokens per step of a row shaped as that chain (ValueError: how)
     shape         report info -> the draft's shape in a table cell ("tree16, 16 nodes", "8 beams × 3")
+and, where the default does not fit (a module that leaves one out gets it):
+    tune_shapes     draft -> (label, eval knobs) pairs `specdraft tune` sweeps besides the chains (default: none)
+    searched_trees  True: tune also sweeps trees the tree search grows from the heads' ranks (default: False)
+    max_chain       draft -> the deepest chain it drafts, what serving engines are asked for at most (default:
+                    None, any depth)
+    target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
 """
 
 from __future__ import annotations
@@ -14,8 +20,16 @@ import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
-from eval.engine.drafters import ctc, dflash, eagle3, hydra, medusa, ngram, redrafter
+from eval.engine.drafters import ctc, dflash, eagle3, eagle3_tune, hydra, medusa, ngram, redrafter
 from eval.engine.drafters.options import option_names, parse_options
+
+
+def _no_shapes(draft) -> list[tuple[str, dict]]:
+    return []
+
+
+def _any_depth(draft) -> int | None:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,10 +39,18 @@ class DrafterFamily:
     chain: Callable[[int], dict]
     chain_depth: Callable[[dict, object], int]
     shape: Callable[[dict], str]
+    tune_shapes: Callable[[object], list[tuple[str, dict]]] = _no_shapes
+    searched_trees: bool = False
+    max_chain: Callable[[object], int | None] = _any_depth
+    target_key: Callable[[dict], str] | None = None  # None: the family name
 
     @classmethod
-    def of(cls, module: ModuleType, trained: bool = True) -> DrafterFamily:
-        return cls(module.Options, module.build if trained else None, module.chain, module.chain_depth, module.shape)
+    def of(cls, module: ModuleType, trained: bool = True, more: ModuleType | None = None) -> DrafterFamily:
+        """The declaration in `module` (and in `more`, for declarations kept in a second module)."""
+        optional = {name: getattr(m, name) for m in (module, more) if m is not None
+                    for name in ("tune_shapes", "searched_trees", "max_chain", "target_key") if hasattr(m, name)}
+        return cls(module.Options, module.build if trained else None, module.chain, module.chain_depth, module.shape,
+                   **optional)
 
     def option_names(self) -> list[str]:
         return option_names(self.options)
@@ -39,7 +61,7 @@ DRAFTERS = {
     "hydra": DrafterFamily.of(hydra),
     "redrafter": DrafterFamily.of(redrafter),
     "ctc": DrafterFamily.of(ctc),
-    "eagle3": DrafterFamily.of(eagle3),
+    "eagle3": DrafterFamily.of(eagle3, more=eagle3_tune),
     "dflash": DrafterFamily.of(dflash),
     "ngram": DrafterFamily.of(ngram, trained=False),
 }

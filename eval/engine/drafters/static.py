@@ -59,6 +59,20 @@ def static_chain_depth(info: dict, drafter) -> int:
     return len(choices)
 
 
+# The static trees `specdraft tune` sweeps besides the chains (chain4 is a chain, already swept).
+TUNE_TREES = ("wide2", "tree16", "medusa63")
+
+
+def static_tune_shapes(draft) -> list[tuple[str, dict]]:
+    """(label, eval knobs) of each tuned static tree; one deeper than the draft's heads is left out when built."""
+    return [(f"{name} ({len(STATIC_TREES[name])} nodes)", {"tree": name, "tree_choices": None}) for name in TUNE_TREES]
+
+
+def heads_max_chain(draft) -> int:
+    """A static-tree draft with K heads drafts at most K tokens per step (one per head)."""
+    return int(draft.num_heads)
+
+
 def static_shape(info: dict) -> str:
     """The draft shape in a table cell, from the report info of a static-tree row."""
     if info.get("tree_search_nodes"):
