@@ -24,9 +24,7 @@ exact config, which times the same (docs/howto/gpu_kit.md).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
+from bench.harness import Stopwatch, Timing, clock_sync, ratio  # noqa: E402
 from eval.engine.backends.backend import Backend  # noqa: E402
 from eval.engine.backends.fast import FastBackend  # noqa: E402
 from eval.engine.backends.hf import HFBackend  # noqa: E402
@@ -53,11 +52,6 @@ PROMPT_TEXT = (
     "tourist spots. Could you propose a day-by-day itinerary with train connections, say where to "
     "stay each night, and explain which places are worth booking in advance?"
 )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def load_model(base: str, device: torch.device) -> tuple[torch.nn.Module, object | None, str]:
@@ -99,11 +93,9 @@ def run_generate(model, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int
         for n in (1, new_tokens):
             cfg = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=n, eos_token_id=None,
                                    pad_token_id=0, use_cache=True)
-            _sync(model.device)
-            start = time.perf_counter()
+            watch = Stopwatch(clock_sync(model.device))
             out = model.generate(ids, attention_mask=mask, generation_config=cfg)
-            _sync(model.device)
-            times.append(time.perf_counter() - start)
+            times.append(watch.wall())
     finally:
         model.generation_config = saved
     return out[0, ids.shape[1]:].tolist(), times[0], times[1]
@@ -115,21 +107,18 @@ def run_loop(backend: Backend, prompt: torch.Tensor, new_tokens: int) -> tuple[l
     dev = backend.device
     root = torch.zeros(1, dtype=torch.long, device=dev)  # depth 0, and "keep node 0"
     self_only = torch.ones(1, 1, dtype=torch.bool, device=dev)
-    _sync(dev)
-    start = time.perf_counter()
+    watch = Stopwatch(clock_sync(dev))
     backend.reset(prompt.numel() + new_tokens)
     logits, _ = backend.prefill(prompt.to(dev))
     token = logits[-1].argmax().view(1)
-    _sync(dev)
-    prefill = time.perf_counter() - start
+    prefill = watch.wall()
     out = [token]
     for _ in range(new_tokens - 1):  # the prefill already chose the first new token
         logits, _ = backend.forward_tree(token, root, self_only)
         backend.commit(root)
         token = logits[-1].argmax().view(1)
         out.append(token)
-    _sync(dev)
-    total = time.perf_counter() - start
+    total = watch.wall()
     return torch.cat(out).tolist(), prefill, total
 
 
@@ -149,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    wall = time.perf_counter()
+    wall = Stopwatch()
 
     model, tokenizer, desc = load_model(args.base, device)
     prompt = make_prompt(tokenizer, args.prompt_len, model.config.vocab_size)
@@ -177,17 +166,17 @@ def main(argv: list[str] | None = None) -> None:
     n = args.new_tokens
     rows = {}
     for name, runs in results.items():
-        total = statistics.median(r[2] for r in runs)
-        prefill = statistics.median(r[1] for r in runs)
+        total = Timing([r[2] for r in runs]).median
+        prefill = Timing([r[1] for r in runs]).median
         # Decode speed excludes the prefill and its first token, as the decoder's report does.
-        decode = statistics.median((r[2] - r[1]) / (n - 1) for r in runs)
+        decode = Timing([(r[2] - r[1]) / (n - 1) for r in runs]).median
         rows[name] = (n / total, 1.0 / decode, prefill)
     ref_e2e, ref_dec = rows["generate"][0], rows["generate"][1]
     print(f"{'method':<10}{'tok/s e2e':>11}{'tok/s decode':>14}{'ms/token':>10}{'prefill ms':>12}"
           f"{'x generate (e2e)':>18}{'x generate (decode)':>21}")
     for name, (e2e, dec, prefill) in rows.items():
         print(f"{name:<10}{e2e:>11.1f}{dec:>14.1f}{1e3 / dec:>10.1f}{prefill * 1e3:>12.1f}"
-              f"{e2e / ref_e2e:>18.2f}{dec / ref_dec:>21.2f}")
+              f"{ratio(e2e, ref_e2e):>18.2f}{ratio(dec, ref_dec):>21.2f}")
     spreads = {name: [round(n / r[2], 1) for r in runs] for name, runs in results.items()}
     print(f"per-rep e2e tok/s: {spreads}")
 
@@ -196,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         same = sum(t == u for t, u in zip(runs[0][0], reference))
         note = "identical" if runs[0][0] == reference else f"{same}/{n} tokens equal (first diff = fp ties?)"
         print(f"tokens {name} vs generate: {note}")
-    print(f"bench wall time {time.perf_counter() - wall:.1f} s")
+    print(f"bench wall time {wall.wall():.1f} s")
 
 
 if __name__ == "__main__":

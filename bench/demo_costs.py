@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Stopwatch, Timing  # noqa: E402
 
 
 def main() -> None:
@@ -60,11 +65,11 @@ def main() -> None:
     def time_verify(tree, n):
         backend.reset(prompt.numel() + n * tree.num_nodes + 8)
         backend.prefill(prompt)
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         for _ in range(n):
             backend.forward_tree(tree.tokens, tree.depths, tree.mask)
             backend.commit(torch.zeros(1, dtype=torch.long))
-        return (time.perf_counter() - t0) / n
+        return watch.wall() / n
 
     def time_draft(drafter, n):
         backend.reset(prompt.numel() + 8)
@@ -73,22 +78,22 @@ def main() -> None:
         state = DecodeState(ids=prompt, root=1, new_hidden=hidden, new_ids=prompt)
         drafter.propose(state)  # the prefix layer's cache takes the prompt once
         one = DecodeState(ids=prompt, root=1, new_hidden=hidden[-1:], new_ids=prompt[-1:])
-        t0 = time.perf_counter()
+        watch = Stopwatch()
         for _ in range(n):
             drafter.propose(one)
-        return (time.perf_counter() - t0) / n
+        return watch.wall() / n
 
     rows = {k: [] for k in [*shapes, *drafters]}
     for t in shapes.values():  # warm-up
         time_verify(t, 3)
     for d in drafters.values():
         time_draft(d, 3)
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # round robin: load from other processes hits every shape alike
         for k, t in shapes.items():
             rows[k].append(time_verify(t, args.steps))
         for k, d in drafters.items():
             rows[k].append(time_draft(d, args.steps))
-    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    med = {k: Timing(v).median for k, v in rows.items()}
     ar = med["AR (1 node)"]
     print(f"uptime: {os.popen('uptime').read().strip()}")
     print(f"{args.dtype}, {torch.get_num_threads()} threads, median of {args.rounds} rounds x {args.steps} steps")

@@ -15,9 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import time_fn  # noqa: E402
 
 
 def main() -> None:
@@ -57,13 +63,8 @@ def measure(dtype: str, lengths: list[int], cfg, clock, repeats: int) -> tuple[d
     from models.draft import BaseView, DraftBatch
     from models.registry import DRAFT_MODELS
 
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = clock()
-            fn()
-            times.append(clock() - t0)
-        return min(times)
+    def best(fn) -> float:  # warm-ups are the callers' own (a short row, a first step)
+        return time_fn(fn, warmup=0, repeats=repeats, clock=clock).min
 
     base = load_base("smollm2", dtype=dtype)
     forward = HiddenStates(base.model)

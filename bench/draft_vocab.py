@@ -29,29 +29,14 @@ step along held-out conversations, mean ms per call per N.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-def _mem_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (this benchmark needs Linux)")
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from bench.harness import Results, Stopwatch, Timing, peak_memory, ratio, time_once  # noqa: E402
 
 
 def _label(n: int) -> str:
@@ -140,7 +125,7 @@ def main() -> None:
     from models.base import HiddenStates, load_base
     from models.draft import BaseView
 
-    t_start = time.perf_counter()
+    t_start = Stopwatch()
     sizes = [int(s) for s in args.sizes.split(",")]
     families = args.families.split(",")
     base = load_base(args.base, dtype="bf16")
@@ -164,7 +149,7 @@ def main() -> None:
                                                          "base_dtype": str(base.model.dtype)})
         caches[name] = HiddenCache(d)
     print(f"data: {len(train_ds)} train / {len(val_ds)} held-out conversations; training on {len(train_sub)}, "
-          f"held-out top-1 on {len(val_sub)}; setup {time.perf_counter() - t_start:.0f} s", flush=True)
+          f"held-out top-1 on {len(val_sub)}; setup {t_start.wall():.0f} s", flush=True)
 
     # ---- maps and coverage ------------------------------------------------------------------------------
     train_counts, val_counts = count_targets(train_ds, V), count_targets(val_ds, V)
@@ -216,12 +201,9 @@ def main() -> None:
             order = sizes[r % len(sizes):] + sizes[:r % len(sizes)]  # rotate who goes first
             for n in order:
                 draft, view, opt = variants[n]
-                rss0 = _mem_kib("VmRSS")
-                _reset_hwm()
-                t0 = time.perf_counter()
-                _step(draft, view, loss_cfg, opt, batch)
-                dt = time.perf_counter() - t0
-                peak = _mem_kib("VmHWM") - rss0
+                with peak_memory("cpu") as pk:  # VmHWM during the step minus the RSS just before it
+                    _, dt = time_once(lambda: _step(draft, view, loss_cfg, opt, batch))  # noqa: B023 (called now)
+                peak = pk.delta_bytes // 1024
                 if r > 0:  # round 0 warms up (allocator, autocast weight caches, one-time casts)
                     stats[n]["tokens"] += tokens
                     stats[n]["seconds"] += dt
@@ -234,7 +216,7 @@ def main() -> None:
         for n in sizes:
             s = stats[n]
             tps = s["tokens"] / s["seconds"]
-            rel = tps / full_tps if full_tps else float("nan")
+            rel = ratio(tps, full_tps, digits=12) if full_tps else float("nan")  # same rounds, interleaved
             results["throughput"][fam][_label(n)] = {"tokens_per_s": tps, "vs_full": rel,
                                                     "peak_step_mib": s["peak_kib"] / 1024}
             print(f"{_label(n):>6} {tps:>9.0f} {rel:>7.2f}x {s['peak_kib'] / 1024:>14.0f}", flush=True)
@@ -250,15 +232,14 @@ def main() -> None:
             results["quality"][fam] = _quality(fam, [0, args.chosen], view_for, train_batches, caches["val"], pad_id,
                                                args.global_batch // args.micro, args.micro)
             _save(args.out, results)
-    results["wall_s"] = time.perf_counter() - t_start
+    results["wall_s"] = t_start.wall()
     print(f"\ntotal wall time {results['wall_s'] / 60:.1f} min", flush=True)
     _save(args.out, results)
 
 
 def _save(path: str, results: dict) -> None:
-    """Written after every phase, so a run cut short keeps what it measured."""
-    if path:
-        Path(path).write_text(json.dumps(results, indent=1) + "\n")
+    """Written (atomically) after every phase, so a run cut short keeps what it measured."""
+    Results(path or None, results).save()
 
 
 def _drafting_times(fam, variants, sizes, val_cache, steps):
@@ -288,15 +269,14 @@ def _drafting_times(fam, variants, sizes, val_cache, steps):
         t = prompt + i
         state = DecodeState(ids[:t + 1], int(ids[t + 1]), h[t:t + 1], ids[t:t + 1])
         for n in sizes:  # interleaved
-            t0 = time.perf_counter()
-            tree_out = drafters[n].propose(state)
-            times[n].append(time.perf_counter() - t0)
+            tree_out, dt = time_once(lambda: drafters[n].propose(state))  # noqa: B023 (called now)
+            times[n].append(dt)
             assert int(tree_out.tokens.max()) < 49152 + 1
     out = {}
     print(f"{fam}: drafting time per decode step (tree16, bf16, {len(times[sizes[0]])} steps, interleaved)")
-    full = sum(times[0]) / len(times[0]) if 0 in times else None
+    full = Timing(times[0]).mean if 0 in times else None
     for n in sizes:
-        ms = 1e3 * sum(times[n]) / len(times[n])
+        ms = 1e3 * Timing(times[n]).mean
         out[_label(n)] = {"ms_per_step": ms, "vs_full": (full * 1e3 / ms) if full else None}
         print(f"{_label(n):>6} {ms:>8.2f} ms" + (f"  ({full * 1e3 / ms:.2f}x faster than full)" if full else ""))
     return out
@@ -325,23 +305,23 @@ def _quality(fam, sizes, view_for, train_batches, val_cache, pad_id, accum: int,
         opt = torch.optim.AdamW(draft.parameters(), lr=lr, weight_decay=wd)
         runs[n] = {"draft": draft, "view": view_for(n), "opt": opt,
                    "sched": torch.optim.lr_scheduler.LambdaLR(opt, lr_at), "seconds": 0.0, "tokens": 0}
-    t_phase = time.perf_counter()
+    t_phase = Stopwatch()
     for step in range(total_steps):
         batches = train_batches[accum * step: accum * step + accum]
         for n in (sizes if step % 2 == 0 else sizes[::-1]):
             r = runs[n]
             torch.manual_seed(1000 + step)  # same dropout masks for every N
-            t0 = time.perf_counter()
+            watch = Stopwatch()
             for b in batches:
                 _step(r["draft"], r["view"], loss_cfg, None, b)
                 r["tokens"] += int(b["attention_mask"].sum())
             r["opt"].step()
             r["opt"].zero_grad(set_to_none=True)
             r["sched"].step()
-            r["seconds"] += time.perf_counter() - t0
+            r["seconds"] += watch.wall()
         if step % 4 == 0:
             print(f"  {fam} quality run: step {step + 1}/{total_steps}, "
-                  f"{time.perf_counter() - t_phase:.0f} s", flush=True)
+                  f"{t_phase.wall():.0f} s", flush=True)
     out = {}
     val_batches = _micro_batches(val_cache, list(range(len(val_cache))), micro, pad_id)
     for n in sizes:

@@ -27,11 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Stopwatch, Timing, clock_sync, peak_memory, ratio  # noqa: E402
 
 VARIANTS = ("reference", "fused")
 MODES = ("memory-reference", "memory-fused", "time")
@@ -57,13 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------
 # Workers (fresh processes)
 # ---------------------------------------------------------------------------------------------------
-
-
-def _rss_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"{field} not in /proc/self/status; CPU peak memory needs Linux (or use --device cuda)")
 
 
 def build_steps(args: argparse.Namespace):
@@ -108,9 +103,10 @@ def build_steps(args: argparse.Namespace):
         )
     lambdas = head_weights(args.heads)
     cuda = device.type == "cuda"
+    sync = clock_sync(device)
 
     def step(variant: str) -> tuple[float, float]:
-        t0, c0 = time.perf_counter(), time.process_time()
+        watch = Stopwatch(sync)
         sums, counts = [], []
         for h, w, y in zip(hiddens, weights, labels):
             loss_sum, stats = loss_fns[variant](h, w, y, chunk_size=args.chunk, **teacher_kw)
@@ -118,9 +114,7 @@ def build_steps(args: argparse.Namespace):
             counts.append(stats.count)
         total, _ = weighted_head_means(sums, counts, lambdas)
         total.backward()
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = (time.perf_counter() - t0, time.process_time() - c0)  # (wall, CPU) seconds
+        elapsed = (watch.wall(), watch.cpu())  # (wall, CPU) seconds
         for t in hiddens + weights:
             t.grad = None
         return elapsed
@@ -129,20 +123,14 @@ def build_steps(args: argparse.Namespace):
 
 
 def run_memory(args: argparse.Namespace, variant: str) -> dict:
-    import torch
-
-    step, cuda = build_steps(args)
+    step, _ = build_steps(args)
     step(variant)  # warm-up: lazy library buffers are not part of the loss's footprint
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        base = _rss_bytes("VmRSS")
-    step(variant)
-    peak = torch.cuda.max_memory_allocated() if cuda else _rss_bytes("VmHWM")
-    return dict(peak_delta_bytes=peak - base)
+    with peak_memory(args.device) as peak:
+        step(variant)
+    if not peak.reset:
+        raise RuntimeError("VmHWM could not be reset (/proc/self/clear_refs); CPU peak memory needs Linux (or use "
+                           "--device cuda)")
+    return dict(peak_delta_bytes=peak.delta_bytes)
 
 
 def run_time(args: argparse.Namespace) -> dict:
@@ -199,7 +187,11 @@ def main(argv: list[str] | None = None) -> None:
         f"device={args.device} lm_head={head} soft_weight={args.soft_weight} "
         f"timed steps={args.iters}/variant threads={timing['threads']}"
     )
-    med, ms = statistics.median, 1e3
+    ms = 1e3
+
+    def med(times: list[float]) -> float:
+        return Timing(times).median
+
     rows = [
         ("fwd+bwd wall min (ms)", min(wall["reference"]) * ms, min(wall["fused"]) * ms),
         ("fwd+bwd wall med (ms)", med(wall["reference"]) * ms, med(wall["fused"]) * ms),
@@ -215,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"both peaks include {grad_mib:.0f} MiB of lm_head weight grads that any method must produce")
     print("wall step times (s): " + "; ".join(f"{v} " + " ".join(f"{t:.2f}" for t in wall[v]) for v in VARIANTS))
     basis = cpu if on_cpu else wall
-    speed = med(basis["reference"]) / med(basis["fused"])
+    speed = ratio(med(basis["reference"]), med(basis["fused"]), digits=6)  # one run: the workers interleave
     mem_ratio = mem["fused"] / mem["reference"]
     verdict = "meets" if (mem_ratio <= 0.5 and speed >= 0.9) else "misses"
     print(

@@ -18,12 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
+import sys
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+from bench.harness import Results, Stopwatch, clock_sync, ratio  # noqa: E402
 
 
 def load(args, device: torch.device, dtype: torch.dtype):
@@ -59,30 +62,24 @@ def _cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def tree_costs(backend, sizes: list[int], prompt_len: int, reps: int, device, max_len: int) -> dict:
+def tree_costs(backend, sizes: list[int], prompt_len: int, reps: int, device, max_len: int, vocab: int) -> dict:
     """ms per forward_tree of N nodes (a chain: the mask shape does not change the work) after a prompt of
     `prompt_len` tokens, each followed by commit of the root only; first call per size untimed (compile)."""
     out = {}
     for n in sizes:
         backend.reset(max_len)  # the size the backend was built for: a larger one would reallocate (recompile)
-        backend.prefill(torch.randint(3, 1000, (prompt_len,)))
-        toks, depths = torch.randint(3, 1000, (n,)), torch.arange(n)
+        hi = min(1000, vocab)  # any ids the base knows (the tiny base has 320)
+        backend.prefill(torch.randint(3, hi, (prompt_len,)))
+        toks, depths = torch.randint(3, hi, (n,)), torch.arange(n)
         mask = torch.ones(n, n, dtype=torch.bool).tril_()
         keep = torch.zeros(1, dtype=torch.long)
         backend.forward_tree(toks, depths, mask)  # warm-up / compile of this bucket
         backend.commit(keep)
-        _sync(device)
-        t0 = time.perf_counter()
+        watch = Stopwatch(clock_sync(device))  # one sync per loop, not per step: steps overlap as in decoding
         for _ in range(reps):
             backend.forward_tree(toks, depths, mask)
             backend.commit(keep)
-        _sync(device)
-        out[n] = 1000 * (time.perf_counter() - t0) / reps
+        out[n] = 1000 * watch.wall() / reps
     return {"ms_per_verify": out, "cost_vs_ar_step": {n: out[n] / out[sizes[0]] for n in sizes}}
 
 
@@ -109,16 +106,16 @@ def main() -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    t0 = time.perf_counter()
+    watch = Stopwatch(clock_sync(device))
     model, tok, desc = load(args, device, dtype)
-    load_s = time.perf_counter() - t0
+    load_s = watch.wall()
     questions = Path(args.meta) / "mtbench_question.jsonl"
     dataset = str(questions if questions.is_file() else ROOT / "tests" / "fixtures" / "eval_prompts.jsonl")
     prompts = load_eval_prompts(dataset, tok, num_prompts=args.prompts, max_prompt_tokens=512)
     eos = eos_ids(model, tok)
     cost_prompt = 128
     longest = max(max(len(q.input_ids) for q in prompts) + args.new_tokens + 80, cost_prompt + args.reps + 80)
-    t0 = time.perf_counter()
+    watch = Stopwatch(clock_sync(device))
     backend = FastBackend(model, max_len=longest, compile=False if args.no_compile else None)
     backend.reset(longest)
 
@@ -126,7 +123,7 @@ def main() -> None:
         return autoregressive_generate(backend, ids, max_new_tokens=n, eos_ids=eos)
 
     ar(prompts[0].input_ids, 16)  # compile + CUDA-graph capture of the 1-node bucket, untimed
-    warm_s = time.perf_counter() - t0
+    warm_s = watch.wall()
     hf_generate_timed(model, prompts[0].input_ids, 16, eos)
     ar_tok = ar_time = hf_tok = hf_time = 0.0
     same = []
@@ -138,9 +135,9 @@ def main() -> None:
         hf_tok += len(h.tokens) - 1
         hf_time += h.seconds
         same.append(list(h.tokens) == list(a.tokens))
-    sizes = [int(s) for s in args.trees.split(",") if s]
-    costs = tree_costs(backend, sizes, cost_prompt, args.reps, device, longest)
-    result = {
+    # Written after each part (the decode comparison, then the verify-cost curve): a stage killed by its timeout
+    # keeps the first.
+    results = Results(args.out, {
         "base": args.base, "description": desc, "dtype": args.dtype,
         "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
@@ -148,12 +145,17 @@ def main() -> None:
         "prompts": len(prompts), "dataset": dataset, "max_new_tokens": args.new_tokens,
         "own_ar_tokens_per_s": ar_tok / ar_time if ar_time else None,
         "hf_generate_tokens_per_s": hf_tok / hf_time if hf_time else None,
-        "own_ar_vs_generate": (ar_tok / ar_time) / (hf_tok / hf_time) if ar_time and hf_time else None,
+        # the two arms ran prompt by prompt, alternately, in this process
+        "own_ar_vs_generate": ratio(ar_tok / ar_time, hf_tok / hf_time, digits=12) if ar_time and hf_time else None,
         "outputs_equal_fraction": sum(same) / len(same), "load_s": load_s, "compile_warmup_s": warm_s,
-        "cudagraph_skips": _cudagraph_skips(), **costs,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        "cudagraph_skips": _cudagraph_skips(),
+    })
+    results.save()
+    sizes = [int(s) for s in args.trees.split(",") if s]
+    costs = tree_costs(backend, sizes, cost_prompt, args.reps, device, longest, model.config.vocab_size)
+    results.data.update(cudagraph_skips=_cudagraph_skips(), **costs)
+    results.save()
+    result = results.data
     print(json.dumps(result, indent=1))
     print(f"{desc} ({args.dtype}, {result['device']}): own AR {result['own_ar_tokens_per_s']:.1f} tok/s, "
           f"generate {result['hf_generate_tokens_per_s']:.1f} tok/s = {result['own_ar_vs_generate']:.2f}x "

@@ -17,12 +17,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from train.config import family_recipes
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+from bench.harness import Results, time_once  # noqa: E402
+from train.config import family_recipes  # noqa: E402
+
 RECIPES = family_recipes()  # every configs/*.yaml that names a draft family
 
 
@@ -33,10 +35,8 @@ def run_one(family: str, zero: int, args, run_dir: Path) -> dict:
                  *args.set]
     cmd = [sys.executable, "-m", "cli.main", "train", "--config", RECIPES[family], *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
-                          timeout=args.timeout)
-    wall = time.perf_counter() - t0
+    proc, wall = time_once(lambda: subprocess.run(cmd, cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+                                                  capture_output=True, text=True, timeout=args.timeout))
     (run_dir.parent / f"{run_dir.name}.log").write_text(proc.stdout + proc.stderr)
     row = {"family": family, "zero_stage": zero, "returncode": proc.returncode, "wall_s": round(wall, 1)}
     metrics = run_dir / "metrics.jsonl"
@@ -71,7 +71,7 @@ def main() -> None:
         out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001 (a report field only)
         pass
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    results = Results(args.out, out)
     for family in args.families.split(","):
         for zero in (int(z) for z in args.zero.split(",")):
             row = run_one(family, zero, args, Path(args.runs) / f"{family}-zero{zero}")
@@ -79,7 +79,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "error"}) +
                   (f"\n  FAILED: {row['error'][-600:]}" if "error" in row else ""), flush=True)
             # Written after every run: a caller's deadline that cuts the bench keeps the rows measured so far.
-            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+            results.save()
     print(f"{'family':>10} {'ZeRO':>4} {'tokens/s':>10} {'wall s':>7}")
     for r in rows:
         tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "FAILED"

@@ -9,22 +9,23 @@ layout the `fast` backend uses for fp32; bf16 uses oneDNN through F.linear, the 
 
 from __future__ import annotations
 
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import time_fn  # noqa: E402
 
 SHAPES = {"lm_head 576->49152": (576, 49152), "gate+up 576->3072": (576, 3072), "down 1536->576": (1536, 576)}
 ROWS = (1, 2, 5, 8, 16, 64)
 
 
 def _time_us(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters * 1e6
+    """Mean microseconds of `iters` calls after 3 warm-up calls."""
+    return time_fn(fn, warmup=3, repeats=iters).mean * 1e6
 
 
 def main() -> None:

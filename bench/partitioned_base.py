@@ -19,11 +19,14 @@ import argparse
 import contextlib
 import ctypes
 import gc
-import json
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results, Stopwatch, clock_sync  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -101,16 +104,19 @@ def main(argv: list[str] | None = None) -> int:
     row = {"rank": info.rank, "world_size": info.world_size, "base": args.base, "dtype": args.dtype,
            "mode": args.mode, "rss_before_MiB": rss0 / 2**20,
            "rss_parts_before_MiB": rss0_parts}
+    # rank 0's numbers, on disk after each kind of base (partitioned, then whole): a killed run keeps the first
+    results = Results(args.json if info.is_main and args.json else None, row)
+    sync = clock_sync(info.device)
     hs_part, max_diff = [], None
     if args.mode in ("both", "partitioned"):
-        t0 = time.perf_counter()
+        watch = Stopwatch(sync)
         pb = load_partitioned_base(args.base, dtype=dtype, device=info.device)
-        row["load_s"] = time.perf_counter() - t0
+        row["load_s"] = watch.wall()
         mem = pb.memory_report()
-        t0 = time.perf_counter()
+        watch = Stopwatch(sync)
         for ids in rows:
             hs_part.append(last_hidden_and_logits(pb.base.model, ids.to(info.device))[0].float().cpu())
-        row["partitioned_forward_s"] = time.perf_counter() - t0
+        row["partitioned_forward_s"] = watch.wall()
         row["gathered_after_forwards_MiB"] = pb.memory_report()["gathered_bytes"] / 2**20
         rss_part = rss_bytes()  # after the forwards: includes what the layer-by-layer gathers leave resident
         row["rss_parts_partitioned_MiB"] = rss_parts()
@@ -122,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
               "partitioned_MiB:.0f} MiB after load + {n} forwards ({partitioned_forward_s:.2f} s); RSS by kind before "
               "{rss_parts_before_MiB} after {rss_parts_partitioned_MiB}; still gathered after the forwards: "
               "{gathered_after_forwards_MiB:.1f} MiB".format(n=len(rows), **row), flush=True)
+        results.save()
     if args.mode in ("both", "whole"):
         rss1 = rss_bytes()
         whole = load_base(args.base, dtype=dtype, device=info.device)
-        t0 = time.perf_counter()
+        watch = Stopwatch(sync)
         hs_whole = [last_hidden_and_logits(whole.model, ids.to(info.device))[0].float().cpu() for ids in rows]
-        row["whole_forward_s"] = time.perf_counter() - t0
+        row["whole_forward_s"] = watch.wall()
         row["rss_delta_whole_MiB"] = (rss_bytes() - rss1) / 2**20
         row["rss_parts_whole_MiB"] = rss_parts()
         print("rank {rank}/{world_size}: whole base RSS +{rss_delta_whole_MiB:.0f} MiB after load + {n} forwards "
@@ -138,10 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             row["lm_head_copy_equal"] = torch.equal(pb.lm_head_weight, whole.model.get_output_embeddings().weight)
             print(f"rank {info.rank}: max |h_partitioned - h_whole| = {max_diff:.3g}; lm_head copy equal: "
                   f"{row['lm_head_copy_equal']}", flush=True)
+        results.save()
     worst = all_reduce_sum(torch.tensor([max_diff or 0.0], dtype=torch.float64))  # sum of per-rank max >= any
-    if info.is_main and args.json:
-        with open(args.json, "w") as f:
-            json.dump({**row, "sum_over_ranks_max_abs_h_diff": float(worst)}, f, indent=1)
+    results.put("sum_over_ranks_max_abs_h_diff", float(worst))
     finish_distributed()
     return 0
 

@@ -19,25 +19,18 @@ import json
 import os
 import subprocess
 import sys
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results, peak_memory, rss_kib, time_fn, time_once  # noqa: E402
 
 
 def _mem_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status (this benchmark needs Linux)")
-
-
-def _reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux: write 5 to clear_refs); False where not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    kib = rss_kib(field)
+    if kib is None:
+        raise RuntimeError(f"{field} not in /proc/self/status (this benchmark needs Linux)")
+    return kib
 
 
 def run_variant(args) -> dict:
@@ -74,23 +67,17 @@ def run_variant(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return out
 
-    rss0 = _mem_kib("VmRSS")
-    _reset_hwm()
     marks: list[int] = []
-    t0 = time.perf_counter()
-    step(marks)
-    first = time.perf_counter() - t0
-    peak = _mem_kib("VmHWM") - rss0
+    with peak_memory("cpu") as pk:
+        _, first = time_once(lambda: step(marks))
+    rss0 = pk.start_bytes // 1024
+    peak = pk.delta_bytes / 1024
     peak_loss = marks[0] - rss0
-    times = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
+    step_s = time_fn(step, warmup=0, repeats=args.steps).mean  # the first step above was the warm-up
     tokens = args.batch * args.seq
     return {"variant": args.variant, "peak_step_mib": peak / 1024, "peak_loss_mib": peak_loss / 1024,
             "first_step_s": first,
-            "step_s": sum(times) / len(times), "tokens_per_s": tokens / (sum(times) / len(times)),
+            "step_s": step_s, "tokens_per_s": tokens / step_s,
             "threads": torch.get_num_threads()}
 
 
@@ -105,18 +92,21 @@ def main() -> None:
     p.add_argument("--share-lm-head", action="store_true")
     p.add_argument("--steps", type=int, default=3, help="timed steps after the first (memory) step")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--out", default="", help="also write the results as JSON here (after each variant)")
     p.add_argument("--variant", choices=["chunked", "plain"], help=argparse.SUPPRESS)  # child mode
     args = p.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args)))
         return
-    results = {}
+    saved = Results(args.out or None, {"settings": {k: v for k, v in vars(args).items() if k != "variant"}})
+    results = saved.data.setdefault("variants", {})
     for variant in ("chunked", "plain"):
         cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
         # glibc unmaps freed blocks >= 64 KiB at once, so RSS follows live tensors and VmHWM is their peak.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
         results[variant] = json.loads(out.strip().splitlines()[-1])
+        saved.save()
     c, pl = results["chunked"], results["plain"]
     print(f"Medusa K={args.heads} on {args.base}, batch {args.batch} x {args.seq} tokens, {args.dtype}, "
           f"share_lm_head={args.share_lm_head}, {c['threads']} threads")
