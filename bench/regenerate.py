@@ -2,20 +2,26 @@
 by side in one run: generated tokens/s of each, its ratio to transformers `generate` (the self-distill path as it
 was), and how many records come out identical to `generate`'s (greedy).
 
-    python bench/regenerate.py --num-prompts 64 --max-new-tokens 128 --engines generate,hf-static,fast
-    python bench/regenerate.py --device cuda --num-prompts 1024 --fast-batch 256 --hf-batch 256 --engines generate,fast
+    python bench/regenerate.py --num-prompts 64 --max-new-tokens 128 --engines fast,hf-cb,hf-static,generate
+    python bench/regenerate.py --device cuda --num-prompts 1024 --fast-batch 256 --hf-batch 256 \
+        --engines fast,hf-cb,generate
 
-Engines (--engines, comma separated; default: every one available here):
-  generate   HFGenerator as the self-distill path runs it (batched `generate`, dynamic cache), --hf-batch per call
-  hf-static  HFGenerator(cache="static"): transformers' static cache (compiled on CUDA), --hf-batch per call
-  fast       FastBatchGenerator (eval/engine/batch_generate.py): --fast-batch rows decoding at once, refilled from
-             calls of --fast-call prompts (default 4 x --fast-batch) as rows finish
+Engines (--engines, comma separated; default: every one available here). They run fastest first (the order below,
+whatever the order given), so a stage killed by its timeout has the fast ones; bench.json is rewritten after each
+engine, with the ratios to `generate` (and to hf-cb) as soon as both sides are in:
   vllm       vLLM's engine from .venv-vllm (when it exists), --vllm-batch per call; its start (once per
              regeneration) is timed apart as vllm_start_seconds
+  fast       FastBatchGenerator (eval/engine/batch_generate.py): --fast-batch rows decoding at once, refilled from
+             calls of --fast-call prompts (default 4 x --fast-batch) as rows finish
+  hf-cb      HFCBGenerator (data/cb_generate.py): transformers' continuous batching (paged KV cache, requests
+             admitted as others end), calls of --cb-call prompts, --cb-rows decoding at once (default: the library's)
+  hf-static  HFGenerator(cache="static"): transformers' static cache (compiled on CUDA), --hf-batch per call
+  generate   HFGenerator as the self-distill path runs it (batched `generate`, dynamic cache), --hf-batch per call
 
 Each engine writes its own file under --out (resumable, reused on a second run: pass a fresh --out to time again).
 The speed figure is the build's generated tokens over the build's wall time (tokenizing and the file writes
-included, the same for every engine).
+included, the same for every engine). Each in-process engine first makes one short untimed call (warm-up), so the
+process's first-call costs land on none of them.
 """
 
 from __future__ import annotations
@@ -23,16 +29,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
+from bench.harness import Results, clock_sync, ratio, time_once  # noqa: E402
+from data.cb_generate import HFCBGenerator  # noqa: E402
 from data.self_distill import HFGenerator, build_self_distilled, end_of_turn_ids  # noqa: E402
 from models.base import load_base  # noqa: E402
 
-ENGINES = ("generate", "hf-static", "fast", "vllm")
+ENGINES = ("vllm", "fast", "hf-cb", "hf-static", "generate")  # fastest first (on a GPU): the order they run in
 REFERENCE = "generate"
+LIBRARY = "hf-cb"  # the library's batched engine: `fast` is kept only where it beats this by >= 1.5x
 
 
 def _available() -> list[str]:
@@ -51,21 +59,34 @@ def _run_engine(name: str, base, args, out: Path, settings: dict) -> dict:
     tok = base.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     path = out / f"{name}.jsonl"
+    sync = clock_sync(base.model.device)
+
+    def timed_build(engine, batch_size: int) -> float:
+        # Warm-up, untimed: one short call, so the process's first-call costs (kernel choice, allocator growth, a
+        # compile) land on no engine, whichever runs first.
+        text = base.tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], tokenize=False,
+                                                  add_generation_prompt=True)
+        warm = [base.tokenizer(text, add_special_tokens=False)["input_ids"]] * 2
+        engine(warm, seed=0, limits=[8, 8])
+        return time_once(lambda: build_self_distilled(base, args.source, **settings, batch_size=batch_size,
+                                                      out=path, engine=engine), sync=sync)[1]
+
     if name in ("generate", "hf-static"):
         engine = HFGenerator(base.model, eos, pad, args.max_new_tokens, 0.0,
                              **({"cache": "static"} if name == "hf-static" else {}))
-        t0 = time.perf_counter()
-        build_self_distilled(base, args.source, **settings, batch_size=args.hf_batch, out=path, engine=engine)
-        return {"path": path, "seconds": time.perf_counter() - t0, "version": engine.version,
-                "batch": args.hf_batch}
+        seconds = timed_build(engine, args.hf_batch)
+        return {"path": path, "seconds": seconds, "version": engine.version, "batch": args.hf_batch}
+    if name == "hf-cb":
+        engine = HFCBGenerator(base.model, eos, args.max_new_tokens, 0.0, max_requests=args.cb_rows)
+        seconds = timed_build(engine, args.cb_call)
+        return {"path": path, "seconds": seconds, "version": engine.version,
+                "batch": f"calls of {args.cb_call}" + (f", {args.cb_rows} rows" if args.cb_rows else "")}
     if name == "fast":
         from eval.engine.batch_generate import FastBatchGenerator
 
         engine = FastBatchGenerator(base.model, eos, args.max_new_tokens, 0.0, batch_size=args.fast_batch)
         call = args.fast_call or 4 * args.fast_batch
-        t0 = time.perf_counter()
-        build_self_distilled(base, args.source, **settings, batch_size=call, out=path, engine=engine)
-        seconds = time.perf_counter() - t0
+        seconds = timed_build(engine, call)
         graphs = sorted(engine._graphs)
         return {"path": path, "seconds": seconds, "version": engine.version,
                 "batch": f"{args.fast_batch} rows, calls of {call}",
@@ -75,13 +96,30 @@ def _run_engine(name: str, base, args, out: Path, settings: dict) -> dict:
 
         with VllmGenerator(base, out / "vllm-work", max_new_tokens=args.max_new_tokens, temperature=0.0,
                            stop_token_ids=eos, max_model_len=1024 + args.max_new_tokens) as engine:
-            started_before, t0 = engine.start_seconds, time.perf_counter()  # nonzero: it started to read its version
-            build_self_distilled(base, args.source, **settings, batch_size=args.vllm_batch, out=path, engine=engine)
+            started_before = engine.start_seconds  # nonzero: it started to read its version
+            _, seconds = time_once(lambda: build_self_distilled(base, args.source, **settings,
+                                                                batch_size=args.vllm_batch, out=path, engine=engine))
             # The engine starts on the first batch (once per regeneration of hours): timed apart, not as generation.
             start = engine.start_seconds - started_before
-            return {"path": path, "seconds": time.perf_counter() - t0 - start, "version": engine.version,
+            return {"path": path, "seconds": seconds - start, "version": engine.version,
                     "batch": args.vllm_batch, "extra": {"vllm_start_seconds": round(start, 1)}}
     raise ValueError(f"unknown engine {name!r}; use some of {', '.join(ENGINES)}")
+
+
+def _compare(rows: dict, records: dict) -> None:
+    """Each finished engine's ratio to `generate` (tokens/s, and records identical to its greedy ones) and to the
+    library's hf-cb, once both are in: numbers of this one run only."""
+    for other in (REFERENCE, LIBRARY):
+        if other not in records:
+            continue
+        ref = rows[other]["tokens_per_second"]
+        for name, row in rows.items():
+            if name not in records or name == other and other == LIBRARY:
+                continue
+            row[f"vs_{other}"] = ratio(row["tokens_per_second"], ref)
+            if other == REFERENCE:
+                same = sum(a == b for a, b in zip(records[name], records[REFERENCE]))
+                row[f"identical_to_{REFERENCE}"] = f"{same}/{len(records[REFERENCE])}"
 
 
 def main() -> None:
@@ -100,6 +138,10 @@ def main() -> None:
     p.add_argument("--fast-batch", type=int, default=64, help="fast: rows decoding at once (KV cache rows)")
     p.add_argument("--fast-call", type=int, default=None, help="fast: prompts per engine call (default 4 x "
                    "--fast-batch; the rows beyond --fast-batch wait and take the slots of finished ones)")
+    p.add_argument("--cb-call", type=int, default=256, help="hf-cb: prompts per engine call (one continuous-batching "
+                   "session each: the library keeps its batch full within a call)")
+    p.add_argument("--cb-rows", type=int, default=None, help="hf-cb: requests decoding at once (default: the "
+                   "library's choice)")
     p.add_argument("--vllm-batch", type=int, default=256)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the in-process engines "
                    "(default: torch's own); on a CPU shared with other busy jobs 1 is the robust choice")
@@ -122,33 +164,31 @@ def main() -> None:
     base = load_base(args.base, dtype=args.dtype, device=args.device)
     settings = dict(max_records=args.num_prompts, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns)
 
-    result = {"base": base.name, **vars(args), "engines": engines, "engine_results": {}}
+    engines = [e for e in ENGINES if e in engines]  # fastest first, whatever the order given
+    results = Results(out / "bench.json", {"base": base.name, **vars(args), "engines": engines, "engine_results": {}})
     records = {}
     for name in engines:
         print(f"bench: {name} ...", flush=True)
-        run = _run_engine(name, base, args, out, settings)
-        path = run["path"]
-        meta = json.loads(path.with_name(path.name + ".meta.json").read_text())
-        records[name] = [json.loads(line) for line in path.read_text().splitlines()]
-        result["engine_results"][name] = {
-            "engine": run["version"], "batch": run["batch"], "seconds": round(run["seconds"], 1),
-            "generated_tokens": meta["generated_tokens"],
-            "tokens_per_second": round(meta["generated_tokens"] / run["seconds"], 1),
-            "records": meta["records"], "cut_answers": meta["cut_answers"], **run.get("extra", {})}
-    rows = result["engine_results"]
-    if REFERENCE in rows:
-        ref = rows[REFERENCE]["tokens_per_second"]
-        for name, row in rows.items():
-            row[f"vs_{REFERENCE}"] = round(row["tokens_per_second"] / ref, 2)
-            same = sum(a == b for a, b in zip(records[name], records[REFERENCE]))
-            row[f"identical_to_{REFERENCE}"] = f"{same}/{len(records[REFERENCE])}"
-    (out / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
+        with results.arm("engine_results", name) as row:  # bench.json rewritten when each engine ends
+            run = _run_engine(name, base, args, out, settings)
+            path = run["path"]
+            meta = json.loads(path.with_name(path.name + ".meta.json").read_text())
+            records[name] = [json.loads(line) for line in path.read_text().splitlines()]
+            row.update({
+                "engine": run["version"], "batch": run["batch"], "seconds": round(run["seconds"], 1),
+                "generated_tokens": meta["generated_tokens"],
+                "tokens_per_second": round(meta["generated_tokens"] / run["seconds"], 1),
+                "records": meta["records"], "cut_answers": meta["cut_answers"], **run.get("extra", {})})
+            _compare(results.data["engine_results"], records)
+    rows = results.data["engine_results"]
+    result = results.data
     print(json.dumps(result, indent=1))
-    print(f"\n| engine | batch | seconds | generated tokens | tok/s | vs {REFERENCE} | identical to {REFERENCE} |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n| engine | batch | seconds | generated tokens | tok/s | vs {REFERENCE} | vs {LIBRARY} | "
+          f"identical to {REFERENCE} |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         print(f"| {name} ({row['engine']}) | {row['batch']} | {row['seconds']} | {row['generated_tokens']:,} | "
-              f"{row['tokens_per_second']} | {row.get(f'vs_{REFERENCE}', '-')} | "
+              f"{row['tokens_per_second']} | {row.get(f'vs_{REFERENCE}', '-')} | {row.get(f'vs_{LIBRARY}', '-')} | "
               f"{row.get(f'identical_to_{REFERENCE}', '-')} |")
 
 

@@ -107,10 +107,11 @@ def _parser() -> argparse.ArgumentParser:
                        "--batch-size 2048 --fast-rows 512)")
         p.add_argument("--hf-cache", default="dynamic", choices=["dynamic", "static"],
                        help="--engine hf: transformers' KV cache (static: preallocated, compiled on CUDA)")
-        p.add_argument("--engine", default="auto", choices=["auto", "hf", "fast", "vllm"],
+        p.add_argument("--engine", default="auto", choices=["auto", "hf", "hf-cb", "fast", "vllm"],
                        help="vllm: vLLM's engine from .venv-vllm (`make vllm`); fast: our batched static-cache engine "
-                       "(LLaMA-family bases; CUDA graphs on a GPU); hf: transformers generate here; auto: vllm when "
-                       ".venv-vllm exists, else fast on CUDA, else hf")
+                       "(LLaMA-family bases; CUDA graphs on a GPU); hf: transformers generate here; hf-cb: "
+                       "transformers' continuous batching (paged cache; --batch-size prompts per call); auto: vllm "
+                       "when .venv-vllm exists, else fast on CUDA, else hf-cb")
         p.add_argument("--max-new-tokens", type=int, default=256, help="per answer; longer answers are cut, kept "
                        "and counted")
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -279,7 +280,8 @@ def cmd_regenerate(args) -> int:
             vllm_python()
             engine_name = "vllm"
         except ServeCheckError:
-            engine_name = "fast" if device.type == "cuda" else "hf"
+            # CPU: transformers' continuous batching beat `generate` there (docs/lab/benchmarks.md)
+            engine_name = "fast" if device.type == "cuda" else "hf-cb"
     base = load_base(args.base, dtype=args.dtype, device=device)
     context = int(getattr(base.model.config, "max_position_embeddings", 0) or 0)
     if context and args.max_prompt_tokens + args.max_new_tokens > context:
@@ -301,6 +303,11 @@ def cmd_regenerate(args) -> int:
         tok, eos = base.tokenizer, end_of_turn_ids(base)
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         engine = HFGenerator(base.model, eos, pad, args.max_new_tokens, args.temperature, cache=args.hf_cache)
+        out = build_self_distilled(base, args.source, **settings, engine=engine)
+    elif engine_name == "hf-cb":
+        from data.cb_generate import HFCBGenerator
+
+        engine = HFCBGenerator(base.model, end_of_turn_ids(base), args.max_new_tokens, args.temperature)
         out = build_self_distilled(base, args.source, **settings, engine=engine)
     elif engine_name == "fast":
         from eval.engine.batch_generate import BatchOutOfMemory, FastBatchGenerator

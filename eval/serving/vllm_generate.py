@@ -35,8 +35,9 @@ def vllm_is_cpu_build(python: Path) -> bool:
 
 def auto_engine(device_type: str, python: Path | None) -> tuple[str, str]:
     """`specdraft regenerate --engine auto`: (engine, why). vLLM where its venv is built for this device; on a GPU a
-    CPU build of vLLM would generate on the CPU, so the batched `fast` engine (CUDA graphs) is taken instead."""
-    fallback = "fast" if device_type == "cuda" else "hf"
+    CPU build of vLLM would generate on the CPU, so the batched `fast` engine (CUDA graphs) is taken instead. Without
+    vLLM on a CPU: transformers' continuous batching (hf-cb), which beat `generate` there (docs/lab/benchmarks.md)."""
+    fallback = "fast" if device_type == "cuda" else "hf-cb"
     if python is None:
         return fallback, "no vLLM venv"
     if device_type == "cuda" and vllm_is_cpu_build(python):
