@@ -113,7 +113,8 @@ def distilled_labels_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
 
 class CTCDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("ctc", "CTC drafter", ("specdraft",),
-                        export_keys=("num_frames", "num_heads", "num_layers"))
+                        export_keys=("num_frames", "num_heads", "num_layers"),
+                        config_keys=("draft.num_frames", "loss.token_weight"))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

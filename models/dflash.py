@@ -201,7 +201,9 @@ class DFlashCache:
 class DFlashDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("dflash", "DFlash", ("specdraft", "vllm", "gguf"), vllm_method="dflash",
                         llamacpp_spec_type="draft-dflash", llamacpp_whole_block=True,
-                        export_keys=("aux_layers", "block_size", "num_layers", "mask_token_id"))
+                        export_keys=("aux_layers", "block_size", "num_layers", "mask_token_id"),
+                        config_keys=("draft.block_size", "draft.num_anchors", "draft.mask_token_id",
+                                     "draft.learned_mask", "loss.position_weights", "loss.dpace_alpha"))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

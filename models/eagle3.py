@@ -172,7 +172,8 @@ class Eagle3Cache:
 
 class Eagle3Draft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("eagle3", "EAGLE-3", ("specdraft", "speculators", "vllm", "gguf"), vllm_method="eagle3",
-                        llamacpp_spec_type="draft-eagle3", export_keys=("aux_layers",))
+                        llamacpp_spec_type="draft-eagle3", export_keys=("aux_layers",),
+                        config_keys=("draft.ttt_steps",))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

@@ -31,6 +31,9 @@ class FamilyFacts:
     trainable: bool = True  # False: learning-free (no model to train, no export of weights)
     # Keys its export's config.json must have besides the common ones (checked by models/export/schema.py).
     export_keys: tuple[str, ...] = ()
+    # Training-config keys (train/config.py, "draft.x" / "loss.x") only this family reads: a run of another family
+    # that sets one away from its default fails at load, naming this family (train/config.py: validate).
+    config_keys: tuple[str, ...] = ()
 
     def __post_init__(self):
         unknown = sorted(set(self.export_formats) - set(EXPORT_FORMATS))

@@ -94,7 +94,7 @@ class HydraHead(nn.Module):
 
 class HydraDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("hydra", "Hydra", ("specdraft",),
-                        export_keys=("num_heads", "num_layers"))
+                        export_keys=("num_heads", "num_layers"), config_keys=("draft.prefix_layer",))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

@@ -48,7 +48,7 @@ DEFAULT_BEAM_LENGTH = 5  # counts the root: 4 draft tokens per beam
 
 class ReDrafterDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"),
-                        export_keys=("num_heads", "num_layers"))
+                        export_keys=("num_heads", "num_layers"), config_keys=("draft.rnn",))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

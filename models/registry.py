@@ -32,6 +32,19 @@ def vllm_families() -> tuple[str, ...]:
     return tuple(name for name, f in FAMILIES.items() if f.vllm_method)
 
 
+def config_key_owners() -> dict[str, str]:
+    """Training-config key ("draft.ttt_steps") -> the one family that reads it (FamilyFacts.config_keys); keys every
+    family reads, or several do (draft.aux_layers: EAGLE-3 and DFlash), are in no family's list."""
+    owners: dict[str, str] = {}
+    for name, facts in FAMILIES.items():
+        for key in facts.config_keys:
+            if key in owners:
+                raise ValueError(f"{key} is declared by both {owners[key]} and {name}; a key two families read "
+                                 "belongs to neither's config_keys")
+            owners[key] = name
+    return owners
+
+
 def learning_free_vllm_families() -> tuple[str, ...]:
     """Learning-free families vLLM serves (no export: `--method <name>` of serve-check and `export --format vllm`)."""
     return tuple(name for name, f in FAMILIES.items() if not f.trainable and f.vllm_method)

@@ -152,6 +152,20 @@ def _fail(key: str, value, fix: str) -> None:
     raise ConfigError(f"invalid value {key}={value!r}: {fix}")
 
 
+def _check_family_keys(cfg: TrainConfig) -> None:
+    """A key only one family reads (FamilyFacts.config_keys), set away from its default on another family's run, is
+    a mistake (it would be ignored): fail naming the family it belongs to."""
+    from models.registry import FAMILIES, config_key_owners
+
+    defaults = TrainConfig()
+    for key, owner in config_key_owners().items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if owner != cfg.draft.family and value != getattr(getattr(defaults, section), name):
+            _fail(key, value, f"an option of the {FAMILIES[owner].title} family ({owner}) only, and this run trains "
+                  f"{cfg.draft.family}: drop it, or set draft.family={owner}")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check values that types alone cannot; raise ConfigError naming the key and the fix."""
     from models.registry import DRAFT_MODELS  # late import: models/ imports torch
@@ -179,6 +193,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0.0 <= d.dropout < 1.0:
         _fail("draft.dropout", d.dropout, "use a probability in [0, 1)")
     if d.family in DRAFT_MODELS:
+        _check_family_keys(cfg)
         DRAFT_MODELS[d.family].check_config(cfg, _fail)
     if t.lr <= 0:
         _fail("train.lr", t.lr, "the learning rate must be > 0 (Medusa uses 1e-3)")
