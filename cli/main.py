@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="measure a draft (or --method ngram) with the speculative decoder")
     p.add_argument("--draft", help="an export directory (runs/<run>/export)")
     p.add_argument("--method", default=None, help="learning-free method instead of --draft (e.g. ngram)")
+    p.add_argument("--suite", default=None, help="an evaluation suite (configs/eval/suites/NAME.yaml): all its sets")
     _add_config_args(p, "default configs/eval/mtbench.yaml")
 
     p = sub.add_parser("tree-search", help="data-driven static tree for a draft (Hydra §4), stored in its export")

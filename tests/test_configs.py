@@ -15,6 +15,7 @@ from eval.engine.drafters.options import parse_options
 from eval.engine.drafters.registry import DRAFTERS
 from eval.harness.compare_config import compare_targets, load_compare_config, setting_configs
 from eval.harness.config import load_eval_config
+from eval.harness.suite import load_suite
 from eval.harness.tree_search import load_tree_search_config
 from models.registry import DRAFT_MODELS, FAMILIES
 from train.config import load_train_config
@@ -35,6 +36,8 @@ def kind_of(path: Path) -> str:
     rel = path.relative_to(CONFIGS).as_posix()
     if rel == "eval/tree_search.yaml":
         return "tree-search"
+    if rel.startswith("eval/suites/"):
+        return "suite"
     if rel.startswith("eval/"):
         return "eval"
     if rel.startswith("compare"):
@@ -61,6 +64,8 @@ def test_every_config_loads_against_its_schema(path):
         load_train_config([RECIPE_FOR_OVERLAYS, rel], OVERLAY_NEEDS.get(path.relative_to(CONFIGS).as_posix()))
     elif kind == "tree-search":
         load_tree_search_config([rel])
+    elif kind == "suite":  # eval/harness/suite.py: known datasets, domains with sharegpt
+        assert load_suite(path.stem).sets
     elif kind == "eval":
         cfg = load_eval_config([rel])
         if cfg.extra:  # eval configs with drafter options are the N-gram's (no export names another family)

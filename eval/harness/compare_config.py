@@ -52,6 +52,10 @@ class CompareConfig:
     results_training_title: str = SAME_BUDGET_TITLE  # heading of the training table
     eval: dict = field(default_factory=dict)  # EvalConfig keys shared by every setting
     settings: list[dict] = field(default_factory=list)  # [{name, <EvalConfig keys>}]: the prompt sets and rules
+    # an evaluation suite (configs/eval/suites/<name>.yaml): one more greedy setting per set, `suite-<set>`, with
+    # the shared `eval` keys; its held-out ShareGPT sets skip eval.heldout_skip conversations (required then)
+    suite: str = ""
+    suite_prompts: int | None = None  # prompts per suite set; None = the suite file's num_prompts
     drafts: list[dict] = field(default_factory=list)  # the rows (module docstring: label, export | method, ...)
     extra_drafts: list[dict] = field(default_factory=list)  # appended to drafts: lets an overlay YAML add rows
     # (a second --config's `drafts` list would replace the first's, as lists do not merge)
@@ -110,6 +114,25 @@ def setting_configs(cfg: CompareConfig) -> dict[str, EvalConfig]:
         if name in out:
             raise ConfigError(f"settings[{i}]: duplicate setting name {name!r}")
         out[name] = _eval_config(f"settings[{i}] ({name})", cfg.eval, s)
+    if cfg.suite:
+        out.update(_suite_settings(cfg))
+    return out
+
+
+def _suite_settings(cfg: CompareConfig) -> dict[str, EvalConfig]:
+    """`suite-<set>` -> EvalConfig for every set of cfg.suite, its prompts written under <out_dir>/suite/prompts/."""
+    from eval.harness.suite import load_suite, write_set_prompts
+
+    suite = load_suite(cfg.suite)
+    skip = cfg.eval.get("heldout_skip")
+    out = {}
+    for s in suite.sets:
+        if s.dataset == "sharegpt" and skip is None:
+            raise ConfigError(f"suite {suite.name!r}: set {s.name!r} reads held-out ShareGPT; set eval.heldout_skip "
+                              "to the largest data.max_records of the compared drafts")
+        path = write_set_prompts(s, Path(cfg.out_dir) / "suite", skip)  # <out_dir>/suite/prompts/<set>.jsonl
+        keys = {"dataset": str(path), "num_prompts": cfg.suite_prompts or suite.num_prompts}
+        out[f"suite-{s.name}"] = _eval_config(f"suite {suite.name} ({s.name})", cfg.eval, keys)
     return out
 
 

@@ -63,6 +63,11 @@ class EvalConfig:
     # eval / serve-check: apply the export's tuning.json (`specdraft tune`) when the config names no draft shape
     # (tree, tree_choices, the family's extra options); false = the export's default shape
     use_tuning: bool = True
+    # an evaluation suite (configs/eval/suites/<name>.yaml; `specdraft eval --suite NAME`): every set of it in one
+    # pass, one table and plot under <run>/eval/suite-<name>/; "" = one prompt set (dataset)
+    suite: str = ""
+    suite_sets: list[str] = field(default_factory=list)  # only these sets of the suite; [] = all
+    suite_prompts: int | None = None  # prompts per set; None = the suite file's num_prompts
 
 
 def validate_eval(cfg: EvalConfig) -> EvalConfig:
@@ -107,6 +112,8 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
         fail("serve_llamacpp_draft_type", cfg.serve_llamacpp_draft_type, "use f32, f16, bf16 or q8_0")
     if cfg.serve_llamacpp_threads < 1:
         fail("serve_llamacpp_threads", cfg.serve_llamacpp_threads, "use at least 1 thread")
+    if cfg.suite_prompts is not None and cfg.suite_prompts < 1:
+        fail("suite_prompts", cfg.suite_prompts, "use None (the suite's own count) or at least 1 prompt per set")
     if not isinstance(cfg.extra, dict):
         fail("extra", cfg.extra, "give a mapping of the drafter's options, e.g. {beam_width: 8}")
     return cfg

@@ -32,6 +32,7 @@ from eval.harness.lossless import (
 )
 from eval.harness.prompts import config_prompts
 from eval.harness.report import PromptResult, build_report, write_report
+from eval.harness.suite import load_suite, run_suite
 
 log = logging.getLogger("specdraft.eval")
 CONFIGS = _CONFIGS / "eval"
@@ -181,6 +182,11 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     from models.export.specdraft import read_export_config
 
     export_dir = Path(export_dir)
+    suite = load_suite(cfg.suite, cfg.suite_sets) if cfg.suite else None  # a bad name fails before any load
+    if suite is not None and any(s.dataset == "sharegpt" for s in suite.sets):
+        # the held-out ShareGPT sets skip what the draft trained on, as dataset=sharegpt does
+        skip = resolve_heldout_skip(dataclasses.replace(cfg, dataset="sharegpt"), read_export_config(export_dir))
+        cfg = dataclasses.replace(cfg, heldout_skip=skip.heldout_skip)
     cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))  # a bad heldout_skip fails before any load
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                          chat_template=cfg.chat_template)
@@ -190,6 +196,11 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
     if tuned:
         info["tuning"] = tuned
+    if suite is not None:
+        out_dir = export_dir.parent / "eval" / f"suite-{suite.name}"
+        info = {"export": str(export_dir), **info}
+        return run_suite(suite, cfg, loaded.base, drafter, loaded.family, out_dir, info, evaluate,
+                         cfg.suite_prompts), out_dir
     out_dir = export_dir.parent / "eval" / cfg.name
     report = evaluate(cfg, loaded.base, drafter, loaded.family, out_dir, {"export": str(export_dir), **info})
     return report, out_dir
@@ -289,6 +300,16 @@ def run_eval_cli(args) -> int:
         return 0
     if not args.draft:
         raise ValueError("pass --draft runs/<run>/export (a trained export) or --method NAME")
+    if getattr(args, "suite", None):
+        cfg = dataclasses.replace(cfg, suite=args.suite)
+    if cfg.suite:
+        load_suite(cfg.suite, cfg.suite_sets)  # an unknown suite or set: one line, before any work
     report, out_dir = eval_export(Path(args.draft), cfg)
+    if cfg.suite:
+        from eval.harness.suite_report import SUITE_FILES, suite_markdown
+
+        print(suite_markdown(report) + f"\nwrote {out_dir}/{SUITE_FILES['json']}, {SUITE_FILES['md']}, "
+              f"{SUITE_FILES['plot']}")
+        return 0
     print(format_summary(report, out_dir))
     return 0
