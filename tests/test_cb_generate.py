@@ -60,3 +60,29 @@ def test_bad_limits_are_refused():
     model, prompts, eos, _ = _case()
     with pytest.raises(ValueError, match="limits"):
         HFCBGenerator(model, eos, NEW, 0.0)(prompts, seed=0, limits=[1])
+
+
+def test_regenerate_cli_hf_cb_writes_what_hf_writes(tmp_path, monkeypatch, capsys):
+    """`specdraft regenerate --engine hf-cb`, turn by turn (second turns after the base's own first answers):
+    the same records as `--engine hf` in fp32 greedy, and its engine named in the metadata."""
+    import json
+
+    from vllm_fixtures import servable_tiny_base
+
+    from cli.main import main
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    base_dir = servable_tiny_base(tmp_path / "base")  # a tiny base whose answers are not empty
+
+    def regenerate(engine: str) -> list[dict]:
+        out = tmp_path / f"{engine}.jsonl"
+        assert main(["regenerate", "--base", str(base_dir), "--source", "tests/fixtures/sharegpt_tiny.json",
+                     "--max-records", "6", "--max-new-tokens", "12", "--max-turns", "2", "--dtype", "fp32",
+                     "--engine", engine, "--out", str(out)]) == 0, capsys.readouterr().err
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    ours, theirs = regenerate("hf-cb"), regenerate("hf")
+    assert ours == theirs and len(ours) == 6
+    assert any(sum(m["from"] == "gpt" for m in r["conversations"]) == 2 for r in ours)  # second turns regenerated
+    meta = json.loads((tmp_path / "hf-cb.jsonl.meta.json").read_text())
+    assert meta["engine"] == "hf-cb" and "continuous-batching" in meta["engine_version"]
