@@ -39,6 +39,7 @@ def _family(cfg) -> str:
 
 def run_demo(overrides: list[str]) -> int:
     """`overrides`: `key=value` for the training recipe, or `eval.key=value` for configs/eval/demo.yaml."""
+    from cli.train_decode import make_decode_eval
     from core.config_loader import ConfigError
     from eval.harness.config import load_eval_config
     from train.config import load_train_config
@@ -64,7 +65,7 @@ def run_demo(overrides: list[str]) -> int:
     print(f"[demo 1/5] training {heads} on {cfg.base.path} with {cfg.data.max_records} {source} conversations "
           f"of up to {cfg.data.max_length} tokens ({cache}{epochs}, budget {cfg.train.max_minutes:g} min of "
           "training)", flush=True)
-    run_dir = train(cfg)
+    run_dir = train(cfg, decode_eval=make_decode_eval(cfg))  # train.decode_eval_prompts=N decodes snapshots
     t_train = time.perf_counter() - t0
     # The decoding runs in the dtype the cache and the training used (fp32 when train.precision=fp32 forces it).
     eval_args = [f"dtype={dtype}", f"num_prompts={planned['eval.num_prompts']}"]

@@ -150,12 +150,13 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
 
 
 def cmd_train(args) -> int:
+    from cli.train_decode import make_decode_eval
     from train.config import load_train_config
     from train.loop import TrainingInterrupted, train
 
     cfg = load_train_config(args.config, args.overrides)
     try:
-        run_dir = train(cfg)
+        run_dir = train(cfg, decode_eval=make_decode_eval(cfg))  # None unless train.decode_eval_prompts > 0
     except TrainingInterrupted as exc:
         print(f"specdraft train: {exc}", file=sys.stderr)
         return 143

@@ -108,6 +108,13 @@ class TrainSection:
     # long run leaves the points of its learning curve to decode (`specdraft eval --draft runs/<run>/exports/...`)
     export_every: int = 0
     val_batches: int = 16  # held-out micro-batches for the per-head accuracy table (0 = skip)
+    # > 0: at every snapshot (export_every) and at the end, decode this many held-out ShareGPT prompts (the first user
+    # turns after the training conversations) with the bundled decoder, a greedy chain of the family's depth, and
+    # log decoded_al; the run's export/ is then the snapshot with the best decoded AL, the final state stays in
+    # export_last/ (docs/howto/train.md#decoded-acceptance-while-training). Needs `specdraft train` (cli builds
+    # the decoder); 0 = off
+    decode_eval_prompts: int = 0
+    decode_eval_tokens: int = 64  # new tokens per decoded prompt
     seed: int = 0  # model init, data order and dropout
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default
 
@@ -220,6 +227,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
               "instructions, else fp32), fp32 or bf16")
     if t.log_every < 1:
         _fail("train.log_every", t.log_every, "use 1 or more steps")
+    if t.decode_eval_prompts < 0:
+        _fail("train.decode_eval_prompts", t.decode_eval_prompts, "use 0 (off) or a number of prompts, e.g. 8")
+    if t.decode_eval_tokens < 2:
+        _fail("train.decode_eval_tokens", t.decode_eval_tokens, "use at least 2 new tokens, e.g. 64")
     if t.keep_checkpoints < 1:
         _fail("train.keep_checkpoints", t.keep_checkpoints, "keep at least 1 checkpoint")
     if cfg.data.max_length < 8:

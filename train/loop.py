@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,6 +47,8 @@ from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_
 from models.export.specdraft import export_specdraft
 from models.registry import DRAFT_MODELS
 from train import checkpoint
+from train.best_export import DECODED_FILE, LAST_DIR, select_best_export
+from train.chain_estimate import CHAIN_FAMILIES, chain_estimates
 from train.config import TrainConfig
 from train.data_order import DataOrder
 from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_distributed
@@ -100,10 +103,20 @@ class _StopRequest:
         signal.signal(signal.SIGTERM, self._prev)
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Run (or resume) a training run; returns its run directory."""
+def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
+    """Run (or resume) a training run; returns its run directory.
+
+    decode_eval(export_dir, base, step) -> {"decoded_al", "texts": [(prompt + answer ids, prompt length)], ...}:
+    decodes held-out prompts with a snapshot's export (cli/train_decode.py builds it: train/ may not import the
+    decoder). Used when cfg.train.decode_eval_prompts > 0; the export is then the best snapshot by decoded AL.
+    """
     info = init_distributed()
     _setup_logging(info)
+    if cfg.train.decode_eval_prompts and decode_eval is None:
+        log.warning("train.decode_eval_prompts=%d but no decoder was given (train() called directly, not through "
+                    "`specdraft train`): no decoded acceptance, export/ is the final state",
+                    cfg.train.decode_eval_prompts)
+    decode = decode_eval if cfg.train.decode_eval_prompts else None
     run_dir = cfg.resolved_run_dir
     ckpt_root = run_dir / "checkpoints"
     _check_resumed_config(cfg, run_dir, ckpt_root)  # every rank: all fail alike, before any work
@@ -113,6 +126,9 @@ def train(cfg: TrainConfig) -> Path:
     precision, base_dtype = threads_and_precision(cfg, info)
 
     base, train_ds, val_ds, source, max_records, partitioned = load_base_and_data(cfg, info, base_dtype)
+    if decode and (partitioned or info.world_size > 1):  # the decoder runs one whole base on one rank
+        log.warning("train.decode_eval_prompts is for single-rank runs with a whole base; not decoding at snapshots")
+        decode = None
     # The base's own answers to the prompts after the training ones (rank 0 alone scores held-out sets).
     onpolicy_ds = onpolicy_heldout_rows(cfg.data, base, source, max_records) if info.is_main else None
     # Every rank builds its share of the cache's shards (collective; a ready cache is only opened).
@@ -243,7 +259,7 @@ def train(cfg: TrainConfig) -> Path:
                 _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker,
                         run_dir, step, time.perf_counter() - train_t0,
                         _train_data_entry(source, max_records, epoch_tokens), vocab_info, bool(partitioned),
-                        out=run_dir / "exports" / checkpoint.step_tag(step))
+                        out=run_dir / "exports" / checkpoint.step_tag(step), decode_eval=decode)
             _test_crash_hook(step)
             if must_stop:
                 # Ranks may get SIGTERM seconds apart (the launcher signals them in turn): agree on it, so all
@@ -261,9 +277,12 @@ def train(cfg: TrainConfig) -> Path:
         stop.restore()
 
     if not sigterm:  # finished, or out of its time budget: export what we have
+        # Decoding at snapshots: the final state goes to export_last/, and export/ becomes the best decoded one.
         _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker, run_dir,
                 step, time.perf_counter() - train_t0, _train_data_entry(source, max_records, epoch_tokens),
-                vocab_info, bool(partitioned))
+                vocab_info, bool(partitioned), out=run_dir / LAST_DIR if decode else None, decode_eval=decode)
+        if decode and info.is_main:
+            _select_export(run_dir)
     tracker.close()
     barrier()
     if sigterm:
@@ -453,9 +472,41 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
     return metrics
 
 
+def _select_export(run_dir: Path) -> None:
+    """export/ = the best decoded snapshot; heldout.json beside it stays the final state's, as without decoding."""
+    record = select_best_export(run_dir)
+    if (run_dir / LAST_DIR / "heldout.json").is_file():
+        shutil.copyfile(run_dir / LAST_DIR / "heldout.json", run_dir / "heldout.json")
+    log.info("export/ = %s (step %d, decoded AL %.3f); the final state (step %d, decoded AL %.3f) is in %s/",
+             record["source"], record["step"], record["decoded_al"], record["last_step"], record["last_decoded_al"],
+             LAST_DIR)
+
+
+def _decode_snapshot(cfg, draft, base, view, compute_dtype, info, tracker, export_dir: Path, step: int,
+                     decode_eval: Callable) -> None:
+    """Decode held-out prompts with the export just written, score the teacher-forced estimates on the base's own
+    answers to the same prompts, write export_dir/decoded.json and log decoded_al (rank 0)."""
+    result = decode_eval(export_dir, base, step)
+    est = {}
+    if cfg.draft.family in CHAIN_FAMILIES:
+        est = chain_estimates(draft, base.model, view, result["texts"], cfg.loss, info.device, compute_dtype)
+    record = {"step": step, "decoded_al": result["decoded_al"],
+              **{k: v for k, v in result.items() if k not in ("texts", "decoded_al")}, **est}
+    (export_dir / DECODED_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    tracker.log({"decoded_al": record["decoded_al"],
+                 **{f"decoded/{k}": v for k, v in est.items() if k.startswith("est_accept_len")}}, step)
+    log.info("step %d: decoded AL %.3f on %s held-out prompts (teacher-forced chain estimate %s, product %s)", step,
+             record["decoded_al"], record.get("prompts", "?"), _fmt(est.get("est_accept_len_chain")),
+             _fmt(est.get("est_accept_len_product")))
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype, info, tracker, run_dir, step,
             train_seconds: float, train_data: dict, vocab_info: dict | None = None, partitioned: bool = False,
-            out: Path | None = None) -> None:
+            out: Path | None = None, decode_eval: Callable | None = None) -> None:
     """Export the draft's weights and measure held-out per-depth accuracy (rank 0; with a ZeRO-3 base every
     rank runs the held-out forwards, which are collective, and rank 0 alone writes). heldout_sets = (the split's
     val rows, the on-policy held-out rows or None). out: a snapshot directory (exports/step<N>/, which gets the
@@ -493,6 +544,8 @@ def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype,
                 heldout_path.write_text(json.dumps(result, indent=2) + "\n")
                 tracker.log({f"val/{k}": v for k, v in result["summary"].items()}, step)
                 print(format_heldout_table(result), flush=True)
+        if decode_eval is not None and info.is_main and not partitioned:
+            _decode_snapshot(cfg, draft, base, view, compute_dtype, info, tracker, export_dir, step, decode_eval)
     if out is not None and info.is_main:
         shutil.rmtree(out, ignore_errors=True)
         export_dir.rename(out)
