@@ -1,5 +1,5 @@
-"""`specdraft` command line: train, cache, eval, tree-search, compare, export, serve-check, tune, self-distill, demo,
-config-reference (docs/architecture.md)."""
+"""`specdraft` command line: train, cache, eval, tree-search, compare, export, serve-check, tune, ship, self-distill,
+demo, config-reference (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cli import CONFIGS
+from cli.ship import add_ship_parser, cmd_ship
 from cli.tune import add_tune_parser, cmd_tune
 from core.config_loader import ConfigError
 
@@ -80,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(p, "default configs/eval/mtbench.yaml")
 
     add_tune_parser(sub)
+    add_ship_parser(sub)
 
     for name, what, turns in (("regenerate", "regenerate the assistant turns of ShareGPT conversations with the base, "
                                "turn by turn (on-policy data)", 8),
@@ -278,12 +280,14 @@ def cmd_regenerate(args) -> int:
     engine_name = args.engine
     device = resolve_device(args.device)
     if engine_name == "auto":
+        from eval.serving.vllm_generate import auto_engine
+
         try:
-            vllm_python()
-            engine_name = "vllm"
+            py = vllm_python()
         except ServeCheckError:
-            # CPU: transformers' continuous batching beat `generate` there (docs/lab/benchmarks.md)
-            engine_name = "fast" if device.type == "cuda" else "hf-cb"
+            py = None
+        engine_name, why = auto_engine(device.type, py)
+        print(f"regenerate: --engine auto: {engine_name} ({why})", flush=True)
     base = load_base(args.base, dtype=args.dtype, device=device)
     context = int(getattr(base.model.config, "max_position_embeddings", 0) or 0)
     if context and args.max_prompt_tokens + args.max_new_tokens > context:
@@ -318,8 +322,9 @@ def cmd_regenerate(args) -> int:
                                     batch_size=args.fast_rows or args.batch_size)
         try:
             out = build_self_distilled(base, args.source, **settings, engine=engine)
-        except BatchOutOfMemory as exc:  # one line with the batch size to try; what was generated is kept
-            raise ValueError(f"{exc} (what was generated is kept: rerun to resume)") from None
+        except BatchOutOfMemory as exc:  # one line with the flag to change; what was generated is kept
+            raise ValueError(f"{exc}: rerun with --fast-rows {exc.retry_rows} (what was generated is kept and "
+                             "resumes)") from None
     else:
         from eval.serving.vllm_generate import VllmGenerator
 
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"train": cmd_train, "eval": cmd_eval, "export": cmd_export, "demo": cmd_demo,
                "self-distill": cmd_regenerate, "regenerate": cmd_regenerate, "cache": cmd_cache,
-               "serve-check": cmd_serve_check, "tune": cmd_tune,
+               "serve-check": cmd_serve_check, "tune": cmd_tune, "ship": cmd_ship,
                "tree-search": cmd_tree_search, "compare": cmd_compare,
                "config-reference": cmd_config_reference}[args.command]
     try:

