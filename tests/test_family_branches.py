@@ -31,8 +31,6 @@ EXCEPTIONS = {
                                             "benchmark's Medusa-only parameter-count arithmetic goes with that move"),
     ("eval/harness/runner.py", "ngram"): (1, "sweep_method: the (k, w) sweep exists for the n-gram method only; "
                                              "runner.py has another owner while an eval suite is added there"),
-    ("launch/gpu_rehearse.py", "eagle3"): (1, "`eagle3` there is a GPU-kit stage (launch/gpu_calls.json) whose "
-                                              "EAGLE3_MINUTES budget it checks, not a branch on a draft's family"),
 }
 
 
