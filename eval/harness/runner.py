@@ -234,8 +234,8 @@ def sweep_method(method: str, cfg: EvalConfig) -> Path:
     from eval.engine.drafters.ngram import ngram_options
     from eval.harness.ngram_sweep import sweep, write
 
-    if method != "ngram":
-        raise ValueError(f"a (k, w) sweep exists for --method ngram only, not {method!r}")
+    if method not in LEARNING_FREE_METHODS:  # the (k, w) grid is the n-gram drafter's (its options, just above)
+        raise ValueError(f"a (k, w) sweep exists for --method {', '.join(LEARNING_FREE_METHODS)} only, not {method!r}")
     opts = ngram_options(cfg.extra)
     ks = [int(k) for k in cfg.sweep_k or [opts["k"]]]
     ws = [int(w) for w in cfg.sweep_w or [opts["w"]]]
