@@ -51,6 +51,9 @@ def plot_suite(summary: dict) -> bytes:
         rates = r["accept_rate_per_position"]
         lines.plot(range(1, len(rates) + 1), [x if x is not None else float("nan") for x in rates], marker="o",
                    label=r["set"])
+    from matplotlib.ticker import MaxNLocator
+
+    lines.xaxis.set_major_locator(MaxNLocator(integer=True))  # draft positions are whole numbers
     lines.set_xlabel("draft position")
     lines.set_ylabel("share of steps accepting it")
     lines.set_ylim(0, 1)
