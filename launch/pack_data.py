@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PIECES = ("sharegpt", "meta", "gguf", "prompts", "benchprompts")
-BENCH_PROMPTS = 2048  # the regeneration bench's prompts (it times 512 at most on a GPU)
+BENCH_PROMPTS = 1024  # the regeneration bench's prompts (it times 512 at most on a GPU; call 1 has ~1 MiB to spare)
 PROMPT_TURNS = 8  # user turns kept per conversation: regeneration's --max-turns in the payoff
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
