@@ -198,6 +198,15 @@ def cmd_export(args) -> int:
         raise ValueError(f"--format {args.format}: a {family} draft exports as {', '.join(formats)} (formats by "
                          f"family: {table})")
     loaded = load_export(src)
+    if args.format in ("vllm", "speculators"):  # tune's vLLM token count, only where it was measured
+        import dataclasses
+
+        from eval.harness.tune_apply import vllm_export_config
+
+        config, line = vllm_export_config(src, loaded.config)
+        loaded = dataclasses.replace(loaded, config=config)
+        if line:
+            print(f"specdraft export: {line}")
     if args.format == "gguf":  # llama.cpp: base.gguf + draft.gguf through llama.cpp's own converter
         out = _export_gguf(loaded, Path(args.out), args.base_type, args.draft_type)
         if out is None:

@@ -3,6 +3,7 @@ in the same run, written into the export (docs/howto/serve.md, "Tune").
 
     specdraft tune --draft runs/<run>/export [--engine ours|vllm|llamacpp|all] [--prompts mtbench|sharegpt|X.jsonl]
                    [--budget-minutes N] [--num-prompts N] [--max-new-tokens N] [--repeats N] [--threads N]
+                   [--alpha A] [--min-gain G]
 
 The composition root: our decoder (eval/harness/tune_ours.py) and the serving engines (eval/serving/tune_engines.py)
 go to the engine-agnostic sweep (eval/harness/tune.py); outputs by eval/harness/tune_report.py.
@@ -21,6 +22,8 @@ ENGINE_CHOICES = ("ours", "vllm", "llamacpp", "all")
 
 
 def add_tune_parser(sub) -> argparse.ArgumentParser:
+    from eval.harness.tune import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, DEFAULT_REPEATS
+
     p = sub.add_parser("tune", help="sweep each engine's speculation settings against its own AR and write the "
                        "fastest (or 'do not speculate') into the export")
     p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export)")
@@ -30,11 +33,16 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                    "the eval config's dataset)")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per pass (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
-    p.add_argument("--repeats", type=int, default=2, help="paired AR / setting passes per setting (default 2)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="paired AR / setting passes per setting, "
+                   f"and of the winner's confirmation (at least 2: the noise is measured from them; default "
+                   f"{DEFAULT_REPEATS})")
     p.add_argument("--budget-minutes", type=float, default=60.0, help="wall-clock budget for the whole sweep; a "
                    "budget that cannot fit one setting per engine is refused (default 60)")
-    p.add_argument("--noise", type=float, default=None, help="noise floor of a speedup (default 0.03): closer "
-                   "settings are a tie and the cheaper one wins")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="chance of calling any setting faster than "
+                   f"it is, shared over the settings compared (Bonferroni; default {DEFAULT_ALPHA})")
+    p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN, help="a minimum effect size: speculate only "
+                   "when the speedup over AR clears 1 + this at the --alpha level, and its confirmation's interval "
+                   f"too (default {DEFAULT_MIN_GAIN}: any gain the noise lets us show)")
     p.add_argument("--threads", type=int, default=1, help="the thread count you serve with: torch threads for our "
                    "decoder, -t/-td for llama.cpp (default 1; vLLM uses its own)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds an engine may take to start or to run one "
@@ -128,10 +136,10 @@ def cmd_tune(args) -> int:
     from core.hardware import resolve_device
     from eval.harness.runner import resolve_heldout_skip
     from eval.harness.tune import (
-        DEFAULT_NOISE_FLOOR,
         BudgetTooSmall,
         EngineUnavailable,
         check_budget,
+        engine_device,
         machine_info,
         run_sweeps,
     )
@@ -140,9 +148,13 @@ def cmd_tune(args) -> int:
     from models.export.specdraft import read_export_config
 
     names = ("ours", "vllm", "llamacpp") if args.engine == "all" else (args.engine,)
-    if args.repeats < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.threads < 1:
-        raise ValueError("--repeats, --num-prompts, --max-new-tokens and --threads must be at least 1")
-    noise = DEFAULT_NOISE_FLOOR if args.noise is None else args.noise
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.threads < 1:
+        raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
+    if args.repeats < 2:
+        raise ValueError("--repeats must be at least 2: the noise a speedup is judged against is measured from the "
+                         "repeats")
+    if not 0 < args.alpha < 1 or args.min_gain < 0:
+        raise ValueError("--alpha must lie in (0, 1) and --min-gain be at least 0")
     draft_dir = Path(args.draft)
     try:
         _check_installed(names)
@@ -157,16 +169,18 @@ def cmd_tune(args) -> int:
         bar, progress = progress_bar(engines)
         t0 = time.monotonic()
         with bar:
-            records = run_sweeps(engines, args.repeats, noise, budget_s - (time.monotonic() - t0), progress)
+            records = run_sweeps(engines, args.repeats, budget_s - (time.monotonic() - t0), progress,
+                                 alpha=args.alpha, min_gain=args.min_gain)
     except (EngineUnavailable, BudgetTooSmall) as exc:
         print(f"specdraft tune: {exc}", file=sys.stderr)
         return 3
     context = {"export": str(draft_dir), "machine": machine_info(), "dataset": cfg.dataset,
                "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "repeats": args.repeats,
-               "noise_floor": noise, "budget_minutes": args.budget_minutes,
+               "alpha": args.alpha, "min_gain": args.min_gain, "budget_minutes": args.budget_minutes,
                "wall_seconds": time.monotonic() - t0, "command": shlex.join(sys.argv)}
-    for rec in records.values():
+    for name, rec in records.items():
         rec["tuned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        rec["machine"] = machine_info(device=engine_device(name, cfg.device))  # where a choice applies
     write_report(out_dir, context, records)
     tuning = write_export(draft_dir, context, records)
     for name, rec in records.items():
@@ -175,6 +189,9 @@ def cmd_tune(args) -> int:
             print(f"{name}: {rec['status']}: {rec.get('error')}")
         else:
             what = c["label"] if c["speculate"] else "do not speculate"
-            print(f"{name}: {what} ({c['speedup_vs_ar']:.2f}x its AR; {c['reason']})")
+            ci = f", {c['interval'][0]:.2f}-{c['interval'][1]:.2f}x" if c.get("interval") else ""
+            print(f"{name}: {what} ({c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']})")
+            for bug in c.get("bugs") or []:
+                print(f"{name}: BUG: {bug} changed the tokens in {rec.get('dtype')} (see tuning.json)")
     print(f"wrote {tuning} and {draft_dir / 'NOTES.md'}; report: {out_dir / 'report.md'}")
     return 0

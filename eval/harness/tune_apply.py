@@ -1,5 +1,8 @@
-"""The shape `specdraft tune` chose for our decoder, applied to an eval config (`specdraft eval`; the tuning itself
-is eval/harness/tune.py + tune_ours.py)."""
+"""`specdraft tune`'s choices applied where they were measured (the tuning itself is eval/harness/tune.py +
+tune_ours.py): our decoder's shape in an eval config (`specdraft eval`), and vLLM's token count in an export
+(`specdraft export --format vllm / speculators`). A choice measured on another device, CPU, dtype, thread count or
+engine version is named and left unused, with the command that tunes for this machine (eval/harness/tune.py:
+applicable)."""
 
 from __future__ import annotations
 
@@ -8,12 +11,34 @@ import dataclasses
 from eval.harness.config import EvalConfig
 
 
+def ours_here(cfg: EvalConfig) -> dict:
+    """Where this eval runs, in tune.py's WHERE_FIELDS: device, CPU / GPU, the base's dtype, torch's threads (set
+    from num_threads before the eval loads anything), specdraft's version (as tune_ours.py records it)."""
+    from importlib import metadata
+
+    import torch
+
+    from core.hardware import resolve_device, resolve_dtype
+    from eval.harness.tune import machine_info
+
+    device = resolve_device(cfg.device)
+    try:
+        version = metadata.version("specdraft")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    machine = machine_info(device=str(device))
+    return {**{k: machine[k] for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")},
+            "dtype": str(resolve_dtype(cfg.dtype, device)).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "version": f"specdraft {version}"}
+
+
 def tuned_eval_config(cfg: EvalConfig, export_dir, family: str) -> tuple[EvalConfig, str | None]:
     """`specdraft eval`: the eval config with our decoder's tuned shape from the export's tuning.json, and the line
     to print about it. The config's own shape wins (tree, tree_choices, any of the family's extra options, or
-    use_tuning=false): then the tuning is named and left unused."""
+    use_tuning=false), and a choice measured elsewhere (another device, CPU, dtype, thread count, version) is not
+    applied: then the tuning is named and left unused."""
     from eval.engine.drafters.registry import drafter_family
-    from eval.harness.tune import describe_choice, tuned_choice
+    from eval.harness.tune import applicable, describe_choice, retune_command, tuned_choice
 
     choice = tuned_choice(export_dir, "ours")
     if choice is None:
@@ -24,6 +49,11 @@ def tuned_eval_config(cfg: EvalConfig, export_dir, family: str) -> tuple[EvalCon
     if not cfg.use_tuning or own:
         why = "use_tuning=false" if not cfg.use_tuning else f"the config sets {', '.join(own)}"
         return cfg, f"{describe_choice('ours', choice)}; not applied: {why}"
+    here = ours_here(cfg)
+    ok, why = applicable(choice, here)
+    if not ok:
+        return cfg, (f"tuning.json's choice for ours not applied: {why}; tune for this machine: "
+                     f"{retune_command(export_dir, 'ours', here['threads'])}")
     if not choice["speculate"]:
         return cfg, f"{describe_choice('ours', choice)}; evaluating the export's default shape"
     return apply_knobs(cfg, choice["knobs"]), f"using {describe_choice('ours', choice)}"
@@ -34,3 +64,35 @@ def apply_knobs(cfg: EvalConfig, knobs: dict) -> EvalConfig:
     knobs = dict(knobs)
     extra = {**cfg.extra, **knobs.pop("extra", {})}
     return dataclasses.replace(cfg, **knobs, extra=extra)
+
+
+def vllm_export_config(export_dir, config: dict, trained: int | None = None) -> tuple[dict, str | None]:
+    """`specdraft export --format vllm / speculators`: the export's config.json with tune's vLLM token count
+    (models/export/vllm.py TUNED_TOKENS_KEY) kept only where the choice applies (this machine's device and CPU /
+    GPU: an export cannot know the dtype or threads it will be served with), and the line to print. A "do not
+    speculate" choice is said in one line: the export still speculates, at the trained depth (`trained`, when
+    known), since a vLLM draft export exists to speculate."""
+    from eval.harness.tune import applicable, describe_choice, machine_info, retune_command, tuned_choice
+    from models.export.vllm import TUNED_TOKENS_KEY
+
+    choice = tuned_choice(export_dir, "vllm")
+    if choice is None:
+        return config, None
+    machine = machine_info(device=_vllm_device())
+    ok, why = applicable(choice, {k: machine[k] for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")})
+    depth = f" ({trained} tokens)" if trained else ""
+    if not ok:
+        config = {k: v for k, v in config.items() if k != TUNED_TOKENS_KEY}
+        return config, (f"tuning.json's vLLM choice not applied: {why}; the export speculates at the trained "
+                        f"depth{depth}; tune for this machine: {retune_command(export_dir, 'vllm')}")
+    if not choice["speculate"]:
+        return config, (f"{describe_choice('vllm', choice)}: tuning found that speculation does not pay on vLLM on "
+                        f"that machine; this export still speculates at the trained depth{depth}; serve the base "
+                        "without --speculative-config there")
+    return config, f"using {describe_choice('vllm', choice)}"
+
+
+def _vllm_device() -> str:
+    from eval.harness.tune import engine_device
+
+    return engine_device("vllm")

@@ -24,15 +24,22 @@ def _f(x, spec=".2f") -> str:
 
 def markdown(context: dict, engines: dict[str, dict]) -> str:
     m = context["machine"]
+    gain = f", minimum gain {context['min_gain']:g}" if context.get("min_gain") else ""
     lines = [f"# specdraft tune: {context['export']}", "",
              f"Machine: {m['cpu']} ({m['cores']} cores, avx512_bf16: {'yes' if m['avx512_bf16'] else 'no'}). "
              f"Prompts: {context['num_prompts']} x {context['max_new_tokens']} new tokens of {context['dataset']}; "
-             f"{context['repeats']} paired repeats per setting (AR and the setting alternating), noise floor "
-             f"{context['noise_floor']:.3f}; budget {context['budget_minutes']} min, used "
-             f"{context['wall_seconds'] / 60:.1f} min.", ""]
+             f"{context['repeats']} paired repeats per setting (AR and the setting alternating) and for the "
+             f"winner's confirmation; alpha {context['alpha']:g} over the settings compared (Bonferroni){gain}; "
+             f"budget {context['budget_minutes']:g} min, used {context['wall_seconds'] / 60:.1f} min.", "",
+             "speedup: geometric mean of the paired ratios; lower bound: at the Bonferroni level, from the noise "
+             "pooled over the sweep; a setting is a candidate only when that bound clears 1.", ""]
     for name, rec in engines.items():
         lines += [f"## {TITLES.get(name, name)}", ""]
         head = [f"{k}: {rec[k]}" for k in ("version", "dtype", "threads") if rec.get(k) is not None]
+        device = (rec.get("machine") or {}).get("device")
+        if device:
+            gpu = (rec.get("machine") or {}).get("gpu")
+            head.append(f"device: {device}" + (f" ({gpu})" if gpu else ""))
         if head:
             lines += ["; ".join(head), ""]
         if rec.get("status") in ("failed", "unservable"):
@@ -41,27 +48,34 @@ def markdown(context: dict, engines: dict[str, dict]) -> str:
                 lines += ["```", *rec["log_tail"], "```", ""]
             continue
         ar = rec.get("ar") or {}
-        lines += [f"AR: {_f(ar.get('tokens_per_second'), '.1f')} tok/s (median of its paired passes).", "",
-                  "| setting | tok/s | AR tok/s (paired) | speedup vs AR | noise | acceptance length | "
-                  "accepted / drafted | same tokens as AR | status |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+        c = rec.get("choice") or {}
+        rule = c.get("rule") or {}
+        noise = (f" Noise (sd of a ln paired ratio, pooled over every setting and AR-vs-AR differences): "
+                 f"{_f(rule.get('noise_sd'), '.3f')} on {rule.get('noise_df')} degrees of freedom; "
+                 f"{rule.get('settings_compared')} settings compared, one-sided t {_f(rule.get('t'))}.") if rule else ""
+        lines += [f"AR: {_f(ar.get('tokens_per_second'), '.1f')} tok/s (median of its paired passes).{noise}", "",
+                  "| setting | tok/s | AR tok/s (paired) | speedup vs AR | lower bound | beats AR | acceptance length "
+                  "| accepted / drafted | same tokens as AR | status |",
+                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
         chosen = (rec.get("choice") or {}).get("label")
         for p in rec["points"]:
             mark = " **(chosen)**" if p["label"] == chosen else ""
             if p["status"] != "ok":
-                lines.append(f"| {p['label']} | | | | | | | | {p['status']}: {p.get('error', '')} |")
+                lines.append(f"| {p['label']} | | | | | | | | | {p['status']}: {p.get('error', '')} |")
                 continue
+            status = "**BUG**: tokens differ from AR's in an exact dtype" if p.get("bug") else "ok"
             lines.append(f"| {p['label']}{mark} | {_f(p['tokens_per_second'], '.1f')} | "
-                         f"{_f(p['ar_tokens_per_second'], '.1f')} | {p['speedup']:.3f}x | {p['noise']:.3f} | "
+                         f"{_f(p['ar_tokens_per_second'], '.1f')} | {p['speedup']:.3f}x | "
+                         f"{_f(p.get('lower_bound'), '.3f')}x | {'yes' if p.get('beats_ar') else 'no'} | "
                          f"{_f(p['acceptance_length'])} | {_f(p['accepted_per_drafted'], '.3f')} | "
-                         f"{_f(p['same_tokens_as_ar'])} | ok |")
-        c = rec.get("choice")
+                         f"{_f(p['same_tokens_as_ar'])} | {status} |")
         if c:
-            runner = (f"; runner-up {c['runner_up']} at {c['runner_up_speedup']:.3f}x (margin "
-                      f"{c['margin_over_runner_up']:+.3f})") if c.get("runner_up") else ""
-            lines += ["", f"**Choice: {c['label']}** ({c['speedup_vs_ar']:.3f}x AR{runner}): {c['reason']}."]
+            lines += ["", choice_line(c)]
             if c.get("command"):
                 lines += ["", "```bash", c["command"], "```"]
+            for label in c.get("bugs") or []:
+                bug = next(p.get("bug") for p in rec["points"] if p["label"] == label)
+                lines += ["", f"- **Bug**: {label}: {bug}."]
         for p in rec["points"]:
             if p["status"] == "failed" and p.get("log_tail"):
                 lines += ["", f"Last log lines of {p['label']}:", "", "```", *p["log_tail"], "```"]
@@ -69,6 +83,24 @@ def markdown(context: dict, engines: dict[str, dict]) -> str:
             lines += ["", f"- {note}"]
         lines.append("")
     return "\n".join(lines)
+
+
+def choice_line(c: dict) -> str:
+    """The choice in one markdown line, with the confirmation's interval (or why it fell back to AR)."""
+    conf = c.get("confirmation") or {}
+    if c.get("interval"):
+        lo, hi = c["interval"]
+        got = (f"{c['speedup_vs_ar']:.3f}x AR, {conf.get('confidence', 0.95):.0%} interval {lo:.3f}-{hi:.3f}x from "
+               f"the confirmation's {len(conf.get('ratios') or [])} fresh paired passes; the sweep had measured "
+               f"{c['sweep_speedup']:.3f}x")
+    elif conf.get("interval"):
+        lo, hi = conf["interval"]
+        got = f"{c['unconfirmed']} re-timed at {conf['speedup']:.3f}x AR, interval {lo:.3f}-{hi:.3f}x"
+    else:
+        got = "1.000x AR by definition"
+    runner = (f"; runner-up in the sweep {c['runner_up']} at {c['runner_up_speedup']:.3f}x") if c.get("runner_up") \
+        else ""
+    return f"**Choice: {c['label']}** ({got}{runner}): {c['reason']}."
 
 
 def plot(engines: dict[str, dict], path: Path) -> None:
@@ -86,13 +118,23 @@ def plot(engines: dict[str, dict], path: Path) -> None:
         bad = [i for i, p in enumerate(pts) if p["status"] != "ok"]
         if bad:
             ax.plot(bad, [0] * len(bad), "x", color="C3", label="failed / skipped")
+        bugs = [(i, p) for i, p in ok if p.get("bug")]
+        if bugs:
+            ax.plot([i for i, _ in bugs], [p["tokens_per_second"] for _, p in bugs], "s", color="C3", fillstyle="none",
+                    markersize=12, label="BUG: tokens differ from AR's")
         ar = (rec.get("ar") or {}).get("tokens_per_second")
         if ar:
             ax.axhline(ar, color="k", linestyle=":", label=f"AR {ar:.1f} tok/s")
-        chosen = (rec.get("choice") or {}).get("label")
+        choice = rec.get("choice") or {}
+        chosen = choice.get("label")
         for i, p in ok:
             if p["label"] == chosen:
                 ax.plot([i], [p["tokens_per_second"]], "*", color="C2", markersize=16, label=f"chosen: {chosen}")
+                if ar and choice.get("interval"):  # the confirmation's interval, in AR's tok/s
+                    lo, hi = choice["interval"]
+                    mid = ar * choice["speedup_vs_ar"]
+                    ax.errorbar([i + 0.15], [mid], yerr=[[mid - ar * lo], [ar * hi - mid]], fmt="D", color="C2",
+                                capsize=4, label=f"confirmed {choice['speedup_vs_ar']:.2f}x ({lo:.2f}-{hi:.2f})")
         ax.set_xticks(xs, [p["label"] for p in pts], rotation=45, ha="right", fontsize=7)
         ax.set_ylabel("new tokens / s")
         ax.set_title(f"{TITLES.get(name, name)} ({rec.get('dtype', '?')})", fontsize=9)
@@ -119,8 +161,9 @@ def notes_section(engines: dict[str, dict]) -> str:
             lines.append(f"- **{TITLES.get(name, name)}**: not tuned ({rec.get('status')}: {rec.get('error')})")
             continue
         what = c["label"] if c["speculate"] else "do not speculate"
+        ci = f" ({c['interval'][0]:.2f}-{c['interval'][1]:.2f}x)" if c.get("interval") else ""
         lines.append(f"- **{TITLES.get(name, name)}** ({m}, {rec.get('dtype')}, threads {rec.get('threads')}): "
-                     f"{what}, {c['speedup_vs_ar']:.2f}x its AR; {c['reason']}")
+                     f"{what}, {c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']}")
         if c.get("command"):
             lines += ["", "  ```bash", f"  {c['command']}", "  ```"]
     return "\n".join([*lines, NOTES_END]) + "\n"

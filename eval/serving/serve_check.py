@@ -216,7 +216,8 @@ def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
 def _tuned_depth(cfg: EvalConfig, draft_dir: Path, engines: tuple[str, ...], family: str) -> tuple[int | None, str]:
     """The chain `specdraft tune` chose for the engine this check is about (vLLM where it runs, else llama.cpp), and
     the line that says so; (None, line) when tuning.json has none to apply."""
-    from eval.harness.tune import describe_choice, tuned_choice
+    from eval.harness.tune import applicable, describe_choice, retune_command, tuned_choice
+    from eval.serving.tune_here import serving_here
 
     engine = "vllm" if "vllm" in engines else "llamacpp"
     choice = tuned_choice(draft_dir, engine)
@@ -225,12 +226,19 @@ def _tuned_depth(cfg: EvalConfig, draft_dir: Path, engines: tuple[str, ...], fam
     line = describe_choice(engine, choice)
     if not cfg.use_tuning:
         return None, f"{line}; not applied (use_tuning=false): checking the draft's trained chain"
+    here = serving_here(engine, cfg)
+    ok, why = applicable(choice, here)
+    if not ok:  # measured on another machine, dtype, thread count or version
+        return None, (f"tuning.json's choice for {engine} not applied: {why}; checking the draft's trained chain; "
+                      f"tune for this machine: {retune_command(draft_dir, engine, here.get('threads'))}")
     if not choice["speculate"]:
         return None, f"{line}; checking the draft's trained chain"
     facts = family_facts(family)
     if facts.llamacpp_whole_block and "llamacpp" in engines:  # llama.cpp drafts DFlash's whole block only
         return None, f"{line}; not applied: llama.cpp checks a {facts.title} draft's whole block"
     knobs = choice["knobs"]
+    if knobs.get("p_min"):  # serve-check passes --spec-draft-n-max only (llama.cpp keeps its default p-min)
+        line += f"; applying n-max {knobs['n_max']} only, not its p-min {knobs['p_min']:g}"
     return int(knobs.get("num_speculative_tokens") or knobs["n_max"]), f"using {line}"
 
 
