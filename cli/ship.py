@@ -35,7 +35,8 @@ def add_ship_parser(sub) -> None:
     p.add_argument("--export", required=True, type=Path, help="the export to ship (runs/<run>/export or a snapshot)")
     p.add_argument("--name", required=True, help="drafts/<name>")
     p.add_argument("--run", type=Path, default=None, help="its run directory (default: the export's parent)")
-    p.add_argument("--command", default=None, help="the exact command that trained it (recorded in the card)")
+    p.add_argument("--command", dest="train_command", default=None,
+                   help="the exact command that trained it (recorded in the card)")
     p.add_argument("--results", type=Path, action="append", default=[],
                    help="a Markdown file of results to put in the card (repeatable)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -157,7 +158,7 @@ def cmd_ship(args) -> int:
     snapshot_file = src / "snapshot.json"
     snapshot = json.loads(snapshot_file.read_text()) if snapshot_file.is_file() else None
     results = [Path(r).read_text().rstrip() for r in args.results]
-    card = model_card(args.name, config, facts, store, args.command, snapshot, results, args.dtype, size)
+    card = model_card(args.name, config, facts, store, args.train_command, snapshot, results, args.dtype, size)
     write_text_atomic(dest / "README.md", card)
     print(f"ship: {dest} ({size:.1f} MiB {args.dtype}); card {dest / 'README.md'}")
     return 0

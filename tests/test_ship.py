@@ -14,8 +14,9 @@ from cli.ship import cmd_ship
 
 
 def _args(src, root, **kw):
-    return argparse.Namespace(**{"export": src, "name": "tiny-medusa", "run": None, "command": "specdraft train x",
-                                 "results": [], "dtype": "bf16", "max_mib": 32.0, "out_root": root, **kw})
+    return argparse.Namespace(**{"export": src, "name": "tiny-medusa", "run": None,
+                                 "train_command": "specdraft train x", "results": [], "dtype": "bf16",
+                                 "max_mib": 32.0, "out_root": root, **kw})
 
 
 def test_ship_writes_a_half_precision_export_with_a_card_that_still_decodes(smoke_run, tmp_path, clean_env):
