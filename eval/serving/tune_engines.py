@@ -28,6 +28,7 @@ from pathlib import Path
 from eval.harness.tune import EngineUnavailable, Measurement, PointFailed, Setting, machine_info
 from eval.serving.serve_check import DTYPES, RUNNER, root_cause, vllm_python
 from eval.serving.serve_check_report import llamacpp_engine_numbers, vllm_engine_numbers
+from eval.serving.vllm_generate import installed_vllm_version
 
 MAX_TOKENS = 5
 P_MINS = (0.0, 0.75)  # llama.cpp's --spec-draft-p-min values swept (0: never cut a chain short)
@@ -82,14 +83,15 @@ class VllmEngine:
     open_seconds = VLLM_OPEN_SECONDS
 
     def __init__(self, loaded, cfg, prompts, base_dir: Path, workdir: Path, timeout: float):
-        vllm_python()  # ServeCheckError naming `make vllm` before anything else
+        python = vllm_python()  # ServeCheckError naming `make vllm` before anything else
         self.loaded, self.cfg, self.prompts = loaded, cfg, prompts
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
         self.job = _job_base(loaded, cfg, prompts, base_dir)
         self.pass_seconds = len(prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
-        self.version = None
+        # read from the venv's metadata now: describe() is written into tuning.json before the first pass runs
+        self.version = installed_vllm_version(python)
         self._spec: dict | None = None
         self._engine_args: dict = {}
 
