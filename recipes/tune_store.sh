@@ -7,10 +7,11 @@
 #   recipes/tune_store.sh                               # the draft of recipes/eagle3_store.sh (LENGTH=256 run)
 #   DRAFT=runs/<run>/export ENGINES="ours llamacpp" recipes/tune_store.sh
 #
-# Settings: 4 prompts x 64 new tokens, 2 paired repeats, 1 thread (torch for ours; -t/-td for llama.cpp; vLLM uses
-# its own), bf16 for ours and vLLM (`fast` on an AVX512-BF16 CPU), llama.cpp on its Q8_0 base with an f16 draft (the
-# serving lab's hand-picked rows used the same), vLLM without torch.compile (engine starts of ~1 min instead of
-# several). Run it on a machine with nothing else running: the pairs cancel slow drift, not a busy neighbour.
+# Settings: 4 prompts x 64 new tokens, the default 3 paired repeats, 1 thread (torch for ours; -t/-td for llama.cpp;
+# vLLM uses its own), bf16 for ours and vLLM (`fast` on an AVX512-BF16 CPU), llama.cpp on its Q8_0 base with an f16
+# draft (the serving lab's hand-picked rows used the same), vLLM without torch.compile (engine starts of ~1 min
+# instead of several). Run it on a machine with nothing else running: the pairs cancel slow drift, not a busy
+# neighbour.
 # Each tune replaces its engine's record; a rerun re-measures (nothing here is skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +19,7 @@ S=${SPECDRAFT:-.venv/bin/specdraft}
 DRAFT=${DRAFT:-runs/eagle3-store-10778-256/export}
 ENGINES=${ENGINES:-ours llamacpp vllm}
 SETS=${SETS:-sharegpt mtbench}  # MT-bench last: its choices are the ones tuning.json keeps
-COMMON=(--draft "$DRAFT" --num-prompts 4 --max-new-tokens 64 --repeats 2 --threads 1)
+COMMON=(--draft "$DRAFT" --num-prompts 4 --max-new-tokens 64 --threads 1)
 mkdir -p runs/logs
 for set in $SETS; do
   for engine in $ENGINES; do
