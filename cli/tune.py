@@ -3,7 +3,7 @@ in the same run, written into the export (docs/howto/serve.md, "Tune").
 
     specdraft tune --draft runs/<run>/export [--engine ours|vllm|llamacpp|all] [--prompts mtbench|sharegpt|X.jsonl]
                    [--budget-minutes N] [--num-prompts N] [--max-new-tokens N] [--repeats N] [--threads N]
-                   [--alpha A] [--min-gain G]
+                   [--alpha A] [--min-gain G] [--concurrency 1,2,4,8]
 
 The composition root: our decoder (eval/harness/tune_ours.py) and the serving engines (eval/serving/tune_engines.py)
 go to the engine-agnostic sweep (eval/harness/tune.py); outputs by eval/harness/tune_report.py.
@@ -43,8 +43,13 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN, help="a minimum effect size: speculate only "
                    "when the speedup over AR clears 1 + this at the --alpha level, and its confirmation's interval "
                    f"too (default {DEFAULT_MIN_GAIN}: any gain the noise lets us show)")
-    p.add_argument("--threads", type=int, default=1, help="the thread count you serve with: torch threads for our "
-                   "decoder, -t/-td for llama.cpp (default 1; vLLM uses its own)")
+    p.add_argument("--threads", type=int, default=None, help="the thread count you evaluate / serve with: torch "
+                   "threads for our decoder, -t/-td for llama.cpp (default: the eval config's, as `specdraft eval` and "
+                   "`serve-check` use them: num_threads, 0 = torch's default of all cores, for ours; "
+                   "serve_llamacpp_threads, 1, for llama.cpp; vLLM uses its own)")
+    p.add_argument("--concurrency", default="1", help="vLLM: requests in flight at once, strictly increasing from 1, "
+                   "e.g. 1,2,4,8: each setting is measured at each, the best count chosen per concurrency, and vLLM's "
+                   "num_speculative_tokens_per_batch_size schedule written (default 1: one request)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds an engine may take to start or to run one "
                    "pass before the setting counts as hung (default 900)")
     p.add_argument("--name", default="tune", help="report directory: <run>/tune/<name>/")
@@ -75,9 +80,10 @@ def _eval_config(args):
     from eval.harness.config import load_eval_config
 
     cfg = load_eval_config(args.config or [str(CONFIGS / "eval" / "mtbench.yaml")], args.overrides)
-    changes = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-               "serve_llamacpp_threads": args.threads, "num_threads": args.threads, "hf_baseline": False,
+    changes = {"num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens, "hf_baseline": False,
                "name": args.name}
+    if args.threads is not None:  # else the config's own, which `specdraft eval` / serve-check use too
+        changes.update(serve_llamacpp_threads=args.threads, num_threads=args.threads)
     if args.prompts:
         changes["dataset"] = args.prompts
     if cfg.temperature != 0:
@@ -85,7 +91,17 @@ def _eval_config(args):
     return dataclasses.replace(cfg, **changes)
 
 
-def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: int) -> list:
+def apply_threads(cfg) -> int:
+    """torch's threads for our decoder as `specdraft eval` sets them (eval/harness/runner.py: num_threads, 0 =
+    torch's default), so that a tuned choice is measured at the count the eval applies it at; returns them."""
+    import torch
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    return torch.get_num_threads()
+
+
+def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: int, concurrencies=(1,)) -> list:
     from eval.harness.prompts import config_prompts
     from eval.harness.tune_ours import OursEngine
     from eval.serving.serve_check import base_hf_dir, check_fingerprint
@@ -100,7 +116,7 @@ def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: i
         base_dir = base_hf_dir(loaded.base, out_dir)
         check_fingerprint(loaded.config, base_dir, "the export")
         if "vllm" in names:
-            engines.append(VllmEngine(loaded, cfg, prompts, base_dir, out_dir / "vllm", timeout))
+            engines.append(VllmEngine(loaded, cfg, prompts, base_dir, out_dir / "vllm", timeout, concurrencies))
         if "llamacpp" in names:
             engines.append(LlamaCppEngine(loaded, cfg, prompts, base_dir, out_dir / "llamacpp", timeout, threads))
     return engines
@@ -131,8 +147,6 @@ def progress_bar(engines):
 
 
 def cmd_tune(args) -> int:
-    import torch
-
     from core.hardware import resolve_device
     from eval.harness.runner import resolve_heldout_skip
     from eval.harness.tune import (
@@ -143,13 +157,25 @@ def cmd_tune(args) -> int:
         machine_info,
         run_sweeps,
     )
-    from eval.harness.tune_report import write_export, write_report
+    from eval.harness.tune_report import schedule_line, write_export, write_report
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 
     names = ("ours", "vllm", "llamacpp") if args.engine == "all" else (args.engine,)
-    if args.num_prompts < 1 or args.max_new_tokens < 1 or args.threads < 1:
+    if args.num_prompts < 1 or args.max_new_tokens < 1 or (args.threads is not None and args.threads < 1):
         raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
+    from eval.harness.tune_concurrency import parse_concurrency
+
+    concurrencies = parse_concurrency(args.concurrency)
+    if concurrencies != (1,):
+        if names != ("vllm",):
+            raise ValueError(f"--concurrency {args.concurrency} is for --engine vllm: our decoder decodes one request "
+                             "at a time (batch 1) and the llama.cpp sweep serves one slot; give --concurrency 1 with "
+                             f"--engine {args.engine}")
+        if args.num_prompts < concurrencies[-1]:
+            raise ValueError(f"--concurrency {args.concurrency} needs at least {concurrencies[-1]} prompts to keep "
+                             f"{concurrencies[-1]} different requests in flight; give --num-prompts "
+                             f"{concurrencies[-1]} or more")
     if args.repeats < 2:
         raise ValueError("--repeats must be at least 2: the noise a speedup is judged against is measured from the "
                          "repeats")
@@ -159,11 +185,12 @@ def cmd_tune(args) -> int:
     try:
         _check_installed(names)
         cfg = resolve_heldout_skip(_eval_config(args), read_export_config(draft_dir))
-        torch.set_num_threads(args.threads)
+        apply_threads(cfg)
         loaded = load_export(draft_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                              chat_template=cfg.chat_template)
         out_dir = draft_dir.resolve().parent / "tune" / cfg.name
-        engines = _build_engines(names, loaded, cfg, out_dir, args.timeout, args.threads)
+        engines = _build_engines(names, loaded, cfg, out_dir, args.timeout, cfg.serve_llamacpp_threads,
+                                 concurrencies)
         budget_s = args.budget_minutes * 60
         check_budget(engines, args.repeats, budget_s)  # before the progress bar lists (and searches) settings
         bar, progress = progress_bar(engines)
@@ -177,7 +204,8 @@ def cmd_tune(args) -> int:
     context = {"export": str(draft_dir), "machine": machine_info(), "dataset": cfg.dataset,
                "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "repeats": args.repeats,
                "alpha": args.alpha, "min_gain": args.min_gain, "budget_minutes": args.budget_minutes,
-               "wall_seconds": time.monotonic() - t0, "command": shlex.join(sys.argv)}
+               "wall_seconds": time.monotonic() - t0, "command": shlex.join(sys.argv),
+               "concurrencies": list(concurrencies)}
     for name, rec in records.items():
         rec["tuned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         rec["machine"] = machine_info(device=engine_device(name, cfg.device))  # where a choice applies
@@ -193,5 +221,7 @@ def cmd_tune(args) -> int:
             print(f"{name}: {what} ({c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']})")
             for bug in c.get("bugs") or []:
                 print(f"{name}: BUG: {bug} changed the tokens in {rec.get('dtype')} (see tuning.json)")
+            if rec.get("schedule"):
+                print(f"{name}: {schedule_line(rec)}")
     print(f"wrote {tuning} and {draft_dir / 'NOTES.md'}; report: {out_dir / 'report.md'}")
     return 0

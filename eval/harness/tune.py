@@ -139,10 +139,10 @@ class Engine(Protocol):
 
 # -- budget ---------------------------------------------------------------------------------------------------
 
-def min_seconds(engine: Engine, repeats: int) -> float:
-    """The least one engine needs: its AR and one setting opened, `repeats` passes of each, and the same again for
-    the confirmation of the winner in fresh sessions."""
-    return 2 * _round_seconds(engine.open_seconds, engine.pass_seconds, repeats)
+def min_seconds(engine: Engine, repeats: int, rounds: int = 1) -> float:
+    """The least one engine needs: its AR and one setting opened, `repeats` passes of each (at each of `rounds`
+    concurrencies), and the same again for the confirmation of the winner in fresh sessions."""
+    return 2 * _round_seconds(engine.open_seconds, engine.pass_seconds, repeats * rounds)
 
 
 def _round_seconds(open_s: float, pass_s: float, repeats: int) -> float:
@@ -150,10 +150,14 @@ def _round_seconds(open_s: float, pass_s: float, repeats: int) -> float:
     return 2 * open_s + 2 * repeats * pass_s
 
 
+def _rounds(engine: Engine) -> int:
+    return len(getattr(engine, "concurrencies", (1,)) or (1,))
+
+
 def check_budget(engines: Sequence[Engine], repeats: int, budget_s: float) -> None:
-    need = sum(min_seconds(e, repeats) for e in engines)
+    need = sum(min_seconds(e, repeats, _rounds(e)) for e in engines)
     if budget_s < need:
-        per = ", ".join(f"{e.name} {min_seconds(e, repeats) / 60:.1f}" for e in engines)
+        per = ", ".join(f"{e.name} {min_seconds(e, repeats, _rounds(e)) / 60:.1f}" for e in engines)
         raise BudgetTooSmall(f"a budget of {budget_s / 60:.2g} min cannot measure one setting per engine against "
                              f"its AR and confirm it ({repeats} paired repeats each; estimated minutes: {per}); give "
                              f"--budget-minutes {math.ceil(need / 60)} or more, or fewer prompts / tokens / repeats")
@@ -224,10 +228,10 @@ class _Clock:
         self.pass_s = max(self.pass_s, seconds) if self.passed else seconds
         self.passed = True
 
-    def fits(self, repeats: int) -> bool:
-        """One more setting, and still room for the confirmation after it."""
-        return (self.now() + self.open_s + 2 * repeats * self.pass_s
-                + _round_seconds(self.open_s, self.pass_s, repeats) <= self.deadline)
+    def fits(self, repeats: int, rounds: int = 1) -> bool:
+        """One more setting (measured at `rounds` concurrencies), and still room for the confirmation after it."""
+        return (self.now() + self.open_s + 2 * repeats * rounds * self.pass_s
+                + _round_seconds(self.open_s, self.pass_s, repeats * rounds) <= self.deadline)
 
 
 def _open(engine: Engine, setting: Setting, clock: _Clock):
@@ -237,10 +241,10 @@ def _open(engine: Engine, setting: Setting, clock: _Clock):
     return session
 
 
-def _run(session, clock: _Clock, is_ar: bool) -> Measurement:
+def _run(session, clock: _Clock, is_ar: bool, concurrency: int | None = None) -> Measurement:
     t0 = clock.now()
     try:
-        m = session.run()
+        m = session.run() if concurrency is None else session.run(concurrency=concurrency)
     except PointFailed as exc:
         exc.ar = is_ar  # the sweep must know whether the setting or its AR died
         raise
@@ -248,17 +252,18 @@ def _run(session, clock: _Clock, is_ar: bool) -> Measurement:
     return m
 
 
-def _pairs(ar, session, repeats: int, clock: _Clock) -> list[tuple[Measurement, Measurement]]:
+def _pairs(ar, session, repeats: int, clock: _Clock,
+           concurrency: int | None = None) -> list[tuple[Measurement, Measurement]]:
     """`repeats` (AR, setting) pairs in the order A B, B A, A B, ...: drift within a pair hits both sides, and a
-    trend across pairs cancels."""
+    trend across pairs cancels. concurrency: requests in flight per pass (None: the session's one way)."""
     pairs = []
     for r in range(repeats):
         if r % 2 == 0:
-            a = _run(ar, clock, True)
-            p = _run(session, clock, False)
+            a = _run(ar, clock, True, concurrency)
+            p = _run(session, clock, False, concurrency)
         else:
-            p = _run(session, clock, False)
-            a = _run(ar, clock, True)
+            p = _run(session, clock, False, concurrency)
+            a = _run(ar, clock, True, concurrency)
         pairs.append((a, p))
     return pairs
 
@@ -342,10 +347,17 @@ def run_sweeps(engines: Sequence[Engine], repeats: int, budget_s: float,
     for i, engine in enumerate(engines):
         left = end - now()
         rest = engines[i:]
-        share = max(min_seconds(engine, repeats), left / len(rest))
+        share = max(min_seconds(engine, repeats, _rounds(engine)), left / len(rest))
         deadline = min(end, now() + share)
         try:
-            out[engine.name] = sweep_engine(engine, repeats, deadline, progress, now, alpha, min_gain)
+            concurrencies = tuple(getattr(engine, "concurrencies", (1,)) or (1,))
+            if concurrencies == (1,):
+                out[engine.name] = sweep_engine(engine, repeats, deadline, progress, now, alpha, min_gain)
+            else:
+                from eval.harness.tune_concurrency import sweep_concurrencies
+
+                out[engine.name] = sweep_concurrencies(engine, concurrencies, repeats, deadline, progress, now,
+                                                       alpha, min_gain)
         except EngineUnavailable as exc:  # e.g. vLLM has no method for this family: a result, not a crash
             out[engine.name] = {**engine.describe(), "status": "unservable", "error": str(exc), "points": [],
                                 "ar": None, "choice": None}
@@ -364,12 +376,24 @@ def confirm(engine: Engine, choice: dict, points: Sequence[dict], repeats: int, 
         sessions.append(_open(engine, setting, clock))
         pairs = _pairs(sessions[0], sessions[1], repeats, clock)
     except PointFailed as exc:
-        return _fall_back(choice, {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                                   "log_tail": exc.log_tail[-20:]},
-                          f"the confirmation of {setting.label} failed ({exc}): nothing confirmed to beat AR")
+        return _confirmation_failed(choice, exc)
     finally:
         for s in sessions:
             s.close()
+    return judge_confirmation(choice, points, pairs, min_gain)
+
+
+def _confirmation_failed(choice: dict, exc: PointFailed) -> dict:
+    return _fall_back(choice, {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                               "log_tail": exc.log_tail[-20:]},
+                      f"the confirmation of {choice['label']} failed ({exc}): nothing confirmed to beat AR")
+
+
+def judge_confirmation(choice: dict, points: Sequence[dict], pairs: list[tuple[Measurement, Measurement]],
+                       min_gain: float = DEFAULT_MIN_GAIN) -> dict:
+    """The choice after its confirmation's fresh `pairs`: their speedup and interval reported, or "do not
+    speculate" when the interval does not clear 1 + min_gain."""
+    setting = Setting(choice["label"], choice["knobs"], choice["cost"])
     ratios, ar_null = _paired(pairs)
     if not ratios:
         return _fall_back(choice, {"error": "no decode time measured"}, "the confirmation measured no decode time")

@@ -73,7 +73,7 @@ def vllm_export_config(export_dir, config: dict, trained: int | None = None) -> 
     speculate" choice is said in one line: the export still speculates, at the trained depth (`trained`, when
     known), since a vLLM draft export exists to speculate."""
     from eval.harness.tune import applicable, describe_choice, machine_info, retune_command, tuned_choice
-    from models.export.vllm import TUNED_TOKENS_KEY
+    from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 
     choice = tuned_choice(export_dir, "vllm")
     if choice is None:
@@ -82,14 +82,19 @@ def vllm_export_config(export_dir, config: dict, trained: int | None = None) -> 
     ok, why = applicable(choice, {k: machine[k] for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")})
     depth = f" ({trained} tokens)" if trained else ""
     if not ok:
-        config = {k: v for k, v in config.items() if k != TUNED_TOKENS_KEY}
+        config = {k: v for k, v in config.items() if k not in (TUNED_TOKENS_KEY, TUNED_SCHEDULE_KEY)}
         return config, (f"tuning.json's vLLM choice not applied: {why}; the export speculates at the trained "
                         f"depth{depth}; tune for this machine: {retune_command(export_dir, 'vllm')}")
+    schedule = config.get(TUNED_SCHEDULE_KEY)
+    per_batch = (f"; per batch size (tune --concurrency): num_speculative_tokens_per_batch_size {schedule}"
+                 if schedule else "")
+    if not choice["speculate"] and schedule:
+        return config, f"{describe_choice('vllm', choice)} for one request{per_batch}"
     if not choice["speculate"]:
         return config, (f"{describe_choice('vllm', choice)}: tuning found that speculation does not pay on vLLM on "
                         f"that machine; this export still speculates at the trained depth{depth}; serve the base "
                         "without --speculative-config there")
-    return config, f"using {describe_choice('vllm', choice)}"
+    return config, f"using {describe_choice('vllm', choice)}{per_batch}"
 
 
 def _vllm_device() -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core.atomic import atomic_open, write_text_atomic
 from eval.harness.tune import write_tuning
-from models.export.vllm import TUNED_TOKENS_KEY
+from models.export.vllm import SCHEDULE_METHODS, TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 
 NOTES_FILE = "NOTES.md"
 NOTES_BEGIN = "<!-- specdraft tune: begin (rewritten by every tune) -->"
@@ -47,42 +47,83 @@ def markdown(context: dict, engines: dict[str, dict]) -> str:
             if rec.get("log_tail"):
                 lines += ["```", *rec["log_tail"], "```", ""]
             continue
-        ar = rec.get("ar") or {}
-        c = rec.get("choice") or {}
-        rule = c.get("rule") or {}
-        noise = (f" Noise (sd of a ln paired ratio, pooled over every setting and AR-vs-AR differences): "
-                 f"{_f(rule.get('noise_sd'), '.3f')} on {rule.get('noise_df')} degrees of freedom; "
-                 f"{rule.get('settings_compared')} settings compared, one-sided t {_f(rule.get('t'))}.") if rule else ""
-        lines += [f"AR: {_f(ar.get('tokens_per_second'), '.1f')} tok/s (median of its paired passes).{noise}", "",
-                  "| setting | tok/s | AR tok/s (paired) | speedup vs AR | lower bound | beats AR | acceptance length "
-                  "| accepted / drafted | same tokens as AR | status |",
-                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
-        chosen = (rec.get("choice") or {}).get("label")
-        for p in rec["points"]:
-            mark = " **(chosen)**" if p["label"] == chosen else ""
-            if p["status"] != "ok":
-                lines.append(f"| {p['label']} | | | | | | | | | {p['status']}: {p.get('error', '')} |")
-                continue
-            status = "**BUG**: tokens differ from AR's in an exact dtype" if p.get("bug") else "ok"
-            lines.append(f"| {p['label']}{mark} | {_f(p['tokens_per_second'], '.1f')} | "
-                         f"{_f(p['ar_tokens_per_second'], '.1f')} | {p['speedup']:.3f}x | "
-                         f"{_f(p.get('lower_bound'), '.3f')}x | {'yes' if p.get('beats_ar') else 'no'} | "
-                         f"{_f(p['acceptance_length'])} | {_f(p['accepted_per_drafted'], '.3f')} | "
-                         f"{_f(p['same_tokens_as_ar'])} | {status} |")
-        if c:
-            lines += ["", choice_line(c)]
-            if c.get("command"):
-                lines += ["", "```bash", c["command"], "```"]
-            for label in c.get("bugs") or []:
-                bug = next(p.get("bug") for p in rec["points"] if p["label"] == label)
-                lines += ["", f"- **Bug**: {label}: {bug}."]
-        for p in rec["points"]:
-            if p["status"] == "failed" and p.get("log_tail"):
-                lines += ["", f"Last log lines of {p['label']}:", "", "```", *p["log_tail"], "```"]
+        if rec.get("by_concurrency"):
+            lines += concurrency_lines(rec)
+        else:
+            lines += _view_lines(rec)
         for note in rec.get("notes") or []:
             lines += ["", f"- {note}"]
         lines.append("")
     return "\n".join(lines)
+
+
+def _view_lines(rec: dict) -> list[str]:
+    """One measured view of an engine (the record, or one concurrency of it): AR, the points table, the choice."""
+    lines: list[str] = []
+    ar = rec.get("ar") or {}
+    c = rec.get("choice") or {}
+    rule = c.get("rule") or {}
+    noise = (f" Noise (sd of a ln paired ratio, pooled over every setting and AR-vs-AR differences): "
+             f"{_f(rule.get('noise_sd'), '.3f')} on {rule.get('noise_df')} degrees of freedom; "
+             f"{rule.get('settings_compared')} settings compared, one-sided t {_f(rule.get('t'))}.") if rule else ""
+    lines += [f"AR: {_f(ar.get('tokens_per_second'), '.1f')} tok/s (median of its paired passes).{noise}", "",
+              "| setting | tok/s | AR tok/s (paired) | speedup vs AR | lower bound | beats AR | acceptance length "
+              "| accepted / drafted | same tokens as AR | status |",
+              "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    chosen = (rec.get("choice") or {}).get("label")
+    for p in rec["points"]:
+        mark = " **(chosen)**" if p["label"] == chosen else ""
+        if p["status"] != "ok":
+            lines.append(f"| {p['label']} | | | | | | | | | {p['status']}: {p.get('error', '')} |")
+            continue
+        status = "**BUG**: tokens differ from AR's in an exact dtype" if p.get("bug") else "ok"
+        lines.append(f"| {p['label']}{mark} | {_f(p['tokens_per_second'], '.1f')} | "
+                     f"{_f(p['ar_tokens_per_second'], '.1f')} | {p['speedup']:.3f}x | "
+                     f"{_f(p.get('lower_bound'), '.3f')}x | {'yes' if p.get('beats_ar') else 'no'} | "
+                     f"{_f(p['acceptance_length'])} | {_f(p['accepted_per_drafted'], '.3f')} | "
+                     f"{_f(p['same_tokens_as_ar'])} | {status} |")
+    if c:
+        lines += ["", choice_line(c)]
+        if c.get("command"):
+            lines += ["", "```bash", c["command"], "```"]
+        for label in c.get("bugs") or []:
+            bug = next(p.get("bug") for p in rec["points"] if p["label"] == label)
+            lines += ["", f"- **Bug**: {label}: {bug}."]
+    for p in rec["points"]:
+        if p["status"] == "failed" and p.get("log_tail"):
+            lines += ["", f"Last log lines of {p['label']}:", "", "```", *p["log_tail"], "```"]
+    return lines
+
+
+def concurrency_lines(rec: dict) -> list[str]:
+    """tune --concurrency: each count's speedup at each concurrency, the count chosen there, and the one-request
+    choice held fixed at every concurrency beside it; then the schedule and each concurrency's own table."""
+    views = rec["by_concurrency"]
+    first = next(iter(views.values()))
+    labels = [p["label"] for p in first["points"]]
+    fixed = (first.get("choice") or {}).get("label")
+    lines = ["Speedup vs vLLM AR at each concurrency (requests in flight), geometric mean of the paired passes; "
+             f"**chosen** per concurrency; \"fixed\": the one-request choice ({fixed}) kept at every concurrency.",
+             "", "| requests in flight | AR tok/s | " + " | ".join(labels) + " | chosen (confirmed) | fixed |",
+             "|---:|---:|" + "---:|" * len(labels) + "---|---:|"]
+    for c, view in views.items():
+        by = {p["label"]: p for p in view["points"]}
+        cells = []
+        for label in labels:
+            p = by.get(label) or {}
+            cell = f"{p['speedup']:.3f}x" if p.get("status") == "ok" else p.get("status", "")
+            cells.append(f"**{cell}**" if label == view["choice"]["label"] else cell)
+        ch = view["choice"]
+        ci = f" ({ch['interval'][0]:.2f}-{ch['interval'][1]:.2f})" if ch.get("interval") else ""
+        what = f"{ch['label']}: {ch['speedup_vs_ar']:.3f}x{ci}" if ch["speculate"] else "do not speculate"
+        fp = by.get(fixed) or {}
+        fixed_cell = "1.000x" if fixed not in by else (f"{fp['speedup']:.3f}x" if fp.get("status") == "ok" else "")
+        lines.append(f"| {c} | {_f((view.get('ar') or {}).get('tokens_per_second'), '.1f')} | "
+                     + " | ".join(cells) + f" | {what} | {fixed_cell} |")
+    lines += ["", schedule_line(rec), ""]
+    for c, view in views.items():
+        lines += [f"### {c} request{'s' if c != '1' else ''} in flight", "", *_view_lines(view), ""]
+    return lines
 
 
 def choice_line(c: dict) -> str:
@@ -166,6 +207,8 @@ def notes_section(engines: dict[str, dict]) -> str:
                      f"{what}, {c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']}")
         if c.get("command"):
             lines += ["", "  ```bash", f"  {c['command']}", "  ```"]
+        if rec.get("schedule"):
+            lines.append(f"  Under concurrency: {schedule_line(rec)}")
     return "\n".join([*lines, NOTES_END]) + "\n"
 
 
@@ -185,8 +228,10 @@ def write_notes(export_dir: Path, engines: dict[str, dict]) -> Path:
 
 
 def store_vllm_tokens(export_dir: Path, record: dict | None) -> None:
-    """config.json's vLLM speculative-token count: the choice's when vLLM should speculate, else removed (the
-    vLLM / speculators exporters then write the draft's trained depth)."""
+    """config.json's vLLM speculative-token count: the choice's (one request) when vLLM should speculate, else
+    removed (the vLLM / speculators exporters then write the draft's trained depth); and tune --concurrency's
+    per-batch-size schedule where the family's vLLM method drafts the scheduled count (SCHEDULE_METHODS), else
+    removed."""
     path = Path(export_dir) / "config.json"
     config = json.loads(path.read_text())
     choice = (record or {}).get("choice") or {}
@@ -194,7 +239,48 @@ def store_vllm_tokens(export_dir: Path, record: dict | None) -> None:
         config[TUNED_TOKENS_KEY] = int(choice["knobs"]["num_speculative_tokens"])
     else:
         config.pop(TUNED_TOKENS_KEY, None)
+    ranges = schedule_ranges(record)
+    if ranges and vllm_method(config.get("family")) in SCHEDULE_METHODS:
+        config[TUNED_SCHEDULE_KEY] = ranges
+    else:
+        config.pop(TUNED_SCHEDULE_KEY, None)
     write_text_atomic(path, json.dumps(config, indent=2) + "\n")
+
+
+def schedule_ranges(record: dict | None) -> list | None:
+    """The record's vLLM num_speculative_tokens_per_batch_size, None without one (or when no concurrency
+    speculates)."""
+    return ((record or {}).get("schedule") or {}).get("num_speculative_tokens_per_batch_size")
+
+
+def vllm_method(family: str | None) -> str | None:
+    from models.registry import FAMILIES
+
+    facts = FAMILIES.get(family or "")
+    return facts.vllm_method if facts else None
+
+
+def schedule_line(record: dict) -> str:
+    """One line: the count chosen per concurrency and the schedule vLLM gets (or why it gets none)."""
+    sched = record.get("schedule") or {}
+    parts = []
+    for c, view in (record.get("by_concurrency") or {}).items():
+        ch = view.get("choice") or {}
+        if ch.get("speculate"):
+            ci = f", {ch['interval'][0]:.2f}-{ch['interval'][1]:.2f}x" if ch.get("interval") else ""
+            parts.append(f"{c} in flight: {ch['knobs']['num_speculative_tokens']} ({ch['speedup_vs_ar']:.2f}x{ci})")
+        else:
+            parts.append(f"{c} in flight: do not speculate")
+    ranges = sched.get("num_speculative_tokens_per_batch_size")
+    if not ranges:
+        tail = "no concurrency speculates: no schedule"
+    elif vllm_method(record.get("family")) not in SCHEDULE_METHODS:
+        tail = (f"schedule {ranges} kept in tuning.json only: vLLM 0.32's {record.get('family')} proposer drafts a "
+                "fixed count (it cannot follow a per-batch-size schedule)")
+    else:
+        tail = (f"vLLM schedule num_speculative_tokens_per_batch_size {ranges} with num_speculative_tokens "
+                f"{sched.get('num_speculative_tokens')} (k = 0: no drafts at that batch size)")
+    return "; ".join(parts) + f"; {tail}"
 
 
 def write_export(export_dir: Path, context: dict, engines: dict[str, dict]) -> Path:

@@ -249,6 +249,7 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
     from models.export.vllm import (
+        TUNED_SCHEDULE_KEY,
         TUNED_TOKENS_KEY,
         export_vllm,
         read_engine_args,
@@ -264,7 +265,8 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
         return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
     # fp32 files, whatever the run dtype; without the tuned count of config.json unless the tuning applies
     tuned, tuned_line = _tuned_depth(cfg, Path(draft_dir), engines, family)
-    vllm_cfg = {k: v for k, v in export_cfg.items() if k != TUNED_TOKENS_KEY or tuned}
+    # one request at a time: a fixed chain, never tune --concurrency's per-batch-size schedule
+    vllm_cfg = {k: v for k, v in export_cfg.items() if (k != TUNED_TOKENS_KEY or tuned) and k != TUNED_SCHEDULE_KEY}
     vllm_dir = export_vllm(draft.float(), workdir / "export", vllm_cfg, view)
     spec = read_speculative_config(vllm_dir)
     if tuned:

@@ -63,7 +63,9 @@ def vllm_engine_numbers(result: dict) -> dict:
     rows = result["results"]
     tokens = sum(max(0, len(r["tokens"]) - 1) for r in rows)
     all_tokens = sum(len(r["tokens"]) for r in rows)
-    secs = sum(r["decode_seconds"] for r in rows)
+    # several requests at once (vllm_runner.generate_batched): the groups' decode spans, not the rows' own times
+    secs = sum(g["decode_seconds"] for g in result["groups"]) if result.get("groups") else \
+        sum(r["decode_seconds"] for r in rows)
     spec = result.get("spec_decode") or {}
     drafts = int(spec.get("vllm:spec_decode_num_drafts", 0))
     per_pos = spec.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []

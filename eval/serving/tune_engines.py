@@ -82,13 +82,15 @@ class VllmEngine:
     name = "vllm"
     open_seconds = VLLM_OPEN_SECONDS
 
-    def __init__(self, loaded, cfg, prompts, base_dir: Path, workdir: Path, timeout: float):
+    def __init__(self, loaded, cfg, prompts, base_dir: Path, workdir: Path, timeout: float, concurrencies=(1,)):
         python = vllm_python()  # ServeCheckError naming `make vllm` before anything else
         self.loaded, self.cfg, self.prompts = loaded, cfg, prompts
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
-        self.job = _job_base(loaded, cfg, prompts, base_dir)
+        # requests in flight per pass (eval/harness/tune_concurrency.py); every engine runs up to the largest at once
+        self.concurrencies = tuple(int(c) for c in concurrencies)
+        self.job = {**_job_base(loaded, cfg, prompts, base_dir), "max_num_seqs": max(self.concurrencies)}
         self.pass_seconds = len(prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
         # read from the venv's metadata now: describe() is written into tuning.json before the first pass runs
         self.version = installed_vllm_version(python)
@@ -99,7 +101,7 @@ class VllmEngine:
         return {"engine": "vllm", "version": self.version, "family": self.loaded.family, "dtype": self.job["dtype"],
                 "threads": "vLLM's own (all cores)", "enforce_eager": self.job["enforce_eager"],
                 "machine": machine_info(), "dataset": self.cfg.dataset, "prompts": [p.id for p in self.prompts],
-                "max_new_tokens": self.cfg.max_new_tokens}
+                "max_new_tokens": self.cfg.max_new_tokens, "max_num_seqs": self.job["max_num_seqs"]}
 
     def _export(self) -> dict:
         """The draft in vLLM's layout (once) and its speculative_config."""
@@ -193,11 +195,12 @@ class _VllmSession:
             raise PointFailed(f"vLLM ({self.label}) did not finish {what} within {timeout:.0f} s and was killed "
                               f"(log: {self.log_path})", list(self.tail)) from None
 
-    def run(self) -> Measurement:
+    def run(self, concurrency: int = 1) -> Measurement:
+        """One pass over the prompts, `concurrency` requests in flight at a time (vllm_runner.generate_batched)."""
         self.runs += 1
         out = self.engine.workdir / f"{self.label}.run{self.runs}.json"
         try:
-            self.proc.stdin.write(f"RUN {out}\n")
+            self.proc.stdin.write(f"RUN {out} {int(concurrency)}\n")
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             pass  # it died: _wait reports its exit code and log

@@ -12,7 +12,7 @@ JOB.json: {"label", "base_dir", "dtype" ("float32" | "bfloat16" | "float16"), "p
 "seed", "enforce_eager" (skip torch.compile: minutes saved on a first run, slower decoding), "engine_args"
 (further LLM(...) keyword arguments the draft's export asks for in its engine_args.json, or null), "out",
 optionally "paired_ar" (the vLLM AR run a draft's speed is measured against; copied into the result, so the result
-and its pairing are written at once)}.
+and its pairing are written at once) and "max_num_seqs" (requests the engine runs at once; default 1)}.
 Writes to "out" a JSON result: per prompt the generated token ids and decode seconds, the spec-decode counters
 of the timed prompts only (warm-up subtracted), or {"error": "load", "message"} when the engine cannot be
 built (exit code 3). Progress lines start with "[serve-check]" (the parent shows them).
@@ -77,7 +77,8 @@ def build(job: dict):
     try:
         return LLM(model=job["base_dir"], dtype=job["dtype"], speculative_config=job.get("speculative_config"),
                    disable_log_stats=False, max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)),
-                   max_num_seqs=1, enable_prefix_caching=False, enforce_eager=bool(job.get("enforce_eager", False)),
+                   max_num_seqs=int(job.get("max_num_seqs") or 1), enable_prefix_caching=False,
+                   enforce_eager=bool(job.get("enforce_eager", False)),
                    **(job.get("engine_args") or {}))  # what the draft's export needs (engine_args.json)
     except Exception as exc:  # whatever vLLM raises, the user needs its reason
         return {"error": "load", "message": f"{type(exc).__name__}: {exc}",
@@ -109,11 +110,13 @@ def run(job: dict) -> dict:
     return generate(llm, job)
 
 
-def generate(llm, job: dict) -> dict:
+def generate(llm, job: dict, concurrency: int = 1) -> dict:
     """Every prompt of the job once on a built engine: tokens, decode seconds, the spec-decode counters of just
-    these prompts."""
+    these prompts. concurrency > 1: see generate_batched."""
     from vllm.inputs import TokensPrompt
 
+    if concurrency > 1:
+        return generate_batched(llm, job, concurrency)
     label, prompts = job["label"], job["prompts"]
     before = spec_counters(llm)
     results, clocks = [], set()
@@ -135,10 +138,45 @@ def generate(llm, job: dict) -> dict:
             **({"paired_ar": job["paired_ar"]} if job.get("paired_ar") else {})}
 
 
+def generate_batched(llm, job: dict, concurrency: int) -> dict:
+    """The prompts in groups of `concurrency` requests sent together (one `generate` call: the engine, built with
+    max_num_seqs >= concurrency, decodes them as one batch); the groups wrap around the prompt list, so every
+    group has exactly `concurrency` requests and every prompt runs at least once. Per group "decode_seconds" is
+    the span from the group's first first-token to its last token (engine clock): throughput, the prefill's
+    tokens excluded. Rows carry their tokens; the seconds are the groups'."""
+    from vllm.inputs import TokensPrompt
+
+    label, prompts = job["label"], job["prompts"]
+    n = len(prompts)
+    before = spec_counters(llm)
+    rows, groups, clocks = [], [], set()
+    for g, start in enumerate(range(0, n, concurrency)):
+        batch = [prompts[(start + j) % n] for j in range(concurrency)]
+        progress(f"{label}: group {g + 1} of {concurrency} requests")
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p["input_ids"]) for p in batch],
+                            _params(job, int(job["max_new_tokens"])), use_tqdm=False)
+        wall = time.perf_counter() - t0
+        stamps = [(getattr(o.metrics, "first_token_ts", 0.0) or 0.0, getattr(o.metrics, "last_token_ts", 0.0) or 0.0)
+                  for o in outs if getattr(o, "metrics", None) is not None]
+        first, last = (min(f for f, _ in stamps), max(x for _, x in stamps)) if len(stamps) == len(outs) else (0, 0)
+        secs, clock = (last - first, "engine_timestamps") if last > first > 0 else (wall, "wall_clock")
+        clocks.add(clock)
+        groups.append({"ids": [p["id"] for p in batch], "decode_seconds": secs, "wall_seconds": wall})
+        rows += [{"id": p["id"], "tokens": list(o.outputs[0].token_ids)} for p, o in zip(batch, outs)]
+    spec = counter_delta(spec_counters(llm), before)
+    import vllm
+
+    return {"label": label, "vllm_version": vllm.__version__, "results": rows, "groups": groups,
+            "concurrency": concurrency, "spec_decode": spec, "timing": "+".join(sorted(clocks)),
+            "speculative_config": job.get("speculative_config")}
+
+
 def serve(job: dict) -> int:
     """`--serve`: build and warm the engine once, print "[tune] ready", then for every line "RUN <path>" on stdin
     run the prompts again, write the result to <path> and print "[tune] done <path>" (`specdraft tune` keeps an AR
-    engine and a speculative one open side by side this way). Ends at EOF or "QUIT"."""
+    engine and a speculative one open side by side this way); "RUN <path> <c>" sends the prompts c at a time
+    (generate_batched). Ends at EOF or "QUIT"."""
     llm = build(job)
     if isinstance(llm, dict):
         with open(job["out"], "w") as f:
@@ -147,11 +185,12 @@ def serve(job: dict) -> int:
     warm_up(llm, job)
     print("[tune] ready", flush=True)
     for line in sys.stdin:
-        cmd, _, path = line.strip().partition(" ")
+        cmd, _, rest = line.strip().partition(" ")
         if cmd != "RUN":
             break
+        path, _, concurrency = rest.partition(" ")
         with open(path, "w") as f:
-            json.dump(generate(llm, job), f)
+            json.dump(generate(llm, job, int(concurrency or 1)), f)
         print(f"[tune] done {path}", flush=True)
     return 0
 

@@ -100,6 +100,8 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "tree": _tree,
     "tree_search": _is(dict, "a mapping"),
     "vllm_num_speculative_tokens": _int(1),  # `specdraft tune`'s vLLM choice (models/export/vllm.py TUNED_TOKENS_KEY)
+    # `specdraft tune --concurrency`'s vLLM schedule [[start, end, k], ...] (models/export/vllm.py TUNED_SCHEDULE_KEY)
+    "vllm_num_speculative_tokens_per_batch_size": _is(list, "a list of [start, end, k] batch-size ranges"),
     # drafter options an export may carry (typed again by the family's Options)
     "beam_width": _int(1),
     "beam_length": _int(2),

@@ -55,11 +55,44 @@ MEDUSA_TOKEN_MAP_ENGINE_ARGS = {"model_loader_extra_config": {"enable_weights_tr
 # `specdraft tune` stores vLLM's fastest speculative-token count under this key of the export's config.json (only
 # when speculating beat vLLM AR); the exporters below write it instead of the draft's trained depth.
 TUNED_TOKENS_KEY = "vllm_num_speculative_tokens"
+# `specdraft tune --concurrency` stores vLLM's per-batch-size schedule under this key: [[start, end, k], ...], vLLM's
+# speculative_config `num_speculative_tokens_per_batch_size` (inclusive batch-size ranges from 1; k = 0 drafts
+# nothing; vLLM caps each k at num_speculative_tokens, so the exporters set that to the largest k).
+TUNED_SCHEDULE_KEY = "vllm_num_speculative_tokens_per_batch_size"
+# vLLM 0.32 methods whose proposer drafts the count the scheduler picks per step (v1/spec_decode/
+# llm_base_proposer.py: propose(num_speculative_tokens, ...), 0 returning no drafts). Medusa's proposer asserts the
+# configured count (v1/spec_decode/medusa.py), so a Medusa export never gets a schedule.
+SCHEDULE_METHODS = ("eagle3", "dflash")
 
 
 def speculative_tokens(export_cfg: dict, trained: int) -> int:
     """The tuned count when the export has one, else the depth the draft was trained for."""
     return int(export_cfg.get(TUNED_TOKENS_KEY) or trained)
+
+
+def check_schedule(schedule) -> list[list[int]]:
+    """A per-batch-size schedule as vLLM 0.32 validates it (v1/spec_decode/dynamic/utils.py): a non-empty list of
+    [start, end, k], 1 <= start <= end, k >= 0, sorted and non-overlapping, the first starting at 1, some k > 0."""
+    ok = isinstance(schedule, list) and schedule and all(
+        isinstance(e, list | tuple) and len(e) == 3 and all(isinstance(x, int) for x in e) for e in schedule)
+    rows = [list(e) for e in schedule] if ok else []
+    ok = ok and rows[0][0] == 1 and all(1 <= a <= b and k >= 0 for a, b, k in rows) \
+        and all(rows[i][0] > rows[i - 1][1] for i in range(1, len(rows))) and max(k for *_, k in rows) > 0
+    if not ok:
+        raise ValueError(f"{TUNED_SCHEDULE_KEY} {schedule!r} is not a vLLM schedule: [[start, end, k], ...] from batch "
+                         "size 1, sorted, non-overlapping, k >= 0 and some k > 0, e.g. [[1, 1, 3], [2, 3, 2], "
+                         "[4, 8, 1]]; rerun `specdraft tune --concurrency 1,2,4,8` or remove the key")
+    return rows
+
+
+def scheduled_config(spec: dict, export_cfg: dict) -> dict:
+    """The speculative_config with tune's per-batch-size schedule when the export has one: the schedule, and
+    num_speculative_tokens = its largest k (vLLM caps every entry at it)."""
+    schedule = export_cfg.get(TUNED_SCHEDULE_KEY)
+    if not schedule:
+        return spec
+    rows = check_schedule(schedule)
+    return {**spec, "num_speculative_tokens": max(k for *_, k in rows), "num_speculative_tokens_per_batch_size": rows}
 
 
 def draft_vocabulary(draft: torch.nn.Module, export_cfg: dict, vocab_size: int) -> torch.Tensor | None:
@@ -165,7 +198,8 @@ def export_vllm_eagle3(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
 
     n = speculative_tokens(export_cfg, draft.ttt_steps)
     out_dir = export_speculators(draft, Path(out_dir), export_cfg.get("base_model") or "base", speculative_tokens=n)
-    spec = {"method": "eagle3", "model": str(Path(out_dir).resolve()), "num_speculative_tokens": n}
+    spec = scheduled_config({"method": "eagle3", "model": str(Path(out_dir).resolve()), "num_speculative_tokens": n},
+                            export_cfg)
     (Path(out_dir) / SPECULATIVE_CONFIG_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     return Path(out_dir)
 
@@ -178,8 +212,9 @@ def export_vllm_dflash(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
     from models.export.speculators_dflash import export_dflash_speculators
 
     out_dir = Path(out_dir)
-    spec = {"method": "dflash", "model": str(out_dir.resolve()),
-            "num_speculative_tokens": speculative_tokens(export_cfg, draft.block_size - 1)}
+    spec = scheduled_config({"method": "dflash", "model": str(out_dir.resolve()),
+                             "num_speculative_tokens": speculative_tokens(export_cfg, draft.block_size - 1)},
+                            export_cfg)
     return export_dflash_speculators(draft, out_dir, verifier_path(export_cfg.get("base_model") or "base"),
                                      extra_files={SPECULATIVE_CONFIG_FILE: lambda p: p.write_text(
                                          json.dumps(spec, indent=2) + "\n")})
