@@ -90,7 +90,8 @@ def load_draft(export_dir: Path, base: BaseView, base_fingerprint: str | None = 
         raise ValueError(
             f"{export_dir} was trained on base {config.get('base_model')!r} with fingerprint "
             f"{config['base_fingerprint']}, but the loaded base has fingerprint {base_fingerprint}; "
-            f"load the same base (base.path={config.get('base_model')})")
+            f"load the base it needs: base_path={config.get('base_model')} for eval, serve-check and tune, "
+            f"base.path={config.get('base_model')} for train")
     family = config["family"]
     path = Path(export_dir) / "model.safetensors"
     tensors = read_tensors(path)  # a damaged header is named here, damaged data by the sha256 below
