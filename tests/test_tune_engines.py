@@ -83,3 +83,60 @@ def test_tune_llamacpp_end_to_end(tmp_path, capsys):
     if rec["choice"]["speculate"]:
         assert "--spec-draft-n-max" in command and "-td 1" in command
     assert command in (export / "NOTES.md").read_text()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
+@pytest.mark.parametrize("k1", [1, 0])
+def test_vllm_loads_an_export_with_a_schedule_and_drafts_what_it_says_per_batch_size(tmp_path, k1):
+    """An EAGLE-3 export on the tiny servable base with tune --concurrency's schedule [[1, 1, k1], [2, 2, 3]] in
+    config.json: `export --format vllm` puts it into speculative_config (num_speculative_tokens 3, the largest), and
+    vLLM's CPU build loads it and follows it: one request in flight drafts k1 tokens a step (0: none, "do not
+    speculate" at that batch size), two draft more (3 while both run, k1 once one has finished)."""
+    import torch
+    from test_tune_cli import _Engine
+    from vllm_fixtures import servable_tiny_base
+
+    from eval.engine.decoder import eos_ids
+    from eval.harness.prompts import load_eval_prompts
+    from eval.serving.tune_engines import _VllmSession
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.eagle3 import Eagle3Draft
+    from models.export.load import load_export
+    from models.export.specdraft import export_specdraft
+    from models.export.vllm import TUNED_SCHEDULE_KEY, export_vllm, read_engine_args, read_speculative_config
+
+    base_dir = servable_tiny_base(tmp_path / "base", num_layers=8)
+    base = load_base(str(base_dir), dtype="fp32")
+    torch.manual_seed(0)
+    export = export_specdraft(Eagle3Draft(BaseView.from_model(base.model), ttt_steps=3).eval(),
+                              tmp_path / "run" / "export", base.name, base.fingerprint)
+    config = json.loads((export / "config.json").read_text())
+    (export / "config.json").write_text(json.dumps({**config, TUNED_SCHEDULE_KEY: [[1, 1, k1], [2, 2, 3]]}))
+    loaded = load_export(export)  # the key passes the export schema
+    out = export_vllm(loaded.draft.float(), tmp_path / "vllm", loaded.config, loaded.view)
+    spec = read_speculative_config(out)
+    assert spec["num_speculative_tokens"] == 3 and spec["num_speculative_tokens_per_batch_size"] == [[1, 1, k1],
+                                                                                                   [2, 2, 3]]
+    prompts = load_eval_prompts("tests/fixtures/eval_prompts.jsonl", base.tokenizer, num_prompts=2)
+    job = {"label": "sched", "base_dir": str(base_dir), "dtype": "float32", "max_new_tokens": 24, "warmup_tokens": 4,
+           "stop_token_ids": [], "prompts": [{"id": p.id, "input_ids": list(p.input_ids)} for p in prompts],
+           "max_model_len": max(len(p.input_ids) for p in prompts) + 64, "seed": 0, "enforce_eager": True,
+           "speculative_config": spec, "engine_args": read_engine_args(out), "max_num_seqs": 2}
+    assert eos_ids(base.model, base.tokenizer) is not None
+    session = _VllmSession(_Engine(tmp_path, 600), job)
+    try:
+        one, two = session.run(1), session.run(2)
+    finally:
+        session.close()
+
+    def counters(n: int) -> tuple[int, int]:  # (drafts, drafted tokens) of pass n
+        c = json.loads((tmp_path / f"sched.run{n}.json").read_text())["spec_decode"]
+        return c.get("vllm:spec_decode_num_drafts", 0), c.get("vllm:spec_decode_num_draft_tokens", 0)
+
+    assert one.new_tokens > 0 and two.new_tokens > 0
+    drafts, drafted = counters(1)
+    assert drafted == k1 * drafts and (drafts > 0 or k1 == 0)  # batch size 1: the schedule's k1, not 3
+    drafts, drafted = counters(2)
+    assert drafted > max(1.5, k1) * drafts > 0  # batch size 2: 3 a step while both requests run

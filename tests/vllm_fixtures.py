@@ -18,8 +18,9 @@ from models.medusa import MedusaDraft
 from models.tiny import tiny_llama, tiny_tokenizer
 
 
-def servable_tiny_base(out: Path, std: float = 0.15, seed: int = 0) -> Path:
-    model = tiny_llama(seed=seed, num_heads=2, num_kv_heads=1)  # head_dim 32
+def servable_tiny_base(out: Path, std: float = 0.15, seed: int = 0, num_layers: int = 2) -> Path:
+    """num_layers=8: an EAGLE-3 on it reads layers 2 / 4 / 5, the three distinct layers vLLM's eagle3 expects."""
+    model = tiny_llama(seed=seed, num_heads=2, num_kv_heads=1, num_layers=num_layers)  # head_dim 32
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():
@@ -76,7 +77,7 @@ def dflash_export_on_servable_base(root: Path, block_size: int = 4, steps: int =
 
     from eval.harness.prompts import load_eval_prompts
     from models.base import last_hidden_and_aux
-    from models.dflash import DFlashDraft
+    from models.dflash import DFlashDraft, DFlashLossOptions
     from models.draft import DraftBatch
     from train.config import LossSection
 
@@ -98,7 +99,8 @@ def dflash_export_on_servable_base(root: Path, block_size: int = 4, steps: int =
     torch.set_num_threads(1)  # many tiny ops: one thread is far faster on a busy CPU
     try:
         fit_draft(draft, [DraftBatch(h, ids, mask, aux)], BaseView.from_model(base.model),
-                  LossSection(chunk_size=256, position_weights="decay"), steps=steps, lr=1e-2)
+                  LossSection(chunk_size=256, dflash=DFlashLossOptions(position_weights="decay")), steps=steps,
+                  lr=1e-2)
     finally:
         torch.set_num_threads(threads)
     with torch.no_grad():
