@@ -34,7 +34,7 @@ RECIPE = "hydra.yaml"  # the family recipe configs/demo.yaml is stacked on
 
 
 def _family(cfg) -> str:
-    return {"hydra": "Hydra++" if cfg.draft.prefix_layer else "Hydra"}.get(cfg.draft.family, cfg.draft.family)
+    return {"hydra": "Hydra++" if cfg.draft.hydra.prefix_layer else "Hydra"}.get(cfg.draft.family, cfg.draft.family)
 
 
 def run_demo(overrides: list[str]) -> int:

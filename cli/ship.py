@@ -93,6 +93,15 @@ def _training_facts(run: Path) -> dict:
     return facts
 
 
+def _draft_items(draft: dict, family: str) -> list[tuple[str, object]]:
+    """The draft keys worth a card: the shared ones that are set, then the family's own section (draft.<family>,
+    as `<family>.key`); other families' sections are only their defaults."""
+    own = draft.get(family) if isinstance(draft.get(family), dict) else {}
+    items = [(k, v) for k, v in draft.items() if not isinstance(v, dict)] + [(f"{family}.{k}", v)
+                                                                             for k, v in own.items()]
+    return [(k, v) for k, v in items if v not in (None, "", [], {})]
+
+
 def model_card(name: str, config: dict, facts: dict, store: dict | None, command: str | None, snapshot: dict | None,
                results: list[str], dtype: str, size_mib: float) -> str:
     cfg = facts.get("config", {})
@@ -102,7 +111,7 @@ def model_card(name: str, config: dict, facts: dict, store: dict | None, command
              f"- **Base**: `{config.get('base_model')}`, fingerprint `{config.get('base_fingerprint')}` (a base with "
              "another fingerprint is refused at load, with the base it needs).",
              f"- **Weights**: `export/model.safetensors`, {dtype}, {size_mib:.1f} MiB, trainable tensors only.",
-             f"- **Draft**: {', '.join(f'{k}={v}' for k, v in draft.items() if v not in (None, '', [], {}))}."]
+             f"- **Draft**: {', '.join(f'{k}={v}' for k, v in _draft_items(draft, config['family']))}."]
     if store:
         engine = store.get("settings", {}).get("engine")
         lines.append(f"- **Data**: the on-policy store `{store.get('store_path')}` ({store.get('name')}: "

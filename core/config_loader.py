@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -89,13 +90,12 @@ def _dotlist_to_tree(item: str, where: str) -> dict:
     return tree
 
 
-def load_typed(cls: type[T], config_paths: list[str] | None = None, overrides: list[str] | None = None) -> T:
-    """Build `cls()` defaults, merge each YAML in order, then each `key=value` override.
+Layers = list[tuple[str, dict]]  # (where it came from: a file or "override '...'", its key tree), in merge order
 
-    Returns a plain dataclass instance (not an OmegaConf node), so components get ordinary objects.
-    """
-    merged = OmegaConf.structured(cls)
-    layers: list[tuple[str, dict]] = []
+
+def read_layers(config_paths: list[str] | None = None, overrides: list[str] | None = None) -> Layers:
+    """Each YAML file's tree, then each `key=value` override's, in the order they merge."""
+    layers: Layers = []
     for path in config_paths or []:
         p = Path(path)
         if not p.is_file():
@@ -109,7 +109,20 @@ def load_typed(cls: type[T], config_paths: list[str] | None = None, overrides: l
         layers.append((str(path), tree))
     for item in overrides or []:
         layers.append((f"override '{item}'", _dotlist_to_tree(item, f"override '{item}'")))
+    return layers
 
+
+def load_typed(cls: type[T], config_paths: list[str] | None = None, overrides: list[str] | None = None,
+               upgrade: Callable[[Layers], Layers] | None = None) -> T:
+    """Build `cls()` defaults, merge each YAML in order, then each `key=value` override.
+
+    upgrade: rewrites the layers before their keys are checked (a config's old keys read at their new place).
+    Returns a plain dataclass instance (not an OmegaConf node), so components get ordinary objects.
+    """
+    merged = OmegaConf.structured(cls)
+    layers = read_layers(config_paths, overrides)
+    if upgrade is not None:
+        layers = upgrade(layers)
     for where, tree in layers:
         check_keys(cls, tree, where)
         try:

@@ -139,7 +139,7 @@ def _check(logits: torch.Tensor, labels: torch.Tensor, blank: int) -> None:
                          f"{tuple(labels.shape)}; select the valid starts first (one row each)")
     if labels.shape[1] > logits.shape[1]:
         raise ValueError(f"label length N={labels.shape[1]} exceeds the {logits.shape[1]} frames; CTC needs "
-                         "N <= M (set draft.num_heads <= draft.num_frames)")
+                         "N <= M (set draft.num_heads <= draft.ctc.num_frames)")
     if not 0 <= blank < logits.shape[2]:
         raise ValueError(f"blank={blank} is not a class of logits with {logits.shape[2]} classes; the "
                          "drafter's blank is the extra last class V")
@@ -280,7 +280,7 @@ def _check_linear(frames, blocks, labels, blank, chunk_size, token_weight, topk)
                          "the extra last class V")
     if labels.shape[1] > frames.shape[1]:
         raise ValueError(f"label length N={labels.shape[1]} exceeds the {frames.shape[1]} frames; CTC needs "
-                         "N <= M (set draft.num_heads <= draft.num_frames)")
+                         "N <= M (set draft.num_heads <= draft.ctc.num_frames)")
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -450,7 +450,8 @@ class BlockDraft(DraftVocabMixin, DraftModel):
 
         Depth k (slot k, or slot k-1 with anchor_drafts) of the block at anchor t targets x_{t+1+k}
         (offset_labels(ids, mask, 1 + k)); teacher = the base's distribution at t+k over the draft vocabulary; row
-        loss (1-α)·hard CE + α·soft CE (α = loss.teacher_weight); weights loss.position_weights (dpace | decay).
+        loss (1-α)·hard CE + α·soft CE (α = loss.teacher_weight); weights loss.<family>.position_weights
+        (dpace | decay).
         Targets outside the draft vocabulary carry no loss and count as misses. In eval mode every valid anchor is
         scored (a fixed, complete set for the held-out table), num_anchors blocks at a time.
         """
@@ -500,8 +501,9 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         rows, top1, topk = rows_fn(flat, head_weight, draft_lab.reshape(-1), chunk_size=loss_cfg.chunk_size,
                                    **teacher)
         rows2, valid2 = rows.view(-1, k_max), valid.view(-1, k_max)  # [B·A, K]
-        weights = block_position_weights(rows2, valid2, loss_cfg.position_weights, lambda0=loss_cfg.lambda0,
-                                         decay=loss_cfg.decay, alpha=loss_cfg.dpace_alpha)
+        own = self.options(loss_cfg)  # loss.<family>: position_weights, dpace_alpha
+        weights = block_position_weights(rows2, valid2, own.position_weights, lambda0=loss_cfg.lambda0,
+                                         decay=loss_cfg.decay, alpha=own.dpace_alpha)
         loss = block_weighted_loss(rows2, weights, valid2)
         top1, topk = top1.view(-1, k_max), topk.view(-1, k_max)
         oov = outside.view(-1, k_max)

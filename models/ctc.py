@@ -38,6 +38,8 @@ its loss, greedy-collapse prefix accuracy as top1, top-5-reachable prefix as top
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -111,19 +113,38 @@ def distilled_labels_reference(hidden: torch.Tensor, lm_head_weight: torch.Tenso
 # ---------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class CTCOptions:
+    """The CTC drafter's training options (draft.ctc.*)."""
+
+    num_frames: int = 6  # M frames, each over V+1 classes (the extra one is the blank); draft.num_heads N <= M
+
+
+@dataclass
+class CTCLossOptions:
+    """The CTC drafter's loss options (loss.ctc.*)."""
+
+    token_weight: float = 0.0  # weight of an extra token-level CE term next to the CTC loss
+
+
 class CTCDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("ctc", "CTC drafter", ("specdraft",),
                         export_keys=("num_frames", "num_heads", "num_layers"),
-                        config_keys=("draft.num_frames", "loss.token_weight"))
+                        draft_options=CTCOptions, loss_options=CTCLossOptions,
+                        flat_keys=("draft.num_frames", "loss.token_weight"),
+                        summary="an attention module, M frames over V+1 classes, CTC loss on the base's own greedy "
+                        "labels, collapsed candidate trees",
+                        also_files=("models/prefix_attention.py",))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
-        d = cfg.draft
-        if d.num_frames < 1 or d.num_heads > d.num_frames:
-            fail("draft.num_frames", d.num_frames, f"the CTC drafter needs num_frames M >= 1 and the label length "
+        d, num_frames = cfg.draft, cls.options(cfg.draft).num_frames
+        if num_frames < 1 or d.num_heads > num_frames:
+            fail("draft.ctc.num_frames", num_frames, f"the CTC drafter needs num_frames M >= 1 and the label length "
                  f"draft.num_heads={d.num_heads} <= M (the paper uses N=3-4 with M=6)")
-        if cfg.loss.token_weight < 0:
-            fail("loss.token_weight", cfg.loss.token_weight, "use 0 (CTC only) or a positive weight, e.g. 0.1")
+        token_weight = cls.options(cfg.loss).token_weight
+        if token_weight < 0:
+            fail("loss.ctc.token_weight", token_weight, "use 0 (CTC only) or a positive weight, e.g. 0.1")
     prefix_accuracy = True  # per-depth top1 = prefix accuracy of the collapsed greedy draft
 
     def __init__(self, num_frames: int, label_length: int, num_layers: int, base: BaseView,
@@ -131,7 +152,7 @@ class CTCDraft(DraftVocabMixin, DraftModel):
         super().__init__()
         if not 1 <= label_length <= num_frames:
             raise ValueError(f"CTC needs 1 <= N <= M: label length draft.num_heads={label_length}, "
-                             f"frames draft.num_frames={num_frames}; raise num_frames or lower num_heads")
+                             f"frames draft.ctc.num_frames={num_frames}; raise num_frames or lower num_heads")
         if base.model is None:
             raise ValueError("the CTC drafter builds its attention module from the base model's last decoder "
                              "layer; pass BaseView.from_model(model) (BaseView.model is None)")
@@ -158,7 +179,7 @@ class CTCDraft(DraftVocabMixin, DraftModel):
 
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> CTCDraft:
-        return cls(draft_cfg.num_frames, draft_cfg.num_heads, draft_cfg.num_layers, base,
+        return cls(cls.options(draft_cfg).num_frames, draft_cfg.num_heads, draft_cfg.num_layers, base,
                    draft_cfg.share_lm_head, draft_cfg.dropout)
 
     @classmethod
@@ -220,7 +241,7 @@ class CTCDraft(DraftVocabMixin, DraftModel):
         frames = self.frame_features(z[valid])  # [n, M, d]
         ctc = fused_linear_ctc if loss_cfg.chunked else linear_ctc_reference
         loss_sum, stats = ctc(frames, self.projection_blocks(), starts, blank=self.blank,
-                              chunk_size=loss_cfg.chunk_size, token_weight=loss_cfg.token_weight,
+                              chunk_size=loss_cfg.chunk_size, token_weight=self.options(loss_cfg).token_weight,
                               max_lengths=max_lengths)
         count = int(stats.count)
         # No valid start (all-user micro-batch): 0 * loss keeps every parameter in the graph for DeepSpeed.

@@ -43,6 +43,7 @@ embedding at the base's embedding row of the mask token.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from models.components import (  # noqa: F401 - the block pieces stay importable under their DFlash names
     MAX_BLOCK_SIZE,
@@ -59,35 +60,59 @@ from models.family import FamilyFacts
 from models.vocab_map import placeholder_map
 
 
+@dataclass
+class DFlashOptions:
+    """DFlash's training options (draft.dflash.*)."""
+
+    block_size: int = 16  # slots per block (the root + block_size-1 drafts of one forward); draft.num_heads = it - 1
+    num_anchors: int = 512  # blocks trained per conversation (anchors sampled among supervised positions)
+    mask_token_id: int = -1  # the token id of the mask slots; -1 = the base's pad token, else eos, else 0
+    learned_mask: bool = True  # train the mask slots' embedding (false: the base's row of mask_token_id)
+
+
+@dataclass
+class DFlashLossOptions:
+    """DFlash's loss options (loss.dflash.*)."""
+
+    position_weights: str = "dpace"  # weights of the drafted slots of a block: dpace (by the accepted length
+    # hanging on each slot) | decay (slot k gets loss.lambda0 * loss.decay**(k-1))
+    dpace_alpha: float = 0.5  # D-PACE smoothing of the slot confidences, in (0, 1]
+
+
 class DFlashDraft(BlockDraft):
     facts = FamilyFacts("dflash", "DFlash", ("specdraft", "vllm", "gguf"), vllm_method="dflash",
                         llamacpp_spec_type="draft-dflash", llamacpp_whole_block=True,
                         export_keys=("aux_layers", "block_size", "num_layers", "mask_token_id"),
-                        config_keys=("draft.block_size", "draft.num_anchors", "draft.mask_token_id",
-                                     "draft.learned_mask", "loss.position_weights", "loss.dpace_alpha"))
+                        draft_options=DFlashOptions, loss_options=DFlashLossOptions,
+                        flat_keys=("draft.block_size", "draft.num_anchors", "draft.mask_token_id",
+                                   "draft.learned_mask", "loss.position_weights", "loss.dpace_alpha"),
+                        summary="block diffusion: fused base layers as context keys / values of a few bidirectional "
+                        "decoder layers, which fill a block of γ slots (root + γ-1 mask slots) in one forward; chain "
+                        "or static tree")
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
-        d = cfg.draft
-        if not 2 <= d.block_size <= MAX_BLOCK_SIZE:
-            fail("draft.block_size", d.block_size, f"DFlash blocks hold 2..{MAX_BLOCK_SIZE} slots (the root + the "
-                 "drafts; default 16)")
-        if d.num_heads != d.block_size - 1:
+        d, o, lo = cfg.draft, cls.options(cfg.draft), cls.options(cfg.loss)
+        if not 2 <= o.block_size <= MAX_BLOCK_SIZE:
+            fail("draft.dflash.block_size", o.block_size, f"DFlash blocks hold 2..{MAX_BLOCK_SIZE} slots (the root + "
+                 "the drafts; default 16)")
+        if d.num_heads != o.block_size - 1:
             fail("draft.num_heads", d.num_heads, f"DFlash reports one depth per drafted slot: set draft.num_heads="
-                 f"{d.block_size - 1} (= draft.block_size - 1), as configs/dflash.yaml does")
+                 f"{o.block_size - 1} (= draft.dflash.block_size - 1), as configs/dflash.yaml does")
         if d.num_layers < 1:
             fail("draft.num_layers", d.num_layers, "DFlash needs at least one decoder layer (speculators: 5)")
-        if d.num_anchors < 1:
-            fail("draft.num_anchors", d.num_anchors, "train at least one block per conversation (speculators: 512)")
-        if d.mask_token_id < -1:
-            fail("draft.mask_token_id", d.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
+        if o.num_anchors < 1:
+            fail("draft.dflash.num_anchors", o.num_anchors, "train at least one block per conversation (speculators: "
+                 "512)")
+        if o.mask_token_id < -1:
+            fail("draft.dflash.mask_token_id", o.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
         if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
             fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
-        if cfg.loss.position_weights not in ("dpace", "decay"):
-            fail("loss.position_weights", cfg.loss.position_weights, "use dpace (speculators' DFlash default) or "
+        if lo.position_weights not in ("dpace", "decay"):
+            fail("loss.dflash.position_weights", lo.position_weights, "use dpace (speculators' DFlash default) or "
                  "decay (loss.lambda0 * loss.decay^(k-1))")
-        if not 0.0 < cfg.loss.dpace_alpha <= 1.0:
-            fail("loss.dpace_alpha", cfg.loss.dpace_alpha, "use a smoothing constant in (0, 1] (speculators: 0.5)")
+        if not 0.0 < lo.dpace_alpha <= 1.0:
+            fail("loss.dflash.dpace_alpha", lo.dpace_alpha, "use a smoothing constant in (0, 1] (speculators: 0.5)")
         if cfg.deepspeed.zero_stage == 3:
             fail("deepspeed.zero_stage", 3, "DFlash's loss reads its LM-head weight directly; use stage 0-2")
 
@@ -95,8 +120,9 @@ class DFlashDraft(BlockDraft):
 
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> DFlashDraft:
-        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.num_layers, draft_cfg.block_size,
-                   draft_cfg.mask_token_id, draft_cfg.num_anchors, draft_cfg.learned_mask, draft_cfg.share_lm_head)
+        o = cls.options(draft_cfg)
+        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.num_layers, o.block_size, o.mask_token_id,
+                   o.num_anchors, o.learned_mask, draft_cfg.share_lm_head)
 
     @classmethod
     def from_export_config(cls, cfg: dict, base: BaseView) -> DFlashDraft:

@@ -126,6 +126,12 @@ class DraftModel(nn.Module):
         """The training-config rules only this family has (cfg: train.config.TrainConfig); call
         fail(key, value, fix) for a bad value. Shared rules live in train/config.py."""
 
+    @classmethod
+    def options(cls, section):
+        """This family's own options in a training-config section: `cls.options(cfg.draft)` is draft.<name>
+        (an instance of facts.draft_options), `cls.options(cfg.loss)` is loss.<name> (facts.loss_options)."""
+        return getattr(section, cls.facts.name)
+
     def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
         raise NotImplementedError
 

@@ -170,19 +170,29 @@ class Eagle3Cache:
         self.length = end
 
 
+@dataclass
+class Eagle3Options:
+    """EAGLE-3's training options (draft.eagle3.*)."""
+
+    ttt_steps: int = 3  # training-time-test unroll (1..7); one reported depth per step (draft.num_heads = it)
+
+
 class Eagle3Draft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("eagle3", "EAGLE-3", ("specdraft", "speculators", "vllm", "gguf"), vllm_method="eagle3",
                         llamacpp_spec_type="draft-eagle3", export_keys=("aux_layers",),
-                        config_keys=("draft.ttt_steps",))
+                        draft_options=Eagle3Options, flat_keys=("draft.ttt_steps",),
+                        summary="fc over low/mid/high base layers + one decoder layer, training-time test; chain or "
+                        "EAGLE-2 tree; what vLLM serves",
+                        also_files=("losses/ttt.py",))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
-        d = cfg.draft
-        if not 1 <= d.ttt_steps <= 7:
-            fail("draft.ttt_steps", d.ttt_steps, "EAGLE-3 unrolls 1..7 training-time-test steps (default 3)")
-        if d.num_heads != d.ttt_steps:
+        d, ttt_steps = cfg.draft, cls.options(cfg.draft).ttt_steps
+        if not 1 <= ttt_steps <= 7:
+            fail("draft.eagle3.ttt_steps", ttt_steps, "EAGLE-3 unrolls 1..7 training-time-test steps (default 3)")
+        if d.num_heads != ttt_steps:
             fail("draft.num_heads", d.num_heads, f"EAGLE-3 reports one depth per TTT step: set draft.num_heads="
-                 f"{d.ttt_steps} (= draft.ttt_steps), as configs/eagle3.yaml does")
+                 f"{ttt_steps} (= draft.eagle3.ttt_steps), as configs/eagle3.yaml does")
         if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
             fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
         if cfg.deepspeed.zero_stage == 3:
@@ -196,7 +206,8 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                              "`.model`; build it with BaseView.from_model(base_model)")
         config = base.model.config
         if not 1 <= ttt_steps <= MAX_TTT_STEPS:
-            raise ValueError(f"draft.ttt_steps={ttt_steps}: EAGLE-3 unrolls 1..{MAX_TTT_STEPS} steps (default 3)")
+            raise ValueError(f"draft.eagle3.ttt_steps={ttt_steps}: EAGLE-3 unrolls 1..{MAX_TTT_STEPS} steps "
+                             "(default 3)")
         body = getattr(base.model, "model", None)
         n_layers = int(config.num_hidden_layers)
         self.aux_layers = check_aux_layers(aux_layers or default_aux_layers(n_layers), n_layers)
@@ -262,7 +273,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
 
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> Eagle3Draft:
-        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.ttt_steps or 3,
+        return cls(base, list(draft_cfg.aux_layers) or None, cls.options(draft_cfg).ttt_steps or 3,
                    share_lm_head=draft_cfg.share_lm_head)
 
     @staticmethod

@@ -34,6 +34,8 @@ the picks back with `to_base` before they become a child's path.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -92,9 +94,20 @@ class HydraHead(nn.Module):
         return self.dropout(x)
 
 
+@dataclass
+class HydraOptions:
+    """Hydra's training options (draft.hydra.*)."""
+
+    prefix_layer: bool = False  # Hydra++: a trainable decoder layer over the base hidden states feeds all heads
+
+
 class HydraDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("hydra", "Hydra", ("specdraft",),
-                        export_keys=("num_heads", "num_layers"), config_keys=("draft.prefix_layer",))
+                        export_keys=("num_heads", "num_layers"), draft_options=HydraOptions,
+                        flat_keys=("draft.prefix_layer",),
+                        summary="sequentially dependent heads: head k reads `[h_t; e(x_{t+1}); ...; e(x_{t+k})]`; "
+                        "Hydra++ (`configs/hydra_pp.yaml`): 4-block heads, a prefix-attention layer, teacher loss",
+                        also_files=("models/prefix_attention.py",))
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
@@ -119,7 +132,7 @@ class HydraDraft(DraftVocabMixin, DraftModel):
         self.prefix = None
         if prefix_layer:
             if base.model is None:
-                raise ValueError("draft.prefix_layer=true builds a decoder layer of the base's architecture, "
+                raise ValueError("draft.hydra.prefix_layer=true builds a decoder layer of the base's architecture, "
                                  "but this BaseView has no `.model`; build it with BaseView.from_model(base_model)")
             self.prefix = PrefixAttention(base.model)
         # Frozen base tensors, non-persistent: never trained, never exported. e = input embedding [V, d].
@@ -133,7 +146,7 @@ class HydraDraft(DraftVocabMixin, DraftModel):
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> HydraDraft:
         return cls(draft_cfg.num_heads, draft_cfg.num_layers, base, draft_cfg.share_lm_head, draft_cfg.dropout,
-                   draft_cfg.prefix_layer)
+                   cls.options(draft_cfg).prefix_layer)
 
     @classmethod
     def from_export_config(cls, cfg: dict, base: BaseView) -> HydraDraft:

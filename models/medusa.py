@@ -33,7 +33,8 @@ from models.vocab_map import DraftVocabMixin, placeholder_map
 
 class MedusaDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("medusa", "Medusa", ("specdraft", "medusa", "vllm"), vllm_method="medusa",
-                        export_keys=("num_heads", "num_layers"))
+                        export_keys=("num_heads", "num_layers"),
+                        summary="K independent ResBlock heads on `h_t`, weighted CE; static trees")
 
     def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
                  dropout: float = 0.0, d2t: torch.Tensor | None = None):

@@ -29,7 +29,10 @@ log = logging.getLogger("specdraft.ngram")
 CACHE_SUBDIR = "ngram"
 
 # Learning-free: nothing to train or export but vLLM's own n-gram config (`--format vllm --method ngram`).
-NGRAM_FACTS = FamilyFacts("ngram", "N-gram", ("vllm",), vllm_method="ngram", trainable=False)
+NGRAM_FACTS = FamilyFacts("ngram", "N-gram", ("vllm",), vllm_method="ngram", trainable=False,
+                          summary="learning-free: context n-grams, model bigram / unigram tables, vLLM's prompt "
+                          "lookup",
+                          also_files=("configs/eval/ngram.yaml",))
 
 
 @dataclass

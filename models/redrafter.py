@@ -26,6 +26,8 @@ maps its picks to base ids (the RNN embeds base ids); out-of-map targets are ign
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -46,16 +48,22 @@ DEFAULT_BEAM_WIDTH = 4
 DEFAULT_BEAM_LENGTH = 5  # counts the root: 4 draft tokens per beam
 
 
-class ReDrafterDraft(DraftVocabMixin, DraftModel):
-    facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"),
-                        export_keys=("num_heads", "num_layers"), config_keys=("draft.rnn",))
+@dataclass
+class ReDrafterOptions:
+    """ReDrafter's training options (draft.redrafter.*)."""
 
-    @classmethod
-    def check_config(cls, cfg, fail) -> None:
-        if cfg.draft.prefix_layer:
-            # ReDrafter's only context is h_t; share_lm_head there means input_proj(2d->d) + the frozen base head.
-            fail("draft.prefix_layer", cfg.draft.prefix_layer, "ReDrafter has no prefix-attention layer (a Hydra++ "
-                 "option); set draft.prefix_layer=false")
+    rnn: bool = True  # False = the no-RNN ablation s_i = s_{i-1} + e(x_{t+i})
+
+
+class ReDrafterDraft(DraftVocabMixin, DraftModel):
+    # ReDrafter's only context is h_t (no prefix-attention layer: draft.hydra.prefix_layer on a ReDrafter run fails
+    # at load as another family's option); share_lm_head there means input_proj(2d->d) + the frozen base head.
+    facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"),
+                        export_keys=("num_heads", "num_layers"), draft_options=ReDrafterOptions,
+                        flat_keys=("draft.rnn",),
+                        summary="one recurrent draft head (RNN + ResBlocks) shared by every depth, beam search, "
+                        "dynamic tree attention",
+                        also_files=("eval/engine/beam_search.py",))
 
     def __init__(self, num_heads: int, num_layers: int, base: BaseView, share_lm_head: bool = False,
                  dropout: float = 0.0, rnn: bool = True, beam_width: int = DEFAULT_BEAM_WIDTH,
@@ -99,7 +107,7 @@ class ReDrafterDraft(DraftVocabMixin, DraftModel):
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> ReDrafterDraft:
         return cls(draft_cfg.num_heads, draft_cfg.num_layers, base, draft_cfg.share_lm_head, draft_cfg.dropout,
-                   draft_cfg.rnn)
+                   cls.options(draft_cfg).rnn)
 
     @classmethod
     def from_export_config(cls, cfg: dict, base: BaseView) -> ReDrafterDraft:

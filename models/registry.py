@@ -32,15 +32,28 @@ def vllm_families() -> tuple[str, ...]:
     return tuple(name for name, f in FAMILIES.items() if f.vllm_method)
 
 
+def option_sections(section: str) -> dict[str, type]:
+    """Family name -> the dataclass of its own options in a training-config section ("draft": facts.draft_options,
+    "loss": facts.loss_options), for the families that have some; train/config.py nests each as <section>.<name>."""
+    attr = {"draft": "draft_options", "loss": "loss_options"}[section]
+    return {name: getattr(f, attr) for name, f in FAMILIES.items() if getattr(f, attr) is not None}
+
+
 def config_key_owners() -> dict[str, str]:
-    """Training-config key ("draft.ttt_steps") -> the one family that reads it (FamilyFacts.config_keys); keys every
-    family reads, or several do (draft.aux_layers: EAGLE-3 and DFlash), are in no family's list."""
+    """Training-config key ("draft.eagle3.ttt_steps") -> the family whose own options it is (its draft_options /
+    loss_options); keys several families read (draft.num_heads, draft.aux_layers) are shared, in no family's."""
+    return {key: name for name, facts in FAMILIES.items() for key in facts.option_keys()}
+
+
+def flat_key_owners() -> dict[str, str]:
+    """Flat key of the time before family sections ("draft.ttt_steps") -> the family it moved into
+    (FamilyFacts.flat_keys): old configs keep loading, read as draft.<family>.<key>."""
     owners: dict[str, str] = {}
     for name, facts in FAMILIES.items():
-        for key in facts.config_keys:
+        for key in facts.flat_keys:
             if key in owners:
-                raise ValueError(f"{key} is declared by both {owners[key]} and {name}; a key two families read "
-                                 "belongs to neither's config_keys")
+                raise ValueError(f"flat key {key} is declared by both {owners[key]} and {name}; an old key moved into "
+                                 "one family's section")
             owners[key] = name
     return owners
 

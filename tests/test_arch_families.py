@@ -15,16 +15,18 @@ from eval.engine.decoder import speculative_generate
 from eval.engine.drafters.registry import build_drafter
 from eval.harness.config import EvalConfig
 from models.base import HiddenStates, last_hidden_and_logits
+from models.ctc import CTCOptions
 from models.draft import BaseView, DraftBatch
+from models.hydra import HydraOptions
 from models.registry import DRAFT_MODELS
 from train.config import DraftSection, LossSection
 
 ARCHS = ["qwen2", "qwen3", "mistral", "gemma3"]
 FAMILIES = {  # 4 deep: the default tree16 of Medusa / Hydra
     "medusa": dict(family="medusa", num_heads=4),
-    "hydra_pp": dict(family="hydra", num_heads=4, num_layers=1, prefix_layer=True),
+    "hydra_pp": dict(family="hydra", num_heads=4, num_layers=1, hydra=HydraOptions(prefix_layer=True)),
     "redrafter": dict(family="redrafter", num_heads=4),
-    "ctc": dict(family="ctc", num_heads=4, num_frames=5),
+    "ctc": dict(family="ctc", num_heads=4, ctc=CTCOptions(num_frames=5)),
 }
 NEW = 20
 

@@ -11,7 +11,7 @@ import torch
 from conftest import assert_chunked_matches_reference, fit_draft
 
 from core.config_loader import ConfigError
-from models.ctc import CTCDraft, distilled_labels, distilled_labels_reference, valid_starts
+from models.ctc import CTCDraft, CTCLossOptions, distilled_labels, distilled_labels_reference, valid_starts
 from models.draft import BaseView, DraftBatch
 from models.export.specdraft import export_specdraft, load_draft, read_tensors
 from models.tiny import tiny_llama
@@ -88,7 +88,8 @@ def test_chunked_and_reference_loss_agree_with_batch_gt_1(view, share):
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    fused, reference = assert_chunked_matches_reference(draft, batch, view, chunk_size=11, token_weight=0.2)
+    fused, reference = assert_chunked_matches_reference(draft, batch, view, chunk_size=11,
+                                                          ctc=CTCLossOptions(token_weight=0.2))
     expected = int(valid_starts(batch.input_ids, batch.loss_mask, 3).sum())
     per_row = valid_starts(batch.input_ids, batch.loss_mask, 3).sum(1).tolist()
     assert len(set(per_row)) == 3  # rows have different numbers of valid starts
@@ -110,12 +111,12 @@ def test_memorises_distilled_labels_and_greedy_collapse_reads_them(view):
 
 
 def test_config_checks_label_length_against_frames():
-    with pytest.raises(ConfigError, match="num_frames"):
+    with pytest.raises(ConfigError, match=r"draft\.ctc\.num_frames"):
         load_train_config(["configs/ctc.yaml"], ["draft.num_heads=7"])
-    with pytest.raises(ConfigError, match="token_weight"):
-        load_train_config(["configs/ctc.yaml"], ["loss.token_weight=-1"])
+    with pytest.raises(ConfigError, match=r"loss\.ctc\.token_weight"):
+        load_train_config(["configs/ctc.yaml"], ["loss.ctc.token_weight=-1"])
     cfg = load_train_config(["configs/ctc.yaml", "configs/smoke.yaml"])
-    assert cfg.draft.family == "ctc" and cfg.draft.num_frames == 6 and cfg.draft.num_heads == 4
+    assert cfg.draft.family == "ctc" and cfg.draft.ctc.num_frames == 6 and cfg.draft.num_heads == 4
 
 
 def test_export_round_trip(view, tmp_path):

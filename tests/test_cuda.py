@@ -27,7 +27,10 @@ from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.engine.drafters.ngram import NgramDrafter
 from eval.engine.drafters.registry import build_drafter
 from eval.harness.config import EvalConfig
+from models.ctc import CTCOptions
 from models.draft import BaseView
+from models.eagle3 import Eagle3Options
+from models.hydra import HydraOptions
 from models.ngram import build_bigram_table
 from models.registry import DRAFT_MODELS
 from models.tiny import diverse_tiny_llama, tiny_llama
@@ -152,10 +155,10 @@ def test_compiled_ar_equals_hf_generate(fp32_model, compiled):
 FAMILIES = {  # name -> (registry family, DraftSection overrides, eval extra)
     "medusa": ("medusa", {"num_heads": 4}, {}),
     "hydra": ("hydra", {"num_heads": 4, "num_layers": 1}, {}),
-    "hydra_pp": ("hydra", {"num_heads": 4, "num_layers": 4, "prefix_layer": True}, {}),
+    "hydra_pp": ("hydra", {"num_heads": 4, "num_layers": 4, "hydra": HydraOptions(prefix_layer=True)}, {}),
     "redrafter": ("redrafter", {"num_heads": 4}, {"beam_width": 4, "beam_length": 4}),
-    "ctc": ("ctc", {"num_heads": 3, "num_frames": 6}, {"ctc_num_paths": 8, "ctc_topk": 2}),
-    "eagle3": ("eagle3", {"num_heads": 3, "ttt_steps": 3}, {}),
+    "ctc": ("ctc", {"num_heads": 3, "ctc": CTCOptions(num_frames=6)}, {"ctc_num_paths": 8, "ctc_topk": 2}),
+    "eagle3": ("eagle3", {"num_heads": 3, "eagle3": Eagle3Options(ttt_steps=3)}, {}),
 }
 
 

@@ -19,7 +19,13 @@ from losses.dflash import (
     linear_row_losses,
     linear_row_losses_reference,
 )
-from models.dflash import DFlashDraft, block_attention, block_attention_reference, default_mask_token_id
+from models.dflash import (
+    DFlashDraft,
+    DFlashLossOptions,
+    block_attention,
+    block_attention_reference,
+    default_mask_token_id,
+)
 from models.draft import BaseView
 from models.export.specdraft import export_specdraft, load_draft
 from train.config import LossSection
@@ -137,8 +143,8 @@ def test_row_losses_fast_path_matches_reference(alpha):
         torch.testing.assert_close(results[0][0], want.detach())
 
 
-@pytest.mark.parametrize("kw", [{"teacher_weight": 0.0, "position_weights": "decay"},
-                                {"teacher_weight": 1.0, "position_weights": "dpace"}])
+@pytest.mark.parametrize("kw", [{"teacher_weight": 0.0, "dflash": DFlashLossOptions(position_weights="decay")},
+                                {"teacher_weight": 1.0, "dflash": DFlashLossOptions(position_weights="dpace")}])
 def test_chunked_loss_matches_reference(base, view, kw):
     draft = _draft(view)  # num_anchors 64 >= every valid anchor: both paths see the same blocks
     assert_chunked_matches_reference(draft, random_batch_with_aux(base, draft), view, chunk_size=7, **kw)
@@ -149,7 +155,7 @@ def test_loss_targets_teachers_and_weights_by_hand(base, view):
     CE to softmax(h_{t+k} W^T), decay weights, mean over valid rows."""
     draft = _draft(view)
     batch = random_batch_with_aux(base, draft)
-    cfg = LossSection(teacher_weight=1.0, position_weights="decay", lambda0=1.0, decay=0.5)
+    cfg = LossSection(teacher_weight=1.0, dflash=DFlashLossOptions(position_weights="decay"), lambda0=1.0, decay=0.5)
     out = draft.loss(batch, view, cfg)
     ids, mask = batch.input_ids, batch.loss_mask
     num, n = 0.0, 0
@@ -236,10 +242,10 @@ def test_bad_config_is_refused():
     from train.config import load_train_config
 
     cfg = ["configs/dflash.yaml", "configs/smoke.yaml"]
-    assert load_train_config(cfg).draft.block_size - 1 == load_train_config(cfg).draft.num_heads
-    with pytest.raises(ConfigError, match="draft.num_heads"):
-        load_train_config(cfg, ["draft.block_size=8"])
-    with pytest.raises(ConfigError, match="loss.position_weights"):
-        load_train_config(cfg, ["loss.position_weights=linear"])
-    with pytest.raises(ConfigError, match="draft.block_size"):
-        load_train_config(cfg, ["draft.block_size=1", "draft.num_heads=1"])
+    assert load_train_config(cfg).draft.dflash.block_size - 1 == load_train_config(cfg).draft.num_heads
+    with pytest.raises(ConfigError, match=r"draft\.num_heads"):
+        load_train_config(cfg, ["draft.dflash.block_size=8"])
+    with pytest.raises(ConfigError, match=r"loss\.dflash\.position_weights"):
+        load_train_config(cfg, ["loss.dflash.position_weights=linear"])
+    with pytest.raises(ConfigError, match=r"draft\.dflash\.block_size"):
+        load_train_config(cfg, ["draft.dflash.block_size=1", "draft.num_heads=1"])

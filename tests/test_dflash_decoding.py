@@ -21,7 +21,7 @@ from eval.engine.drafters.registry import build_drafter, chain_overrides, drafte
 from eval.engine.tree import STATIC_TREES, StaticTree, chain_choices
 from eval.harness.config import EvalConfig
 from models.base import last_hidden_and_aux
-from models.dflash import DFlashDraft
+from models.dflash import DFlashDraft, DFlashLossOptions
 from models.draft import BaseView, DraftBatch
 from train.config import LossSection
 
@@ -41,7 +41,8 @@ def _trained_draft(model, view, prompts, steps=30):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # many tiny ops: one thread is far faster on a busy 2-core box
     try:
-        fit_draft(draft, [batch], view, LossSection(chunk_size=64, position_weights="decay"), steps=steps, lr=2e-2)
+        loss_cfg = LossSection(chunk_size=64, dflash=DFlashLossOptions(position_weights="decay"))
+        fit_draft(draft, [batch], view, loss_cfg, steps=steps, lr=2e-2)
     finally:
         torch.set_num_threads(threads)
     return draft.eval()
@@ -117,8 +118,8 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
 
     run_dir = tmp_path / "dflash"
     rows = smoke_cli_train(run_dir, "configs/dflash.yaml", ["train.max_steps=4", "draft.num_layers=2",
-                                                            "draft.block_size=8", "draft.num_heads=7",
-                                                            "draft.num_anchors=32"], clean_env())
+                                                            "draft.dflash.block_size=8", "draft.num_heads=7",
+                                                            "draft.dflash.num_anchors=32"], clean_env())
     assert any(math.isfinite(r.get("loss/head7", math.nan)) for r in rows)
     assert json.loads((run_dir / "export" / "config.json").read_text())["family"] == "dflash"
     heldout = json.loads((run_dir / "heldout.json").read_text())

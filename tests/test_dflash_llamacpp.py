@@ -21,7 +21,7 @@ from eval.serving.llamacpp_gguf import (
     serve_args,
     spec_draft_n_max,
 )
-from models.dflash import DFlashDraft
+from models.dflash import DFlashDraft, DFlashLossOptions
 from models.draft import BaseView
 from models.export.speculators_dflash import MASK_EMBEDDING_FILE
 from models.registry import FAMILIES, llamacpp_families
@@ -179,8 +179,8 @@ def _memorised_dflash(base, prompts, steps: int = 80) -> DFlashDraft:
         torch.manual_seed(0)
         draft = DFlashDraft(view, num_layers=1, block_size=4, num_anchors=64)
         h, aux = last_hidden_and_aux(base.model, ids, None, draft.aux_layers)
-        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view, LossSection(position_weights="decay"), steps=steps,
-                  lr=1e-3)
+        loss_cfg = LossSection(dflash=DFlashLossOptions(position_weights="decay"))
+        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view, loss_cfg, steps=steps, lr=1e-3)
     finally:
         torch.set_num_threads(threads)
     return draft.eval()

@@ -23,7 +23,7 @@ from eval.engine.drafters.medusa import MedusaDrafter
 from eval.engine.drafters.redrafter import ReDrafterDrafter
 from eval.engine.tree import STATIC_TREES, StaticTree
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
-from models.ctc import CTCDraft
+from models.ctc import CTCDraft, CTCLossOptions
 from models.draft import DraftBatch
 from models.export.redrafter_trtllm import export_redrafter_trtllm
 from models.export.specdraft import export_medusa, export_specdraft, load_draft, read_tensors
@@ -128,7 +128,8 @@ def test_a_permutation_map_changes_nothing(model, view, family):
     counts must equal the full-vocabulary draft's (any mix-up of draft and base ids would break this)."""
     perm = torch.randperm(V, generator=torch.Generator().manual_seed(3))
     batch = _batch(model)
-    cfg = LossSection(chunk_size=16, teacher_weight=0.5 if not family.startswith("ctc") else 0.0, token_weight=0.1)
+    cfg = LossSection(chunk_size=16, teacher_weight=0.5 if not family.startswith("ctc") else 0.0,
+                      ctc=CTCLossOptions(token_weight=0.1))
     full = _build(family, view)
     mapped = _build(family, view, perm)
     assert mapped.d2t.tolist() == perm.tolist() and mapped.draft_vocab_size == V
@@ -157,7 +158,7 @@ def test_small_map_out_of_map_targets_are_misses_and_chunked_matches_reference(m
         assert draft.blank == 40 and sum(b.shape[0] for b in draft.projection_blocks()) == 41
     teacher = 0.5 if not family.startswith("ctc") else 0.0
     fused, ref = assert_chunked_matches_reference(draft, batch, with_draft_vocab(view, d2t), chunk_size=16,
-                                                  teacher_weight=teacher, token_weight=0.1)
+                                                  teacher_weight=teacher, ctc=CTCLossOptions(token_weight=0.1))
     full_counts = [s.count for s in _build(family, view).loss(batch, view, LossSection()).per_depth]
     t2d = inverse_map(d2t, V)
     for k, (f, r) in enumerate(zip(fused, ref)):
@@ -393,7 +394,7 @@ def test_ctc_loss_with_a_large_map_cuts_labels_and_matches_reference(model, view
     draft = _build("ctc", view, d2t)
     batch = _batch(model, seed=3, b=3, t=40)
     v = with_draft_vocab(view, d2t)
-    fused, ref = assert_chunked_matches_reference(draft, batch, v, chunk_size=16, token_weight=0.1)
+    fused, ref = assert_chunked_matches_reference(draft, batch, v, chunk_size=16, ctc=CTCLossOptions(token_weight=0.1))
     assert 0 < fused[0].oov < fused[-1].oov < fused[-1].count  # some starts cut, more at deeper depths
     # The reference at the cut lengths (a plain per-row loop over ctc_loss on the truncated labels).
     from models.ctc import distilled_labels
@@ -412,5 +413,5 @@ def test_ctc_loss_with_a_large_map_cuts_labels_and_matches_reference(model, view
                                            token_weight=0.0)
             assert int(feasible_label_lengths(y, 4)[0]) <= n
             total += float(loss)
-        out = draft.loss(batch, v, LossSection(token_weight=0.0))
+        out = draft.loss(batch, v, LossSection(ctc=CTCLossOptions(token_weight=0.0)))
     assert out.loss.item() == pytest.approx(total / int(keep.sum()), rel=1e-5)

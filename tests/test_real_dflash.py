@@ -26,7 +26,7 @@ def test_dflash_trains_from_the_cache_and_decodes_losslessly(tmp_path):
     cfg = load_train_config(["configs/dflash.yaml", "configs/cpu_budget.yaml"], [
         f"run_dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", "data.max_records=120", "data.max_length=256",
         "train.max_steps=2", "train.global_batch_size=4", "train.save_every=0", "train.val_batches=1",
-        "draft.num_anchors=32", "wandb.enabled=false"])
+        "draft.dflash.num_anchors=32", "wandb.enabled=false"])
     train(cfg)
     export_cfg = json.loads((run_dir / "export" / "config.json").read_text())
     assert export_cfg["hidden_cache"] is True and export_cfg["aux_layers"] == [2, 15, 27]

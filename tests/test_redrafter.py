@@ -135,8 +135,8 @@ def test_teacher_loss_targets_the_base_distribution_at_t_plus_i():
 
 
 def test_prefix_layer_is_rejected_for_redrafter():
-    with pytest.raises(ConfigError, match="prefix_layer"):
-        load_train_config(["configs/redrafter.yaml", "configs/smoke.yaml"], ["draft.prefix_layer=true"])
+    with pytest.raises(ConfigError, match=r"draft\.hydra\.prefix_layer.*Hydra family"):
+        load_train_config(["configs/redrafter.yaml", "configs/smoke.yaml"], ["draft.hydra.prefix_layer=true"])
 
 
 def test_smoke_training_loss_decreases_and_exports(tmp_path):

@@ -4,16 +4,28 @@
 
 Each component receives only its own section (cfg.data, cfg.draft, ...). `validate` runs at load and
 fails with the key and the fix, so a bad value never reaches a half-finished run.
+
+The options only one family reads are not here: each family declares them as dataclasses in its own file
+(FamilyFacts.draft_options / loss_options, models/<family>.py), and DraftSection / LossSection nest them as
+`draft.<family>` / `loss.<family>` (`draft.eagle3.ttt_steps`, `loss.ctc.token_weight`). The flat keys they had
+before (`draft.ttt_steps`) still load, read at their new place with a note (`upgrade_flat_keys`).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config_loader import ConfigError, load_typed
+from core.config_loader import ConfigError, Layers, load_typed, to_dict
 from core.paths import CONFIGS
+from models.registry import FAMILIES, config_key_owners, flat_key_owners, option_sections
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,35 +65,47 @@ class DataSection:
 
 
 @dataclass
-class DraftSection:
+class SharedDraftSection:
+    """The draft keys several families read; DraftSection adds one section per family's own options."""
+
     family: str = "medusa"  # the draft family: a key of models.registry.DRAFT_MODELS (configs/<family>.yaml)
     num_heads: int = 4  # K: depths 1..K predict x_{t+2} .. x_{t+1+K}
     num_layers: int = 1  # ResBlocks per head; DFlash: draft decoder layers (configs/dflash.yaml: 5)
     share_lm_head: bool = False  # True: every head uses the frozen base lm_head (far fewer parameters)
-    dropout: float = 0.0  # dropout inside the heads (Hydra++ recipe: 0.2)
-    prefix_layer: bool = False  # Hydra++: a trainable decoder layer over the base hidden states feeds all heads
-    rnn: bool = True  # ReDrafter: False = the no-RNN ablation s_i = s_{i-1} + e(x_{t+i})
-    num_frames: int = 6  # CTC drafter: M frames, each over V+1 classes (the extra one is the blank)
+    dropout: float = 0.0  # dropout inside the heads (Medusa, Hydra, ReDrafter, CTC; Hydra++ recipe: 0.2)
     vocab_size: int = 0  # draft vocabulary: N most frequent target tokens (data/draft_vocab.py); 0 = all V
     aux_layers: list[int] = field(default_factory=list)  # EAGLE-3 / DFlash: fc's base layers; [] = [2, L//2, L-3]
-    ttt_steps: int = 3  # EAGLE-3: training-time-test unroll (1..7); one reported depth per step
-    block_size: int = 16  # DFlash: slots per block (the root + block_size-1 drafts of one forward); num_heads = it - 1
-    num_anchors: int = 512  # DFlash: blocks trained per conversation (anchors sampled among supervised positions)
-    mask_token_id: int = -1  # DFlash: the token id of the mask slots; -1 = the base's pad token, else eos, else 0
-    learned_mask: bool = True  # DFlash: train the mask slots' embedding (false: the base's row of mask_token_id)
 
 
 @dataclass
-class LossSection:
+class SharedLossSection:
+    """The loss keys several families read; LossSection adds one section per family's own loss options."""
+
     lambda0: float = 1.0  # head k weight = lambda0 * decay**k (k = 1..K)
     decay: float = 0.8  # see lambda0
     teacher_weight: float = 0.0  # alpha: loss = (1-alpha)*hard CE + alpha*soft CE to the base at t+k
     chunked: bool = True  # fused chunked CE (never holds K*T*V logits); False = plain reference
     chunk_size: int = 1024  # tokens per chunk in the fused loss
-    token_weight: float = 0.0  # CTC drafter: weight of an extra token-level CE term next to the CTC loss
-    position_weights: str = "dpace"  # DFlash: weights of the drafted slots of a block: dpace (by the accepted
-    # length hanging on each slot) | decay (slot k gets lambda0 * decay**(k-1))
-    dpace_alpha: float = 0.5  # DFlash: D-PACE smoothing of the slot confidences, in (0, 1]
+
+
+def _with_family_sections(shared: type, section: str) -> type:
+    """`shared` plus one field per family with options in this section ("draft" / "loss"): <section>.<family>, an
+    instance of the family's own dataclass (models/<family>.py), defaults and all."""
+    own = option_sections(section)
+    clash = sorted(set(own) & {f.name for f in dataclasses.fields(shared)})
+    if clash:
+        raise ValueError(f"families {clash} are named like shared {section} keys; rename the family")
+    cls = dataclasses.make_dataclass(shared.__name__.removeprefix("Shared"),
+                                     [(name, opts, field(default_factory=opts)) for name, opts in own.items()],
+                                     bases=(shared,))
+    cls.__module__ = __name__
+    cls.__doc__ = (f"{section}.*: the shared keys ({shared.__name__}) and {section}.<family>.* for each family's own "
+                   "options")
+    return cls
+
+
+DraftSection = _with_family_sections(SharedDraftSection, "draft")
+LossSection = _with_family_sections(SharedLossSection, "loss")
 
 
 @dataclass
@@ -159,23 +183,98 @@ def _fail(key: str, value, fix: str) -> None:
     raise ConfigError(f"invalid value {key}={value!r}: {fix}")
 
 
-def _check_family_keys(cfg: TrainConfig) -> None:
-    """A key only one family reads (FamilyFacts.config_keys), set away from its default on another family's run, is
-    a mistake (it would be ignored): fail naming the family it belongs to."""
-    from models.registry import FAMILIES, config_key_owners
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
+
+def _check_family_keys(cfg: TrainConfig) -> None:
+    """A family's own option (draft.<family>.* / loss.<family>.*), set away from its default on another family's
+    run, is a mistake (it would be ignored): fail naming the family it belongs to."""
     defaults = TrainConfig()
     for key, owner in config_key_owners().items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if owner != cfg.draft.family and value != getattr(getattr(defaults, section), name):
+        value = _get(cfg, key)
+        if owner != cfg.draft.family and value != _get(defaults, key):
             _fail(key, value, f"an option of the {FAMILIES[owner].title} family ({owner}) only, and this run trains "
                   f"{cfg.draft.family}: drop it, or set draft.family={owner}")
 
 
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def upgrade_flat_keys(layers: Layers, note: Callable[[str], None] | None = None) -> Layers:
+    """Reads the flat per-family keys of older configs (`draft.ttt_steps`, in a recipe, an override or a run's saved
+    config.yaml) at their place in the family's section (`draft.eagle3.ttt_steps`), with one note per file or
+    override naming the new keys. A flat key goes to the run's family (the last draft.family of the layers) when
+    that family has the option, else to the family it moved into (FamilyFacts.flat_keys); a key several other
+    families have, or given both flat and nested with different values, fails naming the new keys."""
+    note = note or log.warning
+    family = SharedDraftSection.family
+    for _, tree in layers:
+        draft = tree.get("draft")
+        if isinstance(draft, dict) and "family" in draft:
+            family = draft["family"]
+    moved_to = flat_key_owners()
+    out = []
+    for where, tree in layers:
+        tree, moved = copy.deepcopy(tree), []
+        for section, shared in (("draft", SharedDraftSection), ("loss", SharedLossSection)):
+            sub, own = tree.get(section), option_sections(section)
+            if not isinstance(sub, dict):
+                continue
+            for key in [k for k in sub if k not in _field_names(shared) and k not in own]:
+                if family in own and key in _field_names(own[family]):
+                    target = family
+                elif f"{section}.{key}" in moved_to:
+                    target = moved_to[f"{section}.{key}"]
+                else:
+                    have = [name for name, opts in own.items() if key in _field_names(opts)]
+                    if not have:
+                        continue  # an unknown key: the loader names it with the closest valid ones
+                    raise ConfigError(f"{where}: '{section}.{key}' is an option of each family's own section: "
+                                      f"{', '.join(f'{section}.{name}.{key}' for name in have)}; this run trains "
+                                      f"{family}: give the key of the family it is for")
+                new = f"{section}.{target}.{key}"
+                nested = sub.get(target)
+                if nested is None:
+                    nested = sub[target] = {}
+                if not isinstance(nested, dict):
+                    raise ConfigError(f"{where}: '{section}.{target}' is a section; give it as a mapping of keys")
+                if key in nested and nested[key] != sub[key]:
+                    raise ConfigError(f"{where}: '{section}.{key}' (an old flat key, now {new}) and '{new}' are both "
+                                      f"set, to {sub[key]!r} and {nested[key]!r}: keep only {new}")
+                nested[key] = sub.pop(key)
+                moved.append(f"{section}.{key} -> {new}")
+        if moved:
+            note(f"note: {where}: old flat keys read at their new place: {', '.join(moved)} (write the new keys to "
+                 "drop this note)")
+        out.append((where, tree))
+    return out
+
+
+def saved_config_tree(saved: dict) -> dict:
+    """A run's saved config.yaml as this code's full tree: old flat keys at their new place (quietly), and the keys
+    it predates at their defaults, which is how the run that wrote it behaved. For comparing it with the config
+    resuming the run (train/loop.py)."""
+    [(_, tree)] = upgrade_flat_keys([("saved config", saved)], note=lambda _: None)
+
+    def fill(defaults: dict, given: dict) -> dict:
+        out = dict(given)
+        for k, v in defaults.items():
+            if k not in out:
+                out[k] = v
+            elif isinstance(v, dict) and isinstance(out[k], dict) and k != "extra":
+                out[k] = fill(v, out[k])
+        return out
+
+    return fill(to_dict(TrainConfig()), tree)
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check values that types alone cannot; raise ConfigError naming the key and the fix."""
-    from models.registry import DRAFT_MODELS  # late import: models/ imports torch
+    from models.registry import DRAFT_MODELS
 
     t, d = cfg.train, cfg.draft
     if cfg.base.dtype not in ("auto", "fast", "fp32", "bf16", "fp16"):
@@ -289,7 +388,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def load_train_config(config_paths: list[str] | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    return validate(load_typed(TrainConfig, config_paths, overrides))
+    return validate(load_typed(TrainConfig, config_paths, overrides, upgrade=upgrade_flat_keys))
 
 
 def family_recipes(configs_dir: Path | None = None) -> dict[str, str]:

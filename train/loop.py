@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from core.atomic import write_text_atomic
-from core.config_loader import to_dict, to_yaml
+from core.config_loader import ConfigError, to_dict, to_yaml
 from core.paths import default_cache_dir
 from data.dataset import build_datasets, collate
 from data.draft_vocab import build_draft_vocab, vocab_report
@@ -49,7 +49,7 @@ from models.registry import DRAFT_MODELS
 from train import checkpoint
 from train.best_export import DECODED_FILE, LAST_DIR, select_best_export
 from train.chain_estimate import CHAIN_FAMILIES, chain_estimates
-from train.config import TrainConfig
+from train.config import TrainConfig, saved_config_tree
 from train.data_order import DataOrder
 from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_distributed
 from train.ds_config import build_deepspeed_config, resolve_precision
@@ -564,6 +564,10 @@ def _check_resumed_config(cfg: TrainConfig, run_dir: Path, ckpt_root: Path) -> N
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         log.warning("%s is unreadable (%s); it is rewritten with this run's config", saved, err)
         return
+    try:  # an older run's config.yaml: flat family keys at their new place, the keys it predates at their defaults
+        old = saved_config_tree(old)
+    except ConfigError as err:
+        log.warning("%s: %s; compared as it is", saved, err)
     changes = checkpoint.resume_config_changes(old, to_dict(cfg))
     if changes:
         raise ValueError(f"resuming {run_dir}: this config differs from the one its checkpoints were trained with "
