@@ -85,6 +85,7 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "num_anchors": _int(1),
     "mask_token_id": _int(0),
     "learned_mask": _is(bool, "true or false"),
+    "markov_rank": _int(1),  # DSpark: rank of the Markov logit bias
     "aux_layers": _int_list,
     "exit_dim": _int(1),
     "share_lm_head": _is(bool, "true or false"),

@@ -119,6 +119,30 @@ def export_speculators(draft, out_dir: Path, base_name: str, *, verifier: str | 
     })
 
 
+_DROP_QWEN3_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
+                          "auto_map", "quantization_config", "_commit_hash", "model_type", "layer_types",
+                          "pretraining_tp", "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers")
+
+
+def qwen3_layer_config(draft) -> dict:
+    """The base's dimensions as the Qwen3 config vLLM builds the layers of a block-parallel draft from
+    (`transformer_layer_config` of DFlash and DSpark; draft: models.components.BlockDraft)."""
+    layer = draft.layer_config.to_dict()
+    for key in _DROP_QWEN3_LAYER_KEYS:
+        layer.pop(key, None)
+    attn = draft.layers[0].self_attn
+    n = draft.num_layers
+    rope = layer.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        layer["rope_parameters"] = rope["full_attention"]  # per-layer-type RoPE (Gemma 3): the draft is full attention
+    layer.pop("hidden_activation", None)
+    layer.update(model_type="qwen3", num_hidden_layers=n, head_dim=attn.head_dim, tie_word_embeddings=False,
+                 hidden_act="silu",  # the draft's MLP is Qwen3's SiLU-gated one, whatever the base's activation
+                 vocab_size=draft.vocab_size, use_sliding_window=False, sliding_window=None, max_window_layers=n,
+                 layer_types=["full_attention"] * n)
+    return layer
+
+
 def read_speculators_tensors(export_dir: Path, config: dict, base: BaseView) -> tuple[dict, BaseView]:
     """(tensors, the view on `base` with the draft vocabulary) of a speculators checkpoint (EAGLE-3, DFlash):
     speculators' `d2t` offsets become target ids under "d2t", the `t2d` mask is dropped."""

@@ -40,32 +40,9 @@ from safetensors.torch import save_file
 from core.atomic import write_dir_atomic
 from models.dflash import DFlashDraft
 from models.draft import BaseView
-from models.export.speculators import read_speculators_tensors, speculators_tensors
+from models.export.speculators import qwen3_layer_config, read_speculators_tensors, speculators_tensors
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-_DROP_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
-                    "auto_map", "quantization_config", "_commit_hash", "model_type", "layer_types",
-                    "pretraining_tp", "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers")
-
-
-def qwen3_layer_config(draft: DFlashDraft) -> dict:
-    """The base's dimensions as the Qwen3 config vLLM builds DFlash layers from (`transformer_layer_config`)."""
-    layer = draft.layer_config.to_dict()
-    for key in _DROP_LAYER_KEYS:
-        layer.pop(key, None)
-    attn = draft.layers[0].self_attn
-    n = draft.num_layers
-    rope = layer.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
-        layer["rope_parameters"] = rope["full_attention"]  # per-layer-type RoPE (Gemma 3): the draft is full attention
-    layer.pop("hidden_activation", None)
-    layer.update(model_type="qwen3", num_hidden_layers=n, head_dim=attn.head_dim, tie_word_embeddings=False,
-                 hidden_act="silu",  # the draft's MLP is Qwen3's SiLU-gated one, whatever the base's activation
-                 vocab_size=draft.vocab_size, use_sliding_window=False, sliding_window=None, max_window_layers=n,
-                 layer_types=["full_attention"] * n)
-    return layer
-
-
 def dflash_speculators_config(draft: DFlashDraft, verifier: str, speculative_tokens: int | None = None) -> dict:
     arch = list(draft.layer_config.to_dict().get("architectures") or ["LlamaForCausalLM"])
     tokens = int(speculative_tokens or draft.block_size - 1)

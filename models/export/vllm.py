@@ -220,12 +220,28 @@ def export_vllm_dflash(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
                                          json.dumps(spec, indent=2) + "\n")})
 
 
+def export_vllm_dspark(draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
+    """DSpark in speculators format (models/export/speculators_dspark.py: DFlash's layers + the Markov and confidence
+    heads), plus the speculative_config vLLM needs: method dspark, the block's block_size drafts (every slot drafts,
+    the root's included: sample_from_anchor)."""
+    from models.export.speculators import verifier_path
+    from models.export.speculators_dspark import export_dspark_speculators
+
+    out_dir = Path(out_dir)
+    spec = {"method": "dspark", "model": str(out_dir.resolve()),
+            "num_speculative_tokens": speculative_tokens(export_cfg, draft.block_size)}
+    return export_dspark_speculators(draft, out_dir, verifier_path(export_cfg.get("base_model") or "base"),
+                                     extra_files={SPECULATIVE_CONFIG_FILE: lambda p: p.write_text(
+                                         json.dumps(spec, indent=2) + "\n")})
+
+
 # vLLM method -> exporter(draft, out_dir, export_cfg, base_view) -> out_dir. A family names its method in its
 # FamilyFacts. N-gram has no draft to export: its entry takes the eval options instead (export_vllm_ngram).
 VLLM_EXPORTERS = {
     "medusa": export_vllm_medusa,
     "eagle3": export_vllm_eagle3,
     "dflash": export_vllm_dflash,
+    "dspark": export_vllm_dspark,
     "ngram": export_vllm_ngram,
 }
 
