@@ -35,9 +35,11 @@ test-all: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# The generated config reference (tests/test_config_reference.py fails when it lags behind the typed configs).
+# The generated config reference and families tables (tests/test_config_reference.py and tests/test_docs_families.py
+# fail when they lag behind the typed configs and the families' declarations).
 docs: setup
 	$(VENV)/bin/specdraft config-reference --out docs/reference/config.md
+	$(VENV)/bin/specdraft docs-families
 
 bench: setup
 	$(PY) bench/train_throughput.py

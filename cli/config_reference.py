@@ -1,7 +1,8 @@
 """`specdraft config-reference`: docs/reference/config.md, generated from the typed configs themselves.
 
-Every key of every config a command reads (training, eval, compare, tree search) and every drafter's eval options
-(`extra.*`), with its type, its default and the comment beside its field in the source. The comment is the
+Every key of every config a command reads (training, eval, compare, tree search), each family's own training
+options (`draft.<family>.*`, `loss.<family>.*`, grouped by family) and every drafter's eval options (`extra.*`), with
+its type, its default and the comment beside its field in the source. The comment is the
 documentation: there is one place to change a default or its meaning, and a test fails when the checked-in page
 lags behind the code (tests/test_config_reference.py).
 """
@@ -69,6 +70,20 @@ def field_comments(cls: type) -> dict[str, str]:
     return out
 
 
+def _comments(cls: type) -> dict[str, str]:
+    """field_comments of cls and of the dataclasses it derives from (a class built by make_dataclass, such as
+    train.config.DraftSection, has no source of its own; its shared fields are commented in its base)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            out.update({k: v for k, v in field_comments(klass).items() if v or k not in out})
+        except (OSError, TypeError):  # no source: a generated class
+            continue
+    return out
+
+
 def _type_name(tp) -> str:
     text = tp if isinstance(tp, str) else getattr(tp, "__name__", str(tp))
     return text.replace("typing.", "")
@@ -87,24 +102,50 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def table(cls: type, prefix: str = "") -> list[str]:
-    """Rows `| key | type | default | meaning |` for cls, nested dataclass sections flattened to dotted keys."""
+def table(cls: type, prefix: str = "", skip: tuple[type, ...] = ()) -> list[str]:
+    """Rows `| key | type | default | meaning |` for cls, nested dataclass sections flattened to dotted keys (those of
+    a type in `skip` left out: the families' own sections, listed by family)."""
     hints = typing.get_type_hints(cls)
-    notes = field_comments(cls)
+    notes = _comments(cls)
     rows = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            rows += table(tp, f"{prefix}{f.name}.")
+            if tp not in skip:
+                rows += table(tp, f"{prefix}{f.name}.", skip)
             continue
         rows.append(f"| `{prefix}{f.name}` | `{_cell(_type_name(f.type))}` | `{_cell(_default(f))}` | "
                     f"{_cell(notes.get(f.name, ''))} |")
     return rows
 
 
-def section(title: str, intro: str, cls: type, prefix: str = "") -> list[str]:
+def section(title: str, intro: str, cls: type, prefix: str = "", skip: tuple[type, ...] = ()) -> list[str]:
     return [f"## {title}", "", intro, "", "| key | type | default | meaning |", "|---|---|---|---|",
-            *table(cls, prefix), ""]
+            *table(cls, prefix, skip), ""]
+
+
+def family_options() -> list[str]:
+    """The training options of each family that has some, grouped by family: its draft.<family>.* and
+    loss.<family>.* keys, from the dataclasses its FamilyFacts names."""
+    from models.registry import FAMILIES
+
+    lines = ["## Training options of each family (`draft.<family>.*`, `loss.<family>.*`)", "",
+             "Declared in the family's own file (the dataclasses its `FamilyFacts.draft_options` / `loss_options` "
+             "name, `models/<family>.py`). Set away from its default on a run of another family, an option fails at "
+             "load naming the family it belongs to. Older configs' flat keys (`draft.ttt_steps`) still load, read at "
+             "their place below with a note.", ""]
+    for name, facts in FAMILIES.items():
+        groups = [(sec, opts) for sec, opts in (("draft", facts.draft_options), ("loss", facts.loss_options)) if opts]
+        if not groups:
+            continue
+        classes = ", ".join(f"`{opts.__module__}.{opts.__name__}`" for _, opts in groups)
+        lines += [f"### {facts.title} (`{name}`)", "", f"Class {classes}." + (
+            f" Old flat keys: {', '.join(f'`{k}`' for k in facts.flat_keys)}." if facts.flat_keys else ""), "",
+            "| key | type | default | meaning |", "|---|---|---|---|"]
+        for sec, opts in groups:
+            lines += table(opts, f"{sec}.{name}.")
+        lines.append("")
+    return lines
 
 
 def generate() -> str:
@@ -113,13 +154,16 @@ def generate() -> str:
     from eval.harness.config import EvalConfig
     from eval.harness.results_doc import Targets
     from eval.harness.tree_search import TreeSearchConfig
-    from models.registry import FAMILIES
+    from models.registry import FAMILIES, option_sections
     from train.config import TrainConfig
 
+    own = (*option_sections("draft").values(), *option_sections("loss").values())
     lines = [HEADER]
     lines += section("Training (`specdraft train`, `specdraft cache`, `launch/train_draft.py`)",
                      "Recipes: `configs/<family>.yaml`; overlays: `configs/smoke.yaml`, `configs/cpu_budget.yaml`, "
-                     "`configs/deepspeed/*.yaml`, ... Class `train.config.TrainConfig`.", TrainConfig)
+                     "`configs/deepspeed/*.yaml`, ... Class `train.config.TrainConfig`. The options only one family "
+                     "reads are in its own section, listed by family below.", TrainConfig, skip=own)
+    lines += family_options()
     lines += section("Evaluation (`specdraft eval`, `specdraft serve-check`)",
                      "Configs: `configs/eval/*.yaml`. Class `eval.harness.config.EvalConfig`.", EvalConfig)
     lines += ["## Drafter options (`extra.*` of an eval config)", "",

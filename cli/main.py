@@ -134,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config-reference", help="every config key with its type, default and meaning (Markdown), "
                        "generated from the typed configs")
     p.add_argument("--out", help="write to this file (docs/reference/config.md) instead of stdout")
+
+    p = sub.add_parser("docs-families", help="the families tables of README.md and docs/families/README.md, "
+                       "generated from the families' declarations (FamilyFacts)")
+    p.add_argument("--check", action="store_true", help="only check: exit 1 when a page is out of date")
     return parser
 
 
@@ -272,6 +276,12 @@ def cmd_config_reference(args) -> int:
     return run(args.out)
 
 
+def cmd_docs_families(args) -> int:
+    from cli.docs_families import run
+
+    return run(args.check)
+
+
 def cmd_compare(args) -> int:
     from eval.harness.compare import run_compare_cli
     from eval.serving.compare_vllm import vllm_columns
@@ -390,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                "self-distill": cmd_regenerate, "regenerate": cmd_regenerate, "cache": cmd_cache,
                "serve-check": cmd_serve_check, "tune": cmd_tune, "ship": cmd_ship,
                "tree-search": cmd_tree_search, "compare": cmd_compare,
-               "config-reference": cmd_config_reference}[args.command]
+               "config-reference": cmd_config_reference, "docs-families": cmd_docs_families}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

@@ -46,8 +46,8 @@ B="--config configs/cpu_budget.yaml data.source=$DATA data.max_records=null data
 train abl-eagle3-regen --config configs/eagle3.yaml $B train.lr=2e-3
 for g in ${GAMMAS:-16 8}; do
   run=dflash-regen; [ "$g" = 16 ] || run=dflash-g$g-regen
-  train "$run" --config configs/dflash.yaml $B draft.block_size="$g" draft.num_heads=$((g - 1)) \
-    draft.num_anchors=128 train.save_every=10 resume=auto
+  train "$run" --config configs/dflash.yaml $B draft.dflash.block_size="$g" draft.num_heads=$((g - 1)) \
+    draft.dflash.num_anchors=128 train.save_every=10 resume=auto
 done
 if [ "${COMPARE:-0}" = 1 ]; then
   for g in ${GAMMAS:-16 8}; do
