@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from models.ctc import CTCDraft
 from models.dflash import DFlashDraft
+from models.dspark import DSparkDraft
 from models.eagle3 import Eagle3Draft
 from models.family import FamilyFacts
 from models.hydra import HydraDraft
@@ -14,7 +15,7 @@ from models.ngram import NGRAM_FACTS
 from models.redrafter import ReDrafterDraft
 
 DRAFT_MODELS = {cls.facts.name: cls for cls in (MedusaDraft, HydraDraft, ReDrafterDraft, CTCDraft, Eagle3Draft,
-                                                DFlashDraft)}
+                                                DFlashDraft, DSparkDraft)}
 
 # Every family, learning-free ones included.
 FAMILIES: dict[str, FamilyFacts] = {**{name: cls.facts for name, cls in DRAFT_MODELS.items()},

@@ -17,6 +17,7 @@ from helpers.decoding import DECODE_NEW_TOKENS as NEW
 from helpers.decoding import assert_lossless_and_accepting
 from helpers.drafts import greedy_continuation_batch, perturb, random_batch_with_aux, with_draft_vocab
 from safetensors.torch import load_file
+from test_serve_check import _have_vllm
 from torch.nn import functional as F
 
 from data.targets import offset_labels
@@ -303,3 +304,55 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
     assert [d["depth"] for d in heldout["depths"]] == [1, 2, 3, 4]
     report = smoke_cli_eval(run_dir, "chain", [], clean_env())
     assert report["method"] == "dspark" and report["lossless"] is True and report["acceptance_length"] >= 1.0
+
+
+# -- vLLM ---------------------------------------------------------------------------------------------------------
+
+def dspark_export_on_servable_base(root, block_size: int = 4, steps: int = 40):
+    """root/base (vLLM's CPU build serves it: head_dim 32) + root/run/export: a DSpark draft that memorised the
+    base's own greedy answers to the smoke eval prompts."""
+    from vllm_fixtures import servable_tiny_base
+
+    from eval.harness.prompts import load_eval_prompts
+    from models.base import last_hidden_and_aux, load_base
+    from models.draft import DraftBatch
+
+    base = load_base(str(servable_tiny_base(root / "base")), dtype="fp32")
+    prompts = load_eval_prompts("tests/fixtures/eval_prompts.jsonl", base.tokenizer, num_prompts=3)
+    with torch.inference_mode():
+        seqs = [base.model.generate(torch.tensor([p.input_ids]), max_new_tokens=160, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0] for p in prompts]
+    ids = torch.zeros(len(seqs), max(s.numel() for s in seqs), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+    view = BaseView.from_model(base.model)
+    torch.manual_seed(0)
+    draft = DSparkDraft(view, num_layers=2, block_size=block_size, markov_rank=16, num_anchors=256)
+    h, aux = last_hidden_and_aux(base.model, ids, None, draft.aux_layers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view,
+                  LossSection(chunk_size=256, dspark=DSparkLossOptions(position_weights="decay")), steps=steps, lr=1e-2)
+    finally:
+        torch.set_num_threads(threads)
+    return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
+def test_vllm_cpu_build_refuses_dspark(tmp_path, capsys):
+    """vLLM 0.32's CPU build reads the export (it resolves Qwen3DSparkModel) but cannot serve it: DSpark's proposer
+    exists only in Model Runner V2, which needs Triton's CPU backend this build lacks, and the V1 runner refuses the
+    method (docs/families/dspark.md#vllm). When this fails, vLLM serves DSpark on a CPU: turn it into the per-position
+    acceptance comparison DFlash's serving test makes."""
+    from cli.main import main
+
+    export = dspark_export_on_servable_base(tmp_path)
+    rc = main(["serve-check", "--draft", str(export), "--config", "configs/eval/smoke.yaml", "max_new_tokens=150",
+               "serve_enforce_eager=true"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "Model Runner V1 does not support: dspark speculative decoding" in err, err[-3000:]
+    log = (tmp_path / "run" / "serve_check" / "smoke" / "vllm" / "vllm_draft.log").read_text()
+    assert "Resolved architecture: Qwen3DSparkModel" in log

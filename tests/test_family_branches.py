@@ -140,7 +140,7 @@ def test_tune_shapes_are_the_old_per_family_lists():
                    "EAGLE-2 tree, 32 nodes"],
         "redrafter": ["2 beams x 5", "4 beams x 5", "8 beams x 5"],
         "ctc": ["4 CTC paths", "8 CTC paths", "16 CTC paths", "24 CTC paths"],
-        "ngram": [],
+        "ngram": [], "dspark": [],  # DSpark drafts chains only (its slots depend on the token before them)
     }
     assert dict(DRAFTERS["redrafter"].tune_shapes(draft))["4 beams x 5"] == {"extra": {"beam_width": 4,
                                                                                       "beam_length": 5}}
@@ -158,7 +158,8 @@ def test_chain_caps_llamacpp_and_target_keys():
 
     draft = SimpleNamespace(num_heads=3, block_size=8, ttt_steps=5)
     assert {f: spec.max_chain(draft) for f, spec in DRAFTERS.items()} == {
-        "medusa": 3, "hydra": 3, "dflash": 7, "eagle3": None, "redrafter": None, "ctc": None, "ngram": None}
+        "medusa": 3, "hydra": 3, "dflash": 7, "eagle3": None, "redrafter": None, "ctc": None, "ngram": None,
+        "dspark": 8}  # DSpark: every slot of its block drafts, the root's included
     assert [f for f, facts in FAMILIES.items() if facts.llamacpp_whole_block] == ["dflash"]
     assert spec_draft_n_max(draft, "dflash", chain=2) == 7 and spec_draft_n_max(draft, "eagle3") == 5
     try:

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
-from eval.engine.drafters import ctc, dflash, eagle3, eagle3_tune, hydra, medusa, ngram, redrafter
+from eval.engine.drafters import ctc, dflash, dspark, eagle3, eagle3_tune, hydra, medusa, ngram, redrafter
 from eval.engine.drafters.options import option_names, parse_options
 
 
@@ -63,6 +63,7 @@ DRAFTERS = {
     "ctc": DrafterFamily.of(ctc),
     "eagle3": DrafterFamily.of(eagle3, more=eagle3_tune),
     "dflash": DrafterFamily.of(dflash),
+    "dspark": DrafterFamily.of(dspark),
     "ngram": DrafterFamily.of(ngram, trained=False),
 }
 
