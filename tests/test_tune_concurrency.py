@@ -48,6 +48,9 @@ class ConcurrentEngine(ScriptedEngine):
     def describe(self):
         return {"engine": "vllm", "family": "eagle3", "version": "0.32", "dtype": "bfloat16", "threads": "own"}
 
+    def schedule_command(self, ranges):
+        return f"serve --schedule {json.dumps(ranges)}"
+
 
 def _speeds():
     """AR grows with the batch; k 3 pays most for one request, k 2 at 2-3, k 1 at 4-7, nothing at 8."""
@@ -78,6 +81,7 @@ def test_the_best_count_is_chosen_per_concurrency_confirmed_and_becomes_vllms_sc
     sched = rec["schedule"]
     assert sched["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 3, 2], [4, 7, 1], [8, 8, 0]]
     assert sched["num_speculative_tokens"] == 3 and sched["per_concurrency"] == {"1": 3, "2": 2, "4": 1, "8": 0}
+    assert sched["command"] == "serve --schedule [[1, 1, 3], [2, 3, 2], [4, 7, 1], [8, 8, 0]]"
     # the record keeps one request's view where the single-concurrency consumers read it
     assert rec["choice"]["label"] == "k 3" and rec["choice"]["schedule"] == sched
     assert rec["points"] is rec["by_concurrency"]["1"]["points"] and rec["concurrencies"] == list(CS)
@@ -216,7 +220,8 @@ def test_the_report_shows_each_concurrency_beside_the_fixed_one_request_choice(t
     row8 = next(line for line in text.splitlines() if line.startswith("| 8 |"))
     k3_at_8 = rec["by_concurrency"]["8"]["points"][2]["speedup"]  # the fixed one-request choice, k 3, at 8
     assert "do not speculate" in row8 and row8.endswith(f"| {k3_at_8:.3f}x |")
-    assert "### 4 requests in flight" in text and "[[1, 1, 3], [2, 3, 2], [4, 7, 1], [8, 8, 0]]" in text
+    assert "serve --schedule [[1, 1, 3]" in text and "### 4 requests in flight" in text
+    assert "num_speculative_tokens_per_batch_size [[1, 1, 3], [2, 3, 2], [4, 7, 1], [8, 8, 0]]" in text
 
 
 def test_tune_measures_our_decoder_at_the_threads_eval_applies_its_choice_at(monkeypatch):

@@ -157,6 +157,10 @@ def sweep_concurrencies(engine: Engine, concurrencies: Sequence[int], repeats: i
                         "ar": {"tokens_per_second_runs": runs,
                                "tokens_per_second": statistics.median(runs) if runs else None}}
     schedule = speculation_schedule(choices)
+    ranges = schedule[SCHEDULE_KEY]
+    serve = getattr(engine, "schedule_command", None)
+    if ranges and serve is not None:
+        schedule["command"] = serve(ranges)  # how a user serves it (None: the method drafts a fixed count)
     first = by_c[str(cs[0])]
     return {**described, "status": "ok" if error is None else "partial", "error": error, "concurrencies": cs,
             "points": first["points"], "ar": first["ar"], "choice": {**first["choice"], "schedule": schedule},

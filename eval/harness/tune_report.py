@@ -121,6 +121,8 @@ def concurrency_lines(rec: dict) -> list[str]:
         lines.append(f"| {c} | {_f((view.get('ar') or {}).get('tokens_per_second'), '.1f')} | "
                      + " | ".join(cells) + f" | {what} | {fixed_cell} |")
     lines += ["", schedule_line(rec), ""]
+    if (rec.get("schedule") or {}).get("command"):
+        lines += ["```bash", rec["schedule"]["command"], "```", ""]
     for c, view in views.items():
         lines += [f"### {c} request{'s' if c != '1' else ''} in flight", "", *_view_lines(view), ""]
     return lines

@@ -140,6 +140,19 @@ class VllmEngine:
         return vllm_serve_command(vllm_python(), self.job["base_dir"], self.job["max_model_len"], spec)
 
 
+    def schedule_command(self, ranges: list) -> str | None:
+        """The serving line with tune --concurrency's schedule (None where the family's vLLM method drafts a fixed
+        count: models/export/vllm.py SCHEDULE_METHODS)."""
+        from models.export.vllm import SCHEDULE_METHODS
+        from models.registry import FAMILIES
+
+        if FAMILIES[self.loaded.family].vllm_method not in SCHEDULE_METHODS:
+            return None
+        spec = {**self._export(), "num_speculative_tokens": max(k for *_, k in ranges),
+                "num_speculative_tokens_per_batch_size": ranges}
+        return vllm_serve_command(vllm_python(), self.job["base_dir"], self.job["max_model_len"], spec)
+
+
 class _VllmSession:
     """One vllm_runner.py --serve process: built and warmed on open, one pass over the prompts per run()."""
 
