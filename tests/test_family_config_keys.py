@@ -177,3 +177,25 @@ def test_family_facts_reject_options_without_defaults_and_the_old_config_keys():
         FamilyFacts("x", "X", config_keys=("draft.size",))
     with pytest.raises(ValueError, match="not a field"):
         FamilyFacts("x", "X", flat_keys=("draft.size",))
+
+
+def test_a_flat_key_only_other_families_have_is_ambiguous_and_names_their_keys(monkeypatch):
+    """Not an old key of any family, and the run's family lacks it: nothing to map it to; the error names the nested
+    keys it could mean (here two made-up families declare the same option)."""
+    import train.config as train_config
+
+    @dataclasses.dataclass
+    class Made:
+        foo: int = 1  # a made-up option
+
+    real = train_config.option_sections
+    monkeypatch.setattr(train_config, "option_sections",
+                        lambda section: {**real(section), **({"fam_a": Made, "fam_b": Made} if section == "draft"
+                                                             else {})})
+    with pytest.raises(ConfigError) as err:
+        train_config.upgrade_flat_keys([("override 'draft.foo=2'", {"draft": {"family": "eagle3", "foo": 2}})])
+    msg = str(err.value)
+    assert "\n" not in msg and "draft.fam_a.foo or draft.fam_b.foo" in msg and "trains eagle3" in msg, msg
+    # the run's own family has it: no ambiguity
+    [(_, tree)] = train_config.upgrade_flat_keys([("x", {"draft": {"family": "fam_b", "foo": 2}})], note=print)
+    assert tree["draft"] == {"family": "fam_b", "fam_b": {"foo": 2}}

@@ -233,9 +233,9 @@ def upgrade_flat_keys(layers: Layers, note: Callable[[str], None] | None = None)
                     have = [name for name, opts in own.items() if key in _field_names(opts)]
                     if not have:
                         continue  # an unknown key: the loader names it with the closest valid ones
-                    raise ConfigError(f"{where}: '{section}.{key}' is an option of each family's own section: "
-                                      f"{', '.join(f'{section}.{name}.{key}' for name in have)}; this run trains "
-                                      f"{family}: give the key of the family it is for")
+                    raise ConfigError(f"{where}: '{section}.{key}' is no shared key; it is the family option "
+                                      f"{' or '.join(f'{section}.{name}.{key}' for name in have)}, and this run "
+                                      f"trains {family}: give the nested key of the family it is for")
                 new = f"{section}.{target}.{key}"
                 nested = sub.get(target)
                 if nested is None:
