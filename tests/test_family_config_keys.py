@@ -199,3 +199,19 @@ def test_a_flat_key_only_other_families_have_is_ambiguous_and_names_their_keys(m
     # the run's own family has it: no ambiguity
     [(_, tree)] = train_config.upgrade_flat_keys([("x", {"draft": {"family": "fam_b", "foo": 2}})], note=print)
     assert tree["draft"] == {"family": "fam_b", "fam_b": {"foo": 2}}
+
+
+def test_resuming_a_run_whose_config_yaml_has_the_old_flat_keys(tmp_path):
+    """The loop's resume check (train/loop.py) on a run directory written before the family sections: the same
+    config resumes; a changed family option is refused, named by its new key."""
+    from train.loop import _check_resumed_config
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step40").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(open(SHIPPED_RUN_CONFIG).read())
+    cfg = load_train_config([SHIPPED_RUN_CONFIG], [f"run_dir={run_dir}", "resume=auto"])
+    _check_resumed_config(cfg, run_dir, run_dir / "checkpoints")  # no change: resumes
+    changed = load_train_config([SHIPPED_RUN_CONFIG], [f"run_dir={run_dir}", "resume=auto",
+                                                       "draft.eagle3.ttt_steps=4", "draft.num_heads=4"])
+    with pytest.raises(ValueError, match=r"draft\.eagle3\.ttt_steps: 3 -> 4"):
+        _check_resumed_config(changed, run_dir, run_dir / "checkpoints")
