@@ -216,6 +216,21 @@ def test_confidence_head_learns_acceptance_and_the_cut_shortens_chains(model, vi
         assert torch.all(fresh.last_confidence == 0.5) and got.tree_nodes == 2 * got.base_steps
 
 
+def test_rejection_sampling_with_dspark_chains_matches_the_base():
+    """Sampling: 3 tokens through DSpark chains (deterministic drafts, point masses) with rejection sampling on a
+    bigram base; the pair (t2, t3) follows the base's exact distribution."""
+    from helpers.bigram_base import rejection_sampling_tv
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tv = rejection_sampling_tv(lambda v: DSparkDrafter(_draft(v, seed=3, block_size=3, rank=4, std=0.5)), 1500,
+                                   seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert tv < 0.06  # 16 cells: E[TV] of an exact sampler <= 0.042
+
+
 def test_draft_vocabulary_decodes_losslessly_with_base_ids(model, view, prompts, ar_outputs):
     d2t = torch.tensor(sorted({t for out in ar_outputs for t in out} | {3, 9, 11}))
     drafter = DSparkDrafter(_draft(view, d2t=d2t))
