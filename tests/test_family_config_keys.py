@@ -215,3 +215,23 @@ def test_resuming_a_run_whose_config_yaml_has_the_old_flat_keys(tmp_path):
                                                        "draft.eagle3.ttt_steps=4", "draft.num_heads=4"])
     with pytest.raises(ValueError, match=r"draft\.eagle3\.ttt_steps: 3 -> 4"):
         _check_resumed_config(changed, run_dir, run_dir / "checkpoints")
+
+
+def test_the_checked_in_configs_use_the_nested_keys():
+    """Every YAML under configs/ (recipes, overlays, compare and eval configs) and the launch / recipe scripts'
+    overrides are read without a note: none still writes a flat family key."""
+    from pathlib import Path
+
+    from train.config import upgrade_flat_keys
+
+    root = Path(__file__).resolve().parents[1]
+    notes = []
+    for path in sorted((root / "configs").rglob("*.yaml")):
+        tree = yaml.safe_load(path.read_text()) or {}
+        if isinstance(tree, dict) and ("draft" in tree or "loss" in tree):
+            upgrade_flat_keys([(str(path.relative_to(root)), tree)], note=notes.append)
+    assert not notes, notes
+    flat = [f"{k}=" for k in flat_key_owners()]
+    for script in sorted([*(root / "recipes").glob("*.sh"), *(root / "launch").glob("*.sh")]):
+        text = script.read_text()
+        assert not [k for k in flat if f" {k}" in text], script.name
