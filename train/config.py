@@ -23,7 +23,7 @@ from typing import Any
 
 from core.config_loader import ConfigError, Layers, load_typed, to_dict
 from core.paths import CONFIGS
-from models.registry import FAMILIES, config_key_owners, flat_key_owners, option_sections
+from models.registry import DRAFT_MODELS, FAMILIES, config_key_owners, flat_key_owners, option_sections
 
 log = logging.getLogger(__name__)
 
@@ -274,8 +274,6 @@ def saved_config_tree(saved: dict) -> dict:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check values that types alone cannot; raise ConfigError naming the key and the fix."""
-    from models.registry import DRAFT_MODELS
-
     t, d = cfg.train, cfg.draft
     if cfg.base.dtype not in ("auto", "fast", "fp32", "bf16", "fp16"):
         _fail("base.dtype", cfg.base.dtype, "use one of auto, fast (bf16 where the hardware runs it fast, else "
