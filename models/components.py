@@ -530,14 +530,16 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         pos = torch.arange(cache.length, cache.length + ctx.shape[1], device=ctx.device)[None]
         cache.append(self.context_kv(ctx, pos))
 
-    def draft_block_outputs(self, cache: BlockCache, root: int) -> torch.Tensor:
+    def draft_block_outputs(self, cache: BlockCache, root: int, slots: int | None = None) -> torch.Tensor:
         """One forward of the block [root, M, ..., M] at positions L .. L+G-1 (L = cache.length), seeing every
         cached position -> the layer outputs [K, d] of the drafted slots (before the final norm; row k-1 drafts
-        depth k)."""
+        depth k). slots: a shorter block of that many slots (G = slots), as vLLM queries when it is asked for
+        fewer tokens than the block drafts (DSpark: num_speculative_tokens slots)."""
         device = cache.keys[0].device
-        tokens = torch.full((1, 1, self.block_size), self.mask_token_id, dtype=torch.long, device=device)
+        g = self.block_size if slots is None else int(slots)
+        tokens = torch.full((1, 1, g), self.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0, 0] = int(root)
-        positions = cache.length + torch.arange(self.block_size, device=device)[None, None]
+        positions = cache.length + torch.arange(g, device=device)[None, None]
         ctx_kv = [(k[:, :, :cache.length], v[:, :, :cache.length]) for k, v in zip(cache.keys, cache.values)]
         anchors = torch.full((1, 1), cache.length - 1, dtype=torch.long, device=device)
         out = self.run_blocks(ctx_kv, self.embed_block(tokens), positions, anchors)

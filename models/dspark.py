@@ -198,8 +198,10 @@ class DSparkDraft(BlockDraft):
     def draft_chain(self, cache: BlockCache, root: int, depth: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block forward, then the slots left to right with the Markov bias of the token before each (greedy,
-        as vLLM's DSparkSpeculator) -> (drafts [D] base ids, confidences [D] in (0, 1)); D = depth or block_size."""
-        out = self.draft_block_outputs(cache, root)[:depth]  # [D, d]
+        as vLLM's DSparkSpeculator) -> (drafts [D] base ids, confidences [D] in (0, 1)); D = depth or block_size.
+        A shorter chain runs a block of D slots: vLLM's DSpark queries num_speculative_tokens slots (the root and
+        D-1 mask slots), and the slots see each other, so a cut full block would draft other tokens."""
+        out = self.draft_block_outputs(cache, root, depth)  # [D, d]
         h = self.head_input(out)
         base_logits = self.lm_head(h)  # [D, N]
         prev = torch.tensor([int(root)], device=h.device)

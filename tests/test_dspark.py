@@ -94,6 +94,18 @@ def test_chain_is_decoded_left_to_right_with_the_markov_bias(model, view):
             want.append(prev)
     assert drafts.tolist() == want
     torch.testing.assert_close(conf, torch.stack(want_conf), rtol=1e-5, atol=1e-6)
+    # A shorter chain runs a shorter block (vLLM's num_speculative_tokens slots), whose slots see only each other.
+    short = draft.draft_block_outputs(cache, root, 3)
+    assert short.shape == (3, view.hidden_size)
+    assert not torch.allclose(short, draft.draft_block_outputs(cache, root)[:3])
+    with torch.no_grad():
+        h3, prev, want3 = draft.norm(short), root, []
+        for k in range(3):
+            e = draft.markov_head.markov_w1.weight[prev]
+            z = h3[k] @ draft.lm_head.weight.T + draft.markov_head.markov_w2.weight @ e
+            prev = int(z.argmax())
+            want3.append(prev)
+    assert draft.draft_chain(cache, root, 3)[0].tolist() == want3
     # The bias depends on the previous token: with W2 = 0 the chain is each slot's own argmax.
     with torch.no_grad():
         draft.markov_head.markov_w2.weight.zero_()

@@ -72,7 +72,7 @@ class DSparkDrafter(Drafter):
 class Options:
     """A chain of chain_length Markov-decoded drafts (0 = the block's block_size), cut early by confidence_cut."""
 
-    chain_length: int = 0  # drafts per step; 0 = block_size (one block's worth, what vLLM drafts by default)
+    chain_length: int = 0  # drafts per step = slots of the block run; 0 = block_size (vLLM's default count)
     confidence_cut: float = 0.0  # > 0: keep depth k while the product of the confidences c_1..c_k stays >= it
 
 
