@@ -157,7 +157,7 @@ def test_hydra_pp_smoke_run_exports_and_decodes(tmp_path, model):
     run_dir = tmp_path / "hydra_pp"
     cfg = load_train_config(["configs/hydra_pp.yaml", "configs/smoke.yaml"],
                             [f"run_dir={run_dir}", "train.max_steps=3", "train.val_batches=1"])
-    assert cfg.draft.family == "hydra" and cfg.draft.prefix_layer and cfg.loss.teacher_weight == 1.0
+    assert cfg.draft.family == "hydra" and cfg.draft.hydra.prefix_layer and cfg.loss.teacher_weight == 1.0
     train(cfg)
     rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines() if r.strip()]
     train_rows = [r for r in rows if "loss" in r]
