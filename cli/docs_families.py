@@ -80,7 +80,7 @@ def readme_part(root: Path = ROOT) -> str:
 
 
 def readme_links_part(root: Path = ROOT) -> str:
-    return "- Families: " + families_links(root)
+    return f"- Families ([the table, with their files]({INDEX})): " + families_links(root)
 
 
 def index_page(root: Path = ROOT) -> str:
