@@ -23,6 +23,15 @@ depth-1 ("step 0") key and to its own ancestors' keys. This is the training-time
 diagonal terms); `ttt_attention_reference` is its slow twin with the dense [T, (j+1)T] mask (the
 parity test in tests/test_eagle3.py).
 
+Parallel drafting (P-EAGLE, `draft.eagle3.parallel_drafting: true`; speculators' `peagle`, which vLLM serves as
+method eagle3 with `parallel_drafting`): the same layer drafts K = ttt_steps tokens in ONE forward. Depth 1 is
+step 0 above; depth k+1 (k = 1..K-1) is a "mask slot" at position t+k whose input is the embedding of
+`mask_token_id` (the base's row, frozen) and the learned feature `mask_hidden` [k·d] (before fc, as vLLM stores
+it), never the previous draft's token or output. Attention is the TTT mask again: slot k of anchor t sees the
+step-0 rows 0..t and its own slots 1..k. Training (`ttt_unroll(..., parallel=True)` + COD sampling in `loss`):
+every anchor's depth-0 row, and per depth k a random subset of the anchors, nested in depth k-1's and
+max(cod_ratio^k, cod_ratio_min) of them (speculators' `generate_cod_sample_indices`); no sampling in eval mode.
+
 Positions: row t sits at position t (vLLM's convention; speculators trains at t+1: RoPE only sees
 differences, so the two agree exactly). Residual: the raw fc output (speculators' default
 `norm_before_residual: false`, written explicitly into the speculators export because vLLM's loader
@@ -51,6 +60,7 @@ from models.components import (
     RMSNorm,
     check_aux_layers,
     default_aux_layers,
+    default_mask_token_id,
     expand_kv,
     rope_cos_sin,
     rotate_half,
@@ -92,6 +102,25 @@ def ttt_attention_reference(q: torch.Tensor, keys: list[torch.Tensor], values: l
     eye = torch.eye(t, dtype=torch.bool, device=q.device)
     mask = torch.cat([causal] + [eye] * (len(keys) - 1), dim=1)
     return F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
+
+
+def cod_keep(valid: torch.Tensor, prev: torch.Tensor | None, depth: int, n0: int, ratio: float, ratio_min: float
+             ) -> torch.Tensor:
+    """P-EAGLE's COD sampling (speculators' `generate_cod_sample_indices`), one depth: which anchors depth `depth`
+    trains on. valid [B, S] bool: anchors with a target at this depth; prev [B, S] bool: the anchors depth-1 kept
+    (None at depth 0); n0: how many depth 0 kept. Depth 0 keeps every valid anchor; depth k >= 1 draws, uniformly
+    and without replacement from the anchors depth k-1 kept that are valid here, round(n0 · max(ratio^k,
+    ratio_min)) of them (at least one; all of them when fewer are left). Nested: an anchor kept at depth k is kept
+    at every shallower depth. Draws from torch's global RNG (the training loop seeds it). Returns [B, S] bool."""
+    if depth == 0 or prev is None:
+        return valid.clone()
+    pool = (valid & prev).flatten().nonzero().squeeze(1)  # flat indices of the candidates
+    want = max(1, round(n0 * max(ratio ** depth, ratio_min)))
+    if pool.numel() > want:
+        pool = pool[torch.randperm(pool.numel(), device=pool.device)[:want]]
+    keep = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    keep[pool] = True
+    return keep.view_as(valid)
 
 
 class Eagle3Attention(nn.Module):
@@ -175,6 +204,12 @@ class Eagle3Options:
     """EAGLE-3's training options (draft.eagle3.*)."""
 
     ttt_steps: int = 3  # training-time-test unroll (1..7); one reported depth per step (draft.num_heads = it)
+    # P-EAGLE: draft ttt_steps tokens in one forward, depths 2.. fed the mask token and a learned mask_hidden
+    # (exports as speculators' `peagle`, served by vLLM as eagle3 + parallel_drafting); false = plain EAGLE-3
+    parallel_drafting: bool = False
+    mask_token_id: int = -1  # parallel drafting: the mask slots' token; -1 = the base's pad token, else eos, else 0
+    cod_ratio: float = 0.7  # parallel drafting: depth k trains on max(cod_ratio^k, cod_ratio_min) of the anchors
+    cod_ratio_min: float = 0.2  # parallel drafting: the floor of that share (1.0 and 1.0: every anchor, every depth)
 
 
 class Eagle3Draft(DraftVocabMixin, DraftModel):
@@ -197,9 +232,16 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
             fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
         if cfg.deepspeed.zero_stage == 3:
             fail("deepspeed.zero_stage", 3, "EAGLE-3's loss reads its LM-head weight directly; use stage 0-2")
+        o = cls.options(cfg.draft)
+        if o.mask_token_id < -1:
+            fail("draft.eagle3.mask_token_id", o.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
+        for key in ("cod_ratio", "cod_ratio_min"):
+            if not 0.0 < getattr(o, key) <= 1.0:
+                fail(f"draft.eagle3.{key}", getattr(o, key), "a share of the anchors in (0, 1] (speculators: 0.7, 0.2)")
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, ttt_steps: int = 3,
-                 init_from_base: bool = True, share_lm_head: bool = False):
+                 init_from_base: bool = True, share_lm_head: bool = False, parallel_drafting: bool = False,
+                 mask_token_id: int | None = None, cod_ratio: float = 0.7, cod_ratio_min: float = 0.2):
         super().__init__()
         if base.model is None:
             raise ValueError("EAGLE-3 builds a decoder layer of the base's architecture, but this BaseView has no "
@@ -238,6 +280,22 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         attn = self.layers[0].self_attn
         self.groups = attn.num_heads // attn.num_kv_heads
 
+        # P-EAGLE (parallel drafting): the mask slots' token and learned feature. Only then does the draft have a
+        # `mask_hidden` tensor, so a plain EAGLE-3 draft's state dict and exports stay as they were.
+        self.parallel_drafting = bool(parallel_drafting)
+        self.mask_token_id = None
+        if self.parallel_drafting:
+            mask_id = int(mask_token_id) if mask_token_id is not None and mask_token_id >= 0 else \
+                default_mask_token_id(config)
+            if not 0 <= mask_id < self.vocab_size:
+                raise ValueError(f"draft.eagle3.mask_token_id={mask_id} is outside the base's {self.vocab_size} tokens")
+            if not (0.0 < cod_ratio <= 1.0 and 0.0 < cod_ratio_min <= 1.0):
+                raise ValueError(f"draft.eagle3.cod_ratio={cod_ratio}, cod_ratio_min={cod_ratio_min}: shares in (0, 1]")
+            self.mask_token_id = mask_id
+            self.cod_ratio, self.cod_ratio_min = float(cod_ratio), float(cod_ratio_min)
+            # [1, 1, k·d] as speculators keeps it (vLLM views it as [1, k·d]); N(0, 1) like speculators' init
+            self.mask_hidden = nn.Parameter(torch.randn(1, 1, len(self.aux_layers) * d))
+
         # share_lm_head: the head keeps the base's rows, frozen (fewer trainable parameters; still a real
         # tensor of the draft because speculators / vLLM load the draft's own lm_head.weight).
         self.share_lm_head = bool(share_lm_head)
@@ -273,8 +331,10 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
 
     @classmethod
     def from_config(cls, draft_cfg, base: BaseView) -> Eagle3Draft:
-        return cls(base, list(draft_cfg.aux_layers) or None, cls.options(draft_cfg).ttt_steps or 3,
-                   share_lm_head=draft_cfg.share_lm_head)
+        o = cls.options(draft_cfg)
+        return cls(base, list(draft_cfg.aux_layers) or None, o.ttt_steps or 3, share_lm_head=draft_cfg.share_lm_head,
+                   parallel_drafting=o.parallel_drafting, mask_token_id=o.mask_token_id, cod_ratio=o.cod_ratio,
+                   cod_ratio_min=o.cod_ratio_min)
 
     @staticmethod
     def resolve_aux_layers(draft_cfg, model) -> list[int]:
@@ -291,13 +351,20 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         # A map of the export's size; load_state_dict overwrites d2t and the mixin's hook rebuilds the rest.
         base = dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))
         return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False,
-                   share_lm_head=cfg.get("share_lm_head", False))
+                   share_lm_head=cfg.get("share_lm_head", False),
+                   parallel_drafting=cfg.get("parallel_drafting", False), mask_token_id=cfg.get("mask_token_id"))
 
     def export_config(self) -> dict:
-        return {"family": self.family, "aux_layers": list(self.aux_layers), "ttt_steps": self.ttt_steps,
-                "num_heads": self.ttt_steps, "draft_vocab_size": self.draft_vocab_size,
-                "share_lm_head": self.share_lm_head,
-                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+        cfg = {"family": self.family, "aux_layers": list(self.aux_layers), "ttt_steps": self.ttt_steps,
+               "num_heads": self.ttt_steps, "draft_vocab_size": self.draft_vocab_size,
+               "share_lm_head": self.share_lm_head,
+               "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+        if self.parallel_drafting:
+            # eagle3_mode / chain_length: the drafter's defaults for this export (eval/engine/drafters/options.py):
+            # the parallel chain of the K tokens it was trained to draft in one forward
+            cfg.update(parallel_drafting=True, mask_token_id=self.mask_token_id, eagle3_mode="chain",
+                       chain_length=self.ttt_steps)
+        return cfg
 
     # -- pieces shared by training and inference ---------------------------------------------------------
 
@@ -315,6 +382,14 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                              f"{self.aux_layers} x d={self.hidden_size}), got {tuple(aux.shape)}")
         return self.fc(aux.to(self.fc.weight.dtype))
 
+    def mask_inputs(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Parallel drafting: the input of n mask slots, (attention input [1, n, 2d], residual [1, n, d]) =
+        layer.pre(e(mask_token_id), fc(mask_hidden)); every slot's is the same, only its position differs."""
+        g = self.fuse(self.mask_hidden.view(1, 1, -1)).to(dtype)  # [1, 1, d]
+        emb = self.embed_tokens(torch.tensor([[self.mask_token_id]], device=g.device)).to(dtype)  # [1, 1, d]
+        x, residual = self.layers[0].pre(emb, g)
+        return x.expand(1, n, -1), residual.expand(1, n, -1)
+
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
         """Layer output [..., d] -> the LM head's input norm(out)."""
         return self.norm(out)
@@ -326,13 +401,16 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
 
     # -- training ----------------------------------------------------------------------------------------
 
-    def ttt_unroll(self, aux: torch.Tensor, ids: torch.Tensor, steps: int, reference: bool = False
-                   ) -> list[torch.Tensor]:
+    def ttt_unroll(self, aux: torch.Tensor, ids: torch.Tensor, steps: int, reference: bool = False,
+                   parallel: bool | None = None) -> list[torch.Tensor]:
         """The TTT unroll. aux [B, T, k·d], ids [B, T] -> `steps` layer outputs [B, S, d], S = T-1.
 
         Row t of step j: token ids[t+1+j] (0 past the end: such rows have no target), hidden = the row's
         own step j-1 output (g_t at j = 0), position t+j. reference=True uses the dense-mask attention.
+        parallel (default: the draft's parallel_drafting): steps j >= 1 are P-EAGLE's mask slots instead, token
+        mask_token_id and hidden fc(mask_hidden) for every row, with the same positions and attention.
         """
+        parallel = self.parallel_drafting if parallel is None else parallel
         layer = self.layers[0]
         attn = layer.self_attn
         b, t = ids.shape
@@ -342,8 +420,11 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         keys, values, outs = [], [], []
         attend = ttt_attention_reference if reference else ttt_attention
         for j in range(steps):
-            tok = F.pad(ids[:, 1 + j:], (0, j))[:, :s]  # [B, S]: x_{t+1+j}
-            x, residual = layer.pre(self.embed_tokens(tok).to(hidden.dtype), hidden)
+            if parallel and j > 0:
+                x, residual = (m.expand(b, s, -1) for m in self.mask_inputs(1, hidden.dtype))
+            else:
+                tok = F.pad(ids[:, 1 + j:], (0, j))[:, :s]  # [B, S]: x_{t+1+j}
+                x, residual = layer.pre(self.embed_tokens(tok).to(hidden.dtype), hidden)
             cos, sin = self.rope(pos + j, x.dtype)
             q, k, v = attn.qkv(x, cos, sin)
             keys.append(expand_kv(k, self.groups))
@@ -358,7 +439,9 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         loss.teacher_weight α: (1-α)·hard CE + α·soft CE to the base's distribution at t+1+j over the draft
         vocabulary (α = 1, the recipe: pure soft CE, the same gradients as speculators' KL). Rows whose
         target lies outside the draft vocabulary have no draft id: they are left out of the loss and counted
-        as misses in the per-depth accuracy.
+        as misses in the per-depth accuracy. Parallel drafting: step j is the mask slot at depth j+1, each depth's
+        loss its own mean as above, over the anchors COD sampling kept for it while training (every anchor in eval
+        mode, so held-out accuracy and the chain estimate are deterministic).
         """
         if batch.aux_hidden is None:
             raise ValueError("EAGLE-3 trains on the base's aux hidden states, but the batch has none; the training "
@@ -366,6 +449,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                              "cache built with them)")
         ids, hidden, mask = batch.input_ids, batch.hidden, batch.loss_mask
         outs = self.ttt_unroll(batch.aux_hidden, ids, self.ttt_steps, reference=not loss_cfg.chunked)
+        keep, n0 = None, 0  # parallel drafting in training: COD sampling of the anchors per depth (None: every row)
         ce = fused_linear_cross_entropy if loss_cfg.chunked else linear_cross_entropy_reference
         alpha = float(loss_cfg.teacher_weight)
         teacher_w = restrict_rows(base.lm_head_weight, self.d2t) if alpha > 0 else None
@@ -374,6 +458,10 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         sums, counts, per_depth = [], [], []
         for j, out in enumerate(outs):
             base_labels = offset_labels(ids, mask, 2 + j)[:, :s]  # [B, S]: x_{t+2+j} or -100
+            if self.parallel_drafting and self.training:
+                keep = cod_keep(base_labels != -100, keep, j, n0, self.cod_ratio, self.cod_ratio_min)
+                n0 = int(keep.sum()) if j == 0 else n0
+                base_labels = base_labels.masked_fill(~keep, -100)
             labels, outside = to_draft_labels(base_labels, self.t2d)
             rows, cols = (labels != -100).nonzero(as_tuple=True)  # [n]
             teacher = {}
@@ -412,6 +500,32 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         mask[:, past:] = torch.tril(mask[:, past:])
         keys = expand_kv(cache.keys[:, :, :past + n], self.groups)
         vals = expand_kv(cache.values[:, :, :past + n], self.groups)
+        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return layer.post(layer.self_attn.out(o), residual)[0]
+
+    def parallel_rows(self, cache: Eagle3Cache, aux: torch.Tensor, next_tokens: torch.Tensor, slots: int
+                      ) -> torch.Tensor:
+        """P-EAGLE's one forward (vLLM's parallel drafting): the n newly committed rows of `commit_rows` (appended to
+        `cache`) and `slots` mask slots after them, at positions cache.length + n .. + slots - 1 (the root row's
+        position + 1 ..), all causal: a slot sees every committed row, the slots before it and itself. The slots'
+        keys are not kept. aux [n, k·d], next_tokens [n] -> outputs [n + slots, d]: row n-1 drafts depth 1, row
+        n-1+k depth k+1."""
+        n = int(aux.shape[0])
+        past = cache.length
+        g = self.fuse(aux)[None]  # [1, n, d]
+        layer = self.layers[0]
+        x, residual = layer.pre(self.embed_tokens(next_tokens.to(g.device))[None].to(g.dtype), g)
+        if slots:
+            mx, mres = self.mask_inputs(slots, x.dtype)
+            x, residual = torch.cat([x, mx], 1), torch.cat([residual, mres], 1)
+        m = n + slots
+        cos, sin = self.rope(torch.arange(past, past + m, device=g.device)[None], x.dtype)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        cache.append(k[:, :, :n], v[:, :, :n])
+        mask = torch.ones(m, past + m, dtype=torch.bool, device=g.device)
+        mask[:, past:] = torch.tril(mask[:, past:])
+        keys = expand_kv(torch.cat([cache.keys[:, :, :past + n], k[:, :, n:]], 2), self.groups)
+        vals = expand_kv(torch.cat([cache.values[:, :, :past + n], v[:, :, n:]], 2), self.groups)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         return layer.post(layer.self_attn.out(o), residual)[0]
 

@@ -115,6 +115,10 @@ def eagle3_converter_input(draft, export_cfg: dict, base_dir: Path, out_dir: Pat
     verifier pointing at the base directory the draft GGUF goes with."""
     from models.export.speculators import export_speculators
 
+    if getattr(draft, "parallel_drafting", False):
+        raise ValueError("llama.cpp has no parallel drafting (P-EAGLE's mask slots): it would run this draft as an "
+                         "autoregressive EAGLE-3, which it was not trained for; serve it with vLLM "
+                         "(`specdraft export --format vllm`)")
     aux = list(getattr(draft, "aux_layers", []))
     if len(aux) != 3:  # llama.cpp's EAGLE-3 graph concatenates exactly three target layers
         raise ValueError(f"llama.cpp's EAGLE-3 reads exactly 3 aux layers of the base; this draft reads {aux} "

@@ -86,6 +86,7 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "mask_token_id": _int(0),
     "learned_mask": _is(bool, "true or false"),
     "markov_rank": _int(1),  # DSpark: rank of the Markov logit bias
+    "parallel_drafting": _is(bool, "true or false"),  # EAGLE-3 drafting K tokens in one forward (P-EAGLE)
     "aux_layers": _int_list,
     "exit_dim": _int(1),
     "share_lm_head": _is(bool, "true or false"),

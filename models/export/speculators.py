@@ -20,6 +20,15 @@ Layout (checked against speculators 0.9.0 `models/eagle3/{config,core,model_defi
         target_hidden_size, speculators_config {algorithm, proposal_methods [greedy, speculative_tokens],
         default_proposal_method, verifier {name_or_path, architectures}}.
 
+P-EAGLE (an EAGLE-3 draft with parallel_drafting; speculators 0.9.0 `models/peagle/{config,core}.py`, vLLM 0.32
+`transformers_utils/configs/speculators/algos.py: update_peagle`, `model_executor/models/llama_eagle3.py`): the same
+files plus
+        mask_hidden                   [1, 1, k*d]  the mask slots' feature before fc (vLLM: a [1, k*d] buffer)
+    and in config.json speculators_model_type "peagle", architectures ["PEagleSpeculator"], mask_token_id (vLLM's
+    pard_token: the mask slots' input id), speculators_config.algorithm "peagle". vLLM reads it as method eagle3
+    with parallel_drafting: true and speculative_tokens drafts from one forward (PeagleLlamaForCausalLM, registered
+    as its Eagle3LlamaForCausalLM).
+
 Draft-id order: speculators builds its LM head as W[t2d] (rows in ascending target id), so the rows are
 written sorted by target id; d2t offsets are then increasing and both readers agree. Our own draft
 vocabulary keeps "most frequent first"; the permutation is undone by `load_speculators`.
@@ -40,6 +49,7 @@ from models.export.specdraft import read_tensors
 
 # speculators' name for the EAGLE-3 layout (config.json's speculators_model_type; DFlash's is in speculators_dflash.py)
 MODEL_TYPE = "eagle3"
+PARALLEL_MODEL_TYPE = "peagle"  # the same layout drafting in parallel (P-EAGLE): + mask_hidden, mask_token_id
 _DROP_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
                     "auto_map", "quantization_config", "_commit_hash")
 
@@ -59,9 +69,10 @@ def speculators_config(draft: Eagle3Draft, verifier: str, speculative_tokens: in
     for key in _DROP_LAYER_KEYS:
         layer.pop(key, None)
     layer.update(num_hidden_layers=1, tie_word_embeddings=False, vocab_size=draft.vocab_size)
-    return {
-        "speculators_model_type": MODEL_TYPE,
-        "architectures": ["Eagle3Speculator"],
+    parallel = bool(getattr(draft, "parallel_drafting", False))
+    config = {
+        "speculators_model_type": PARALLEL_MODEL_TYPE if parallel else MODEL_TYPE,
+        "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
         "transformer_layer_config": layer,
         "draft_vocab_size": draft.draft_vocab_size or draft.vocab_size,
         "norm_before_residual": False,
@@ -71,13 +82,16 @@ def speculators_config(draft: Eagle3Draft, verifier: str, speculative_tokens: in
         "target_hidden_size": draft.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(draft.aux_layers),
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": PARALLEL_MODEL_TYPE if parallel else MODEL_TYPE,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": arch},
         },
     }
+    if parallel:
+        config["mask_token_id"] = int(draft.mask_token_id)
+    return config
 
 
 def speculators_tensors(draft, dtype: torch.dtype | None = None, skip: tuple[str, ...] = ("d2t",)
@@ -160,13 +174,17 @@ def read_speculators_tensors(export_dir: Path, config: dict, base: BaseView) -> 
 
 
 def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
-    """Read a speculators EAGLE-3 checkpoint back into an Eagle3Draft on `base` (the round trip; also loads
-    checkpoints trained by speculators itself when they use this layout)."""
+    """Read a speculators EAGLE-3 (or P-EAGLE) checkpoint back into an Eagle3Draft on `base` (the round trip; also
+    loads checkpoints trained by speculators itself when they use this layout)."""
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
-    if config.get("speculators_model_type") != MODEL_TYPE:
-        raise ValueError(f"{export_dir} is not a speculators EAGLE-3 checkpoint "
-                         f"(speculators_model_type={config.get('speculators_model_type')!r})")
+    kind = config.get("speculators_model_type")
+    if kind not in (MODEL_TYPE, PARALLEL_MODEL_TYPE):
+        raise ValueError(f"{export_dir} is not a speculators EAGLE-3 or P-EAGLE checkpoint "
+                         f"(speculators_model_type={kind!r})")
+    parallel = kind == PARALLEL_MODEL_TYPE
+    if parallel and config.get("mask_token_id") is None:
+        raise ValueError(f"{export_dir}: a peagle checkpoint needs mask_token_id (the mask slots' token)")
     for key in ("norm_before_fc", "fc_norm", "norm_output"):
         if config.get(key):
             raise ValueError(f"{export_dir}: {key}=true is an EAGLE-3 variant specdraft does not implement")
@@ -176,7 +194,8 @@ def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
         raise ValueError(f"{export_dir}: specdraft's EAGLE-3 has one decoder layer")
     tensors, view = read_speculators_tensors(export_dir, config, base)
     steps = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    draft = Eagle3Draft(view, config["eagle_aux_hidden_state_layer_ids"], min(max(steps, 1), 7), init_from_base=False)
+    draft = Eagle3Draft(view, config["eagle_aux_hidden_state_layer_ids"], min(max(steps, 1), 7), init_from_base=False,
+                        parallel_drafting=parallel, mask_token_id=config.get("mask_token_id"))
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{export_dir}: tensors do not match an EAGLE-3 draft (missing {missing[:5]}, "

@@ -15,6 +15,12 @@ tree (EAGLE-2): the root's top-k children, then for depth 2..D: take the `topk` 
     log-probability. A child's score never exceeds its parent's, and ties go to the shallower node, so
     the kept set always contains every kept node's ancestors.
 
+parallel chain (a P-EAGLE draft, `draft.parallel_drafting`; vLLM's eagle3 with `parallel_drafting: true`): ONE
+    layer call over the newly committed rows and K-1 mask slots after the root (models.eagle3.parallel_rows);
+    d_1 = argmax at the root row, d_{k+1} = argmax at mask slot k. The drafts never feed back into the layer, so
+    all K come from that one forward, as in vLLM. Such a draft drafts chains only (its depths >= 2 were trained on
+    mask slots, not on its own outputs).
+
 Children are deterministic picks (argmax / top-k), so rejection sampling treats them as point masses
 (Tree.draft_probs = None), which keeps sampling lossless like the other top-k families.
 With a draft vocabulary the layer's logits are over N draft ids; tokens are mapped to base ids (d2t)
@@ -44,6 +50,10 @@ class Eagle3Drafter(Drafter):
         if chain_length < 0 or tree_topk < 1 or tree_depth < 1 or tree_nodes < 1:
             raise ValueError(f"eagle3: chain_length={chain_length} must be >= 0, tree_topk={tree_topk}, "
                              f"tree_depth={tree_depth} and tree_nodes={tree_nodes} >= 1")
+        self.parallel = bool(getattr(draft, "parallel_drafting", False))
+        if self.parallel and mode != "chain":
+            raise ValueError(f"eagle3 mode={mode!r}: a P-EAGLE draft (parallel_drafting) drafts a chain of tokens "
+                             "from one forward; use extra.eagle3_mode=chain (extra.chain_length=K)")
         self.draft = draft.eval()
         self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
         self.mode, self.chain_length = mode, int(chain_length)
@@ -56,8 +66,8 @@ class Eagle3Drafter(Drafter):
     def reset(self) -> None:
         self._cache = None
 
-    def _commit(self, state: DecodeState) -> torch.Tensor:
-        """Append the newly committed positions to the draft's cache; return o_root [1, d]."""
+    def _new_rows(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux [n, k*d], next tokens [n]) of the positions committed since the last call (the root last)."""
         if state.new_aux is None:
             raise ValueError("the EAGLE-3 drafter needs the base's aux hidden states (DecodeState.new_aux); run it "
                              "through eval.engine.decoder.speculative_generate, which asks the backend for them")
@@ -65,6 +75,11 @@ class Eagle3Drafter(Drafter):
         nxt = torch.cat([state.new_ids[1:].to(self._device), torch.tensor([int(state.root)], device=self._device)])
         if self._cache is None:
             self._cache = self.draft.new_cache(max(256, 2 * aux.shape[0]), self._device, self._dtype)
+        return aux, nxt
+
+    def _commit(self, state: DecodeState) -> torch.Tensor:
+        """Append the newly committed positions to the draft's cache; return o_root [1, d]."""
+        aux, nxt = self._new_rows(state)
         return self.draft.commit_rows(self._cache, aux, nxt)[-1:]
 
     def _top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +90,8 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
+        if self.parallel:
+            return self._parallel_chain(state)
         o_root = self._commit(state)  # always: the cache must see every committed position
         if self.mode == "chain":
             return self._chain(state.root, o_root)
@@ -93,6 +110,17 @@ class Eagle3Drafter(Drafter):
             visible = torch.ones(1, k - 1, dtype=torch.bool, device=self._device)  # d_1 .. d_{k-1} rows
             out, tk, tv = self.draft.draft_rows(self._cache, out, tok, torch.tensor([pos0 + k]), tk, tv, visible)
         return chain_tree(root, drafts)
+
+    def _parallel_chain(self, state: DecodeState) -> Tree:
+        """P-EAGLE: the committed rows and chain_length - 1 mask slots in one layer call; one argmax per row from the
+        root's on (the root row drafts d_1, mask slot k drafts d_{k+1})."""
+        aux, nxt = self._new_rows(state)
+        n = int(aux.shape[0])
+        out = self.draft.parallel_rows(self._cache, aux, nxt, max(0, self.chain_length - 1))
+        if self.chain_length == 0:
+            return chain_tree(state.root)
+        drafts = self._top(out[n - 1:], 1)[1][:, 0]  # [K] base ids
+        return chain_tree(state.root, drafts.tolist())
 
     def _tree(self, root: int, o_root: torch.Tensor) -> Tree:
         pos0 = self._cache.length - 1
@@ -144,8 +172,9 @@ class Eagle3Drafter(Drafter):
 @dataclass(frozen=True)
 class Options:
     """`tree` (EAGLE-2: expand the tree_topk best nodes per depth, keep the best tree_nodes, root counted) or
-    `chain` (chain_length autoregressive top-1 drafts, what vLLM and llama.cpp run). The tree is built per step from
-    the draft's scores, so the eval config's `tree` / `tree_choices` do not apply."""
+    `chain` (chain_length autoregressive top-1 drafts, what vLLM and llama.cpp run; a P-EAGLE draft's chain comes from
+    one forward, and its export sets chain mode with its K). The tree is built per step from the draft's scores, so
+    the eval config's `tree` / `tree_choices` do not apply."""
 
     eagle3_mode: str = "tree"  # tree | chain
     chain_length: int = 4  # chain mode: drafted tokens per step
@@ -158,6 +187,8 @@ def build(draft, export_cfg: dict, eval_cfg, options: Options):
     drafter = Eagle3Drafter(draft, mode=options.eagle3_mode, chain_length=options.chain_length,
                             tree_topk=options.tree_topk, tree_depth=options.tree_depth, tree_nodes=options.tree_nodes)
     info = {"eagle3_mode": drafter.mode, "max_nodes": drafter.max_nodes}
+    if drafter.parallel:
+        info["parallel_drafting"] = True
     info.update({"chain_length": drafter.chain_length} if drafter.mode == "chain" else
                 {"tree_topk": drafter.tree_topk, "tree_depth": drafter.tree_depth, "tree_nodes": drafter.tree_nodes})
     return drafter, info
@@ -176,5 +207,5 @@ def chain_depth(info: dict, drafter) -> int:
 
 def shape(info: dict) -> str:
     if info.get("eagle3_mode") == "chain":
-        return f"chain of {info.get('chain_length', '?')}"
+        return ("parallel " if info.get("parallel_drafting") else "") + f"chain of {info.get('chain_length', '?')}"
     return f"dynamic tree, {info.get('max_nodes', '?')} nodes"  # EAGLE-2: top-k expansions, reranked to max_nodes

@@ -17,6 +17,8 @@ TUNE_TREES = ((4, 2), (8, DEFAULT_DEPTH), (16, DEFAULT_DEPTH), (32, DEFAULT_DEPT
 
 
 def tune_shapes(draft) -> list[tuple[str, dict]]:
+    if getattr(draft, "parallel_drafting", False):
+        return []  # a P-EAGLE draft drafts chains only (one forward, its mask slots): tune sweeps its chains
     shapes = []
     for n, depth in TUNE_TREES:
         label = f"EAGLE-2 tree, {n} nodes" + (f", depth {depth}" if depth != DEFAULT_DEPTH else "")
