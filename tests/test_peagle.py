@@ -354,3 +354,77 @@ def test_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
     report = smoke_cli_eval(run_dir, "parallel", [], clean_env())
     assert report["method"] == "eagle3" and report["lossless"] is True
     assert report["extra"]["parallel_drafting"] is True and report["extra"]["chain_length"] == 3
+
+
+# -- vLLM --------------------------------------------------------------------------------------------------------------
+
+def peagle_export_on_servable_base(root, steps: int = 80):
+    """root/base (vLLM's servable tiny base, 8 layers: aux layers 2 / 4 / 5) + root/run/export: a P-EAGLE draft
+    (K = 3) that memorised the base's own greedy answers to the smoke eval prompts, so both engines accept real
+    drafts at every position and the per-position check compares non-zero numbers."""
+    from vllm_fixtures import servable_tiny_base
+
+    from eval.harness.prompts import load_eval_prompts
+    from models.base import load_base
+    from models.draft import DraftBatch
+
+    base_dir = servable_tiny_base(root / "base", num_layers=8)
+    base = load_base(str(base_dir), dtype="fp32")
+    prompts = load_eval_prompts("tests/fixtures/eval_prompts.jsonl", base.tokenizer, num_prompts=3)
+    with torch.inference_mode():
+        seqs = [base.model.generate(torch.tensor([p.input_ids]), max_new_tokens=160, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)[0] for p in prompts]
+    width = max(s.numel() for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, s in enumerate(seqs):
+        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+    view = BaseView.from_model(base.model)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(view, ttt_steps=3, parallel_drafting=True, cod_ratio=1.0, cod_ratio_min=1.0)
+    assert draft.aux_layers == [2, 4, 5]
+    h, aux = last_hidden_and_aux(base.model, ids, None, draft.aux_layers)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view, LossSection(chunk_size=256), steps=steps, lr=1e-2)
+    finally:
+        torch.set_num_threads(threads)
+    return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint,
+                            draft.export_config())
+
+
+def _have_vllm() -> bool:
+    from eval.serving.serve_check import ServeCheckError, vllm_python
+
+    try:
+        vllm_python()
+        return True
+    except ServeCheckError:
+        return False
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
+def test_vllm_serves_the_peagle_export_and_accepts_what_ours_accepts(tmp_path, capsys):
+    """vLLM's CPU build serves the peagle export (method eagle3 + parallel_drafting: PeagleLlamaForCausalLM, its
+    mask_hidden loaded) of a draft that memorised the base's answers: per-position acceptance equals our one-forward
+    chain decoder's at each of the 3 positions, none of them zero; both engines' outputs are the base's own."""
+    from cli.main import main
+
+    export = peagle_export_on_servable_base(tmp_path)
+    rc = main(["serve-check", "--draft", str(export), "--config", "configs/eval/smoke.yaml", "max_new_tokens=150",
+               "serve_enforce_eager=true"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    report = json.loads((tmp_path / "run" / "serve_check" / "smoke" / "report.json").read_text())
+    print(json.dumps({"acceptance_check": report["acceptance_check"],
+                      "vllm_draft": report["engines"]["vllm_draft"]}, indent=1))
+    assert report["speculative_config"]["parallel_drafting"] is True
+    acc = report["acceptance_check"]
+    assert acc["ok"] and len(acc["vllm"]) == 3 and acc["max_abs_diff"] <= 0.03
+    assert min(acc["vllm"]) > 0.1  # memorised answers: the mask slots' drafts are accepted too (~0.5, ~0.27 here)
+    assert report["our_lossless"] is True
+    assert report["engines"]["ours_ar"]["agreement_with_vllm_ar"]["common_prefix_fraction"] > 0.9
+    log = (tmp_path / "run" / "serve_check" / "smoke" / "vllm" / "vllm_draft.log").read_text()
+    assert "PeagleLlamaForCausalLM" in log and "mask_hidden not found" not in log
