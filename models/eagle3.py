@@ -217,7 +217,8 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                         llamacpp_spec_type="draft-eagle3", export_keys=("aux_layers",),
                         draft_options=Eagle3Options, flat_keys=("draft.ttt_steps",),
                         summary="fc over low/mid/high base layers + one decoder layer, training-time test; chain or "
-                        "EAGLE-2 tree; what vLLM serves",
+                        "EAGLE-2 tree; what vLLM serves; P-EAGLE option (`draft.eagle3.parallel_drafting`): K drafts "
+                        "from one forward",
                         also_files=("losses/ttt.py",))
 
     @classmethod
