@@ -82,7 +82,11 @@ def _training_facts(run: Path) -> dict:
     facts: dict = {}
     cfg_path = run / "config.yaml"
     if cfg_path.is_file():
+        from train.config import upgrade_flat_keys
+
         cfg = yaml.safe_load(cfg_path.read_text()) or {}
+        # a run older than the per-family sections keeps flat keys (draft.rnn, draft.ttt_steps): read at their place
+        [(_, cfg)] = upgrade_flat_keys([(str(cfg_path), cfg)], note=lambda _msg: None)
         facts["config"] = cfg
     metrics = run / "metrics.jsonl"
     if metrics.is_file():

@@ -16,6 +16,7 @@
 #   recipes/block_drafters_equal_data.sh                 # N=800 LENGTH=256 MINUTES=30: ~2 h of training + the cache
 #   MINUTES=60 recipes/block_drafters_equal_data.sh      # longer runs (new run names: the minutes are in them)
 #   COMPARE=0 recipes/block_drafters_equal_data.sh       # train only; later:
+#   EXTRA="train.num_threads=1" recipes/block_drafters_equal_data.sh   # more keys for every run (beside other jobs)
 #   specdraft compare --config configs/compare_block_eagle3.yaml --update-docs
 #
 # Resumable: a run whose export exists is skipped, an unfinished one continues from its last checkpoint
@@ -51,7 +52,7 @@ fi
 # Same data, same budget, same cache, own LM heads: what every run shares.
 B="--config configs/cpu_budget.yaml data.source=$STORE data.max_records=$N data.max_length=$LENGTH
    data.hidden_cache=$HIDDEN data.onpolicy_heldout=64 draft.share_lm_head=false train.epochs=50
-   train.max_minutes=$MINUTES train.save_every=40 resume=auto"
+   train.max_minutes=$MINUTES train.save_every=40 resume=auto ${EXTRA:-}"
 # EAGLE-3 first: its run builds the hidden-state cache (outside its training minutes), the others reuse it.
 # shellcheck disable=SC2086
 train "$PREFIX-eagle3" --config configs/eagle3.yaml $B train.lr="${LR_EAGLE3:-2e-3}"

@@ -47,3 +47,18 @@ def test_ship_refuses_an_export_over_the_cap_and_leaves_nothing(smoke_run, tmp_p
     assert not (tmp_path / "tiny-medusa" / "export").exists()
     with pytest.raises(ValueError, match="not an export"):
         cmd_ship(_args(tmp_path, tmp_path))
+
+
+def test_card_reads_an_older_runs_flat_keys_at_their_family_sections(tmp_path):
+    """A run saved before the per-family sections (flat draft.ttt_steps, draft.rnn, ...): the card lists the run's
+    own family's options under its section, and no option of another family."""
+    import yaml
+
+    from cli.ship import _draft_items, _training_facts
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"draft": {
+        "family": "eagle3", "num_heads": 5, "ttt_steps": 5, "rnn": True, "num_frames": 6, "block_size": 16}}))
+    items = dict(_draft_items(_training_facts(tmp_path)["config"]["draft"], "eagle3"))
+    assert items["eagle3.ttt_steps"] == 5 and items["num_heads"] == 5
+    assert not {"ttt_steps", "rnn", "num_frames", "block_size"} & set(items)
+    assert not any(k.startswith(("redrafter.", "ctc.", "dflash.")) for k in items)
