@@ -155,8 +155,8 @@ def cmd_tune(args) -> int:
         check_budget,
         engine_device,
         machine_info,
-        run_sweeps,
     )
+    from eval.harness.tune_concurrency import run_sweeps
     from eval.harness.tune_report import schedule_line, write_export, write_report
     from models.export.load import load_export
     from models.export.specdraft import read_export_config

@@ -24,11 +24,11 @@ from eval.harness.tune import (
     pooled_noise,
     read_tuning,
     retune_command,
-    run_sweeps,
     sweep_engine,
     tuned_choice,
     write_tuning,
 )
+from eval.harness.tune_concurrency import run_sweeps
 
 TOKENS = 120  # tokens per pass of the scripted prompt set
 

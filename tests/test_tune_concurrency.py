@@ -13,8 +13,8 @@ import pytest
 from test_tune import TOKENS, ScriptedEngine, ScriptedSession, scatter
 from test_tune_cli import tune
 
-from eval.harness.tune import AR, Measurement, Setting, run_sweeps
-from eval.harness.tune_concurrency import parse_concurrency, speculation_schedule, sweep_concurrencies
+from eval.harness.tune import AR, Measurement, Setting
+from eval.harness.tune_concurrency import parse_concurrency, run_sweeps, speculation_schedule, sweep_concurrencies
 
 CS = (1, 2, 4, 8)
 

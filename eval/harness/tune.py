@@ -335,35 +335,6 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
             "choice": choice}
 
 
-def run_sweeps(engines: Sequence[Engine], repeats: int, budget_s: float,
-               progress: Callable[[str, dict | None], None] = lambda label, rec: None,
-               now: Callable[[], float] = time.monotonic, alpha: float = DEFAULT_ALPHA,
-               min_gain: float = DEFAULT_MIN_GAIN) -> dict[str, dict]:
-    """Each engine in turn, after refusing a budget that cannot fit one setting per engine. Each engine gets an
-    equal share of what is left of the budget (at least its minimum), so the first cannot starve the last."""
-    check_budget(engines, repeats, budget_s)
-    end = now() + budget_s
-    out: dict[str, dict] = {}
-    for i, engine in enumerate(engines):
-        left = end - now()
-        rest = engines[i:]
-        share = max(min_seconds(engine, repeats, _rounds(engine)), left / len(rest))
-        deadline = min(end, now() + share)
-        try:
-            concurrencies = tuple(getattr(engine, "concurrencies", (1,)) or (1,))
-            if concurrencies == (1,):
-                out[engine.name] = sweep_engine(engine, repeats, deadline, progress, now, alpha, min_gain)
-            else:
-                from eval.harness.tune_concurrency import sweep_concurrencies
-
-                out[engine.name] = sweep_concurrencies(engine, concurrencies, repeats, deadline, progress, now,
-                                                       alpha, min_gain)
-        except EngineUnavailable as exc:  # e.g. vLLM has no method for this family: a result, not a crash
-            out[engine.name] = {**engine.describe(), "status": "unservable", "error": str(exc), "points": [],
-                                "ar": None, "choice": None}
-    return out
-
-
 def confirm(engine: Engine, choice: dict, points: Sequence[dict], repeats: int, clock: _Clock,
             min_gain: float = DEFAULT_MIN_GAIN) -> dict:
     """The winner re-timed against AR in fresh sessions, `repeats` pairs. These runs did not pick it, so their

@@ -1,5 +1,6 @@
-"""`specdraft tune --concurrency 1,2,4,8`: the sweep at several request counts in flight, and the per-batch-size
-schedule of speculative tokens it implies (docs/howto/serve.md, "Tune under concurrency").
+"""`specdraft tune`'s sweep over its engines (`run_sweeps`: one request in flight through eval/harness/tune.py's
+`sweep_engine`, or several with `--concurrency 1,2,4,8`), the sweep at several request counts in flight, and the
+per-batch-size schedule of speculative tokens it implies (docs/howto/serve.md, "Tune under concurrency").
 
 Each setting's session is opened once and measured at every concurrency c in turn: `repeats` pairs against the
 engine's AR session at c requests in flight (the engine's session runs c prompts at once: `run(concurrency=c)`).
@@ -28,6 +29,7 @@ from eval.harness.tune import (
     DEFAULT_ALPHA,
     DEFAULT_MIN_GAIN,
     Engine,
+    EngineUnavailable,
     PointFailed,
     Setting,
     _Clock,
@@ -36,10 +38,14 @@ from eval.harness.tune import (
     _open,
     _pairs,
     _point_record,
+    _rounds,
     _setting_dict,
+    check_budget,
     choose,
     is_exact,
     judge_confirmation,
+    min_seconds,
+    sweep_engine,
 )
 
 SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"  # vLLM's speculative_config key
@@ -192,4 +198,31 @@ def _confirm_winners(engine: Engine, choices: dict[int, dict], points: dict[int,
         finally:
             for s in sessions:
                 s.close()
+    return out
+
+
+def run_sweeps(engines: Sequence[Engine], repeats: int, budget_s: float,
+               progress: Callable[[str, dict | None], None] = lambda label, rec: None,
+               now: Callable[[], float] = time.monotonic, alpha: float = DEFAULT_ALPHA,
+               min_gain: float = DEFAULT_MIN_GAIN) -> dict[str, dict]:
+    """Each engine in turn, after refusing a budget that cannot fit one setting per engine. Each engine gets an
+    equal share of what is left of the budget (at least its minimum), so the first cannot starve the last."""
+    check_budget(engines, repeats, budget_s)
+    end = now() + budget_s
+    out: dict[str, dict] = {}
+    for i, engine in enumerate(engines):
+        left = end - now()
+        rest = engines[i:]
+        share = max(min_seconds(engine, repeats, _rounds(engine)), left / len(rest))
+        deadline = min(end, now() + share)
+        try:
+            concurrencies = tuple(getattr(engine, "concurrencies", (1,)) or (1,))
+            if concurrencies == (1,):
+                out[engine.name] = sweep_engine(engine, repeats, deadline, progress, now, alpha, min_gain)
+            else:
+                out[engine.name] = sweep_concurrencies(engine, concurrencies, repeats, deadline, progress, now,
+                                                       alpha, min_gain)
+        except EngineUnavailable as exc:  # e.g. vLLM has no method for this family: a result, not a crash
+            out[engine.name] = {**engine.describe(), "status": "unservable", "error": str(exc), "points": [],
+                                "ar": None, "choice": None}
     return out
