@@ -111,13 +111,16 @@ def model_card(name: str, config: dict, facts: dict, store: dict | None, command
     cfg = facts.get("config", {})
     data, train, draft = cfg.get("data", {}), cfg.get("train", {}), cfg.get("draft", {})
     last = facts.get("last", {})
-    lines = [f"# {name}: a {config['family']} draft for {config.get('base_model')}", "",
+    lines = [f"# {name}: a draft of the {config['family']} family for {config.get('base_model')}", "",
              f"- **Base**: `{config.get('base_model')}`, fingerprint `{config.get('base_fingerprint')}` (a base with "
              "another fingerprint is refused at load, with the base it needs).",
              f"- **Weights**: `export/model.safetensors`, {dtype}, {size_mib:.1f} MiB, trainable tensors only.",
              f"- **Draft**: {', '.join(f'{k}={v}' for k, v in _draft_items(draft, config['family']))}."]
     if store:
-        engine = store.get("settings", {}).get("engine")
+        engine = str(store.get("settings", {}).get("engine"))
+        # the store records "<engine> <its version line>" (e.g. "vllm vllm 0.32.0 bfloat16"): say the engine once
+        first, _, rest = engine.partition(" ")
+        engine = rest if rest.startswith(first) else engine
         lines.append(f"- **Data**: the on-policy store `{store.get('store_path')}` ({store.get('name')}: "
                      f"{store.get('records'):,} records of the first {store.get('conversations'):,} ShareGPT "
                      f"conversations, answers by `{store.get('base')}` through {engine}; "
