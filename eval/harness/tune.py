@@ -234,6 +234,16 @@ class _Clock:
                 + _round_seconds(self.open_s, self.pass_s, repeats * rounds) <= self.deadline)
 
 
+def reopen_ar(engine: Engine, ar, clock: _Clock, error: str | None):
+    """AR's session after it died during a setting: closed and opened again once. Returns (session, error); a
+    session that will not reopen is (None, why), and the sweep's settings after it are judged against no AR."""
+    ar.close()
+    try:
+        return _open(engine, AR, clock), error
+    except PointFailed as again:
+        return None, f"AR died and could not be reopened: {again}"
+
+
 def _open(engine: Engine, setting: Setting, clock: _Clock):
     t0 = clock.now()
     session = engine.open(setting)
@@ -310,11 +320,7 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
                 if getattr(exc, "ar", False):
                     points.append(_failed(setting, PointFailed(f"AR died during this setting: {exc}",
                                                                exc.log_tail)))
-                    ar.close()
-                    try:
-                        ar = _open(engine, AR, clock)
-                    except PointFailed as again:
-                        ar, error = None, f"AR died and could not be reopened: {again}"
+                    ar, error = reopen_ar(engine, ar, clock, error)
                 else:
                     points.append(_failed(setting, exc))
             finally:

@@ -45,6 +45,7 @@ from eval.harness.tune import (
     is_exact,
     judge_confirmation,
     min_seconds,
+    reopen_ar,
     sweep_engine,
 )
 
@@ -138,11 +139,7 @@ def sweep_concurrencies(engine: Engine, concurrencies: Sequence[int], repeats: i
                     if len(points[c]) == before[c]:  # the concurrencies this setting did not finish
                         points[c].append(_failed(setting, why))
                 if lost_ar:
-                    ar.close()
-                    try:
-                        ar = _open(engine, AR, clock)
-                    except PointFailed as again:
-                        ar, error = None, f"AR died and could not be reopened: {again}"
+                    ar, error = reopen_ar(engine, ar, clock, error)
             finally:
                 session.close()
             progress(setting.label, points[cs[0]][-1])
