@@ -37,6 +37,15 @@ differences, so the two agree exactly). Residual: the raw fc output (speculators
 `norm_before_residual: false`, written explicitly into the speculators export because vLLM's loader
 defaults the key to true).
 
+Normalisation variants (`draft.eagle3.*`, speculators' config keys, each read by vLLM 0.32's llama_eagle3.py; all off
+by default, and a draft without them has exactly the tensors above):
+
+    fc_norm               g_t = fc([n_1(a^(l1)); n_2(a^(l2)); n_3(a^(l3))]), an RMSNorm per aux layer (EAGLE-3.1)
+    norm_before_fc        g_t = fc(n([a^(l1); a^(l2); a^(l3)])), one RMSNorm over k·d (excludes fc_norm)
+    norm_output           the draft's output is norm(out_t): depth k+1 reads it and the LM head takes it as is
+                          (EAGLE-3.1: keeps the fed-back feature's scale from drifting over the depths)
+    norm_before_residual  a = hidden_norm(g_t) + o_proj(...) instead of g_t + o_proj(...)
+
 Initialisation (our choice; speculators starts the layer at random): the layer is a copy of the base's
 last decoder layer with its q/k/v weights on both input halves and o_proj / down_proj at zero, fc picks
 the highest aux layer, norm and lm_head come from the base. A fresh draft therefore predicts
@@ -156,9 +165,10 @@ class Eagle3Attention(nn.Module):
 class Eagle3Layer(nn.Module):
     """The one decoder layer (speculators' `layers.0`): two input norms, 2d-wide attention, MLP."""
 
-    def __init__(self, config):
+    def __init__(self, config, norm_before_residual: bool = False):
         super().__init__()
         d, eps = int(config.hidden_size), float(config.rms_norm_eps)
+        self.norm_before_residual = bool(norm_before_residual)
         self.input_layernorm = RMSNorm(d, eps)  # on the token embedding
         self.hidden_norm = RMSNorm(d, eps)  # on the feature (fc output or the previous step's output)
         self.self_attn = Eagle3Attention(config)
@@ -166,8 +176,10 @@ class Eagle3Layer(nn.Module):
         self.mlp = GatedMLP(config)
 
     def pre(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """emb, hidden [B, n, d] -> (attention input [B, n, 2d] = [norm(emb); norm(hidden)], residual = hidden)."""
-        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1), hidden
+        """emb, hidden [B, n, d] -> (attention input [B, n, 2d] = [norm(emb); norm(hidden)], residual = hidden,
+        or hidden_norm(hidden) with norm_before_residual)."""
+        normed = self.hidden_norm(hidden)
+        return torch.cat([self.input_layernorm(emb), normed], dim=-1), normed if self.norm_before_residual else hidden
 
     def post(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attention output [B, n, d] (after o_proj) + residual -> the layer output [B, n, d] (pre final norm)."""
@@ -210,6 +222,14 @@ class Eagle3Options:
     mask_token_id: int = -1  # parallel drafting: the mask slots' token; -1 = the base's pad token, else eos, else 0
     cod_ratio: float = 0.7  # parallel drafting: depth k trains on max(cod_ratio^k, cod_ratio_min) of the anchors
     cod_ratio_min: float = 0.2  # parallel drafting: the floor of that share (1.0 and 1.0: every anchor, every depth)
+    # Normalisation variants (speculators' config keys, each served by vLLM 0.32; EAGLE-3.1 = fc_norm + norm_output):
+    fc_norm: bool = False  # an RMSNorm per aux layer before fc: fc([norm_1(a1); norm_2(a2); norm_3(a3)]) (EAGLE-3.1)
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states [k·d] before fc (not with fc_norm)
+    norm_output: bool = False  # the next depth reads norm(out), the LM head's input, instead of out (EAGLE-3.1)
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(feature) instead of the raw feature
+
+
+NORM_VARIANTS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
 
 
 class Eagle3Draft(DraftVocabMixin, DraftModel):
@@ -239,10 +259,15 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         for key in ("cod_ratio", "cod_ratio_min"):
             if not 0.0 < getattr(o, key) <= 1.0:
                 fail(f"draft.eagle3.{key}", getattr(o, key), "a share of the anchors in (0, 1] (speculators: 0.7, 0.2)")
+        if o.fc_norm and o.norm_before_fc:
+            fail("draft.eagle3.norm_before_fc", True, "fc_norm (one norm per aux layer) and norm_before_fc (one norm "
+                 "over all of them) exclude each other, as in speculators: set one of them false")
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, ttt_steps: int = 3,
                  init_from_base: bool = True, share_lm_head: bool = False, parallel_drafting: bool = False,
-                 mask_token_id: int | None = None, cod_ratio: float = 0.7, cod_ratio_min: float = 0.2):
+                 mask_token_id: int | None = None, cod_ratio: float = 0.7, cod_ratio_min: float = 0.2,
+                 fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
+                 norm_before_residual: bool = False):
         super().__init__()
         if base.model is None:
             raise ValueError("EAGLE-3 builds a decoder layer of the base's architecture, but this BaseView has no "
@@ -263,8 +288,17 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
 
         n_out = self._init_vocab(base)  # d2t (persistent) / t2d / base rows W[d2t]: models/vocab_map.py
 
-        self.fc = nn.Linear(len(self.aux_layers) * d, d, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(config)])  # speculators / vLLM name it layers.0
+        if fc_norm and norm_before_fc:
+            raise ValueError("draft.eagle3.fc_norm and draft.eagle3.norm_before_fc exclude each other: set one false")
+        k = len(self.aux_layers)
+        # The normalisation variants (NORM_VARIANTS): modules only when on; a plain draft's tensors stay as they were.
+        self.norm_output = bool(norm_output)
+        self.norm_before_residual = bool(norm_before_residual)
+        self.input_norm = RMSNorm(k * d, self.eps) if norm_before_fc else None  # speculators' input_norm [k·d]
+        self.fc_norm = nn.ModuleList([RMSNorm(d, self.eps) for _ in range(k)]) if fc_norm else None  # fc_norm.{i} [d]
+        self.fc = nn.Linear(k * d, d, bias=False)
+        # speculators / vLLM name it layers.0
+        self.layers = nn.ModuleList([Eagle3Layer(config, norm_before_residual=self.norm_before_residual)])
         self.norm = RMSNorm(d, self.eps)
         self.lm_head = nn.Linear(d, n_out, bias=False)
         # Frozen base input embedding [V, d]: never trained, never exported (vLLM shares the base's).
@@ -335,7 +369,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         o = cls.options(draft_cfg)
         return cls(base, list(draft_cfg.aux_layers) or None, o.ttt_steps or 3, share_lm_head=draft_cfg.share_lm_head,
                    parallel_drafting=o.parallel_drafting, mask_token_id=o.mask_token_id, cod_ratio=o.cod_ratio,
-                   cod_ratio_min=o.cod_ratio_min)
+                   cod_ratio_min=o.cod_ratio_min, **{key: getattr(o, key) for key in NORM_VARIANTS})
 
     @staticmethod
     def resolve_aux_layers(draft_cfg, model) -> list[int]:
@@ -353,13 +387,21 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         base = dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))
         return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False,
                    share_lm_head=cfg.get("share_lm_head", False),
-                   parallel_drafting=cfg.get("parallel_drafting", False), mask_token_id=cfg.get("mask_token_id"))
+                   parallel_drafting=cfg.get("parallel_drafting", False), mask_token_id=cfg.get("mask_token_id"),
+                   **{key: bool(cfg.get(key, False)) for key in NORM_VARIANTS})
+
+    def norm_variants(self) -> dict[str, bool]:
+        """The normalisation variants this draft uses, {key: True} (empty for the plain layout)."""
+        on = {"fc_norm": self.fc_norm is not None, "norm_before_fc": self.input_norm is not None,
+              "norm_output": self.norm_output, "norm_before_residual": self.norm_before_residual}
+        return {key: True for key, value in on.items() if value}
 
     def export_config(self) -> dict:
         cfg = {"family": self.family, "aux_layers": list(self.aux_layers), "ttt_steps": self.ttt_steps,
                "num_heads": self.ttt_steps, "draft_vocab_size": self.draft_vocab_size,
                "share_lm_head": self.share_lm_head,
                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
+        cfg.update(self.norm_variants())  # only the keys that are on: a plain export's config is unchanged
         if self.parallel_drafting:
             # eagle3_mode / chain_length: the drafter's defaults for this export (eval/engine/drafters/options.py):
             # the parallel chain of the K tokens it was trained to draft in one forward
@@ -381,7 +423,12 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         if aux.shape[-1] != self.fc.in_features:
             raise ValueError(f"EAGLE-3 expects aux hidden states [..., {self.fc.in_features}] (layers "
                              f"{self.aux_layers} x d={self.hidden_size}), got {tuple(aux.shape)}")
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        if self.input_norm is not None:  # norm_before_fc: one norm over [a1; a2; a3]
+            aux = self.input_norm(aux)
+        if self.fc_norm is not None:  # fc_norm: [norm_1(a1); norm_2(a2); norm_3(a3)]
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(aux)
 
     def mask_inputs(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Parallel drafting: the input of n mask slots, (attention input [1, n, 2d], residual [1, n, d]) =
@@ -391,9 +438,14 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         x, residual = self.layers[0].pre(emb, g)
         return x.expand(1, n, -1), residual.expand(1, n, -1)
 
+    def output(self, layer_out: torch.Tensor) -> torch.Tensor:
+        """The layer's pre-norm output [..., d] -> what the draft hands on as its output (the feature the next depth
+        reads and head_input takes): itself, or norm(it) with norm_output (vLLM: aux_output = the post-norm state)."""
+        return self.norm(layer_out) if self.norm_output else layer_out
+
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
-        """Layer output [..., d] -> the LM head's input norm(out)."""
-        return self.norm(out)
+        """An output of `output` [..., d] -> the LM head's input: norm(out) (already normed with norm_output)."""
+        return out if self.norm_output else self.norm(out)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Layer output [..., d] -> logits over the draft vocabulary [..., N] (draft ids)."""
@@ -430,7 +482,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
             q, k, v = attn.qkv(x, cos, sin)
             keys.append(expand_kv(k, self.groups))
             values.append(expand_kv(v, self.groups))
-            hidden = layer.post(attn.out(attend(q, keys, values)), residual)  # [B, S, d]
+            hidden = self.output(layer.post(attn.out(attend(q, keys, values)), residual))  # [B, S, d]
             outs.append(hidden)
         return outs
 
@@ -502,7 +554,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         keys = expand_kv(cache.keys[:, :, :past + n], self.groups)
         vals = expand_kv(cache.values[:, :, :past + n], self.groups)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        return layer.post(layer.self_attn.out(o), residual)[0]
+        return self.output(layer.post(layer.self_attn.out(o), residual))[0]
 
     def parallel_rows(self, cache: Eagle3Cache, aux: torch.Tensor, next_tokens: torch.Tensor, slots: int
                       ) -> torch.Tensor:
@@ -528,7 +580,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         keys = expand_kv(torch.cat([cache.keys[:, :, :past + n], k[:, :, n:]], 2), self.groups)
         vals = expand_kv(torch.cat([cache.values[:, :, :past + n], v[:, :, n:]], 2), self.groups)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        return layer.post(layer.self_attn.out(o), residual)[0]
+        return self.output(layer.post(layer.self_attn.out(o), residual))[0]
 
     def draft_rows(self, cache: Eagle3Cache, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                    tree_k: torch.Tensor | None, tree_v: torch.Tensor | None, visible: torch.Tensor | None
@@ -554,4 +606,4 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         keys = expand_kv(torch.cat([cache.keys[:, :, :past], tree_k], 2), self.groups)
         vals = expand_kv(torch.cat([cache.values[:, :, :past], tree_v], 2), self.groups)
         o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        return layer.post(layer.self_attn.out(o), residual)[0], tree_k, tree_v
+        return self.output(layer.post(layer.self_attn.out(o), residual))[0], tree_k, tree_v

@@ -11,9 +11,11 @@
 #   levers-ttt5     5 TTT steps (the same minutes buy fewer optimizer steps)
 #   levers-len512   whole conversations up to 512 tokens instead of the 256-token cut (fewer conversations a minute)
 #   levers-epochs   N/4 records: ~4x the epochs over a quarter of the data in the same minutes
+#   levers-eagle31  EAGLE-3.1's normalisation: an RMSNorm per aux layer before fc and the normed output fed to the
+#                   next depth (draft.eagle3.fc_norm, draft.eagle3.norm_output; docs/families/eagle3.md)
 # The hidden-state caches are built outside the minutes (one per data cut) and shared by the arms that read them.
 #
-#   recipes/eagle3_levers.sh                          # N=800 MINUTES=8: ~55 min with the caches and the compare
+#   recipes/eagle3_levers.sh                          # N=800 MINUTES=8: ~65 min with the caches and the compare
 #   EXTRA="train.num_threads=1" recipes/eagle3_levers.sh   # beside other jobs
 #   COMPARE=0 recipes/eagle3_levers.sh                # train only; the table later:
 #   specdraft compare --config configs/compare_eagle3_levers.yaml --update-docs
@@ -42,8 +44,9 @@ train levers-ttt5 "${B[@]}" "${C256[@]}" draft.eagle3.ttt_steps=5 draft.num_head
 train levers-len512 "${B[@]}" data.max_records="$N" data.max_length=512 data.hidden_cache="runs/cache/levers-$N-512"
 train levers-epochs "${B[@]}" data.max_records="$QUARTER" data.max_length=256 \
   data.hidden_cache="runs/cache/levers-$QUARTER-256"
+train levers-eagle31 "${B[@]}" "${C256[@]}" draft.eagle3.fc_norm=true draft.eagle3.norm_output=true
 
-for run in base ttt1 ttt5 len512 epochs; do
+for run in base ttt1 ttt5 len512 epochs eagle31; do
   [ -f "runs/levers-$run/export/config.json" ] || { echo "!!! runs/levers-$run has no export: no compare" >&2; exit 1; }
 done
 if [ "${COMPARE:-1}" = 1 ]; then

@@ -22,6 +22,7 @@ from helpers.drafts import (
     with_draft_vocab,
 )
 from safetensors.torch import load_file
+from test_serve_check import _have_vllm
 from torch.nn import functional as F
 
 from data.targets import offset_labels
@@ -358,61 +359,17 @@ def test_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
 
 # -- vLLM --------------------------------------------------------------------------------------------------------------
 
-def peagle_export_on_servable_base(root, steps: int = 80):
-    """root/base (vLLM's servable tiny base, 8 layers: aux layers 2 / 4 / 5) + root/run/export: a P-EAGLE draft
-    (K = 3) that memorised the base's own greedy answers to the smoke eval prompts, so both engines accept real
-    drafts at every position and the per-position check compares non-zero numbers."""
-    from vllm_fixtures import servable_tiny_base
-
-    from eval.harness.prompts import load_eval_prompts
-    from models.base import load_base
-    from models.draft import DraftBatch
-
-    base_dir = servable_tiny_base(root / "base", num_layers=8)
-    base = load_base(str(base_dir), dtype="fp32")
-    prompts = load_eval_prompts("tests/fixtures/eval_prompts.jsonl", base.tokenizer, num_prompts=3)
-    with torch.inference_mode():
-        seqs = [base.model.generate(torch.tensor([p.input_ids]), max_new_tokens=160, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0] for p in prompts]
-    width = max(s.numel() for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
-    view = BaseView.from_model(base.model)
-    torch.manual_seed(0)
-    draft = Eagle3Draft(view, ttt_steps=3, parallel_drafting=True, cod_ratio=1.0, cod_ratio_min=1.0)
-    assert draft.aux_layers == [2, 4, 5]
-    h, aux = last_hidden_and_aux(base.model, ids, None, draft.aux_layers)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], view, LossSection(chunk_size=256), steps=steps, lr=1e-2)
-    finally:
-        torch.set_num_threads(threads)
-    return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint,
-                            draft.export_config())
-
-
-def _have_vllm() -> bool:
-    from eval.serving.serve_check import ServeCheckError, vllm_python
-
-    try:
-        vllm_python()
-        return True
-    except ServeCheckError:
-        return False
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
 def test_vllm_serves_the_peagle_export_and_accepts_what_ours_accepts(tmp_path, capsys):
     """vLLM's CPU build serves the peagle export (method eagle3 + parallel_drafting: PeagleLlamaForCausalLM, its
     mask_hidden loaded) of a draft that memorised the base's answers: per-position acceptance equals our one-forward
     chain decoder's at each of the 3 positions, none of them zero; both engines' outputs are the base's own."""
+    from vllm_fixtures import eagle3_export_on_servable_base
+
     from cli.main import main
 
-    export = peagle_export_on_servable_base(tmp_path)
+    export = eagle3_export_on_servable_base(tmp_path, parallel_drafting=True, cod_ratio=1.0, cod_ratio_min=1.0)
     rc = main(["serve-check", "--draft", str(export), "--config", "configs/eval/smoke.yaml", "max_new_tokens=150",
                "serve_enforce_eager=true"])
     out = capsys.readouterr().out

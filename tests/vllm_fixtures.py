@@ -70,39 +70,52 @@ def hydra_export_on_servable_base(root: Path, num_heads: int = 2) -> Path:
     return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint)
 
 
+def memorise_answers(draft, base, loss: object, steps: int) -> None:
+    """Fit `draft` (lr 1e-2) to the base's own greedy answers (160 tokens) to the 3 smoke eval prompts, so both
+    engines accept its drafts at every depth. One thread: many tiny ops run far faster on a busy CPU with one."""
+    from conftest import fit_draft
+    from helpers.drafts import greedy_continuation_batch
+
+    from eval.harness.prompts import load_eval_prompts
+
+    prompts = load_eval_prompts("tests/fixtures/eval_prompts.jsonl", base.tokenizer, num_prompts=3)
+    batch = greedy_continuation_batch(base.model, [torch.tensor(p.input_ids) for p in prompts], draft.aux_layers, 160)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fit_draft(draft, [batch], BaseView.from_model(base.model), loss, steps=steps, lr=1e-2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def eagle3_export_on_servable_base(root: Path, steps: int = 80, **draft_kw) -> Path:
+    """root/base (the servable tiny base, 8 layers: aux layers 2 / 4 / 5) + root/run/export: an EAGLE-3 draft
+    (ttt_steps 3; draft_kw: P-EAGLE's or the normalisation variants' options) that memorised the base's own greedy
+    answers, so both engines accept real drafts at every position and the per-position check compares non-zero
+    numbers."""
+    from models.eagle3 import Eagle3Draft
+    from train.config import LossSection
+
+    base = load_base(str(servable_tiny_base(root / "base", num_layers=8)), dtype="fp32")
+    torch.manual_seed(0)
+    draft = Eagle3Draft(BaseView.from_model(base.model), ttt_steps=3, **draft_kw)
+    assert draft.aux_layers == [2, 4, 5]
+    memorise_answers(draft, base, LossSection(chunk_size=256), steps)
+    return export_specdraft(draft.eval(), root / "run" / "export", base.name, base.fingerprint,
+                            draft.export_config())
+
+
 def dflash_export_on_servable_base(root: Path, block_size: int = 4, steps: int = 60) -> Path:
     """root/base + root/run/export: a DFlash draft that memorised the base's own greedy answers to the smoke eval
     prompts (so both engines accept real drafts and the per-position check compares non-zero numbers)."""
-    from conftest import fit_draft
-
-    from eval.harness.prompts import load_eval_prompts
-    from models.base import last_hidden_and_aux
     from models.dflash import DFlashDraft, DFlashLossOptions
-    from models.draft import DraftBatch
     from train.config import LossSection
 
-    base_dir = servable_tiny_base(root / "base")
-    base = load_base(str(base_dir), dtype="fp32")
-    prompts = load_eval_prompts("tests/fixtures/eval_prompts.jsonl", base.tokenizer, num_prompts=3)
-    with torch.inference_mode():
-        seqs = [base.model.generate(torch.tensor([p.input_ids]), max_new_tokens=160, do_sample=False,
-                                    eos_token_id=None, pad_token_id=0)[0] for p in prompts]
-    width = max(s.numel() for s in seqs)
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, s in enumerate(seqs):
-        ids[b, : s.numel()], mask[b, : s.numel()] = s, 1
+    base = load_base(str(servable_tiny_base(root / "base")), dtype="fp32")
     torch.manual_seed(0)
     draft = DFlashDraft(BaseView.from_model(base.model), num_layers=2, block_size=block_size, num_anchors=256)
-    h, aux = last_hidden_and_aux(base.model, ids, None, draft.aux_layers)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # many tiny ops: one thread is far faster on a busy CPU
-    try:
-        fit_draft(draft, [DraftBatch(h, ids, mask, aux)], BaseView.from_model(base.model),
-                  LossSection(chunk_size=256, dflash=DFlashLossOptions(position_weights="decay")), steps=steps,
-                  lr=1e-2)
-    finally:
-        torch.set_num_threads(threads)
+    memorise_answers(draft, base, LossSection(chunk_size=256, dflash=DFlashLossOptions(position_weights="decay")),
+                     steps)
     with torch.no_grad():
         # vLLM 0.32's CPU rms_norm ignores the per-layer weights of its grouped context-key norm and applies
         # layer 0's k_norm to every layer's context keys (docs/families/dflash.md#export): with equal k_norm

@@ -119,6 +119,11 @@ def eagle3_converter_input(draft, export_cfg: dict, base_dir: Path, out_dir: Pat
         raise ValueError("llama.cpp has no parallel drafting (P-EAGLE's mask slots): it would run this draft as an "
                          "autoregressive EAGLE-3, which it was not trained for; serve it with vLLM "
                          "(`specdraft export --format vllm`)")
+    unsupported = sorted(set(draft.norm_variants()) - {"norm_before_residual"})
+    if unsupported:  # llama.cpp's EAGLE-3 graph (src/models/eagle3.cpp) reads norm_before_residual, none of these
+        raise ValueError(f"llama.cpp's EAGLE-3 graph has no {', '.join(unsupported)} (EAGLE-3.1 normalisation): it "
+                         "would run this draft without those norms; serve it with vLLM (`specdraft export --format "
+                         "vllm`), or train with draft.eagle3." + "=false draft.eagle3.".join(unsupported) + "=false")
     aux = list(getattr(draft, "aux_layers", []))
     if len(aux) != 3:  # llama.cpp's EAGLE-3 graph concatenates exactly three target layers
         raise ValueError(f"llama.cpp's EAGLE-3 reads exactly 3 aux layers of the base; this draft reads {aux} "

@@ -10,13 +10,17 @@ Layout (checked against speculators 0.9.0 `models/eagle3/{config,core,model_defi
         layers.0.self_attn.o_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight
         norm.weight                   [d]
         lm_head.weight                [N, d]     N = draft_vocab_size
+        input_norm.weight             [k*d]      only with norm_before_fc: one RMSNorm over the aux states before fc
+        fc_norm.{i}.weight            [d]        only with fc_norm: an RMSNorm per aux layer before fc (EAGLE-3.1)
         d2t                           [N] int64  target_id - draft_id (vLLM: target = arange(N) + d2t)
         t2d                           [V] bool   which target ids are in the draft vocabulary
       (d2t / t2d only with a draft vocabulary; no embed_tokens: vLLM and speculators take the base's.)
     config.json
         speculators_model_type "eagle3", architectures ["Eagle3Speculator"], transformer_layer_config (the
-        base's LlamaConfig with num_hidden_layers 1), draft_vocab_size, norm_before_residual false (written
-        explicitly: vLLM's reader defaults it to true, speculators to false), eagle_aux_hidden_state_layer_ids,
+        base's LlamaConfig with num_hidden_layers 1), draft_vocab_size, the normalisation variants fc_norm,
+        norm_before_fc, norm_output, norm_before_residual (each written, true or false: vLLM's reader defaults
+        norm_before_residual to true, speculators to false; models/eagle3.py: NORM_VARIANTS),
+        eagle_aux_hidden_state_layer_ids,
         target_hidden_size, speculators_config {algorithm, proposal_methods [greedy, speculative_tokens],
         default_proposal_method, verifier {name_or_path, architectures}}.
 
@@ -44,7 +48,7 @@ from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
 from models.draft import BaseView
-from models.eagle3 import Eagle3Draft
+from models.eagle3 import NORM_VARIANTS, Eagle3Draft
 from models.export.specdraft import read_tensors
 
 # speculators' name for the EAGLE-3 layout (config.json's speculators_model_type; DFlash's is in speculators_dflash.py)
@@ -70,15 +74,14 @@ def speculators_config(draft: Eagle3Draft, verifier: str, speculative_tokens: in
         layer.pop(key, None)
     layer.update(num_hidden_layers=1, tie_word_embeddings=False, vocab_size=draft.vocab_size)
     parallel = bool(getattr(draft, "parallel_drafting", False))
+    variants = draft.norm_variants()
     config = {
         "speculators_model_type": PARALLEL_MODEL_TYPE if parallel else MODEL_TYPE,
         "architectures": ["PEagleSpeculator" if parallel else "Eagle3Speculator"],
         "transformer_layer_config": layer,
         "draft_vocab_size": draft.draft_vocab_size or draft.vocab_size,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        # written explicitly, true or false: vLLM's reader defaults norm_before_residual to true, speculators to false
+        **{key: bool(variants.get(key, False)) for key in NORM_VARIANTS},
         "target_hidden_size": draft.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(draft.aux_layers),
         "speculators_config": {
@@ -185,17 +188,18 @@ def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
     parallel = kind == PARALLEL_MODEL_TYPE
     if parallel and config.get("mask_token_id") is None:
         raise ValueError(f"{export_dir}: a peagle checkpoint needs mask_token_id (the mask slots' token)")
-    for key in ("norm_before_fc", "fc_norm", "norm_output"):
-        if config.get(key):
-            raise ValueError(f"{export_dir}: {key}=true is an EAGLE-3 variant specdraft does not implement")
-    if config.get("norm_before_residual") is not False:
-        raise ValueError(f"{export_dir}: norm_before_residual must be false (the layout specdraft trains)")
+    if "norm_before_residual" not in config:  # the readers disagree on its default (vLLM true, speculators false)
+        raise ValueError(f"{export_dir}: config.json has no norm_before_residual; write it (true or false) so every "
+                         "engine reads the same layout")
+    if config.get("fc_norm") and config.get("norm_before_fc"):
+        raise ValueError(f"{export_dir}: fc_norm and norm_before_fc are both true; speculators allows one of them")
     if int(config["transformer_layer_config"].get("num_hidden_layers", 1)) != 1:
         raise ValueError(f"{export_dir}: specdraft's EAGLE-3 has one decoder layer")
     tensors, view = read_speculators_tensors(export_dir, config, base)
     steps = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     draft = Eagle3Draft(view, config["eagle_aux_hidden_state_layer_ids"], min(max(steps, 1), 7), init_from_base=False,
-                        parallel_drafting=parallel, mask_token_id=config.get("mask_token_id"))
+                        parallel_drafting=parallel, mask_token_id=config.get("mask_token_id"),
+                        **{key: bool(config.get(key, False)) for key in NORM_VARIANTS})
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise ValueError(f"{export_dir}: tensors do not match an EAGLE-3 draft (missing {missing[:5]}, "
