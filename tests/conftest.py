@@ -65,6 +65,19 @@ def view(model):
 
 
 @pytest.fixture(scope="module")
+def base4():
+    """The four-layer tiny LLaMA (EAGLE-3 reads distinct aux layers of it), for modules whose drafts need one."""
+    from helpers.drafts import four_layer_tiny_llama
+
+    return four_layer_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def view4(base4):
+    return BaseView.from_model(base4)
+
+
+@pytest.fixture(scope="module")
 def ar_outputs(model, prompts):
     """Plain greedy decoding of each prompt (DECODE_NEW_TOKENS, hf backend): what speculative decoding must equal."""
     backend = HFBackend(model)

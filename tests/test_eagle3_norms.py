@@ -13,7 +13,7 @@ import torch
 from conftest import fit_draft
 from helpers.decoding import DECODE_NEW_TOKENS as NEW
 from helpers.decoding import assert_lossless_and_accepting
-from helpers.drafts import four_layer_tiny_llama, greedy_continuation_batch, perturb, random_batch_with_aux
+from helpers.drafts import greedy_continuation_batch, perturb, random_batch_with_aux
 from safetensors.torch import load_file
 from test_serve_check import _have_vllm
 from torch.nn import functional as F
@@ -33,16 +33,6 @@ EAGLE31 = {"fc_norm": True, "norm_output": True}
 SPECULATORS_DEFAULTS = {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}
 VARIANTS = [{key: True} for key in NORM_VARIANTS] + [EAGLE31, SPECULATORS_DEFAULTS]
 IDS = [",".join(v) for v in VARIANTS]
-
-
-@pytest.fixture(scope="module")
-def base4():
-    return four_layer_tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def view4(base4):
-    return BaseView.from_model(base4)
 
 
 def _pair(view, variant: dict, seed: int = 1) -> tuple[Eagle3Draft, Eagle3Draft]:
@@ -242,12 +232,13 @@ def test_fc_norm_and_norm_before_fc_exclude_each_other(view4):
 @pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
 def test_vllm_serves_eagle31_and_accepts_what_ours_accepts(tmp_path, capsys):
     """vLLM's CPU build serves an export with fc_norm + norm_output + norm_before_residual (its fc_norm modules and
-    post-norm feedback): per-position acceptance equals our chain decoder's, none of it zero."""
+    post-norm feedback): per-position acceptance equals our chain decoder's. The draft is trained part way (20 steps)
+    so that acceptance falls with depth and a layout read differently by the two engines would show."""
     from vllm_fixtures import eagle3_export_on_servable_base
 
     from cli.main import main
 
-    export = eagle3_export_on_servable_base(tmp_path, **EAGLE31, norm_before_residual=True)
+    export = eagle3_export_on_servable_base(tmp_path, steps=20, **EAGLE31, norm_before_residual=True)
     rc = main(["serve-check", "--draft", str(export), "--config", "configs/eval/smoke.yaml", "max_new_tokens=150",
                "serve_enforce_eager=true"])
     out = capsys.readouterr().out
@@ -256,5 +247,5 @@ def test_vllm_serves_eagle31_and_accepts_what_ours_accepts(tmp_path, capsys):
     print(json.dumps({"acceptance_check": report["acceptance_check"]}, indent=1))
     acc = report["acceptance_check"]
     assert acc["ok"] and len(acc["vllm"]) == 3 and acc["max_abs_diff"] <= 0.03
-    assert min(acc["vllm"]) > 0.1
+    assert min(acc["vllm"]) > 0.05 and min(acc["vllm"]) < 0.95  # real numbers, not all-or-nothing
     assert report["our_lossless"] is True

@@ -15,7 +15,6 @@ from helpers.cli import smoke_cli_eval, smoke_cli_train
 from helpers.decoding import DECODE_NEW_TOKENS as NEW
 from helpers.decoding import assert_lossless_and_accepting
 from helpers.drafts import (
-    four_layer_tiny_llama,
     greedy_continuation_batch,
     perturb,
     random_batch_with_aux,
@@ -41,16 +40,6 @@ from models.export.vllm import SPECULATIVE_CONFIG_FILE, export_vllm
 from train.config import LossSection
 
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])
-
-
-@pytest.fixture(scope="module")
-def base4():
-    return four_layer_tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def view4(base4):
-    return BaseView.from_model(base4)
 
 
 def _peagle(view, steps=3, seed=1, **kw):
