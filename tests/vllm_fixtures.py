@@ -90,9 +90,9 @@ def memorise_answers(draft, base, loss: object, steps: int) -> None:
 
 def eagle3_export_on_servable_base(root: Path, steps: int = 80, **draft_kw) -> Path:
     """root/base (the servable tiny base, 8 layers: aux layers 2 / 4 / 5) + root/run/export: an EAGLE-3 draft
-    (ttt_steps 3; draft_kw: P-EAGLE's or the normalisation variants' options) that memorised the base's own greedy
-    answers, so both engines accept real drafts at every position and the per-position check compares non-zero
-    numbers."""
+    (ttt_steps 3; draft_kw: P-EAGLE's or the normalisation variants' options) fitted for `steps` steps to the base's
+    own greedy answers (80: memorised; fewer: part way, so acceptance falls with depth), so both engines accept real
+    drafts at every position and the per-position check compares non-zero numbers."""
     from models.eagle3 import Eagle3Draft
     from train.config import LossSection
 
