@@ -5,7 +5,13 @@ targets), the init, the draft vocabulary and the specdraft export round trip."""
 import pytest
 import torch
 from conftest import assert_chunked_matches_reference, fit_draft
-from helpers.drafts import four_layer_tiny_llama, random_batch_in_draft_vocab, random_batch_with_aux, with_draft_vocab
+from helpers.drafts import (
+    assert_unroll_equals_inference,
+    four_layer_tiny_llama,
+    random_batch_in_draft_vocab,
+    random_batch_with_aux,
+    with_draft_vocab,
+)
 from torch.nn import functional as F
 
 from data.targets import offset_labels
@@ -91,19 +97,7 @@ def test_ttt_unroll_equals_incremental_inference(base, view):
     x_{t+1+i} and the draft's own outputs: the TTT mask is exactly what inference sees."""
     draft = _randomize(Eagle3Draft(view, ttt_steps=3)).eval()
     batch = random_batch_with_aux(base, draft, b=1, t=12)
-    ids, aux = batch.input_ids[0], batch.aux_hidden[0]
-    with torch.no_grad():
-        outs = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 3)  # 3 x [1, 11, d]
-        for t in (0, 4, 7):
-            cache = draft.new_cache(4, "cpu", torch.float32)  # small: grows
-            rows = draft.commit_rows(cache, aux[:t + 1], ids[1:t + 2])  # [t+1, d]
-            torch.testing.assert_close(rows, outs[0][0, :t + 1], rtol=1e-5, atol=1e-5)
-            hidden, tk, tv = rows[-1:], None, None
-            for j in (1, 2):
-                vis = torch.ones(1, 0 if tk is None else tk.shape[2], dtype=torch.bool)
-                hidden, tk, tv = draft.draft_rows(cache, hidden, ids[t + 1 + j:t + 2 + j], torch.tensor([t + j]),
-                                                  tk, tv, vis)
-                torch.testing.assert_close(hidden[0], outs[j][0, t], rtol=1e-5, atol=1e-5)
+    assert_unroll_equals_inference(draft, batch)
 
 
 def test_fresh_draft_predicts_from_the_highest_aux_layer(base, view):

@@ -13,7 +13,7 @@ import torch
 from conftest import fit_draft
 from helpers.decoding import DECODE_NEW_TOKENS as NEW
 from helpers.decoding import assert_lossless_and_accepting
-from helpers.drafts import greedy_continuation_batch, perturb, random_batch_with_aux
+from helpers.drafts import assert_unroll_equals_inference, greedy_continuation_batch, perturb, random_batch_with_aux
 from safetensors.torch import load_file
 from test_serve_check import _have_vllm
 from torch.nn import functional as F
@@ -107,19 +107,7 @@ def test_unroll_equals_incremental_inference(base4, view4, variant):
     """Step j of row t in training = drafting depth j+1 with the draft's KV cache, every variant on."""
     _, draft = _pair(view4, variant)
     batch = random_batch_with_aux(base4, draft, b=1, t=12)
-    ids, aux = batch.input_ids[0], batch.aux_hidden[0]
-    with torch.no_grad():
-        outs = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 3)
-        for t in (0, 6):
-            cache = draft.new_cache(4, "cpu", torch.float32)
-            rows = draft.commit_rows(cache, aux[:t + 1], ids[1:t + 2])
-            torch.testing.assert_close(rows, outs[0][0, :t + 1], rtol=1e-5, atol=1e-5)
-            hidden, tk, tv = rows[-1:], None, None
-            for j in (1, 2):
-                vis = torch.ones(1, 0 if tk is None else tk.shape[2], dtype=torch.bool)
-                hidden, tk, tv = draft.draft_rows(cache, hidden, ids[t + 1 + j:t + 2 + j], torch.tensor([t + j]),
-                                                  tk, tv, vis)
-                torch.testing.assert_close(hidden[0], outs[j][0, t], rtol=1e-5, atol=1e-5)
+    assert_unroll_equals_inference(draft, batch, rows=(0, 6))
 
 
 @pytest.mark.parametrize("variant", [EAGLE31, SPECULATORS_DEFAULTS], ids=["eagle31", "speculators_defaults"])

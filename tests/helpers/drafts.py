@@ -101,3 +101,21 @@ def teacher_loss_sum_by_hand(hidden, ids, mask, lm_head_weight, k: int, draft_lo
         p_teacher = torch.softmax(hidden[b, t + k] @ lm_head_weight.T, -1)
         total += float(-(p_teacher * torch.log_softmax(draft_logits(k, b, t), -1)).sum())
     return total
+
+
+def assert_unroll_equals_inference(draft, batch: DraftBatch, rows: tuple[int, ...] = (0, 4, 7)) -> None:
+    """An EAGLE-3 draft's TTT unroll (3 steps) of a one-row batch equals drafting step by step with its own KV cache:
+    for each row t, commit rows 0..t (step 0), then draft depths 2 and 3 from the data tokens and its own outputs."""
+    ids, aux = batch.input_ids[0], batch.aux_hidden[0]
+    with torch.no_grad():
+        outs = draft.ttt_unroll(batch.aux_hidden, batch.input_ids, 3)  # 3 x [1, T-1, d]
+        for t in rows:
+            cache = draft.new_cache(4, "cpu", torch.float32)  # small: grows
+            committed = draft.commit_rows(cache, aux[:t + 1], ids[1:t + 2])  # [t+1, d]
+            torch.testing.assert_close(committed, outs[0][0, :t + 1], rtol=1e-5, atol=1e-5)
+            hidden, tk, tv = committed[-1:], None, None
+            for j in (1, 2):
+                vis = torch.ones(1, 0 if tk is None else tk.shape[2], dtype=torch.bool)
+                hidden, tk, tv = draft.draft_rows(cache, hidden, ids[t + 1 + j:t + 2 + j], torch.tensor([t + j]),
+                                                  tk, tv, vis)
+                torch.testing.assert_close(hidden[0], outs[j][0, t], rtol=1e-5, atol=1e-5)
