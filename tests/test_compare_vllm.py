@@ -255,3 +255,30 @@ def test_vllm_draft_engines_run_later_are_timed_against_their_own_vllm_ar(tmp_pa
     assert nothing["drafts"]["A"]["vllm_ar_run"] == "vllm_ar-20261124T120000-three"
     assert nothing["ar"]["run"] == "vllm_ar-20261124T120000-three"
     assert nothing["ar"]["tokens_per_second"] == pytest.approx(1 / 20.0)  # the setting's figure: the latest AR
+
+
+def test_a_tuned_schedule_does_not_change_the_compared_chain(tmp_path):
+    """An export whose config.json carries tune's vLLM count and per-batch-size schedule (as the shipped draft's does)
+    is compared as the row's own chain: vLLM's speculative_config drafts `depth` tokens, with no schedule."""
+    from types import SimpleNamespace
+
+    from vllm_fixtures import servable_tiny_base
+
+    from eval.serving.compare_vllm import speculative_config
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.eagle3 import Eagle3Draft
+    from models.export.specdraft import export_specdraft
+    from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
+
+    base_dir = servable_tiny_base(tmp_path / "base", num_layers=8)
+    base = load_base(str(base_dir), dtype="fp32")
+    draft = Eagle3Draft(BaseView.from_model(base.model)).eval()
+    config = {**draft.export_config(), TUNED_TOKENS_KEY: 2, TUNED_SCHEDULE_KEY: [[1, 1, 2], [2, 8, 0]]}
+    export = export_specdraft(draft, tmp_path / "run" / "export", base.name, base.fingerprint, config)
+    spec, _ = speculative_config(SimpleNamespace(label="d", export=export), "eagle3", {}, 4, base, base_dir,
+                                 tmp_path / "work")
+    assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 4
+    assert "num_speculative_tokens_per_batch_size" not in spec
+    written = json.loads((tmp_path / "work" / "export-d" / "speculative_config.json").read_text())
+    assert "num_speculative_tokens_per_batch_size" not in written
