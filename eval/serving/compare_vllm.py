@@ -47,11 +47,10 @@ def speculative_config(entry, family: str, info: dict, depth: int, base, base_di
     from models.export.specdraft import read_export_config
     from models.export.vllm import (
         SPECULATIVE_CONFIG_FILE,
-        TUNED_SCHEDULE_KEY,
-        TUNED_TOKENS_KEY,
         export_vllm,
         read_engine_args,
         read_speculative_config,
+        untuned,
         vllm_ngram_config,
     )
 
@@ -61,12 +60,11 @@ def speculative_config(entry, family: str, info: dict, depth: int, base, base_di
     if not (out / SPECULATIVE_CONFIG_FILE).is_file():
         loaded = load_export(entry.export, base=base)
         # The row's chain is `depth` at one request: tune's count and per-batch-size schedule (a shipped draft's
-        # config.json may carry both) would change what vLLM drafts and part it from our decoder's row.
-        config = {k: v for k, v in loaded.config.items() if k not in (TUNED_TOKENS_KEY, TUNED_SCHEDULE_KEY)}
-        export_vllm(loaded.draft.float(), out, config, loaded.view)  # fp32 files, whatever the run dtype
+        # config.json may carry both) would change what vLLM drafts and part it from our decoder's row. fp32 files,
+        # whatever the run dtype.
+        export_vllm(loaded.draft.float(), out, untuned(loaded.config), loaded.view)
     check_fingerprint(read_export_config(entry.export), base_dir, str(entry.export))
-    spec = {k: v for k, v in read_speculative_config(out).items() if k != "num_speculative_tokens_per_batch_size"}
-    return {**spec, "num_speculative_tokens": depth}, read_engine_args(out)
+    return {**read_speculative_config(out), "num_speculative_tokens": depth}, read_engine_args(out)
 
 
 def _cached(path: Path, prompt_ids: list[str]) -> dict | None:

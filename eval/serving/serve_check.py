@@ -249,11 +249,10 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
     from models.export.vllm import (
-        TUNED_SCHEDULE_KEY,
-        TUNED_TOKENS_KEY,
         export_vllm,
         read_engine_args,
         read_speculative_config,
+        untuned,
         vllm_ngram_config,
     )
 
@@ -266,8 +265,7 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
     # fp32 files, whatever the run dtype; without the tuned count of config.json unless the tuning applies
     tuned, tuned_line = _tuned_depth(cfg, Path(draft_dir), engines, family)
     # one request at a time: a fixed chain, never tune --concurrency's per-batch-size schedule
-    vllm_cfg = {k: v for k, v in export_cfg.items() if (k != TUNED_TOKENS_KEY or tuned) and k != TUNED_SCHEDULE_KEY}
-    vllm_dir = export_vllm(draft.float(), workdir / "export", vllm_cfg, view)
+    vllm_dir = export_vllm(draft.float(), workdir / "export", untuned(export_cfg, keep_count=bool(tuned)), view)
     spec = read_speculative_config(vllm_dir)
     if tuned:
         spec = {**spec, "num_speculative_tokens": tuned}

@@ -105,7 +105,7 @@ class VllmEngine:
 
     def _export(self) -> dict:
         """The draft in vLLM's layout (once) and its speculative_config."""
-        from models.export.vllm import TUNED_SCHEDULE_KEY, export_vllm, read_engine_args, read_speculative_config
+        from models.export.vllm import export_vllm, read_engine_args, read_speculative_config, untuned
         from models.registry import vllm_families
 
         if self._spec is None:
@@ -114,8 +114,8 @@ class VllmEngine:
                 raise EngineUnavailable(f"vLLM 0.32 has no method for a {family} draft (it serves "
                                         f"{', '.join(vllm_families())}); nothing to tune there")
             # each setting is one fixed count: an earlier tune's per-batch-size schedule stays out
-            config = {k: v for k, v in self.loaded.config.items() if k != TUNED_SCHEDULE_KEY}
-            out = export_vllm(self.loaded.draft.float(), self.workdir / "export", config, self.loaded.view)
+            out = export_vllm(self.loaded.draft.float(), self.workdir / "export", untuned(self.loaded.config, True),
+                              self.loaded.view)
             self._spec, self._engine_args = read_speculative_config(out), read_engine_args(out)
         return self._spec
 

@@ -70,6 +70,13 @@ def speculative_tokens(export_cfg: dict, trained: int) -> int:
     return int(export_cfg.get(TUNED_TOKENS_KEY) or trained)
 
 
+def untuned(export_cfg: dict, keep_count: bool = False) -> dict:
+    """The export's config.json without tune's per-batch-size schedule, and without its count unless keep_count: what
+    a check, compare or sweep exports when it drafts one fixed count, one request at a time."""
+    drop = (TUNED_SCHEDULE_KEY,) if keep_count else (TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY)
+    return {k: v for k, v in export_cfg.items() if k not in drop}
+
+
 def check_schedule(schedule) -> list[list[int]]:
     """A per-batch-size schedule as vLLM 0.32 validates it (v1/spec_decode/dynamic/utils.py): a non-empty list of
     [start, end, k], 1 <= start <= end, k >= 0, sorted and non-overlapping, the first starting at 1, some k > 0."""
