@@ -33,7 +33,8 @@ from eval.engine.drafters.registry import DRAFTERS, build_drafter
 from eval.harness.config import EvalConfig
 from models.base import last_hidden_and_aux
 from models.draft import BaseView
-from models.eagle3 import Eagle3Draft, cod_keep
+from models.eagle3 import Eagle3Draft
+from models.eagle3_ttt import cod_keep
 from models.export.specdraft import export_specdraft, load_draft
 from models.export.speculators import export_speculators, load_speculators
 from models.export.vllm import SPECULATIVE_CONFIG_FILE, export_vllm
