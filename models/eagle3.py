@@ -19,9 +19,9 @@ depth-1 ("step 0") key and to its own ancestors' keys. This is the training-time
     keys of rows 0..t (causal) + the step-i keys of row t itself for i = 1..j; target x_{t+2+j}, teacher
     = the base's distribution at t+1+j restricted to the draft vocabulary.
 
-`ttt_attention` (models/eagle3_ttt.py) computes that mask without materialising it ([T, T+j] scores: the causal block and j
-diagonal terms); `ttt_attention_reference` is its slow twin with the dense [T, (j+1)T] mask (the
-parity test in tests/test_eagle3.py).
+`ttt_attention` (models/eagle3_ttt.py) computes that mask without materialising it ([T, T+j] scores: the
+causal block and j diagonal terms); `ttt_attention_reference` is its slow twin with the dense [T, (j+1)T]
+mask (the parity test in tests/test_eagle3.py).
 
 Parallel drafting (P-EAGLE, `draft.eagle3.parallel_drafting: true`; speculators' `peagle`, which vLLM serves as
 method eagle3 with `parallel_drafting`): the same layer drafts K = ttt_steps tokens in ONE forward. Depth 1 is
