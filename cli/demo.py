@@ -16,8 +16,10 @@
    training's dtype: `fast`, i.e. bf16 on CPUs with bf16 matrix instructions and fp32 elsewhere, unless
    train.precision says), with own-AR and transformers-generate baselines side by side in the same run, and print
    acceptance length (with the tree size), both speedups and the losslessness verdict in words;
-5. (bf16 only; an fp32 run is exact already) an exact fp32 check on a few prompts: there the speculative output
-   must equal plain greedy decoding token for token.
+5. (bf16 only; an fp32 run is exact already) the exact fp32 judge: every MT-bench prompt whose bf16 output differed
+   from plain decoding was already decoded again in fp32 inside step 4 (same tree, same length: numeric rounding or a
+   real mismatch, eval/harness/lossless.py), and two more prompts are decoded in fp32 with the run's own tree and
+   length: there the speculative output must equal plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def run_demo(overrides: list[str]) -> int:
     t_train = time.perf_counter() - t0
     # The decoding runs in the dtype the cache and the training used (fp32 when train.precision=fp32 forces it).
     eval_args = [f"dtype={dtype}", f"num_prompts={planned['eval.num_prompts']}"]
+    check_tree: list[str] = []  # the user's tree (in eval_overrides) or the tuned one, fixed for the fp32 check
     if _sets_tree(eval_overrides):
         print("[demo 2/5] the tree: yours (eval.tree / eval.tree_choices), not tuned", flush=True)
     else:
@@ -82,7 +85,10 @@ def run_demo(overrides: list[str]) -> int:
         # eval says which tuning it applies); with no tree beating AR the demo still decodes with the top-1.
         tree = str(choice["tree_choices"]).replace(" ", "")
         eval_args += ["tree_choices=null"] if choice["speculate"] else [f"tree_choices={tree}", "use_tuning=false"]
-    evaluate_demo_run(run_dir, [*eval_args, *eval_overrides])
+        # the fp32 check decodes the same tree: tuning.json's choice was measured in the run's dtype, so an fp32 eval
+        # would not apply it and would fall back to another tree
+        check_tree = [f"tree_choices={tree}", "use_tuning=false"]
+    evaluate_demo_run(run_dir, [*eval_args, *eval_overrides], check_overrides=check_tree)
     print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min (probe, training incl. set-up "
           f"{t_train / 60:.1f} min; planned {plan.total_s / 60:.1f}); run directory {run_dir}")
     return 0
@@ -132,9 +138,11 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True):
     return plan, dtype
 
 
-def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None) -> None:
-    """Steps 2-4 of the demo on a finished run: held-out table, MT-bench decoding, exact check, summary.
-    overrides: for configs/eval/demo.yaml (the plan's dtype and prompt count, the user's eval.* keys)."""
+def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None,
+                      check_overrides: list[str] | None = None) -> None:
+    """Steps 3-5 of the demo on a finished run: held-out table, MT-bench decoding, exact check, summary.
+    overrides: for configs/eval/demo.yaml (the plan's dtype and prompt count, the user's eval.* keys);
+    check_overrides: what the fp32 check adds so that it decodes the run's own tree (the tuned one, fixed)."""
     from core.hardware import resolve_device, resolve_dtype
     from eval.harness.config import load_eval_config
     from eval.harness.lossless import format_verdict
@@ -156,10 +164,12 @@ def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None) -> None
     report, out_dir = eval_export(run_dir / "export", eval_cfg)
     exact = None
     if dtype != torch.float32:
-        check_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [*overrides,
-            "dtype=fp32", "num_prompts=2", "max_new_tokens=32", "hf_baseline=false", "warmup_tokens=4",
-            "name=mtbench-demo-fp32-check"])
-        print(f"[demo 5/5] exact losslessness check in fp32 on {check_cfg.num_prompts} prompts", flush=True)
+        check_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [*overrides, *(check_overrides or []),
+            "dtype=fp32", "num_prompts=2", "hf_baseline=false", "warmup_tokens=4", "name=mtbench-demo-fp32-check"])
+        redecoded = (report.get("extra") or {}).get("lossless_redecoded", 0)
+        also = f" (the {redecoded} that differed in bf16 were re-decoded in fp32 in step 4)" if redecoded else ""
+        print(f"[demo 5/5] exact losslessness check in fp32 on {check_cfg.num_prompts} prompts with the run's tree "
+              f"and length{also}", flush=True)
         exact, _ = eval_export(run_dir / "export", check_cfg)
     else:
         print("[demo 5/5] the decoding above ran in fp32 (no fast bf16 on this CPU, or train.precision=fp32): its "

@@ -177,19 +177,74 @@ def test_ties_at_a_bucket_only_the_tree_uses_are_ties_not_mismatches(monkeypatch
     assert ex["lossless_ties"] >= 1 and ex["lossless_mismatches"] == 0 and ex["lossless_up_to_ties"] is True
 
 
-def _eval(monkeypatch, tmp_path, backend_factory, drafter_factory, low_precision: bool):
+def _eval(monkeypatch, tmp_path, backend_factory, drafter_factory, low_precision: bool, twin: bool = False,
+          overrides: tuple = ()):
     """specdraft eval's own path (eval.harness.runner.evaluate) on a tiny base with varied greedy continuations (and
-    top-2 gaps from 0 to ~2) with the tiny tokenizer, through a chosen backend."""
+    top-2 gaps from 0 to ~2) with the tiny tokenizer, through a chosen backend. twin: give evaluate an fp32 twin (a
+    copy of the base that decodes through the exact HFBackend, whatever backend_factory does to the run's own)."""
+    import copy
+
     from eval.harness.config import load_eval_config
     from models.base import load_base
     from models.tiny import diverse_tiny_llama
 
     base = dataclasses.replace(load_base("tiny"), model=diverse_tiny_llama(0))
-    monkeypatch.setattr(runner, "make_backend", lambda kind, model: backend_factory(model))
+    base32 = dataclasses.replace(base, model=copy.deepcopy(base.model))
+    monkeypatch.setattr(runner, "make_backend",
+                        lambda kind, model: HFBackend(model) if model is base32.model else backend_factory(model))
     if low_precision:  # judge the fp32 tiny base as a bf16 one would be: measure the tolerance
         monkeypatch.setattr(runner, "is_exact_dtype", lambda dtype: False)
-    cfg = load_eval_config(["configs/eval/smoke.yaml"], ["num_prompts=3", "max_new_tokens=24", "hf_baseline=false"])
-    return runner.evaluate(cfg, base, drafter_factory(base.model.config.vocab_size), "chain", tmp_path)
+    cfg = load_eval_config(["configs/eval/smoke.yaml"], ["num_prompts=3", "max_new_tokens=24", "hf_baseline=false",
+                                                        *overrides])
+    vocab = base.model.config.vocab_size
+    fp32_twin = (lambda: (base32, drafter_factory(vocab))) if twin else None
+    return runner.evaluate(cfg, base, drafter_factory(vocab), "chain", tmp_path, fp32_twin=fp32_twin)
+
+
+def test_a_rounding_flip_is_numeric_when_the_fp32_redecode_is_identical(monkeypatch, tmp_path):
+    """A multi-token forward that flips near ties (one rounding step) while the tolerance sample measured 0.0 (the
+    AMX case: three prompts without a flip, a fourth with one): judged by the tolerance alone that is a "real
+    mismatch"; the fp32 re-decode is identical to plain decoding, so it is numeric, not a bug."""
+    flip = lambda m: RoundingBackend(m, 0.1)  # noqa: E731
+    alone = _eval(monkeypatch, tmp_path / "alone", flip, lambda v: ChainDrafter(2, v), True,
+                  overrides=("tie_prompts=0",))
+    assert alone["extra"]["lossless_mismatches"] >= 1  # the old false alarm
+    assert "not re-decoded in fp32" in format_verdict(alone)
+    report = _eval(monkeypatch, tmp_path / "judged", flip, lambda v: ChainDrafter(2, v), True, twin=True,
+                   overrides=("tie_prompts=0",))
+    ex = report["extra"]
+    assert report["lossless"] is False  # the exact comparison still says what happened in low precision
+    assert ex["lossless_numeric"] >= 1 and ex["lossless_mismatches"] == 0 and ex["lossless_up_to_ties"] is True
+    assert ex["lossless_redecoded"] == ex["lossless_differing"] == ex["fp32_redecode"]["prompts"]
+    text = format_verdict(report)
+    assert text.startswith("lossless up to rounding") and text.endswith("; 0 real mismatches")
+    assert "re-decoded in fp32: identical to plain decoding" in text
+    samples = (tmp_path / "judged" / "samples.jsonl").read_text()
+    assert '"kind": "numeric"' in samples and '"tolerance_kind": "mismatch"' in samples
+
+
+def test_a_verifier_bug_stays_a_mismatch_in_the_fp32_redecode(monkeypatch, tmp_path):
+    """The same judge must still catch a real bug: with the verifier broken, the fp32 re-decode differs too."""
+    monkeypatch.setattr(decoder, "greedy_accept", _accept_everything)
+    report = _eval(monkeypatch, tmp_path, lambda m: RoundingBackend(m, 0.3), lambda v: ChainDrafter(2, v), True,
+                   twin=True)
+    ex = report["extra"]
+    assert ex["lossless_mismatches"] == report["num_prompts"] and ex["lossless_numeric"] == 0
+    assert ex["lossless_redecoded"] == report["num_prompts"]
+    text = format_verdict(report)
+    assert text.startswith("NOT lossless") and "different in the fp32 re-decode too" in text
+
+
+def test_no_redecode_in_fp32_runs(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(runner, "redecode_fp32", lambda *a: calls.append(a) or {})
+    _eval(monkeypatch, tmp_path, lambda m: RoundingBackend(m, 0.3), lambda v: ChainDrafter(2, v), False, twin=True)
+    assert calls == []  # an fp32 run is the exact check itself
+
+
+def test_no_redecode_where_nothing_differs(monkeypatch, tmp_path):
+    report = _eval(monkeypatch, tmp_path, HFBackend, lambda v: ChainDrafter(2, v), True, twin=True)
+    assert report["lossless"] is True and "fp32_redecode" not in report["extra"]  # nothing differed: no twin load
 
 
 def test_a_constructed_tie_is_reported_as_a_tie(monkeypatch, tmp_path):

@@ -31,6 +31,10 @@ class EvalConfig:
     ar_baseline: bool = True  # own AR decoding, same engine, same run (also the losslessness reference)
     hf_baseline: bool = True  # transformers generate (greedy), same run
     tie_prompts: int = 3  # bf16/fp16: prompts used to measure the tie tolerance (eval/harness/lossless.py); 0 = none
+    # bf16/fp16 greedy: every prompt whose output differs from plain decoding is decoded again in fp32 (same draft,
+    # tree, length, device), the losslessness verdict's judge (a rounding flip vs a real mismatch); false = judge by
+    # the measured tolerance alone (e.g. no memory for an fp32 copy of a large base)
+    redecode_fp32: bool = True
     warmup_tokens: int = 16  # one untimed warm-up generation of this length per method
     seed: int = 0  # prompt draw (num_prompts of a larger set) and sampling
     base_path: str = ""  # "" = the base named in the export's config.json (or method_base for --method)

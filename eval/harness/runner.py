@@ -9,6 +9,7 @@ untimed warm-up generation first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from pathlib import Path
@@ -23,10 +24,12 @@ from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_ge
 from eval.harness.config import EvalConfig, load_eval_config
 from eval.harness.hf_baseline import hf_generate_timed
 from eval.harness.lossless import (
+    IDENTICAL,
     classify,
     format_verdict,
     is_exact_dtype,
     measure_tolerance,
+    rejudge,
     verdict,
     verify_widths,
 )
@@ -63,6 +66,39 @@ def tie_tolerance(cfg: EvalConfig, backend, model, prompts: list, max_nodes: int
     return m["tolerance"], m
 
 
+def redecode_fp32(cfg: EvalConfig, base, prompts: list, divs: list, results: list, twin) -> dict:
+    """Judge every prompt whose low-precision output differed from plain decoding by an exact re-decode
+    (eval/harness/lossless.py: rejudge): `twin()` gives (the base in fp32 on the same device, the same drafter on
+    it: same draft, tree, options); per differing prompt, speculative and plain decoding again, same length.
+    Updates divs[i] and results[i].divergence in place; returns what the report records (how many, seconds, or
+    why it did not run). Untimed: the speed figures are the low-precision run's."""
+    flagged = [i for i, d in enumerate(divs) if d.kind != IDENTICAL]
+    if not flagged:
+        return {}
+    if not cfg.redecode_fp32:
+        return {"fp32_redecode": "off (redecode_fp32=false): differing prompts judged by the measured tolerance"}
+    if twin is None:
+        return {"fp32_redecode": "not available for this run: differing prompts judged by the measured tolerance"}
+    t0 = time.perf_counter()
+    try:
+        base32, drafter32 = twin()
+    except (RuntimeError, ValueError, OSError) as err:  # e.g. no memory for an fp32 copy of a large base
+        log.warning("fp32 re-decode unavailable (%s): differing prompts judged by the measured tolerance", err)
+        return {"fp32_redecode": f"failed to load the fp32 twin: {err}"}
+    backend = make_backend(cfg.backend, base32.model)
+    eos = eos_ids(base32.model, base32.tokenizer)
+    for i in tqdm(flagged, desc="fp32 re-decode of differing prompts", unit="prompt", dynamic_ncols=True):
+        ids = prompts[i].input_ids
+        s = speculative_generate(backend, drafter32, ids, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
+                                 acceptance=cfg.acceptance, temperature=0.0)
+        a = autoregressive_generate(backend, ids, max_new_tokens=cfg.max_new_tokens, eos_ids=eos, record_top2=True,
+                                    temperature=0.0)
+        divs[i] = rejudge(divs[i], s.tokens, a.tokens, a.top2_gaps, a.runner_up, a.near_ties)
+        results[i].divergence = divs[i].to_dict()
+    del base32, drafter32, backend
+    return {"fp32_redecode": {"prompts": len(flagged), "seconds": time.perf_counter() - t0}}
+
+
 def lossless_extra(divergences: list, tolerance: float | None, measured: dict) -> dict:
     """The report's extra keys of the tie-aware verdict (counts, tolerance, how it was measured)."""
     if not divergences:
@@ -70,8 +106,11 @@ def lossless_extra(divergences: list, tolerance: float | None, measured: dict) -
     return {**verdict(divergences, tolerance), "tie_tolerance_measure": measured}
 
 
-def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: dict | None = None) -> dict:
-    """Run `drafter` on cfg's prompts with `base` (a models.base.LoadedBase); write and return the report."""
+def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: dict | None = None,
+             fp32_twin=None) -> dict:
+    """Run `drafter` on cfg's prompts with `base` (a models.base.LoadedBase); write and return the report.
+    fp32_twin: () -> (base, drafter) in fp32 on the same device, the same draft and shape; in bf16 / fp16 every
+    prompt that differs from plain decoding is re-decoded with it (redecode_fp32), the verdict's judge."""
     model, tok = base.model, base.tokenizer
     device = next(model.parameters()).device
     backend = make_backend(cfg.backend, model)
@@ -121,10 +160,13 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
             hf_time += h.seconds
             hf_match.append(list(h.tokens) == s.tokens)
         results.append(prompt_result(p, s, tok, matches, div))
+    wall = time.perf_counter() - t_start
+    low_precision = not is_exact_dtype(next(model.parameters()).dtype)
+    redecoded = redecode_fp32(cfg, base, prompts, divs, results, fp32_twin) if divs and low_precision else {}
 
     ar_tps = ar_tokens / ar_time if ar_time > 0 else None
     hf_tps = hf_tokens / hf_time if hf_time > 0 else None
-    extra = {**run_context(cfg, base, results, tree_nodes), "wall_seconds": time.perf_counter() - t_start,
+    extra = {**run_context(cfg, base, results, tree_nodes), "wall_seconds": wall, **redecoded,
              "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
              **lossless_extra(divs, tol, tol_info), **(info or {})}
     if hasattr(drafter, "total_tokens_unpacked"):
@@ -196,13 +238,21 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
     if tuned:
         info["tuning"] = tuned
+    device = next(loaded.base.model.parameters()).device
+
+    def fp32_twin():  # the same export, tree and options, in fp32 on the same device (the verdict's re-decode)
+        twin = load_export(export_dir, base_path=cfg.base_path, dtype="fp32", device=device,
+                           chat_template=cfg.chat_template)
+        return twin.base, build_drafter(twin.draft, twin.config, cfg)[0]
+
     if suite is not None:
         out_dir = export_dir.parent / "eval" / f"suite-{suite.name}"
         info = {"export": str(export_dir), **info}
-        return run_suite(suite, cfg, loaded.base, drafter, loaded.family, out_dir, info, evaluate,
-                         cfg.suite_prompts), out_dir
+        return run_suite(suite, cfg, loaded.base, drafter, loaded.family, out_dir, info,
+                         functools.partial(evaluate, fp32_twin=fp32_twin), cfg.suite_prompts), out_dir
     out_dir = export_dir.parent / "eval" / cfg.name
-    report = evaluate(cfg, loaded.base, drafter, loaded.family, out_dir, {"export": str(export_dir), **info})
+    report = evaluate(cfg, loaded.base, drafter, loaded.family, out_dir, {"export": str(export_dir), **info},
+                      fp32_twin=fp32_twin)
     return report, out_dir
 
 
@@ -225,7 +275,12 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
     if cfg.prompt_lookup:  # transformers' prompt lookup drafting w tokens per step
         info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))
     out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name
-    return evaluate(cfg, base, drafter, method, out_dir, info), out_dir
+    def fp32_twin():  # the same method and options on the base in fp32 (the verdict's re-decode)
+        base32 = load_base(cfg.base_path or cfg.method_base, dtype="fp32", device=next(base.model.parameters()).device,
+                           chat_template=cfg.chat_template or None)
+        return base32, build_ngram_drafter(base32, cfg.extra)[0]
+
+    return evaluate(cfg, base, drafter, method, out_dir, info, fp32_twin=fp32_twin), out_dir
 
 
 def sweep_method(method: str, cfg: EvalConfig) -> Path:
