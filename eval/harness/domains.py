@@ -2,8 +2,9 @@
 
 Rules, first match wins (a request to write code is code; a story that mentions 2 + 2 is writing):
 
-1. code: a code fence (```), or a programming keyword: a language or tool name (python, javascript, sql, c++, ...),
-   or a code construct (`def f(`, `function f(`, `import x`, `#include`, `SELECT ... FROM`, `console.log`, ...).
+1. code: a code fence (```), or a programming keyword: a language or tool name (python, javascript, sql, c++, c#,
+   f#, ...), or a code construct (`def f(`, `function f(`, `import x`, `#include`, `SELECT ... FROM`, `console.log`,
+   ...).
 2. writing: a request to write or draft a text: (write|compose|draft|create|generate) ... (essay|story|poem|email|
    letter|article|blog|script|song|speech|summary|outline|post|tweet|...), or rewrite / paraphrase / proofread.
 3. math: an arithmetic expression (`12 * 7`, `3x+2=11`, `x^2`, `12 - 7`; a bare `2-3` is a range) or a math word:
@@ -21,11 +22,13 @@ import re
 
 DOMAINS = ("code", "math", "writing", "chat")
 
+# The keywords end in (?!\w), not \b: after "c++" or "c#" a \b needs a word character next, so "c++ code" or
+# "in C#?" would miss. "c++17" / "c++20" count too.
 _CODE = re.compile(
     r"```|#include\b|\bdef \w+\(|\bfunction \w*\s*\(|\bconsole\.log\b|\bimport \w+|\bpublic static\b"
-    r"|\bSELECT\b.+\bFROM\b|=>|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|"
-    r"html|css|sql|bash|powershell|regex|json|yaml|api|react|node\.?js|django|flask|pandas|numpy|docker|"
-    r"kubernetes|git|code|coding|script in|compile|debug|algorithm)\b",
+    r"|\bSELECT\b.+\bFROM\b|=>|\b(python|javascript|typescript|java|c\+\+(\d\d)?|c#|f#|golang|rust|kotlin|swift|"
+    r"php|ruby|html|css|sql|bash|powershell|regex|json|yaml|api|react|node\.?js|django|flask|pandas|numpy|docker|"
+    r"kubernetes|git|code|coding|script in|compile|debug|algorithm)(?!\w)",
     re.IGNORECASE | re.DOTALL)
 # `12 * 7`, `3x+2=11`, `x^2`, `12 - 7` (a bare `2-3` is a range, not arithmetic)
 _ARITHMETIC = re.compile(r"[\dxyn]\s*[+*/^=×÷]\s*\(?\s*-?\d|\d\s+-\s+\d")
