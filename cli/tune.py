@@ -22,7 +22,7 @@ ENGINE_CHOICES = ("ours", "vllm", "llamacpp", "all")
 
 
 def add_tune_parser(sub) -> argparse.ArgumentParser:
-    from eval.harness.tune import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, DEFAULT_REPEATS
+    from eval.harness.tune import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, DEFAULT_REPEATS, MIN_REPEATS
 
     p = sub.add_parser("tune", help="sweep each engine's speculation settings against its own AR and write the "
                        "fastest (or 'do not speculate') into the export")
@@ -34,8 +34,8 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per pass (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
     p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="paired AR / setting passes per setting, "
-                   f"and of the winner's confirmation (at least 2: the noise is measured from them; default "
-                   f"{DEFAULT_REPEATS})")
+                   f"and of the winner's confirmation (at least {MIN_REPEATS}: the noise is measured from them; "
+                   f"default {DEFAULT_REPEATS})")
     p.add_argument("--budget-minutes", type=float, default=60.0, help="wall-clock budget for the whole sweep; a "
                    "budget that cannot fit one setting per engine is refused (default 60)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="chance of calling any setting faster than "
@@ -150,6 +150,7 @@ def cmd_tune(args) -> int:
     from core.hardware import resolve_device
     from eval.harness.runner import resolve_heldout_skip
     from eval.harness.tune import (
+        MIN_REPEATS,
         BudgetTooSmall,
         EngineUnavailable,
         check_budget,
@@ -176,9 +177,9 @@ def cmd_tune(args) -> int:
             raise ValueError(f"--concurrency {args.concurrency} needs at least {concurrencies[-1]} prompts to keep "
                              f"{concurrencies[-1]} different requests in flight; give --num-prompts "
                              f"{concurrencies[-1]} or more")
-    if args.repeats < 2:
-        raise ValueError("--repeats must be at least 2: the noise a speedup is judged against is measured from the "
-                         "repeats")
+    if args.repeats < MIN_REPEATS:
+        raise ValueError(f"--repeats {args.repeats}: give at least {MIN_REPEATS}, the noise a speedup is judged "
+                         "against is measured from the repeats")
     if not 0 < args.alpha < 1 or args.min_gain < 0:
         raise ValueError("--alpha must lie in (0, 1) and --min-gain be at least 0")
     draft_dir = Path(args.draft)

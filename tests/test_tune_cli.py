@@ -34,6 +34,18 @@ def test_an_engine_not_installed_is_one_line_naming_its_make_target(tmp_path, mo
     assert err.startswith("specdraft tune: ") and target in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("repeats", ["1", "2"])
+def test_fewer_than_three_repeats_are_refused_in_one_line(tmp_path, capsys, repeats):
+    """Before any model work: the statistics need 3 paired passes per setting (eval/harness/tune.py MIN_REPEATS)."""
+    from cli.main import main
+    from eval.harness.tune import DEFAULT_REPEATS, MIN_REPEATS
+
+    assert main(["tune", "--draft", str(tmp_path / "no-export-needed"), "--repeats", repeats]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("specdraft tune: error: ") and "at least 3" in err, err
+    assert MIN_REPEATS == 3 <= DEFAULT_REPEATS
+
+
 def test_a_budget_too_small_is_refused_with_the_minimum(smoke_run, capsys):
     run_dir, _ = smoke_run
     assert tune(["--draft", str(run_dir / "export"), *SMOKE, "--budget-minutes", "0.01"]) == 3
@@ -57,7 +69,7 @@ def test_tune_ours_writes_the_export_and_eval_uses_it(smoke_run, tmp_path, capsy
     shutil.copytree(run_dir / "export", run / "export")  # the session's smoke export stays untouched
     (run / "export" / "NOTES.md").write_text("# my notes\n\nkept across tunes\n")
     argv = ["--draft", str(run / "export"), *SMOKE, "--num-prompts", "2", "--max-new-tokens", "8",
-            "--budget-minutes", "5", "--repeats", "2"]
+            "--budget-minutes", "5", "--repeats", "3"]
     assert tune(argv) == 0
     out = capsys.readouterr()
     assert "ours: " in out.out and "tune:" in out.err  # the choice, and the progress bar
@@ -68,7 +80,7 @@ def test_tune_ours_writes_the_export_and_eval_uses_it(smoke_run, tmp_path, capsy
     assert labels[:heads] == [f"chain {d}" for d in range(1, heads + 1)] and f"chain {heads + 1}" not in labels
     assert any(label.startswith("wide2") for label in labels)  # a static tree shape of the family
     ok = [p for p in rec["points"] if p["status"] == "ok"]
-    assert ok and all(p["same_tokens_as_ar"] == 1.0 and len(p["ratios"]) == 2 for p in ok)  # lossless, paired
+    assert ok and all(p["same_tokens_as_ar"] == 1.0 and len(p["ratios"]) == 3 for p in ok)  # lossless, paired
     import torch
 
     # no --threads: the eval config's (0 = torch's default), the count `specdraft eval` below decodes with too

@@ -63,7 +63,10 @@ from eval.harness.tune_stats import (  # noqa: F401  (re-exported: the sweep's s
 TUNING_FILE = "tuning.json"
 TUNING_FORMAT = 2  # 1: one noise per setting (half the range of its ratios, at least 3 %), no confirmation
 ENGINE_NAMES = ("ours", "vllm", "llamacpp")
-DEFAULT_REPEATS = 3  # paired passes per setting: 2 leave one degree of freedom per setting for the noise
+DEFAULT_REPEATS = 3  # paired passes per setting
+# The fewest --repeats tune accepts: 2 pairs leave each setting one degree of freedom for its noise, so one odd pass
+# decides its spread, and the confirmation's interval would rest on two fresh pairs.
+MIN_REPEATS = 3
 
 
 class EngineUnavailable(RuntimeError):
