@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import SMOKE_RECIPE
+from helpers.compiled import assert_ran_compiled
 from helpers.drafts import perturb
 from helpers.trees import deepest_path, full_forward, random_tree, root_path
 
@@ -54,15 +55,6 @@ def fp32_model():
     return diverse_tiny_llama(0).to(CUDA)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _room_for_graphs():
-    """One graph per bucket (1, 2, 4, ... 64 nodes), per aux-layer set and per backend that compiles: allow more
-    than dynamo's default of 8 recompiles of the one step function."""
-    for knob in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(256, getattr(torch._dynamo.config, knob)))
-
-
 def _compiled_backend(model, max_len: int = 256) -> FastBackend:
     backend = FastBackend(model, max_len=max_len, compile=ON_CUDA, static=True)
     assert backend.static and backend.compile == ON_CUDA
@@ -70,11 +62,12 @@ def _compiled_backend(model, max_len: int = 256) -> FastBackend:
 
 
 def assert_compiled(backend: FastBackend) -> None:
-    """The case ran compiled, as its name says: compilation is still on and tree steps went through the graph
-    (on the CPU rehearsal nothing compiles, so only the padding logic is checked)."""
+    """The case ran compiled, as its name says: tree steps ran through graphs dynamo compiled for this backend and
+    none ran eagerly (tests/helpers/compiled.py; on the CPU rehearsal nothing compiles, so only the padding logic
+    is checked). The backend raises dynamo's recompile limit for its own graphs (fast.py: RECOMPILE_LIMIT)."""
     assert backend.compile == ON_CUDA and backend.static
     if ON_CUDA:
-        assert backend.compiled_steps > 0, "no step ran through the compiled graph"
+        assert_ran_compiled(backend)
 
 
 @pytest.fixture

@@ -30,6 +30,8 @@ The slow reference twin is the `hf` backend; `tests/test_eval_fast_backend.py` c
 from __future__ import annotations
 
 import ctypes
+import inspect
+import logging
 import sys
 from contextlib import contextmanager
 
@@ -53,6 +55,14 @@ _LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "qn", "kn", "wo", "bo", "pan", "ln2", "
 # Spare slots after max_len for static-mode padding: enough for any tree of up to 65 nodes (the
 # 63-node Medusa tree pads to 64) wherever the cache stands.
 _STATIC_PAD_ROOM = 64
+# Graphs one backend's step may compile: one per tree bucket (1, 2, 4, ... _STATIC_PAD_ROOM nodes) and aux-layer
+# set. Dynamo's default of 8 recompiles is met by an EAGLE-3 tree search, and with fullgraph=True reaching it
+# raises mid-decode instead of falling back.
+RECOMPILE_LIMIT = 64
+# Where torch.compile has no per-call limit (before 2.13), dynamo's global one, shared by every backend that compiles.
+GLOBAL_RECOMPILE_LIMIT = 256
+
+log = logging.getLogger(__name__)
 
 
 _HUGE_PAGE = 2 << 20
@@ -365,6 +375,58 @@ class _LlamaCore(nn.Module):
         self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
 
 
+class _CountingCompiler:
+    """torch.compile's backend for the static step: the named compiler (inductor with the mode's options, built as
+    torch.compile builds it) plus a count of what it did: graphs compiled, and calls that ran one of them. A step
+    that dynamo runs eagerly (compilation disabled, a stance forcing eager, a frame it gave up on) never enters a
+    compiled graph, so `runs` is what says the step really ran compiled."""
+
+    def __init__(self, name: str, mode: str | None):
+        if name == "inductor":
+            self._inner = torch._TorchCompileInductorWrapper(mode, None, False)
+        else:
+            self._inner = torch._dynamo.lookup_backend(name)
+        self.compiler_name = name
+        self.graphs = 0
+        self.runs = 0
+
+    def __call__(self, gm, example_inputs):
+        compiled = self._inner(gm, example_inputs)
+        self.graphs += 1
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        return run
+
+    def reset(self) -> None:  # torch._dynamo.reset() resets backends (inductor: its CUDA-graph trees)
+        if hasattr(self._inner, "reset"):
+            self._inner.reset()
+
+    def get_compiler_config(self):
+        get = getattr(self._inner, "get_compiler_config", None)
+        return get() if get is not None else None
+
+
+def _compile_step(fn, compiler: _CountingCompiler):
+    """torch.compile of the static step, fullgraph, with room for RECOMPILE_LIMIT graphs of this backend's own."""
+    kwargs = {}
+    params = inspect.signature(torch.compile).parameters
+    if "recompile_limit" in params and "isolate_recompiles" in params:
+        # per backend: another backend's graphs of the same step function do not count against this one
+        kwargs.update(recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
+    else:
+        for knob in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
+            if hasattr(torch._dynamo.config, knob):
+                if getattr(torch._dynamo.config, knob) < GLOBAL_RECOMPILE_LIMIT:
+                    log.info("fast backend: torch._dynamo.config.%s raised to %d (one graph per tree bucket "
+                             "and aux-layer set)", knob, GLOBAL_RECOMPILE_LIMIT)
+                    setattr(torch._dynamo.config, knob, GLOBAL_RECOMPILE_LIMIT)
+                break
+    return torch.compile(fn, backend=compiler, dynamic=False, fullgraph=True, **kwargs)
+
+
 class FastBackend(Backend):
     """LLaMA-family base with a static KV cache; see the module docstring.
 
@@ -373,7 +435,9 @@ class FastBackend(Backend):
     embedding when dtype/device match). max_len: slots reserved for
     prompt + generated tokens + one tree (reset() with a larger value reallocates). dtype / device:
     default to the model's. compile: torch.compile the tree step (default: on for CUDA, off on CPU,
-    where eager with exact shapes is faster for a small model). static: pad trees to power-of-two
+    where eager with exact shapes is faster for a small model). compile_backend: the compiler dynamo hands
+    the step to (default inductor, with CUDA graphs on GPU; tests use "eager" / "aot_eager", which compile
+    in a fraction of the time). static: pad trees to power-of-two
     buckets and attend over the whole buffer (default: same as compile).
     cpu_threads: torch intra-op threads while this backend computes on CPU (restored afterwards);
     None (default) = torch's global setting, the same the `generate` baseline gets. On an idle 2-core
@@ -384,7 +448,7 @@ class FastBackend(Backend):
 
     def __init__(self, hf_model: nn.Module, max_len: int = 2048, dtype: torch.dtype | None = None,
                  compile: bool | None = None, device: torch.device | str | None = None,
-                 static: bool | None = None, cpu_threads: int | None = None):
+                 static: bool | None = None, cpu_threads: int | None = None, compile_backend: str = "inductor"):
         cfg = hf_model.config
         ok, why = supports(cfg)
         if not ok:
@@ -401,9 +465,11 @@ class FastBackend(Backend):
         with torch.no_grad():  # the fused copies must not record autograd history
             self._core = _LlamaCore(hf_model, self._capacity_for(max_len), self.dtype, self.device).eval()
         self._step = self._core.forward
+        self._compiler: _CountingCompiler | None = None
         if self.compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._step = torch.compile(self._core.forward, mode=mode, dynamic=False, fullgraph=True)
+            self._compiler = _CountingCompiler(compile_backend, mode)
+            self._step = _compile_step(self._core.forward, self._compiler)
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads={cpu_threads}: pass a positive thread count, or None to use "
                              "torch's global setting")
@@ -411,7 +477,22 @@ class FastBackend(Backend):
         self._max_len = max_len
         self._len = 0
         self._last_n = 0  # nodes of the last forward_tree, awaiting commit
-        self.compiled_steps = 0  # tree steps that ran through the compiled graph (tests check compile stayed on)
+        # Static tree steps that ran a compiled graph, and those that compile was on for but ran eagerly (dynamo
+        # disabled or gave up): counted from the compiled code itself, so a test can tell compiled from not.
+        self.compiled_steps = 0
+        self.eager_steps = 0
+
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs dynamo compiled for this backend's tree step (0 when compile is off)."""
+        return self._compiler.graphs if self._compiler is not None else 0
+
+    def compile_report(self) -> dict:
+        """What compilation did for this backend: graphs compiled, static steps that ran one, steps that fell back to
+        eager. `ran_compiled`: compile is on, at least one step ran a compiled graph and none fell back."""
+        ran = self.compile and self.compiled_steps > 0 and self.eager_steps == 0
+        return {"compile": self.compile, "graphs": self.compiled_graphs, "compiled_steps": self.compiled_steps,
+                "eager_steps": self.eager_steps, "ran_compiled": ran}
 
     def set_aux_layers(self, ids) -> None:
         ids = self._check_aux_ids(ids, self._core.n_layers)
@@ -540,9 +621,13 @@ class FastBackend(Backend):
             kpos = torch.arange(cap, device=dev)
             kpos[c:c + b] = pos
             win = self._window_mask(mask, pos, kpos)
+        runs = self._compiler.runs if self._compiler is not None else 0
         logits, hidden, aux = self._step(tok, pos, slots, self._core.group_mask(mask), cap, win, self.aux_layers)
-        if self.compile:
-            self.compiled_steps += 1
+        if self._compiler is not None:
+            if self._compiler.runs > runs:
+                self.compiled_steps += 1
+            else:
+                self.eager_steps += 1
         # Copy out of CUDA-graph-owned memory before the next replay overwrites it.
         self.last_aux = None if aux is None else aux[:n].clone()
         return logits[:n].clone(), hidden[:n].clone()
