@@ -205,7 +205,9 @@ def cmd_tune(args) -> int:
     context = {"export": str(draft_dir), "machine": machine_info(), "dataset": cfg.dataset,
                "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "repeats": args.repeats,
                "alpha": args.alpha, "min_gain": args.min_gain, "budget_minutes": args.budget_minutes,
-               "wall_seconds": time.monotonic() - t0, "command": shlex.join(sys.argv),
+               "wall_seconds": time.monotonic() - t0,
+               # "specdraft", not argv[0]: where the script was installed is this machine's path
+               "command": shlex.join(["specdraft", *sys.argv[1:]]),
                "concurrencies": list(concurrencies)}
     for name, rec in records.items():
         rec["tuned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

