@@ -27,6 +27,51 @@ def add_field_parsers(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0 = torch's default)")
 
 
+def add_field_judge_parser(sub) -> None:
+    p = sub.add_parser("field", help="a draft's exact greedy acceptance on the stored base answers (simulated: no "
+                       "base forward per step), per set with 95 %% intervals, one table and plot")
+    p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export, drafts/<name>/export)")
+    p.add_argument("--refs", default=DEFAULT_REFS, help="the stored answers (specdraft field-refs)")
+    p.add_argument("--sets", default="", help="comma-separated sets of the stored answers (default: all)")
+    p.add_argument("--num-prompts", type=int, default=None, help="the first N prompts of each set (default: all)")
+    p.add_argument("--out", default=None, help="report directory (default <export>/../field/<dtype>-<shape>)")
+    p.add_argument("--against", default=None, help="another field report directory judged on the same stored "
+                   "answers: paired intervals of this draft minus that one")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="eval config keys: the draft's shape "
+                   "(tree=, tree_choices=, extra.eagle3_mode=chain extra.chain_length=4, ...), dtype=, threads")
+
+
+def cmd_field(args) -> int:
+    import json
+
+    import torch
+
+    from eval.harness.config import load_eval_config
+    from eval.harness.field import judge_export
+    from eval.harness.field_report import field_markdown, paired, read_rows
+
+    cfg = load_eval_config([], args.overrides)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()] or None
+    report, out = judge_export(Path(args.draft), Path(args.refs), cfg, sets=sets, num_prompts=args.num_prompts,
+                               out_dir=Path(args.out) if args.out else None, label=args.draft)
+    if report.get("partial"):
+        print(f"field: rank {report['rank']} done; the last rank to finish writes {out}/field.md")
+        return 0
+    print(field_markdown(report) + f"\nwrote {out}/field.json, field.md, field.png")
+    if args.against:
+        pair = paired(read_rows(out), read_rows(Path(args.against)))
+        (out / "paired.json").write_text(json.dumps({"against": args.against, **pair}, indent=1))
+        print(f"\n{args.draft} minus {args.against} on {pair['prompts']} common prompts (95 % paired bootstrap):")
+        for s, v in pair["sets"].items():
+            print(f"  {s}: {v['diff']:+.3f} ({v['interval'][0]:+.3f}..{v['interval'][1]:+.3f})")
+        if pair["mean_interval"]:
+            lo, hi = pair["mean_interval"]
+            print(f"  mean over sets: {pair['mean_diff']:+.3f} ({lo:+.3f}..{hi:+.3f})")
+    return 0
+
+
 def cmd_field_refs(args) -> int:
     import torch
 
@@ -49,4 +94,4 @@ def cmd_field_refs(args) -> int:
     return 0
 
 
-__all__ = ["add_field_parsers", "cmd_field_refs"]
+__all__ = ["add_field_parsers", "add_field_judge_parser", "cmd_field", "cmd_field_refs"]

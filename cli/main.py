@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from cli import CONFIGS
-from cli.field import add_field_parsers, cmd_field_refs
+from cli.field import add_field_judge_parser, add_field_parsers, cmd_field, cmd_field_refs
 from cli.ship import add_ship_parser, cmd_ship
 from cli.tune import add_tune_parser, cmd_tune
 from core.config_loader import ConfigError
@@ -140,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                        "generated from the families' declarations (FamilyFacts)")
     p.add_argument("--check", action="store_true", help="only check: exit 1 when a page is out of date")
     add_field_parsers(sub)
+    add_field_judge_parser(sub)
     return parser
 
 
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                "serve-check": cmd_serve_check, "tune": cmd_tune, "ship": cmd_ship,
                "tree-search": cmd_tree_search, "compare": cmd_compare,
                "config-reference": cmd_config_reference, "docs-families": cmd_docs_families,
-               "field-refs": cmd_field_refs}[args.command]
+               "field-refs": cmd_field_refs, "field": cmd_field}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

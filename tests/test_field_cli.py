@@ -1,0 +1,65 @@
+"""`specdraft field` end to end on the tiny base: stored answers written with write_refs, the smoke run's draft
+judged on them (cache built once, report with per-set intervals, resumable rows), a refusal for another base, and
+paired intervals of a draft against itself (zero)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate
+from eval.harness.config import load_eval_config
+from eval.harness.field import judge_export
+from eval.harness.field_refs import TAIL, RefsError, read_refs, write_refs
+from eval.harness.field_report import paired, read_rows
+from models.base import load_base
+
+
+def _refs(tmp_path, fingerprint=None):
+    base = load_base("tiny")
+    backend = HFBackend(base.model)
+    gen = torch.Generator().manual_seed(3)
+    lines = []
+    for s in ("set-a", "set-b"):
+        for k in range(3):
+            p = torch.randint(3, 300, (6 + 2 * k,), generator=gen)
+            n = 20
+            a = autoregressive_generate(backend, p, max_new_tokens=n + TAIL).tokens
+            lines.append({"id": f"{s}-{k}", "set": s, "p": p.tolist(), "a": a, "n": n, "e": 0})
+    fake = SimpleNamespace(name="tiny", fingerprint=fingerprint or base.fingerprint)
+    settings = {"max_new_tokens": 20, "tail": TAIL, "max_prompt_tokens": 64, "dtype": "float32", "sets": []}
+    write_refs(tmp_path / "refs", lines, fake, settings, SimpleNamespace(name="hf", version="test"), {}, "test", 0.0)
+    return tmp_path / "refs"
+
+
+def test_field_judges_a_draft_on_stored_answers(smoke_run, tmp_path):
+    run_dir, _ = smoke_run
+    refs = _refs(tmp_path)
+    cfg = load_eval_config([], ["tree=chain4"])
+    report, out = judge_export(run_dir / "export", refs, cfg, out_dir=tmp_path / "f", label="smoke")
+    assert report["prompts"] == 6 and [t["set"] for t in report["sets"]] == ["set-a", "set-b"]
+    for t in report["sets"]:
+        lo, hi = t["interval"]
+        assert 1.0 <= lo <= t["acceptance_length"] <= hi and len(t["accept_rate_per_depth"]) == 4
+    assert (out / "field.md").is_file() and (out / "field.png").is_file()
+    # resumable: a rerun reads the rows written and simulates nothing again
+    rows_before = (out / "rows-0.jsonl").read_text()
+    again, _ = judge_export(run_dir / "export", refs, cfg, out_dir=out, label="smoke")
+    assert (out / "rows-0.jsonl").read_text() == rows_before and again["sets"] == report["sets"]
+    pair = paired(read_rows(out), read_rows(out))
+    assert pair["mean_diff"] == 0 and pair["mean_interval"] == [0, 0]
+
+
+def test_stored_answers_of_another_base_are_refused(tmp_path):
+    refs = _refs(tmp_path, fingerprint="0" * 16)
+    with pytest.raises(RefsError, match="made with base 'tiny'"):
+        read_refs(refs, base_fingerprint="1" * 16)
+    card = json.loads((refs / "card.json").read_text())
+    (refs / "answers.jsonl.xz").write_bytes(b"x")
+    with pytest.raises(RefsError, match="does not match its card"):
+        read_refs(refs)
+    assert card["counts"] == {"set-a": 3, "set-b": 3}
