@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from core.load import LoadWatch
+
 ENGINE_CHOICES = ("ours", "vllm", "llamacpp", "all")
 
 
@@ -196,6 +198,7 @@ def cmd_tune(args) -> int:
         check_budget(engines, args.repeats, budget_s)  # before the progress bar lists (and searches) settings
         bar, progress = progress_bar(engines)
         t0 = time.monotonic()
+        watch = LoadWatch()  # the load beside the sweeps: a loaded tune's ratios go into no card
         with bar:
             records = run_sweeps(engines, args.repeats, budget_s - (time.monotonic() - t0), progress,
                                  alpha=args.alpha, min_gain=args.min_gain)
@@ -208,9 +211,10 @@ def cmd_tune(args) -> int:
                "wall_seconds": time.monotonic() - t0,
                # "specdraft", not argv[0]: where the script was installed is this machine's path
                "command": shlex.join(["specdraft", *sys.argv[1:]]),
-               "concurrencies": list(concurrencies)}
+               "concurrencies": list(concurrencies), "load": watch.record()}
     for name, rec in records.items():
         rec["tuned"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        rec["load"] = context["load"]
         rec["machine"] = machine_info(device=engine_device(name, cfg.device))  # where a choice applies
     write_report(out_dir, context, records)
     tuning = write_export(draft_dir, context, records)

@@ -18,6 +18,8 @@ import torch
 from tqdm import tqdm
 
 from core.hardware import device_name, resolve_device
+from core.load import LoadWatch
+from core.load import describe as describe_load
 from core.paths import CONFIGS as _CONFIGS
 from eval.engine.backends.choice import choose_backend, make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
@@ -141,6 +143,7 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
     # Dynamic-tree drafters (ReDrafter) count tokens before/after prefix sharing; only the timed prompts count.
     packed0, unpacked0 = (getattr(drafter, k, 0) for k in ("total_tokens_packed", "total_tokens_unpacked"))
     t_start = time.perf_counter()
+    watch = LoadWatch()  # the load beside the timed loop: a ratio taken above the core count is "loaded"
     tree_nodes = 0  # nodes verified over all timed steps (root included): the verification cost side
     for p in tqdm(prompts, desc=f"eval {method} on {cfg.dataset}", unit="prompt", dynamic_ncols=True):
         s = spec(p.input_ids, cfg.max_new_tokens)
@@ -161,12 +164,13 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
             hf_match.append(list(h.tokens) == s.tokens)
         results.append(prompt_result(p, s, tok, matches, div))
     wall = time.perf_counter() - t_start
+    load = watch.record()
     low_precision = not is_exact_dtype(next(model.parameters()).dtype)
     redecoded = redecode_fp32(cfg, base, prompts, divs, results, fp32_twin) if divs and low_precision else {}
 
     ar_tps = ar_tokens / ar_time if ar_time > 0 else None
     hf_tps = hf_tokens / hf_time if hf_time > 0 else None
-    extra = {**run_context(cfg, base, results, tree_nodes), "wall_seconds": wall, **redecoded,
+    extra = {**run_context(cfg, base, results, tree_nodes), "wall_seconds": wall, "load": load, **redecoded,
              "hf_matches_spec_fraction": (sum(hf_match) / len(hf_match)) if hf_match else None,
              **lossless_extra(divs, tol, tol_info), **(info or {})}
     if hasattr(drafter, "total_tokens_unpacked"):
@@ -324,6 +328,9 @@ def format_summary(report: dict, out_dir: Path) -> str:
         return "n/a" if x is None else format(x, spec)
 
     ex = report.get("extra") or {}
+    load_note = describe_load(ex.get("load"))
+    if (ex.get("load") or {}).get("loaded"):
+        load_note += "; the ratios shared the CPU: compare them with no target, copy them into no card"
     shape = ""
     if ex.get("tree_nodes_per_step") is not None:  # the verification cost side of the acceptance length
         name = f"tree {ex['tree']}, " if ex.get("tree") not in (None, "custom") else ""
@@ -334,7 +341,8 @@ def format_summary(report: dict, out_dir: Path) -> str:
             f"  {f(report['tokens_per_second'], '.1f')} tok/s"
             f" | own AR {f(report['ar_tokens_per_second'], '.1f')} tok/s | HF generate "
             f"{f(report['hf_tokens_per_second'], '.1f')} tok/s\n"
-            f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate\n"
+            f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate "
+            f"({load_note})\n"
             f"  {format_verdict(report)}\n"
             f"  report: {out_dir / 'report.md'}")
 
