@@ -74,14 +74,21 @@ def sim_row(ref, res) -> SimRow:
 
 # -- the field cache: the base's teacher-forced pass over every stored answer ------------------------------------
 
-def cache_dir(card: dict, base, dtype: torch.dtype, backend_name: str, aux_layers: tuple[int, ...],
+def cache_dir(base, dtype: torch.dtype, backend_name: str, aux_layers: tuple[int, ...],
               root: Path | None = None) -> Path:
     from core.paths import default_cache_dir
 
-    key = hashlib.sha256(json.dumps({"v": CACHE_FORMAT, "refs": card["data_sha256"], "fp": base.fingerprint,
-                                     "dtype": str(dtype), "backend": backend_name, "aux": list(aux_layers)},
+    key = hashlib.sha256(json.dumps({"v": CACHE_FORMAT, "fp": base.fingerprint, "dtype": str(dtype),
+                                     "backend": backend_name, "aux": list(aux_layers)},
                                     sort_keys=True).encode()).hexdigest()[:16]
     return Path(root or default_cache_dir()) / "field_cache" / key
+
+
+def cache_file(directory: Path, ref) -> Path:
+    """One prompt's file, named by its id and the hash of its tokens: a store rebuilt or grown reuses every
+    unchanged prompt's pass, and a changed answer never reads a stale one."""
+    digest = hashlib.sha256(json.dumps([ref.prompt, ref.answer]).encode()).hexdigest()[:12]
+    return directory / f"{ref.id}-{digest}.safetensors"
 
 
 def ensure_cache(refs: list, card: dict, base, backend_name: str, aux_layers: tuple[int, ...], *,
@@ -95,9 +102,9 @@ def ensure_cache(refs: list, card: dict, base, backend_name: str, aux_layers: tu
     from eval.engine.backends.choice import make_backend
 
     dtype = next(base.model.parameters()).dtype
-    out = cache_dir(card, base, dtype, backend_name, aux_layers, root)
+    out = cache_dir(base, dtype, backend_name, aux_layers, root)
     out.mkdir(parents=True, exist_ok=True)
-    todo = [r for r in refs if not (out / f"{r.id}.safetensors").is_file()]
+    todo = [r for r in refs if not cache_file(out, r).is_file()]
     if todo:
         backend = make_backend(backend_name, base.model)
         for r in tqdm(todo, desc="field cache: the base's pass over stored answers", unit="prompt",
@@ -112,18 +119,18 @@ def ensure_cache(refs: list, card: dict, base, backend_name: str, aux_layers: tu
                 tensors["aux"] = aux.contiguous().cpu()
             tmp = out / f".{r.id}.{os.getpid()}.tmp"
             save_file(tensors, str(tmp))
-            tmp.replace(out / f"{r.id}.safetensors")
+            tmp.replace(cache_file(out, r))
         del backend
-    write_json_atomic(out / "manifest.json", {"format": CACHE_FORMAT, "refs_sha256": card["data_sha256"],
-                                              "base_fingerprint": base.fingerprint, "dtype": str(dtype),
-                                              "backend": backend_name, "aux_layers": list(aux_layers)})
+    write_json_atomic(out / "manifest.json", {"format": CACHE_FORMAT, "base_fingerprint": base.fingerprint,
+                                              "dtype": str(dtype), "backend": backend_name,
+                                              "aux_layers": list(aux_layers)})
     return out
 
 
-def load_cached(directory: Path, ref_id: str, device) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+def load_cached(directory: Path, ref, device) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     from safetensors.torch import load_file
 
-    t = load_file(str(directory / f"{ref_id}.safetensors"))
+    t = load_file(str(cache_file(directory, ref)))
     aux = t.get("aux")
     return t["hidden"].to(device), (aux.to(device) if aux is not None else None), t["differs"].tolist()
 
@@ -171,7 +178,7 @@ def run_field(drafter, refs: list, card: dict, base, *, backend_name: str, out_d
     with path.open("a") as f:
         for r in tqdm([r for r in mine if r.id not in rows], desc="field: simulated decoding", unit="prompt",
                       dynamic_ncols=True, disable=not progress):
-            hidden, aux, differs = load_cached(directory, r.id, device)
+            hidden, aux, differs = load_cached(directory, r, device)
             with torch.inference_mode():
                 res = simulate(drafter, r.prompt, r.answer, r.n, hidden, aux, aux_layers, vocab, eos)
             row = {**sim_row(r, res).to_dict(), "tf_differs": [d for d in differs if d < r.n]}

@@ -121,6 +121,14 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
             if line.strip():
                 rec = json.loads(line)
                 done[rec["id"]] = rec
+    if (Path(out) / CARD).is_file():  # resume from the store itself (the partial file does not outlive a machine)
+        old, old_lines = read_refs(out, base.fingerprint)
+        same = all(old.get(k) == settings[k] for k in ("max_new_tokens", "tail", "max_prompt_tokens", "dtype"))
+        if not same:
+            raise RefsError(f"{out} was made with other settings ({ {k: old.get(k) for k in settings} }); pass "
+                            "the same --max-new-tokens / --max-prompt-tokens / --dtype, or another --out")
+        for r in old_lines:
+            done.setdefault(r.id, {"id": r.id, "set": r.set, "p": r.prompt, "a": r.answer, "n": r.n, "e": int(r.eos)})
     render = lambda messages: render_chat(tok, messages)  # noqa: E731
 
     t0 = time.perf_counter()
@@ -133,7 +141,7 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
         prompts += sharegpt_sets(tok, render, max_prompt_tokens)
     turn1 = {p.id: p for p in prompts if p.set == "mtbench"}
     first = [p for p in prompts if p.set in sets or (p.set == "mtbench" and "mtbench-turn2" in sets)]
-    skipped: dict[str, int] = {}
+    skipped: dict[str, int] = {}  # counted afresh: a skipped prompt is never in `done`, so it is rendered again
 
     engine = _engine(engine_name, base, max_new_tokens + TAIL, batch_size)
 
@@ -182,7 +190,7 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
                 run(todo2[i: i + batch_size], bar)
 
     order = {s: k for k, s in enumerate(sets)}
-    lines = sorted((r for r in done.values() if r["set"] in sets), key=lambda r: (order[r["set"]], r["id"]))
+    lines = sorted((r for r in done.values() if r["set"] in sets), key=lambda r: order[r["set"]])  # stable: source order
     return write_refs(out, lines, base, settings, engine, skipped, command, time.perf_counter() - t0)
 
 
@@ -225,7 +233,12 @@ def write_refs(out: Path, lines: list[dict], base, settings: dict, engine, skipp
 
 def card_markdown(card: dict) -> str:
     rows = "\n".join(f"| {s} | {n} | {card['skipped_too_long'].get(s, 0)} |" for s, n in card["counts"].items())
+    from eval.harness.field_sets import FIELD_SETS
+
     pk = ", ".join(f"{p}=={v}" for p, v in card["packages"].items())
+    missing = [s for s in FIELD_SETS if s not in card["counts"]]
+    pending = (f"\nNot stored yet: {', '.join(missing)}. `specdraft field-refs --out <this directory>` adds them "
+               "(it keeps every answer stored here).\n" if missing else "")
     return f"""# Stored base answers for the field benchmark ({card['base']})
 
 The base's greedy answers to every prompt of the field sets, token ids only: what `specdraft field` replays a draft
@@ -247,7 +260,7 @@ end-of-turn token) |
 | set | prompts | skipped (too long) |
 |---|---:|---:|
 {rows}
-
+{pending}
 Made with:
 
 ```
