@@ -18,12 +18,22 @@ one's pages. On CUDA all three stay the library's choice (memory-derived, paged 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import GenerationConfig
 
 PAGE_SIZE = 64  # tokens per cache page on the CPU (the library's default, 256, wastes most of a short answer's page)
 CPU_MAX_BATCH_TOKENS = 256  # M on the CPU: query tokens per forward (prefill chunks); the mask is [M, N + M]
 CPU_ROWS = 32  # requests decoding at once on the CPU (default of max_requests there; see the module docstring)
+
+
+def _page_size_key(config_class) -> str:
+    """The config's name for the tokens of one cache block: `page_size` in newer transformers (5.24; it still takes
+    `block_size`, with a deprecation warning), `block_size` in older ones (5.17, the GPU image's, has no
+    `page_size`). In both, `num_blocks` counts blocks of that many tokens of every layer."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return "page_size" if "page_size" in fields else "block_size"
 
 
 class HFCBGenerator:
@@ -55,8 +65,8 @@ class HFCBGenerator:
         if self.model.device.type == "cpu":  # see the module docstring: a cache for CPU_ROWS requests of this call
             rows = self.max_requests or CPU_ROWS
             pages = sorted((-(-(n + c) // PAGE_SIZE) for n, c in zip(lengths, caps)), reverse=True)
-            kw.update(page_size=PAGE_SIZE, max_batch_tokens=self.max_batch_tokens or CPU_MAX_BATCH_TOKENS,
-                      max_requests_per_batch=rows, num_blocks=sum(pages[:rows]) + 1)
+            kw.update({_page_size_key(ContinuousBatchingConfig): PAGE_SIZE}, max_requests_per_batch=rows,
+                      max_batch_tokens=self.max_batch_tokens or CPU_MAX_BATCH_TOKENS, num_blocks=sum(pages[:rows]) + 1)
         elif self.max_batch_tokens:
             kw["max_batch_tokens"] = self.max_batch_tokens
         return ContinuousBatchingConfig(**kw)
