@@ -28,8 +28,9 @@ Phases. `Stopwatch(sync)` is for a call that times its own parts (prefill inside
 
 Results. `Results` holds the script's own JSON (keys unchanged from before the harness) and writes it atomically
 (core/atomic.py) on every `save`, `put` and at the end of every `arm` block, finished or failed: a failed arm
-leaves {"error": "..."} in its row and the exception goes on up. With path None nothing is written (a script run
-without --out).
+leaves {"error": "..."} in its row and the exception goes on up, or, with `arm(..., keep_going=True)`, stops
+there so the next arm still runs (bench/regenerate.py times each engine so). With path None nothing is written
+(a script run without --out).
 """
 
 from __future__ import annotations
@@ -263,16 +264,27 @@ class Results:
         return node
 
     @contextmanager
-    def arm(self, *keys: str) -> Iterator[dict]:
+    def arm(self, *keys: str, keep_going: bool = False) -> Iterator[dict]:
         """A row at data[keys...] (a fresh dict) that the block fills; saved when the block ends. A block that
         raises leaves {"error": "<type>: <message>"} beside what it had filled, saved, and the exception goes
-        on (KeyboardInterrupt and SystemExit too)."""
+        on (KeyboardInterrupt and SystemExit too). keep_going=True: an Exception stops there instead (its
+        traceback printed to stderr, the row saved with its error) and the code after the block runs, so one
+        failing arm costs only itself; KeyboardInterrupt and SystemExit still go on."""
         row: dict = {}
         self._node(keys[:-1])[keys[-1]] = row
         try:
             yield row
+        except Exception as exc:
+            row["error"] = _error_text(exc)
+            if not keep_going:
+                raise
+            traceback.print_exc(file=sys.stderr)
         except BaseException as exc:
-            row["error"] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]
+            row["error"] = _error_text(exc)
             raise
         finally:
             self.save()
+
+
+def _error_text(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()[-2000:]

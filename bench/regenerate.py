@@ -18,6 +18,8 @@ engine, with the ratios to `generate` (and to hf-cb) as soon as both sides are i
   hf-static  HFGenerator(cache="static"): transformers' static cache (compiled on CUDA), --hf-batch per call
   generate   HFGenerator as the self-distill path runs it (batched `generate`, dynamic cache), --hf-batch per call
 
+Each engine runs in its own guard: one that raises is recorded in bench.json with its error and the others still
+run (the exit status is then 1); bench.json is also written as each engine starts, so a kill names the one it cut.
 Each engine writes its own file under --out (resumable, reused on a second run: pass a fresh --out to time again).
 The speed figure is the build's generated tokens over the build's wall time (tokenizing and the file writes
 included, the same for every engine). Each in-process engine first makes one short untimed call (warm-up), so the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -106,6 +109,59 @@ def _run_engine(name: str, base, args, out: Path, settings: dict) -> dict:
     raise ValueError(f"unknown engine {name!r}; use some of {', '.join(ENGINES)}")
 
 
+def _measure(name: str, base, args, out: Path, settings: dict) -> tuple[dict, list[dict]]:
+    """One engine's row of bench.json and its records."""
+    run = _run_engine(name, base, args, out, settings)
+    path = run["path"]
+    meta = json.loads(path.with_name(path.name + ".meta.json").read_text())
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return {"engine": run["version"], "batch": run["batch"], "seconds": round(run["seconds"], 1),
+            "generated_tokens": meta["generated_tokens"],
+            "tokens_per_second": round(meta["generated_tokens"] / run["seconds"], 1),
+            "records": meta["records"], "cut_answers": meta["cut_answers"], **run.get("extra", {})}, records
+
+
+def time_engines(engines: list[str], measure, results: Results) -> list[str]:
+    """Each engine in its own guard, in the order given: measure(name) -> (row, records). An engine that raises
+    is recorded with its error (status "failed") and the next one still runs. bench.json is written when an engine
+    starts (status "running": a kill mid-engine still names it) and when it ends, with the ratios of the engines
+    done so far. Returns the engines that failed."""
+    records, failed = {}, []
+    for name in engines:
+        print(f"bench: {name} ...", flush=True)
+        with results.arm("engine_results", name, keep_going=True) as row:
+            row["status"] = "running"
+            results.save()
+            fields, records[name] = measure(name)
+            row.update(fields, status="done")
+            _compare(results.data["engine_results"], records)
+        if "error" in row:
+            row["status"] = "failed"
+            results.save()
+            failed.append(name)
+            records.pop(name, None)
+            print(f"bench: {name} failed ({row['error'].splitlines()[-1]}); going on with the others", flush=True)
+            _free_device_memory()
+    return failed
+
+
+def _free_device_memory() -> None:
+    """What a failed engine held (a CUDA out-of-memory above all) goes back before the next engine starts."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _stop_on_sigterm(signum, frame):
+    """`timeout` (the GPU kit's stage budget) sends SIGTERM: end as SystemExit, so the engine running is recorded
+    as cut there and bench.json is written before the process ends."""
+    raise SystemExit(f"bench: SIGTERM (signal {signum}): stopped before the engine finished")
+
+
 def _compare(rows: dict, records: dict) -> None:
     """Each finished engine's ratio to `generate` (tokens/s, and records identical to its greedy ones) and to the
     library's hf-cb, once both are in: numbers of this one run only."""
@@ -122,7 +178,7 @@ def _compare(rows: dict, records: dict) -> None:
                 row[f"identical_to_{REFERENCE}"] = f"{same}/{len(records[REFERENCE])}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", default="smollm2")
     p.add_argument("--dtype", default="bf16", help="the base dtype for every engine (vLLM's CPU build runs bf16)")
@@ -146,7 +202,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads for the in-process engines "
                    "(default: torch's own); on a CPU shared with other busy jobs 1 is the robust choice")
     p.add_argument("--out", default="runs/bench-regenerate")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     if args.threads:
         import torch
 
@@ -166,31 +223,24 @@ def main() -> None:
 
     engines = [e for e in ENGINES if e in engines]  # fastest first, whatever the order given
     results = Results(out / "bench.json", {"base": base.name, **vars(args), "engines": engines, "engine_results": {}})
-    records = {}
-    for name in engines:
-        print(f"bench: {name} ...", flush=True)
-        with results.arm("engine_results", name) as row:  # bench.json rewritten when each engine ends
-            run = _run_engine(name, base, args, out, settings)
-            path = run["path"]
-            meta = json.loads(path.with_name(path.name + ".meta.json").read_text())
-            records[name] = [json.loads(line) for line in path.read_text().splitlines()]
-            row.update({
-                "engine": run["version"], "batch": run["batch"], "seconds": round(run["seconds"], 1),
-                "generated_tokens": meta["generated_tokens"],
-                "tokens_per_second": round(meta["generated_tokens"] / run["seconds"], 1),
-                "records": meta["records"], "cut_answers": meta["cut_answers"], **run.get("extra", {})})
-            _compare(results.data["engine_results"], records)
+    failed = time_engines(engines, lambda name: _measure(name, base, args, out, settings), results)
     rows = results.data["engine_results"]
-    result = results.data
-    print(json.dumps(result, indent=1))
+    print(json.dumps(results.data, indent=1))
     print(f"\n| engine | batch | seconds | generated tokens | tok/s | vs {REFERENCE} | vs {LIBRARY} | "
           f"identical to {REFERENCE} |")
     print("|---|---|---|---|---|---|---|---|")
     for name, row in rows.items():
+        if "error" in row:
+            print(f"| {name} | failed: {row['error'].splitlines()[-1][:120]} | | | | | | |")
+            continue
         print(f"| {name} ({row['engine']}) | {row['batch']} | {row['seconds']} | {row['generated_tokens']:,} | "
               f"{row['tokens_per_second']} | {row.get(f'vs_{REFERENCE}', '-')} | {row.get(f'vs_{LIBRARY}', '-')} | "
               f"{row.get(f'identical_to_{REFERENCE}', '-')} |")
+    if failed:
+        print(f"bench: {len(failed)} of {len(engines)} engine(s) failed: {', '.join(failed)} (errors in "
+              f"{results.path})", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
