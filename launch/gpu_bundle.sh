@@ -62,3 +62,5 @@ ls -l "$OUT" | awk 'NR > 1 {printf "  %8.1f KiB  %s\n", $5 / 1024, $9}'
 total=$(du -cb "$OUT"/* | tail -1 | cut -f1)
 echo "total: $(awk -v b="$total" 'BEGIN {printf "%.1f MiB", b / 1048576}') (the device tool carries 64 MiB per call," \
      "working tree and data included)"
+# Its size into launch/gpu_carry_sizes.json: tests/test_gpu_carry.py sizes every call from there (commit it).
+"$PY" launch/carry_sizes.py record "$OUT"

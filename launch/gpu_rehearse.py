@@ -6,14 +6,17 @@ The calls live in launch/gpu_calls.json, one list per window. For every call thi
    DEMO_SECONDS fit their stage's budget, and the window's cold start plus every call's timeout fit the window;
 2. checks what the call carries: the tree (tracked and untracked-but-not-ignored files, what the device tool copies,
    less the `leave_aside` paths that launch/gpu_aside.sh moves out before the calls) plus the `carry` paths, at most
-   `carry_limit_mib`; a carried path that is missing names the make target that builds it;
+   `carry_limit_mib` less `carry_margin_mib`; a carried path that is missing names the make target that builds it,
+   and one whose size moved from its record in launch/gpu_carry_sizes.json (launch/carry_sizes.py; the default
+   test tests/test_gpu_carry.py sizes the calls from those records) is noted;
 3. runs the command (GPU_CHECK_DRY=1: tiny sizes on the CPU) from a fresh copy of the tree holding only those
-   files, with the machine's work dir (/tmp there) kept across the calls of one window, as on a warm machine, and
-   with launch/image_guard/sitecustomize.py making every package the GPU image lacks unimportable until a stage
+   files, with the machine's work dir (/tmp there) kept across the calls of one window, as on a warm machine, with
+   --python's interpreter (make gpu-dry: .venv-image's, whose transformers is the image's version), and with
+   launch/image_guard/sitecustomize.py making every package the GPU image lacks unimportable until a stage
    provides it (a stage that needs one too early fails here with one line naming the stage that provides it).
 
-    python launch/gpu_rehearse.py                    # every window (make gpu-dry)
-    python launch/gpu_rehearse.py --window payoff    # one window
+    python launch/gpu_rehearse.py --python .venv-image/bin/python   # every window (make gpu-dry)
+    python launch/gpu_rehearse.py --window payoff    # one window, with this interpreter
     python launch/gpu_rehearse.py --check-only       # steps 1-2 only (seconds)
 
 Exit status 0 only when every check and every call passed; the last lines are a table of calls.
@@ -32,6 +35,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # launch/: carry_sizes.py sits beside this script
+import carry_sizes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "launch" / "gpu_calls.json"
@@ -113,28 +119,77 @@ def tree_files(repo: Path, aside: list[str] = ()) -> list[str]:
             and not any(f == a or f.startswith(a.rstrip("/") + "/") for a in aside)]
 
 
-def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+def tree_bytes(repo: Path, aside: list[str] = ()) -> dict[str, int]:
+    """{file: bytes} of what the device tool copies of the working tree (tree_files)."""
+    return {f: (repo / f).stat().st_size for f in tree_files(repo, aside)}
 
 
-def check_carry(plan: dict, window: str, repo: Path = ROOT) -> tuple[list[str], dict[str, float]]:
-    """(problems, MiB carried per call) for a window."""
+def _folders(files: dict[str, int], depth: int = 2) -> list[tuple[str, int]]:
+    """The tree's bytes per folder (its first `depth` path parts), biggest first."""
+    out: dict[str, int] = {}
+    for f, n in files.items():
+        parts = f.split("/")
+        key = "/".join(parts[:depth]) if len(parts) > depth else f
+        out[key] = out.get(key, 0) + n
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
+def carry_limit_bytes(plan: dict) -> int:
+    """What a call may carry: the device tool's limit less the plan's margin (room for the tree to grow)."""
+    return int((plan["carry_limit_mib"] - plan.get("carry_margin_mib", 0)) * MIB)
+
+
+def check_carry(plan: dict, window: str, repo: Path = ROOT,
+                recorded: dict[str, int] | None = None) -> tuple[list[str], dict[str, float]]:
+    """(problems, MiB carried per call) for a window: the tree as the device tool copies it plus each carried
+    path, measured on disk, or taken from `recorded` ({path: bytes}, launch/gpu_carry_sizes.json) when given. A call
+    over the limit less the margin is named with its biggest contributors (the tree's biggest folders among them)."""
     problems, sizes = [], {}
-    tree = sum((repo / f).stat().st_size for f in tree_files(repo, plan.get("leave_aside", [])))
+    files = tree_bytes(repo, plan.get("leave_aside", []))
+    tree = sum(files.values())
+    limit, margin = carry_limit_bytes(plan), plan.get("carry_margin_mib", 0)
     for c in plan["windows"][window]:
-        total = tree
+        parts = {"the tree": tree}
         for rel in c.carry:
-            p = repo / rel
-            if not p.exists():
-                make = MADE_BY.get(Path(rel).parts[0], "its make target")
+            make = MADE_BY.get(Path(rel).parts[0], "its make target")
+            if recorded is not None:
+                if rel not in recorded:
+                    problems.append(f"{window}/{c.name}: carries {rel}, whose size is not recorded in "
+                                    f"launch/gpu_carry_sizes.json: run `{make}` (it records it)")
+                    continue
+                parts[rel] = recorded[rel]
+                continue
+            if not (repo / rel).exists():
                 problems.append(f"{window}/{c.name}: carries {rel}, which is missing: run `{make}` first")
                 continue
-            total += _size(p)
+            parts[rel] = carry_sizes.size_of(repo / rel)
+        total = sum(parts.values())
         sizes[c.name] = total / MIB
-        if total > plan["carry_limit_mib"] * MIB:
+        if total > limit:
+            over = f"{plan['carry_limit_mib']} MiB" + (f" less the {margin} MiB margin" if margin else "")
+            biggest = ", ".join(f"{k} {v / MIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+            folders = ", ".join(f"{k} {v / MIB:.1f}" for k, v in _folders(files)[:4])
             problems.append(f"{window}/{c.name}: carries {total / MIB:.1f} MiB (tree {tree / MIB:.1f} + "
-                            f"{', '.join(c.carry)}), over {plan['carry_limit_mib']} MiB")
+                            f"{', '.join(c.carry)}), over {over}; biggest (MiB): {biggest}; the tree's biggest "
+                            f"folders: {folders}")
     return problems, sizes
+
+
+def stale_records(plan: dict, repo: Path = ROOT, recorded: dict[str, int] | None = None,
+                  tolerance: int = 64 * 1024) -> list[str]:
+    """The carried paths on disk whose size differs from launch/gpu_carry_sizes.json by more than `tolerance`
+    bytes (or that it lacks): the default test sizes the calls from that file, so it must follow the builds."""
+    recorded = carry_sizes.load() if recorded is None else recorded
+    notes = []
+    for rel in sorted({r for calls in plan["windows"].values() for c in calls for r in c.carry}):
+        if not (repo / rel).exists():
+            continue
+        n, make = carry_sizes.size_of(repo / rel), MADE_BY.get(Path(rel).parts[0], "its make target")
+        if rel not in recorded or abs(recorded[rel] - n) > tolerance:
+            was = f"{recorded[rel] / MIB:.2f} MiB" if rel in recorded else "nothing"
+            notes.append(f"{rel} is {n / MIB:.2f} MiB on disk, launch/gpu_carry_sizes.json records {was}: "
+                         f"`python launch/carry_sizes.py record {rel}` (or `{make}`), then commit it")
+    return notes
 
 
 def copy_tree(repo: Path, dest: Path, carry: list[str], aside: list[str] = ()) -> None:
@@ -220,6 +275,10 @@ def run_call(call: Call, plan: dict, repo: Path, work: Path, out: Path, python: 
 def rehearse(plan: dict, windows: list[str], out: Path, *, repo: Path = ROOT, python: str = sys.executable,
              check_only: bool = False) -> int:
     failed, rows = False, []
+    if not check_only:
+        version = subprocess.run([python, "-c", "import transformers; print(transformers.__version__)"],
+                                 capture_output=True, text=True).stdout.strip() or "none"
+        print(f"gpu_rehearse: the calls run with {python} (transformers {version})", flush=True)
     for window in windows:
         on_disk = [p for p in plan.get("leave_aside", []) if (repo / p).exists()]
         if on_disk and not check_only:
@@ -228,6 +287,8 @@ def rehearse(plan: dict, windows: list[str], out: Path, *, repo: Path = ROOT, py
                   file=sys.stderr)
         problems = check_budgets(plan, window)
         carry_problems, sizes = check_carry(plan, window, repo)
+        for note in stale_records({**plan, "windows": {window: plan["windows"][window]}}, repo):
+            print(f"gpu_rehearse: note: {note}", file=sys.stderr)
         problems += carry_problems
         for p in problems:
             print(f"gpu_rehearse: {p}", file=sys.stderr)
@@ -258,13 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", action="append", help="a window of the plan (repeatable; default: all)")
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu-dry")
     p.add_argument("--check-only", action="store_true", help="the plan's sizes and budgets only; run nothing")
+    p.add_argument("--python", default=sys.executable, help="the interpreter the calls run with (make gpu-dry: "
+                   ".venv-image's, whose transformers is the GPU image's version)")
     args = p.parse_args(argv)
     plan = load_plan(args.plan)
     windows = args.window or list(plan["windows"])
     unknown = [w for w in windows if w not in plan["windows"]]
     if unknown:
         p.error(f"no window {unknown} in {args.plan}; it has {', '.join(plan['windows'])}")
-    return rehearse(plan, windows, args.out.resolve(), check_only=args.check_only)
+    # abspath, not resolve: a venv's python is a link to the base interpreter, and only the link finds the venv
+    return rehearse(plan, windows, args.out.resolve(), python=os.path.abspath(args.python),
+                    check_only=args.check_only)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     pieces = ("sharegpt", "meta", "gguf0", "gguf1", "prompts", "benchprompts")
     print(json.dumps({name: round(_size(args.out / name) / 2**20, 2) for name in pieces
                       if (args.out / name).exists()}) + "  (MiB)")
+    if args.out.resolve() == (ROOT / ".gpudata").resolve():  # what the calls carry: sizes on record (commit them)
+        built = [p for p in pieces if (p[:4] if p.startswith("gguf") else p) in args.only]
+        record_sizes([f".gpudata/{p}" for p in built if (args.out / p).exists()])
     return 0
+
+
+def record_sizes(rels: list[str]) -> None:
+    """The pieces' bytes into launch/gpu_carry_sizes.json (launch/carry_sizes.py), which tests/test_gpu_carry.py
+    sizes every GPU call from on a clone that never built them."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from carry_sizes import SIZES, record
+
+    for rel, n in record(rels, repo=ROOT).items():
+        print(f"recorded {rel}: {n / 2**20:.2f} MiB in {SIZES.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
