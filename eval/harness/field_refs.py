@@ -190,7 +190,8 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
                 run(todo2[i: i + batch_size], bar)
 
     order = {s: k for k, s in enumerate(sets)}
-    lines = sorted((r for r in done.values() if r["set"] in sets), key=lambda r: order[r["set"]])  # stable: source order
+    # stable sort: within a set, the source order (a judge's --num-prompts N takes each set's first N)
+    lines = sorted((r for r in done.values() if r["set"] in sets), key=lambda r: order[r["set"]])
     return write_refs(out, lines, base, settings, engine, skipped, command, time.perf_counter() - t0)
 
 
