@@ -50,6 +50,9 @@ def test_field_judges_a_draft_on_stored_answers(smoke_run, tmp_path):
     rows_before = (out / "rows-0.jsonl").read_text()
     again, _ = judge_export(run_dir / "export", refs, cfg, out_dir=out, label="smoke")
     assert (out / "rows-0.jsonl").read_text() == rows_before and again["sets"] == report["sets"]
+    short, _ = judge_export(run_dir / "export", refs, load_eval_config([], ["tree=chain4", "max_new_tokens=8"]),
+                            out_dir=tmp_path / "short", label="smoke")
+    assert all(r["new_tokens"] <= 8 for r in read_rows(tmp_path / "short")) and short["meta"]["max_new_tokens"] == 8
     pair = paired(read_rows(out), read_rows(out))
     assert pair["mean_diff"] == 0 and pair["mean_interval"] == [0, 0]
 

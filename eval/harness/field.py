@@ -154,7 +154,8 @@ def shard(items: list, rank: int, world: int) -> list:
 
 
 def run_field(drafter, refs: list, card: dict, base, *, backend_name: str, out_dir: Path, rank: int = 0,
-              world: int = 1, progress: bool = True, cache_root: Path | None = None) -> list[dict]:
+              world: int = 1, progress: bool = True, cache_root: Path | None = None,
+              max_new_tokens: int | None = None) -> list[dict]:
     """Simulate `drafter` on this rank's share of `refs`; rows go to out_dir/rows-<rank>.jsonl as each prompt
     ends (a rerun continues after the last one written). Returns this rank's rows."""
     from tqdm import tqdm
@@ -180,8 +181,9 @@ def run_field(drafter, refs: list, card: dict, base, *, backend_name: str, out_d
                       dynamic_ncols=True, disable=not progress):
             hidden, aux, differs = load_cached(directory, r, device)
             with torch.inference_mode():
-                res = simulate(drafter, r.prompt, r.answer, r.n, hidden, aux, aux_layers, vocab, eos)
-            row = {**sim_row(r, res).to_dict(), "tf_differs": [d for d in differs if d < r.n]}
+                n = min(r.n, max_new_tokens or r.n)  # a shorter length: the answer's first tokens, as decoding would
+                res = simulate(drafter, r.prompt, r.answer, n, hidden, aux, aux_layers, vocab, eos)
+            row = {**sim_row(r, res).to_dict(), "tf_differs": [d for d in differs if d < n]}
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows[r.id] = row
@@ -211,12 +213,14 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dtype = str(next(loaded.base.model.parameters()).dtype).removeprefix("torch.")
     shape = _shape_name(info, cfg)
-    out_dir = Path(out_dir or Path(export_dir).parent / "field" / f"{dtype}-{shape}")
+    short = cfg.max_new_tokens < card["max_new_tokens"]
+    out_dir = Path(out_dir or Path(export_dir).parent / "field" /
+                   f"{dtype}-{shape}{f'-{cfg.max_new_tokens}tok' if short else ''}")
     from eval.engine.backends.choice import choose_backend
 
     backend_name, _ = choose_backend(cfg.backend, loaded.base.model)
     rows = run_field(drafter, refs, card, loaded.base, backend_name=backend_name, out_dir=out_dir, rank=rank,
-                     world=world)
+                     world=world, max_new_tokens=cfg.max_new_tokens)
     if world > 1:  # the last rank to finish writes the report from every rank's rows
         parts = [out_dir / f"rows-{k}.jsonl" for k in range(world)]
         rows = [json.loads(x) for p in parts if p.is_file() for x in p.read_text().splitlines() if x.strip()]
@@ -225,7 +229,8 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     meta = {"draft": label or str(export_dir), "family": loaded.family, "shape": shape, "dtype": dtype,
             "backend": backend_name, "refs": str(refs_dir), "refs_sha256": card["data_sha256"],
             "base": card["base"], "tuning": tuned, "seconds": round(time.perf_counter() - t0, 1),
-            "threads": torch.get_num_threads(), "simulated": True, **_drafter_info(info)}
+            "threads": torch.get_num_threads(), "simulated": True,
+            "max_new_tokens": min(cfg.max_new_tokens, card["max_new_tokens"]), **_drafter_info(info)}
     report = field_report(rows, meta)
     write_field_report(out_dir, report)
     return report, out_dir
