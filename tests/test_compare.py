@@ -350,3 +350,35 @@ def test_a_tie_tolerance_measured_at_other_widths_is_measured_again(tmp_path, mo
     assert compare._tolerance(None, None, None, [], tmp_path)[0] == 0.5 and len(calls) == 1  # now reused
     path.write_text(json.dumps({"tolerance": 0.0, "measure": {"exact_dtype": True}}))
     assert compare._tolerance(None, None, None, [], tmp_path)[0] == 0.0 and len(calls) == 1  # fp32: exact, kept
+
+
+def test_compare_judges_low_precision_differences_by_an_fp32_redecode(smoke_run, tmp_path, monkeypatch):
+    """A setting whose verify forwards flip near ties (a rounding backend, the base treated as bf16): every draft
+    output that differs from own AR is decoded again on the fp32 base and judged numeric there, kept in
+    fp32_redecode.jsonl (the measured tolerance, 0 here, would have called them real mismatches)."""
+    from test_eval_lossless import RoundingBackend
+
+    import eval.harness.compare as compare
+    from eval.engine.backends.hf import HFBackend
+    from models.base import load_base
+
+    run_dir, _ = smoke_run
+    twin = load_base("tiny")
+    monkeypatch.setattr(compare, "is_exact_dtype", lambda dtype: False)
+    monkeypatch.setattr(compare, "make_backend",
+                        lambda kind, model: HFBackend(model) if model is twin.model else RoundingBackend(model, 0.5))
+    monkeypatch.setattr(compare, "_tolerance", lambda *a: (0.0, {}))  # the AMX case: a tolerance sample of 0
+    cfg = load_compare_config([_config(tmp_path, run_dir / "export", settings=[
+        {"name": "greedy", "acceptance": "greedy", "temperature": 0.0, "hf_baseline": False}],
+        drafts=[{"label": "Medusa-chain", "export": str(run_dir / "export"), "eval": {"tree": "chain4"}}])])
+    base = load_base("tiny")
+    from eval.harness.compare import run_setting
+    from eval.harness.compare_config import draft_entries, setting_configs
+
+    settings = setting_configs(cfg)
+    entries = draft_entries(cfg, list(settings))
+    res = run_setting("greedy", settings["greedy"], entries, base, tmp_path / "cmp", fp32_base=lambda: twin)
+    ex = res["reports"]["Medusa-chain"]["extra"]
+    differ = ex["lossless_differing"]
+    assert differ >= 1 and ex["lossless_numeric"] == differ and ex["lossless_mismatches"] == 0
+    assert len(_rows(tmp_path / "cmp" / "greedy" / "fp32_redecode.jsonl")) == differ

@@ -49,7 +49,7 @@ from eval.harness.compare_config import (
 )
 from eval.harness.config import EvalConfig
 from eval.harness.hf_baseline import hf_generate_timed
-from eval.harness.lossless import classify, format_verdict, verify_widths
+from eval.harness.lossless import IDENTICAL, classify, format_verdict, is_exact_dtype, rejudge, verify_widths
 from eval.harness.prompts import config_prompts
 from eval.harness.report import build_report, write_report
 from eval.harness.runner import lossless_extra, prompt_result, resolve_heldout_skip, run_context, tie_tolerance
@@ -151,14 +151,17 @@ class _Store:
 
 
 def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, out_dir: Path,
-                engine_columns: Callable | None = None, redo: tuple[str, ...] = ()) -> dict:
+                engine_columns: Callable | None = None, redo: tuple[str, ...] = (),
+                fp32_base: Callable | None = None) -> dict:
     """Run (or resume) one setting; returns {label: report} for the drafts plus the baselines' tokens/s.
 
     engine_columns: runs a serving engine on this setting's prompts afterwards (the CLI passes vLLM's,
     eval/serving/compare_vllm.py; the harness never imports an engine): called as
     engine_columns(name, ecfg, methods, entries, reports, done, prompts, base, out_dir, redo=, this_pass=), its
     result goes under the returned dict's "vllm" key ({"error": message} when the engine could not run).
-    redo: labels to run again although stored (with fresh baselines beside them)."""
+    redo: labels to run again although stored (with fresh baselines beside them). fp32_base: () -> the base in fp32
+    on the same device, for the verdict's re-decode of every low-precision output that differs from plain
+    decoding (eval/harness/lossless.py: rejudge)."""
     model, tok = base.model, base.tokenizer
     ecfg = _heldout_skip(entries, name, ecfg)
     methods = _build_methods(entries, name, ecfg, base)
@@ -216,7 +219,10 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
             f.flush()
             rows.add(row)
     tol = _tolerance(ecfg, backend, model, prompts, sdir)
-    out = _write_reports(name, ecfg, prompts, methods, rows, base, sdir, greedy, tol)
+    redecoded = None
+    if greedy and not is_exact_dtype(next(model.parameters()).dtype):
+        redecoded = _redecode_fp32(name, ecfg, entries, prompts, methods, rows, sdir, fp32_base)
+    out = _write_reports(name, ecfg, prompts, methods, rows, base, sdir, greedy, tol, redecoded)
     if engine_columns is not None:
         out["vllm"] = engine_columns(name, ecfg, methods, entries, out["reports"], done, prompts, base, out_dir,
                                      redo=redo, this_pass=this_pass)
@@ -246,7 +252,42 @@ def _tps(rows: list[dict]) -> float | None:
     return sum(len(r["tokens"]) - 1 for r in rows) / secs if secs > 0 else None  # prefill token excluded
 
 
-def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greedy, tol=(None, {})) -> dict:
+def _redecode_fp32(name, ecfg, entries, prompts, methods, rows: _Store, sdir: Path, fp32_base) -> dict | str:
+    """{(prompt id, label): fp32 re-decode} for every draft output that differs from own AR in this low-precision
+    setting, kept in <setting>/fp32_redecode.jsonl (resumable); a string saying why when it cannot run."""
+    if not ecfg.redecode_fp32:
+        return "off (redecode_fp32=false): differing prompts judged by the measured tolerance"
+    if fp32_base is None:
+        return "not available for this run: differing prompts judged by the measured tolerance"
+    done = rows.done
+    path = sdir / "fp32_redecode.jsonl"
+    saved = {(r["prompt"], r["method"]): r for r in _load_rows(path)}
+    todo = [(p, m) for p in prompts for m in methods
+            if done[(p.id, m.label)]["tokens"] != done[(p.id, AR)]["tokens"] and (p.id, m.label) not in saved]
+    if todo:
+        base32 = fp32_base()
+        twins = {m.label: m for m in _build_methods(entries, name, ecfg, base32)}
+        backend, eos = make_backend(ecfg.backend, base32.model), eos_ids(base32.model, base32.tokenizer)
+        plain: dict[str, object] = {}
+        with path.open("a") as f:
+            for p, m in tqdm(todo, desc=f"compare {name}: fp32 re-decode of differing outputs", unit="run",
+                             dynamic_ncols=True):
+                if p.id not in plain:
+                    plain[p.id] = autoregressive_generate(backend, p.input_ids, max_new_tokens=ecfg.max_new_tokens,
+                                                          eos_ids=eos, record_top2=True)
+                a = plain[p.id]
+                sp = speculative_generate(backend, twins[m.label].drafter, p.input_ids,
+                                          max_new_tokens=ecfg.max_new_tokens, eos_ids=eos, acceptance=ecfg.acceptance)
+                row = {"prompt": p.id, "method": m.label, "spec": list(sp.tokens), "plain": list(a.tokens),
+                       "top2_gaps": a.top2_gaps, "runner_up": a.runner_up, "near_ties": a.near_ties}
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                saved[(p.id, m.label)] = row
+    return saved
+
+
+def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greedy, tol=(None, {}),
+                   redecoded: dict | str | None = None) -> dict:
     """Every draft's report from the stored rows. The setting's own AR / generate numbers are each prompt's most
     recent timing; each draft's speedups are against the baselines timed in its own rows' passes (_Store.paired)."""
     tok, done = base.tokenizer, rows.done
@@ -271,15 +312,21 @@ def _write_reports(name, ecfg, prompts, methods, rows: _Store, base, sdir, greed
             g = _Gen(r)
             div = None
             if greedy:
-                divs.append(classify(r["tokens"], a["tokens"], a.get("top2_gaps"), a.get("runner_up"), tol[0],
-                                     a.get("near_ties")))
+                d = classify(r["tokens"], a["tokens"], a.get("top2_gaps"), a.get("runner_up"), tol[0],
+                             a.get("near_ties"))
+                z = redecoded.get((p.id, m.label)) if isinstance(redecoded, dict) else None
+                if z is not None and d.kind != IDENTICAL:  # the judge: the same output decoded again in fp32
+                    d = rejudge(d, z["spec"], z["plain"], z["top2_gaps"], z["runner_up"], z["near_ties"])
+                divs.append(d)
                 div = divs[-1].to_dict()
             results.append(prompt_result(p, g, tok, (r["tokens"] == a["tokens"]) if greedy else None, div))
         extra = {"label": m.label, "setting": name, **run_context(ecfg, base, results, tree_nodes),
                  "heldout_skip": ecfg.heldout_skip,
                  "hf_matches_spec_fraction": (sum(done[(p.id, HF)]["tokens"] == done[(p.id, m.label)]["tokens"]
                                                   for p in prompts) / len(prompts)) if hf_tps else None,
-                 **lossless_extra(divs, *tol), **m.info}
+                 **lossless_extra(divs, *tol), **m.info,
+                 **({"fp32_redecode": redecoded} if isinstance(redecoded, str) and divs and
+                    any(d.kind != IDENTICAL for d in divs) else {})}
         extra["baseline_passes"] = sorted({str(r.get("pass")) for r in pair_ar})
         m_hf = _tps(pair_hf) if hf_tps and all(pair_hf) else None
         report = build_report(results, method=m.family, base_model=base.name,
@@ -326,10 +373,18 @@ def run_compare(cfg: CompareConfig, engine_columns: Callable[[CompareConfig], Ca
         raise ValueError(f"every setting must use one base dtype/backend/device (loaded once), got {sorted(dtypes)}")
     dtype, _, device = dtypes.pop()
     base = load_base(cfg.base_path, dtype=dtype, device=resolve_device(device))
+    twin: list = []  # the fp32 base, loaded once, only when a low-precision output differs from plain decoding
+
+    def fp32_base():
+        if not twin:
+            twin.append(load_base(cfg.base_path, dtype="fp32", device=resolve_device(device)))
+        return twin[0]
+
     out_dir = Path(cfg.out_dir)
     summary = {"base": base.name, "base_fingerprint": base.fingerprint, "settings": {}}
     for name, ecfg in settings.items():
-        res = run_setting(name, ecfg, entries, base, out_dir, columns if name in with_vllm else None, tuple(cfg.redo))
+        res = run_setting(name, ecfg, entries, base, out_dir, columns if name in with_vllm else None, tuple(cfg.redo),
+                          fp32_base=fp32_base)
         res["base_dtype"] = str(base.model.dtype).removeprefix("torch.")  # what dtype "fast"/"auto" resolved to
         summary["settings"][name] = res
         for label, v in (res.get("vllm") or {}).get("drafts", {}).items():
