@@ -244,6 +244,7 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
         info["tuning"] = tuned
     device = next(loaded.base.model.parameters()).device
 
+    @functools.cache  # loaded once per eval, and only when some output differs (a suite's sets share it)
     def fp32_twin():  # the same export, tree and options, in fp32 on the same device (the verdict's re-decode)
         twin = load_export(export_dir, base_path=cfg.base_path, dtype="fp32", device=device,
                            chat_template=cfg.chat_template)
