@@ -221,7 +221,8 @@ def _tie_counts(ex: dict) -> str:
     """identical / ties / mismatches of the tie-aware verdict (eval/harness/lossless.py); n/a for older reports."""
     if ex.get("lossless_identical") is None:
         return "n/a"
-    return f"{ex['lossless_identical']} / {ex['lossless_ties']} / {ex['lossless_mismatches']}"
+    numeric = f" / {ex['lossless_numeric']} numeric" if ex.get("lossless_numeric") else ""
+    return f"{ex['lossless_identical']} / {ex['lossless_ties']} / {ex['lossless_mismatches']}{numeric}"
 
 
 def target_table(st: dict, targets: Targets) -> list[str]:
@@ -261,9 +262,11 @@ def _verdict_short(r: dict) -> str:
     ex = r.get("extra", {})
     if ex.get("lossless_identical") is None:
         return "—" if r.get("lossless_fraction") is None else f"{r['lossless_fraction']:.2f}"
-    n = ex["lossless_identical"] + ex["lossless_ties"] + ex["lossless_mismatches"]
+    numeric = ex.get("lossless_numeric", 0)  # differ in bf16, identical re-decoded in fp32
+    n = ex["lossless_identical"] + ex["lossless_ties"] + ex["lossless_mismatches"] + numeric
     ok = "lossless" if ex["lossless_mismatches"] == 0 else f"**{ex['lossless_mismatches']} mismatches**"
     ties = f", {ex['lossless_ties']} ties" if ex["lossless_ties"] else ""
+    ties += f", {numeric} bf16 rounding (fp32 identical)" if numeric else ""
     return f"{ok} ({ex['lossless_identical']}/{n} identical{ties})"
 
 
