@@ -64,7 +64,7 @@ def _compiled_backend(model, max_len: int = 256) -> FastBackend:
 def assert_compiled(backend: FastBackend) -> None:
     """The case ran compiled, as its name says: tree steps ran through graphs dynamo compiled for this backend and
     none ran eagerly (tests/helpers/compiled.py; on the CPU rehearsal nothing compiles, so only the padding logic
-    is checked). The backend raises dynamo's recompile limit for its own graphs (fast.py: RECOMPILE_LIMIT)."""
+    is checked). The backend raises dynamo's recompile limit for its own graphs (fast_compile.py: RECOMPILE_LIMIT)."""
     assert backend.compile == ON_CUDA and backend.static
     if ON_CUDA:
         assert_ran_compiled(backend)

@@ -54,7 +54,7 @@ def test_steps_dynamo_runs_eagerly_fail_the_check(model):
 
 def test_one_backend_compiles_more_graphs_than_dynamos_default_limit(model):
     """7 buckets (1 ... 64 nodes) x 2 aux-layer sets = 14 graphs of one step function; dynamo's default limit is 8,
-    and with fullgraph=True reaching it raises. The backend sets its own limit (fast.py: RECOMPILE_LIMIT)."""
+    and with fullgraph=True reaching it raises. The backend sets its own limit (fast_compile.py: RECOMPILE_LIMIT)."""
     backend = FastBackend(model, max_len=160, compile=True, compile_backend="eager")
     sizes = (1, 2, 3, 5, 9, 17, 33)
     for aux in ([], [0]):

@@ -30,8 +30,6 @@ The slow reference twin is the `hf` backend; `tests/test_eval_fast_backend.py` c
 from __future__ import annotations
 
 import ctypes
-import inspect
-import logging
 import sys
 from contextlib import contextmanager
 
@@ -40,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eval.engine.backends.backend import Backend
+from eval.engine.backends.fast_compile import _compile_step, _CountingCompiler
 from eval.engine.backends.fast_matmul import fp32_layout, matmul_wx, matmul_xw
 from eval.engine.backends.fast_support import (  # noqa: F401 (FAST_ARCHITECTURES re-exported)
     DYNAMIC_ROPE_TYPES,
@@ -55,14 +54,6 @@ _LAYER_TENSORS = ("ln1", "wqkv", "bqkv", "qn", "kn", "wo", "bo", "pan", "ln2", "
 # Spare slots after max_len for static-mode padding: enough for any tree of up to 65 nodes (the
 # 63-node Medusa tree pads to 64) wherever the cache stands.
 _STATIC_PAD_ROOM = 64
-# Graphs one backend's step may compile: one per tree bucket (1, 2, 4, ... _STATIC_PAD_ROOM nodes) and aux-layer
-# set. Dynamo's default of 8 recompiles is met by an EAGLE-3 tree search, and with fullgraph=True reaching it
-# raises mid-decode instead of falling back.
-RECOMPILE_LIMIT = 64
-# Where torch.compile has no per-call limit (before 2.13), dynamo's global one, shared by every backend that compiles.
-GLOBAL_RECOMPILE_LIMIT = 256
-
-log = logging.getLogger(__name__)
 
 
 _HUGE_PAGE = 2 << 20
@@ -373,58 +364,6 @@ class _LlamaCore(nn.Module):
         """Move K/V of slots `src` [m] to slots `dst` [m], all layers at once."""
         self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
         self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
-
-
-class _CountingCompiler:
-    """torch.compile's backend for the static step: the named compiler (inductor with the mode's options, built as
-    torch.compile builds it) plus a count of what it did: graphs compiled, and calls that ran one of them. A step
-    that dynamo runs eagerly (compilation disabled, a stance forcing eager, a frame it gave up on) never enters a
-    compiled graph, so `runs` is what says the step really ran compiled."""
-
-    def __init__(self, name: str, mode: str | None):
-        if name == "inductor":
-            self._inner = torch._TorchCompileInductorWrapper(mode, None, False)
-        else:
-            self._inner = torch._dynamo.lookup_backend(name)
-        self.compiler_name = name
-        self.graphs = 0
-        self.runs = 0
-
-    def __call__(self, gm, example_inputs):
-        compiled = self._inner(gm, example_inputs)
-        self.graphs += 1
-
-        def run(*args):
-            self.runs += 1
-            return compiled(*args)
-
-        return run
-
-    def reset(self) -> None:  # torch._dynamo.reset() resets backends (inductor: its CUDA-graph trees)
-        if hasattr(self._inner, "reset"):
-            self._inner.reset()
-
-    def get_compiler_config(self):
-        get = getattr(self._inner, "get_compiler_config", None)
-        return get() if get is not None else None
-
-
-def _compile_step(fn, compiler: _CountingCompiler):
-    """torch.compile of the static step, fullgraph, with room for RECOMPILE_LIMIT graphs of this backend's own."""
-    kwargs = {}
-    params = inspect.signature(torch.compile).parameters
-    if "recompile_limit" in params and "isolate_recompiles" in params:
-        # per backend: another backend's graphs of the same step function do not count against this one
-        kwargs.update(recompile_limit=RECOMPILE_LIMIT, isolate_recompiles=True)
-    else:
-        for knob in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
-            if hasattr(torch._dynamo.config, knob):
-                if getattr(torch._dynamo.config, knob) < GLOBAL_RECOMPILE_LIMIT:
-                    log.info("fast backend: torch._dynamo.config.%s raised to %d (one graph per tree bucket "
-                             "and aux-layer set)", knob, GLOBAL_RECOMPILE_LIMIT)
-                    setattr(torch._dynamo.config, knob, GLOBAL_RECOMPILE_LIMIT)
-                break
-    return torch.compile(fn, backend=compiler, dynamic=False, fullgraph=True, **kwargs)
 
 
 class FastBackend(Backend):
