@@ -66,3 +66,16 @@ def test_stored_answers_of_another_base_are_refused(tmp_path):
     with pytest.raises(RefsError, match="does not match its card"):
         read_refs(refs)
     assert card["counts"] == {"set-a": 3, "set-b": 3}
+
+
+def test_rows_cut_by_a_kill_are_redone_not_fatal(tmp_path):
+    """A kill mid-write leaves a cut last line: the writer drops it (and appends on a fresh line), a reader of
+    another rank's file ignores it without touching the file."""
+    from core.jsonl import read_finished_rows
+
+    path = tmp_path / "rows-0.jsonl"
+    path.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c", "accept')
+    assert [r["id"] for r in read_finished_rows(path, repair=False)] == ["a", "b"]
+    assert path.read_text().endswith('"accept')  # untouched
+    assert [r["id"] for r in read_finished_rows(path)] == ["a", "b"]
+    assert path.read_text() == '{"id": "a"}\n{"id": "b"}\n'

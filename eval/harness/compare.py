@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from core.hardware import device_name
+from core.jsonl import read_finished_rows
 from eval.engine.backends.choice import make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
 from eval.harness.compare_config import (
@@ -111,24 +112,6 @@ def _heldout_skip(entries: list[DraftEntry], setting: str, ecfg: EvalConfig) -> 
     return dataclasses.replace(ecfg, heldout_skip=max([ecfg.heldout_skip or 0, *skips]))
 
 
-def _load_rows(path: Path) -> list[dict]:
-    """Finished (prompt, method) rows of a setting, in the order they ran. A line cut by a kill mid-write is
-    dropped from the file too, so the next append starts on a fresh line."""
-    rows = []
-    if path.is_file():
-        text = path.read_text()
-        if text and not text.endswith("\n"):
-            text = text[: text.rfind("\n") + 1]
-            path.write_text(text)
-        for line in text.splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # damaged line: redo that pair
-                    continue
-    return rows
-
-
 class _Store:
     """A setting's stored rows: the latest row per (prompt, method), and the baseline rows of every pass.
 
@@ -171,7 +154,7 @@ def run_setting(name: str, ecfg: EvalConfig, entries: list[DraftEntry], base, ou
     sdir = out_dir / name
     sdir.mkdir(parents=True, exist_ok=True)
     store = sdir / "prompts.jsonl"
-    rows = _Store(_load_rows(store))
+    rows = _Store(read_finished_rows(store))
     done = rows.done
     this_pass = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"  # also names files: no colons
     # One generator per method, seeded per prompt, so a resumed run samples what an uninterrupted one would.
@@ -261,7 +244,7 @@ def _redecode_fp32(name, ecfg, entries, prompts, methods, rows: _Store, sdir: Pa
         return "not available for this run: differing prompts judged by the measured tolerance"
     done = rows.done
     path = sdir / "fp32_redecode.jsonl"
-    saved = {(r["prompt"], r["method"]): r for r in _load_rows(path)}
+    saved = {(r["prompt"], r["method"]): r for r in read_finished_rows(path)}
     todo = [(p, m) for p in prompts for m in methods
             if done[(p.id, m.label)]["tokens"] != done[(p.id, AR)]["tokens"] and (p.id, m.label) not in saved]
     if todo:

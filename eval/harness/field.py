@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from core.atomic import write_json_atomic
+from core.jsonl import read_finished_rows
 
 CACHE_FORMAT = 1
 
@@ -167,12 +168,7 @@ def run_field(drafter, refs: list, card: dict, base, *, backend_name: str, out_d
     directory = ensure_cache(mine, card, base, backend_name, aux_layers, root=cache_root, progress=progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"rows-{rank}.jsonl"
-    rows = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows[row["id"]] = row
+    rows = {row["id"]: row for row in read_finished_rows(path)}
     eos = end_of_turn_ids(base)
     vocab = int(base.model.config.vocab_size)
     device = next(base.model.parameters()).device
@@ -198,7 +194,7 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     from core.hardware import resolve_device
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.field_refs import read_refs
-    from eval.harness.field_report import field_report, write_field_report
+    from eval.harness.field_report import field_report, read_rows, write_field_report
     from eval.harness.tune_apply import tuned_eval_config
     from models.export.load import load_export
 
@@ -222,8 +218,7 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     rows = run_field(drafter, refs, card, loaded.base, backend_name=backend_name, out_dir=out_dir, rank=rank,
                      world=world, max_new_tokens=cfg.max_new_tokens)
     if world > 1:  # the last rank to finish writes the report from every rank's rows
-        parts = [out_dir / f"rows-{k}.jsonl" for k in range(world)]
-        rows = [json.loads(x) for p in parts if p.is_file() for x in p.read_text().splitlines() if x.strip()]
+        rows = read_rows(out_dir)
         if len({r["id"] for r in rows}) < len(refs):
             return {"partial": True, "rank": rank}, out_dir
     meta = {"draft": label or str(export_dir), "family": loaded.family, "shape": shape, "dtype": dtype,

@@ -31,6 +31,7 @@ from importlib import metadata
 from pathlib import Path
 
 from core.atomic import write_bytes_atomic, write_json_atomic, write_text_atomic
+from core.jsonl import read_finished_rows
 
 FORMAT, FORMAT_VERSION = "specdraft-field-refs", 1
 CARD, DATA = "card.json", "answers.jsonl.xz"
@@ -115,12 +116,7 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
                                     sort_keys=True).encode()).hexdigest()[:16]
     partial = Path(cache_dir or default_cache_dir()) / "field_refs" / f"{key}.partial.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
-    done = {}
-    if partial.is_file():
-        for line in partial.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                done[rec["id"]] = rec
+    done = {rec["id"]: rec for rec in read_finished_rows(partial)}
     if (Path(out) / CARD).is_file():  # resume from the store itself (the partial file does not outlive a machine)
         old, old_lines = read_refs(out, base.fingerprint)
         same = all(old.get(k) == settings[k] for k in ("max_new_tokens", "tail", "max_prompt_tokens", "dtype"))

@@ -9,11 +9,11 @@ every set's prompts at once.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
 from core.atomic import write_json_atomic, write_text_atomic
+from core.jsonl import read_finished_rows
 
 BOOT = 2000
 
@@ -147,5 +147,5 @@ def plot_field(report: dict, path: Path) -> None:
 
 
 def read_rows(out_dir: Path) -> list[dict]:
-    return [json.loads(x) for p in sorted(Path(out_dir).glob("rows-*.jsonl")) for x in p.read_text().splitlines()
-            if x.strip()]
+    """Every rank's finished rows of a field report directory (read only: a rank may still be writing)."""
+    return [row for p in sorted(Path(out_dir).glob("rows-*.jsonl")) for row in read_finished_rows(p, repair=False)]
