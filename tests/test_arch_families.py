@@ -31,12 +31,7 @@ FAMILIES = {  # 4 deep: the default tree16 of Medusa / Hydra
 NEW = 20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors; a busy shared CPU punishes thread handshakes
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, busy CPU
 
 
 @pytest.fixture(scope="module", params=ARCHS)

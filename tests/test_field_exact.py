@@ -32,12 +32,7 @@ FAMILIES = {
 NEW = 24
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, busy CPU
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

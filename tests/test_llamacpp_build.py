@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_llamacpp import _built
 
-from eval.serving.llamacpp_paths import LlamaCppError, converter_python, llama_server, llamacpp_root
+from eval.serving.llamacpp_paths import llamacpp_root
 from eval.serving.llamacpp_smoke import SMOKE_PROMPT, SMOKE_TOKENS, death_reason, quantized_bases, smoke_one
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,15 +217,6 @@ def test_a_build_holding_amx_tile_instructions_is_not_stamped(tmp_path):
 
 
 # -- the real build (make test-llamacpp) ----------------------------------------------------------------------------
-
-def _built() -> bool:
-    try:
-        llama_server()
-        converter_python()
-        return True
-    except LlamaCppError:
-        return False
-
 
 @pytest.mark.llamacpp
 @pytest.mark.skipif(not _built(), reason="llama.cpp not built (make llamacpp)")

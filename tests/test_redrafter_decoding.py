@@ -23,15 +23,7 @@ from models.draft import BaseView, DraftBatch
 from models.redrafter import ReDrafterDraft
 from train.config import LossSection
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy 2-core box every threaded op pays a
-    thread-pool handshake (a [3, 5] log_softmax measured 15 ms with 2 threads vs 1 us with 1)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, busy CPU
 
 
 def _toy_draft(vocab: int, d: int = 8, seed: int = 0, rnn: bool = True, std: float = 1.0, **kw) -> ReDrafterDraft:

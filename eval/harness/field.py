@@ -92,7 +92,7 @@ def cache_file(directory: Path, ref) -> Path:
     return directory / f"{ref.id}-{digest}.safetensors"
 
 
-def ensure_cache(refs: list, card: dict, base, backend_name: str, aux_layers: tuple[int, ...], *,
+def ensure_cache(refs: list, base, backend_name: str, aux_layers: tuple[int, ...], *,
                  root: Path | None = None, progress: bool = True) -> Path:
     """Build the missing per-prompt files of the field cache (resumable: one file per prompt, written atomically);
     returns the directory. Also records, per prompt, where this machine's teacher-forced argmax differs from the
@@ -154,7 +154,7 @@ def shard(items: list, rank: int, world: int) -> list:
     return items[rank::world]
 
 
-def run_field(drafter, refs: list, card: dict, base, *, backend_name: str, out_dir: Path, rank: int = 0,
+def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, rank: int = 0,
               world: int = 1, progress: bool = True, cache_root: Path | None = None,
               max_new_tokens: int | None = None) -> list[dict]:
     """Simulate `drafter` on this rank's share of `refs`; rows go to out_dir/rows-<rank>.jsonl as each prompt
@@ -165,7 +165,7 @@ def run_field(drafter, refs: list, card: dict, base, *, backend_name: str, out_d
 
     aux_layers = tuple(getattr(drafter, "aux_layers", None) or ())
     mine = shard(refs, rank, world)
-    directory = ensure_cache(mine, card, base, backend_name, aux_layers, root=cache_root, progress=progress)
+    directory = ensure_cache(mine, base, backend_name, aux_layers, root=cache_root, progress=progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"rows-{rank}.jsonl"
     rows = {row["id"]: row for row in read_finished_rows(path)}
@@ -215,7 +215,7 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     from eval.engine.backends.choice import choose_backend
 
     backend_name, _ = choose_backend(cfg.backend, loaded.base.model)
-    rows = run_field(drafter, refs, card, loaded.base, backend_name=backend_name, out_dir=out_dir, rank=rank,
+    rows = run_field(drafter, refs, loaded.base, backend_name=backend_name, out_dir=out_dir, rank=rank,
                      world=world, max_new_tokens=cfg.max_new_tokens)
     if world > 1:  # the last rank to finish writes the report from every rank's rows
         rows = read_rows(out_dir)

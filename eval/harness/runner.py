@@ -68,7 +68,7 @@ def tie_tolerance(cfg: EvalConfig, backend, model, prompts: list, max_nodes: int
     return m["tolerance"], m
 
 
-def redecode_fp32(cfg: EvalConfig, base, prompts: list, divs: list, results: list, twin) -> dict:
+def redecode_fp32(cfg: EvalConfig, prompts: list, divs: list, results: list, twin) -> dict:
     """Judge every prompt whose low-precision output differed from plain decoding by an exact re-decode
     (eval/harness/lossless.py: rejudge): `twin()` gives (the base in fp32 on the same device, the same drafter on
     it: same draft, tree, options); per differing prompt, speculative and plain decoding again, same length.
@@ -166,7 +166,7 @@ def evaluate(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
     wall = time.perf_counter() - t_start
     load = watch.record()
     low_precision = not is_exact_dtype(next(model.parameters()).dtype)
-    redecoded = redecode_fp32(cfg, base, prompts, divs, results, fp32_twin) if divs and low_precision else {}
+    redecoded = redecode_fp32(cfg, prompts, divs, results, fp32_twin) if divs and low_precision else {}
 
     ar_tps = ar_tokens / ar_time if ar_time > 0 else None
     hf_tps = hf_tokens / hf_time if hf_time > 0 else None
