@@ -192,6 +192,7 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     shape: tree, extra), simulate it on the stored answers (each set's first `num_prompts` when given), write
     field.json / field.md / field.png. Returns (report, out_dir)."""
     from core.hardware import resolve_device
+    from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.field_refs import read_refs
     from eval.harness.field_report import field_report, read_rows, write_field_report
@@ -212,13 +213,12 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     short = cfg.max_new_tokens < card["max_new_tokens"]
     out_dir = Path(out_dir or Path(export_dir).parent / "field" /
                    f"{dtype}-{shape}{f'-{cfg.max_new_tokens}tok' if short else ''}")
-    from eval.engine.backends.choice import choose_backend
-
     backend_name, _ = choose_backend(cfg.backend, loaded.base.model)
     rows = run_field(drafter, refs, loaded.base, backend_name=backend_name, out_dir=out_dir, rank=rank,
                      world=world, max_new_tokens=cfg.max_new_tokens)
     if world > 1:  # the last rank to finish writes the report from every rank's rows
-        rows = read_rows(out_dir)
+        wanted = {r.id for r in refs}  # a directory reused with other sets or counts holds other rows too
+        rows = [r for r in read_rows(out_dir) if r["id"] in wanted]
         if len({r["id"] for r in rows}) < len(refs):
             return {"partial": True, "rank": rank}, out_dir
     meta = {"draft": label or str(export_dir), "family": loaded.family, "shape": shape, "dtype": dtype,
