@@ -5,35 +5,18 @@ paired intervals of a draft against itself (zero)."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
-import torch
+from helpers.stored_answers import write_tiny_refs
 
-from eval.engine.backends.hf import HFBackend
-from eval.engine.decoder import autoregressive_generate
 from eval.harness.config import load_eval_config
 from eval.harness.field import judge_export
-from eval.harness.field_refs import TAIL, RefsError, read_refs, write_refs
+from eval.harness.field_refs import RefsError, read_refs
 from eval.harness.field_report import paired, read_rows
-from models.base import load_base
 
 
 def _refs(tmp_path, fingerprint=None):
-    base = load_base("tiny")
-    backend = HFBackend(base.model)
-    gen = torch.Generator().manual_seed(3)
-    lines = []
-    for s in ("set-a", "set-b"):
-        for k in range(3):
-            p = torch.randint(3, 300, (6 + 2 * k,), generator=gen)
-            n = 20
-            a = autoregressive_generate(backend, p, max_new_tokens=n + TAIL).tokens
-            lines.append({"id": f"{s}-{k}", "set": s, "p": p.tolist(), "a": a, "n": n, "e": 0})
-    fake = SimpleNamespace(name="tiny", fingerprint=fingerprint or base.fingerprint)
-    settings = {"max_new_tokens": 20, "tail": TAIL, "max_prompt_tokens": 64, "dtype": "float32", "sets": []}
-    write_refs(tmp_path / "refs", lines, fake, settings, SimpleNamespace(name="hf", version="test"), {}, "test", 0.0)
-    return tmp_path / "refs"
+    return write_tiny_refs(tmp_path / "refs", fingerprint)
 
 
 def test_field_judges_a_draft_on_stored_answers(smoke_run, tmp_path):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers.cli import smoke_cli_train
+from helpers.stored_answers import write_tiny_refs
 
 from train.best_export import DECODED_FILE, LAST_DIR, SELECTION_FILE
 from train.config import load_train_config
@@ -67,3 +69,61 @@ def test_specdraft_train_decodes_held_out_prompts(tmp_path, clean_env):
     assert abs(last["est_accept_len_chain"] - last["decoded_al"]) < 1e-6
     assert decoded[-1]["decoded/est_accept_len_chain"] == last["est_accept_len_chain"]
     assert json.loads((run_dir / "export" / SELECTION_FILE).read_text())["step"] in (3, 6)
+
+
+def test_snapshots_scored_on_stored_answers_match_decoding_them(tmp_path):
+    """train.snapshot_eval=field: each snapshot's simulated_al (mean over the stored sets of each set's AL) equals
+    what decoding the same prompts for the same lengths with the snapshot as a chain gives, and export/ is the
+    best snapshot by it."""
+    import torch
+
+    from cli.train_decode import make_decode_eval
+    from eval.engine.backends.hf import HFBackend
+    from eval.engine.decoder import speculative_generate
+    from eval.engine.drafters.registry import build_drafter, chain_overrides
+    from eval.harness.config import EvalConfig
+    from eval.harness.field_refs import read_refs
+    from models.export.load import load_export
+
+    refs = write_tiny_refs(tmp_path / "refs")
+    run_dir = tmp_path / "run"
+    cfg = load_train_config(["configs/medusa.yaml", "configs/smoke.yaml"],
+                            [f"run_dir={run_dir}", "train.max_steps=4", "train.export_every=2", "train.lr=5e-3",
+                             "train.decode_eval_prompts=2", "train.snapshot_eval=field", f"train.field_refs={refs}",
+                             "train.field_eval_sets=set-a,set-b"])
+    train(cfg, decode_eval=make_decode_eval(cfg))
+    record = json.loads((run_dir / "exports" / "step00000002" / DECODED_FILE).read_text())
+    assert record["score_key"] == "simulated_al" and record["prompts"] == 4  # 2 of each set
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "simulated_al" in r] == [2, 4]
+
+    loaded = load_export(run_dir / "exports" / "step00000002")
+    _card, stored = read_refs(refs)
+    heads = cfg.draft.num_heads
+    eval_cfg = EvalConfig(**{k: v for k, v in chain_overrides("medusa", heads).items() if k != "extra"})
+    drafter, _ = build_drafter(loaded.draft, loaded.config, eval_cfg)
+    per_set = {}
+    for r in [r for r in stored if r.id.endswith(("-0", "-1"))]:
+        g = speculative_generate(HFBackend(loaded.base.model), drafter, torch.tensor(r.prompt), max_new_tokens=r.n)
+        tokens, steps = per_set.get(r.set, (0, 0))
+        per_set[r.set] = (tokens + sum(g.accepted_lengths), steps + g.base_steps)
+    decoded = sum(t / s for t, s in per_set.values()) / len(per_set)
+    assert abs(record["simulated_al"] - decoded) < 1e-9, (record["simulated_al"], decoded)
+    assert record["simulated_al"] > 1.0  # the draft accepts something: equality is not 1 == 1
+    selection = json.loads((run_dir / "export" / SELECTION_FILE).read_text())
+    assert selection["score_key"] == "simulated_al"
+    best = max(selection["candidates"], key=lambda c: (c["simulated_al"], c["step"]))
+    assert selection["step"] == best["step"]
+
+
+def test_snapshot_eval_field_without_stored_answers_for_the_base_fails_clearly(tmp_path):
+    from cli.train_decode import make_decode_eval
+    from eval.harness.field_refs import RefsError
+
+    refs = write_tiny_refs(tmp_path / "refs", fingerprint="0" * 16)  # another base's answers
+    cfg = load_train_config(["configs/medusa.yaml", "configs/smoke.yaml"],
+                            [f"run_dir={tmp_path / 'run'}", "train.max_steps=2", "train.export_every=2",
+                             "train.decode_eval_prompts=2", "train.snapshot_eval=field", f"train.field_refs={refs}",
+                             "train.field_eval_sets=set-a"])
+    with pytest.raises(RefsError, match="train.snapshot_eval=field: .*made with base 'tiny'"):
+        train(cfg, decode_eval=make_decode_eval(cfg))

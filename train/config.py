@@ -25,6 +25,8 @@ from core.config_loader import ConfigError, Layers, load_typed, to_dict
 from core.paths import CONFIGS
 from models.registry import DRAFT_MODELS, FAMILIES, config_key_owners, flat_key_owners, option_sections
 
+SNAPSHOT_EVALS = ("auto", "field", "decode")  # train.snapshot_eval
+
 log = logging.getLogger(__name__)
 
 
@@ -132,13 +134,21 @@ class TrainSection:
     # long run leaves the points of its learning curve to decode (`specdraft eval --draft runs/<run>/exports/...`)
     export_every: int = 0
     val_batches: int = 16  # held-out micro-batches for the per-head accuracy table (0 = skip)
-    # > 0: at every snapshot (export_every) and at the end, decode this many held-out ShareGPT prompts (the first user
-    # turns after the training conversations) with the bundled decoder, a greedy chain of the family's depth, and
-    # log decoded_al; the run's export/ is then the snapshot with the best decoded AL, the final state stays in
-    # export_last/ (docs/howto/train.md#decoded-acceptance-while-training). Needs `specdraft train` (cli builds
-    # the decoder); 0 = off
+    # > 0: at every snapshot (export_every) and at the end, score the export as a greedy chain of the family's depth
+    # on this many prompts (per stored set with snapshot_eval=field) and log its AL; the run's export/ is then the
+    # best-scored snapshot, the final state stays in export_last/
+    # (docs/howto/train.md#acceptance-while-training-the-best-snapshot-is-the-export). Needs `specdraft train` (cli
+    # builds the scorer); 0 = off
     decode_eval_prompts: int = 0
-    decode_eval_tokens: int = 64  # new tokens per decoded prompt
+    decode_eval_tokens: int = 64  # new tokens per decoded prompt (snapshot_eval=decode)
+    # How snapshots are scored when decode_eval_prompts > 0. field: the exact simulated greedy AL (`specdraft field`)
+    # on the stored base answers in field_refs, decode_eval_prompts prompts of each of field_eval_sets, their whole
+    # stored answers; the drafter's cost only, so more prompts for the same minutes. decode: decode held-out ShareGPT
+    # prompts. auto: field when field_refs holds this base's answers, else decode
+    snapshot_eval: str = "auto"
+    field_refs: str = "datasets/smollm2-field-refs"  # stored base answers (`specdraft field-refs`), for field
+    # the stored sets scored at snapshots (comma-separated): held-out ShareGPT slices, not the sets reported headline
+    field_eval_sets: str = "sharegpt-code,sharegpt-math,sharegpt-writing,sharegpt-chat"
     seed: int = 0  # model init, data order and dropout
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default
 
@@ -326,6 +336,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("train.log_every", t.log_every, "use 1 or more steps")
     if t.decode_eval_prompts < 0:
         _fail("train.decode_eval_prompts", t.decode_eval_prompts, "use 0 (off) or a number of prompts, e.g. 8")
+    if t.snapshot_eval not in SNAPSHOT_EVALS:
+        _fail("train.snapshot_eval", t.snapshot_eval, f"use one of {', '.join(SNAPSHOT_EVALS)}")
+    if t.snapshot_eval == "field" and not [s for s in t.field_eval_sets.split(",") if s.strip()]:
+        _fail("train.field_eval_sets", t.field_eval_sets, "name at least one stored set, e.g. sharegpt-chat")
     if t.decode_eval_tokens < 2:
         _fail("train.decode_eval_tokens", t.decode_eval_tokens, "use at least 2 new tokens, e.g. 64")
     if t.keep_checkpoints < 1:

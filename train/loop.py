@@ -47,7 +47,7 @@ from models.draft import BaseView, DepthStats, DraftBatch, estimated_acceptance_
 from models.export.specdraft import export_specdraft
 from models.registry import DRAFT_MODELS
 from train import checkpoint
-from train.best_export import DECODED_FILE, LAST_DIR, select_best_export
+from train.best_export import DECODED_FILE, LAST_DIR, score_key, select_best_export
 from train.chain_estimate import CHAIN_FAMILIES, chain_estimates
 from train.config import TrainConfig, saved_config_tree
 from train.data_order import DataOrder
@@ -473,30 +473,32 @@ def _window_metrics(window: list[DepthStats], loss_sum: float, n_micro: int, tok
 
 
 def _select_export(run_dir: Path) -> None:
-    """export/ = the best decoded snapshot; heldout.json beside it stays the final state's, as without decoding."""
+    """export/ = the best-scored snapshot; heldout.json beside it stays the final state's, as without scoring."""
     record = select_best_export(run_dir)
     if (run_dir / LAST_DIR / "heldout.json").is_file():
         shutil.copyfile(run_dir / LAST_DIR / "heldout.json", run_dir / "heldout.json")
-    log.info("export/ = %s (step %d, decoded AL %.3f); the final state (step %d, decoded AL %.3f) is in %s/",
-             record["source"], record["step"], record["decoded_al"], record["last_step"], record["last_decoded_al"],
-             LAST_DIR)
+    key = record["score_key"]
+    log.info("export/ = %s (step %d, %s %.3f); the final state (step %d, %s %.3f) is in %s/", record["source"],
+             record["step"], key, record[key], record["last_step"], key, record[f"last_{key}"], LAST_DIR)
 
 
 def _decode_snapshot(cfg, draft, base, view, compute_dtype, info, tracker, export_dir: Path, step: int,
                      decode_eval: Callable) -> None:
-    """Decode held-out prompts with the export just written, score the teacher-forced estimates on the base's own
-    answers to the same prompts, write export_dir/decoded.json and log decoded_al (rank 0)."""
+    """Score the export just written (cli/train_decode.py: simulated AL on stored base answers, or decoded AL on
+    held-out prompts), score the teacher-forced estimates on the base's own answers to the same prompts, write
+    export_dir/decoded.json and log the score (rank 0)."""
     result = decode_eval(export_dir, base, step)
+    key = score_key(result)
     est = {}
     if cfg.draft.family in CHAIN_FAMILIES:
         est = chain_estimates(draft, base.model, view, result["texts"], cfg.loss, info.device, compute_dtype)
-    record = {"step": step, "decoded_al": result["decoded_al"],
-              **{k: v for k, v in result.items() if k not in ("texts", "decoded_al")}, **est}
+    record = {"step": step, "score_key": key, key: result[key],
+              **{k: v for k, v in result.items() if k not in ("texts", key, "score_key")}, **est}
     (export_dir / DECODED_FILE).write_text(json.dumps(record, indent=2) + "\n")
-    tracker.log({"decoded_al": record["decoded_al"],
-                 **{f"decoded/{k}": v for k, v in est.items() if k.startswith("est_accept_len")}}, step)
-    log.info("step %d: decoded AL %.3f on %s held-out prompts (teacher-forced chain estimate %s, product %s)", step,
-             record["decoded_al"], record.get("prompts", "?"), _fmt(est.get("est_accept_len_chain")),
+    tracker.log({key: record[key], **{f"decoded/{k}": v for k, v in est.items() if k.startswith("est_accept_len")}},
+                step)
+    log.info("step %d: %s %.3f on %s held-out prompts (teacher-forced chain estimate %s, product %s)", step, key,
+             record[key], record.get("prompts", "?"), _fmt(est.get("est_accept_len_chain")),
              _fmt(est.get("est_accept_len_product")))
 
 

@@ -75,9 +75,9 @@ def read_refs(store: str | Path, base_fingerprint: str | None = None, sets: list
                         ": the file was changed or the card not written; rebuild with the card's command")
     lines = [json.loads(x) for x in lzma.decompress(raw).decode().split("\n") if x]
     if sets:
-        unknown = sorted(set(sets) - set(card["sets"]))
+        unknown = sorted(set(sets) - set(card["counts"]))  # the sets it holds answers for
         if unknown:
-            raise RefsError(f"{store} has no set {', '.join(unknown)}; its sets: {', '.join(card['sets'])}")
+            raise RefsError(f"{store} has no set {', '.join(unknown)}; its sets: {', '.join(card['counts'])}")
         lines = [ln for ln in lines if ln["set"] in sets]
     return card, [RefPrompt(ln["id"], ln["set"], ln["p"], ln["a"], ln["n"], bool(ln.get("e"))) for ln in lines]
 

@@ -1,0 +1,34 @@
+"""A small store of the tiny base's greedy answers (the format `specdraft field-refs` writes), for tests of the
+field benchmark and of what reads it: `sets` x `per_set` random prompts, 20 answer tokens each plus the tail."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from eval.engine.backends.hf import HFBackend
+from eval.engine.decoder import autoregressive_generate
+from eval.harness.field_refs import TAIL, write_refs
+from models.base import load_base
+
+ANSWER_TOKENS = 20
+
+
+def write_tiny_refs(out: Path, fingerprint: str | None = None, sets=("set-a", "set-b"), per_set: int = 3) -> Path:
+    """Write the store to `out` and return it; fingerprint: the base the card names (default the tiny base's)."""
+    base = load_base("tiny")
+    backend = HFBackend(base.model)
+    gen = torch.Generator().manual_seed(3)
+    lines = []
+    for s in sets:
+        for k in range(per_set):
+            p = torch.randint(3, 300, (6 + 2 * k,), generator=gen)
+            a = autoregressive_generate(backend, p, max_new_tokens=ANSWER_TOKENS + TAIL).tokens
+            lines.append({"id": f"{s}-{k}", "set": s, "p": p.tolist(), "a": a, "n": ANSWER_TOKENS, "e": 0})
+    fake = SimpleNamespace(name="tiny", fingerprint=fingerprint or base.fingerprint)
+    settings = {"max_new_tokens": ANSWER_TOKENS, "tail": TAIL, "max_prompt_tokens": 64, "dtype": "float32",
+                "sets": []}
+    write_refs(out, lines, fake, settings, SimpleNamespace(name="hf", version="test"), {}, "test", 0.0)
+    return out
