@@ -1,4 +1,4 @@
-"""The demo's tree, chosen on this machine: `specdraft tune`'s sweep (eval/harness/tune.py) over the few trees a
+"""The demo's tree, chosen on this machine: `specdraft tune`'s sweep (eval/tune/sweep.py) over the few trees a
 one-head draft has, side by side with own AR, before the demo decodes MT-bench with the fastest one.
 
 Why measure instead of fixing one tree: what verifying 2, 3 or 4 tokens costs against a 1-token step depends on the
@@ -10,9 +10,9 @@ where its top-1 alone made 1.11x.
 
 The sweep decodes held-out ShareGPT conversations (those after the ones the draft trained on: never the MT-bench
 prompts the demo reports), TUNE_PROMPTS x TUNE_TOKENS tokens, REPEATS paired passes against AR per shape, keeps
-the cheapest shape that beats AR and that no other one beats beyond the noise (eval/harness/tune.py: choose), and
-re-times it against AR before trusting it (tune.py: confirm). The record goes to the export's tuning.json like any
-`specdraft tune` run.
+the cheapest shape that beats AR and that no other one beats beyond the noise (eval/tune/choice/stats.py:
+choose), and re-times it against AR before trusting it (eval/tune/sweep.py: confirm). The record goes to the
+export's tuning.json like any `specdraft tune` run.
 """
 
 from __future__ import annotations
@@ -46,17 +46,22 @@ def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 320
                    config: Path = CONFIGS / "eval" / "demo.yaml", dataset: str = "sharegpt") -> dict:
     """Sweep DEMO_SHAPES on this machine in the eval's dtype (overrides for `config`, e.g. the plan's dtype) on
     `dataset` (held-out ShareGPT: the conversations after the draft's training ones); write the record to the
-    export's tuning.json and return the choice (eval/harness/tune.py: choose), with "tree_choices": the tree the
+    export's tuning.json and return the choice (eval/tune/choice/stats.py: choose), with "tree_choices": the tree the
     demo decodes with (top-1 when no shape beats AR: the demo still shows its draft, and says so)."""
     import torch
 
-    from cli.tune import progress_bar
     from core.hardware import resolve_device
     from eval.harness.config import load_eval_config
     from eval.harness.runner import resolve_heldout_skip
-    from eval.harness.tune import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, machine_info, sweep_engine
-    from eval.harness.tune_ours import OursEngine
-    from eval.harness.tune_report import write_export
+    from eval.tune import (
+        DEFAULT_ALPHA,
+        DEFAULT_MIN_GAIN,
+        OursEngine,
+        machine_info,
+        progress_bar,
+        sweep_engine,
+        write_export,
+    )
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 

@@ -12,8 +12,8 @@ from cli import CONFIGS
 from cli.card import add_card_parser, cmd_card
 from cli.field import add_field_judge_parser, add_field_parsers, cmd_field, cmd_field_refs
 from cli.ship import add_ship_parser, cmd_ship
-from cli.tune import add_tune_parser, cmd_tune
 from core.config_loader import ConfigError
+from eval.tune import add_tune_parser, cmd_tune
 
 
 def _add_config_args(p: argparse.ArgumentParser, default_help: str) -> None:
@@ -210,7 +210,7 @@ def cmd_export(args) -> int:
     if args.format in ("vllm", "speculators"):  # tune's vLLM token count, only where it was measured
         import dataclasses
 
-        from eval.harness.tune_apply import vllm_export_config
+        from eval.tune import vllm_export_config
 
         config, line = vllm_export_config(src, loaded.config)
         loaded = dataclasses.replace(loaded, config=config)

@@ -1,4 +1,4 @@
-"""`specdraft tune`'s sweep with a scripted engine (eval/harness/tune.py): programmed speeds, acceptances, noise,
+"""`specdraft tune`'s sweep with a scripted engine (eval/tune/sweep.py): programmed speeds, acceptances, noise,
 crashes and hangs; no model, no serving engine. The clock is the test's own, so budgets are exact."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from eval.harness.tune import (
+from eval.tune import (
     AR,
     TUNING_FORMAT,
     BudgetTooSmall,
@@ -24,11 +24,11 @@ from eval.harness.tune import (
     pooled_noise,
     read_tuning,
     retune_command,
+    run_sweeps,
     sweep_engine,
     tuned_choice,
     write_tuning,
 )
-from eval.harness.tune_concurrency import run_sweeps
 
 TOKENS = 120  # tokens per pass of the scripted prompt set
 
@@ -384,7 +384,7 @@ def test_choose_with_nothing_measured_does_not_speculate():
 
 
 def test_t_quantiles_match_the_table():
-    from eval.harness.tune import t_quantile
+    from eval.tune import t_quantile
 
     table = {(0.975, 1): 12.706, (0.975, 2): 4.303, (0.975, 3): 3.182, (0.975, 8): 2.306, (0.995, 20): 2.845,
              (0.9995, 3): 12.924, (0.9975, 8): 3.833}
@@ -433,7 +433,7 @@ def test_a_tuning_json_of_an_older_format_is_read_but_never_applied(tmp_path):
 
 
 def test_the_report_shows_the_confirmation_interval_and_the_bugs(tmp_path):
-    from eval.harness.tune_report import markdown, plot
+    from eval.tune import markdown, plot
 
     eng = ScriptedEngine({AR.label: 20.0, "chain 1": 30.0, "chain 2": 24.0}, wrong={"chain 1"}, drift=scatter(0.01))
     rec = sweep(eng)

@@ -1,6 +1,6 @@
-"""`specdraft tune` through its command line (cli/tune.py) on the smoke-trained Medusa export with our decoder, its
-refusals (an engine not installed, a budget too small), tuning.json read back by `specdraft eval`, and the vLLM
-session's failure paths with a stand-in runner (no vLLM needed)."""
+"""`specdraft tune` through its command line (eval/tune/command.py) on the smoke-trained Medusa export with our
+decoder, its refusals (an engine not installed, a budget too small), tuning.json read back by `specdraft eval`, and
+the vLLM session's failure paths with a stand-in runner (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import stat
 
 import pytest
 
-from cli.tune import add_tune_parser, cmd_tune
+from eval.tune import add_tune_parser, cmd_tune
 
 SMOKE = ["--config", "configs/eval/smoke.yaml"]
 
@@ -36,9 +36,9 @@ def test_an_engine_not_installed_is_one_line_naming_its_make_target(tmp_path, mo
 
 @pytest.mark.parametrize("repeats", ["1", "2"])
 def test_fewer_than_three_repeats_are_refused_in_one_line(tmp_path, capsys, repeats):
-    """Before any model work: the statistics need 3 paired passes per setting (eval/harness/tune.py MIN_REPEATS)."""
+    """Before any model work: the statistics need 3 paired passes per setting (eval/tune/sweep.py MIN_REPEATS)."""
     from cli.main import main
-    from eval.harness.tune import DEFAULT_REPEATS, MIN_REPEATS
+    from eval.tune import DEFAULT_REPEATS, MIN_REPEATS
 
     assert main(["tune", "--draft", str(tmp_path / "no-export-needed"), "--repeats", repeats]) == 2
     err = capsys.readouterr().err.strip()
@@ -114,43 +114,43 @@ def _fake_venv(tmp_path, monkeypatch, script: str):
     monkeypatch.setenv("SPECDRAFT_VLLM_VENV", str(tmp_path / "venv"))
 
 
-class _Engine:  # what _VllmSession reads of its engine
+class _Engine:  # what VllmSession reads of its engine
     def __init__(self, workdir, timeout):
         self.workdir, self.timeout, self.version = workdir, timeout, None
 
 
 def test_a_vllm_session_that_hangs_is_killed_with_its_log(tmp_path, monkeypatch):
-    from eval.harness.tune import PointFailed
-    from eval.serving.tune_engines import _VllmSession
+    from eval.tune import PointFailed
+    from eval.tune.serving import VllmSession
 
     _fake_venv(tmp_path, monkeypatch, "echo 'loading weights'\necho 'compiling'\nsleep 300\n")
     with pytest.raises(PointFailed, match="did not finish building the engine within 2 s") as exc:
-        _VllmSession(_Engine(tmp_path, 2), {"label": "spec2"})
+        VllmSession(_Engine(tmp_path, 2), {"label": "spec2"})
     assert exc.value.log_tail == ["loading weights", "compiling"]
 
 
 def test_a_vllm_session_that_dies_mid_run_names_the_cause(tmp_path, monkeypatch):
-    from eval.harness.tune import PointFailed
-    from eval.serving.tune_engines import _VllmSession
+    from eval.tune import PointFailed
+    from eval.tune.serving import VllmSession
 
     _fake_venv(tmp_path, monkeypatch, "echo '[tune] ready'\nread line\n"
                "echo 'RuntimeError: CPU out of memory while allocating the KV cache'\nexit 1\n")
-    session = _VllmSession(_Engine(tmp_path, 30), {"label": "spec3"})
+    session = VllmSession(_Engine(tmp_path, 30), {"label": "spec3"})
     with pytest.raises(PointFailed, match="exited with code 1 while pass 1: RuntimeError: CPU out of memory"):
         session.run()
     session.close()
 
 
 def test_a_vllm_load_error_is_vllms_own_reason(tmp_path, monkeypatch):
-    from eval.harness.tune import PointFailed
-    from eval.serving.tune_engines import _VllmSession
+    from eval.tune import PointFailed
+    from eval.tune.serving import VllmSession
 
     # the runner writes {"error": "load"} to the job's "out" (the job file is argument 3: --serve JOB)
     _fake_venv(tmp_path, monkeypatch, 'out=$(sed -n \'s/.*"out": "\\([^"]*\\)".*/\\1/p\' "$3")\n'
                'echo \'{"error": "load", "message": "ValueError: num_speculative_tokens 5 > heads 3"}\' > "$out"\n'
                "exit 3\n")
     with pytest.raises(PointFailed, match="could not build the engine .spec5.: ValueError: num_speculative_tokens"):
-        _VllmSession(_Engine(tmp_path, 30), {"label": "spec5"})
+        VllmSession(_Engine(tmp_path, 30), {"label": "spec5"})
 
 
 def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, capsys):
@@ -161,9 +161,8 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, ca
     from vllm_fixtures import medusa_export_on_servable_base
 
     from eval.harness.config import EvalConfig
-    from eval.harness.tune import AR, Setting, choose, machine_info
-    from eval.harness.tune_report import write_export
     from eval.serving.serve_check import _tuned_depth
+    from eval.tune import AR, Setting, choose, machine_info, write_export
     from models.export.load import load_export
     from models.export.vllm import TUNED_TOKENS_KEY, export_vllm, read_speculative_config
 
@@ -245,10 +244,9 @@ def test_serve_check_says_which_part_of_a_llamacpp_choice_it_applies(tmp_path):
     import dataclasses
 
     from eval.harness.config import EvalConfig
-    from eval.harness.tune import choose, machine_info
-    from eval.harness.tune_report import write_export
     from eval.serving.llamacpp_paths import LLAMACPP_PIN
     from eval.serving.serve_check import _tuned_depth
+    from eval.tune import choose, machine_info, write_export
 
     (tmp_path / "config.json").write_text("{}")
     points = [{"label": "n-max 3, p-min 0.75", "knobs": {"n_max": 3, "p_min": 0.75}, "cost": 2.925, "status": "ok",
@@ -272,8 +270,7 @@ def test_eval_applies_our_choice_only_where_it_was_measured(tmp_path):
     import torch
 
     from eval.harness.config import EvalConfig
-    from eval.harness.tune import choose, write_tuning
-    from eval.harness.tune_apply import ours_here, tuned_eval_config
+    from eval.tune import choose, ours_here, tuned_eval_config, write_tuning
 
     points = [{"label": "chain 2", "knobs": {"tree": "chain2"}, "cost": 2.0, "status": "ok", "speedup": 1.2,
                "ratios": [1.2, 1.2, 1.2], "ar_null": [0.0, 0.0]}]
@@ -298,8 +295,7 @@ def test_tune_ours_sweeps_eagle3_trees_down_to_a_4_node_tree_of_2_draft_steps(tm
     import torch
 
     from eval.harness.config import load_eval_config
-    from eval.harness.tune import AR
-    from eval.harness.tune_ours import OursEngine
+    from eval.tune import AR, OursEngine
     from models.base import load_base
     from models.draft import BaseView
     from models.eagle3 import Eagle3Draft

@@ -1,4 +1,4 @@
-"""`specdraft tune --concurrency` (eval/harness/tune_concurrency.py) with the scripted engine of test_tune.py made
+"""`specdraft tune --concurrency` (eval/tune/concurrency.py) with the scripted engine of test_tune.py made
 concurrency-aware: the count chosen per concurrency by the same noise-aware rule, each winner confirmed, vLLM's
 per-batch-size schedule derived and written into the export and its vLLM speculative_config; the refusals of
 --concurrency; tune's thread default agreeing with `specdraft eval`'s."""
@@ -13,8 +13,7 @@ import pytest
 from test_tune import TOKENS, ScriptedEngine, ScriptedSession, scatter
 from test_tune_cli import tune
 
-from eval.harness.tune import AR, Measurement, Setting
-from eval.harness.tune_concurrency import parse_concurrency, run_sweeps, speculation_schedule, sweep_concurrencies
+from eval.tune import AR, Measurement, Setting, parse_concurrency, run_sweeps, speculation_schedule, sweep_concurrencies
 
 CS = (1, 2, 4, 8)
 
@@ -104,7 +103,7 @@ def test_run_sweeps_takes_the_concurrency_path_and_budgets_every_concurrency():
     eng = ConcurrentEngine(_speeds(), drift=scatter(0.01), open_seconds=1.0, pass_seconds=2.0)
     out = run_sweeps([eng], 2, 1e6, now=eng.clock)
     assert out[eng.name]["schedule"]["per_concurrency"]["1"] == 3
-    from eval.harness.tune import BudgetTooSmall, check_budget
+    from eval.tune import BudgetTooSmall, check_budget
 
     # AR + one setting, 2 repeats at 4 concurrencies, and the confirmation: 2 * (2 * 1 + 2 * 8 * 2) s
     check_budget([eng], 2, 68)
@@ -173,8 +172,7 @@ def _eagle3_export(tmp_path: Path) -> Path:
 
 def test_the_schedule_reaches_the_export_and_vllms_speculative_config(tmp_path, capsys):
     from cli.main import main
-    from eval.harness.tune import machine_info
-    from eval.harness.tune_report import write_export
+    from eval.tune import machine_info, write_export
     from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY, read_speculative_config
 
     export = _eagle3_export(tmp_path)
@@ -203,14 +201,13 @@ def test_the_schedule_reaches_the_export_and_vllms_speculative_config(tmp_path, 
     (export / "config.json").write_text(json.dumps({**config, "family": "medusa"}))
     write_export(export, {}, {"vllm": {**rec, "family": "medusa"}})
     assert TUNED_SCHEDULE_KEY not in json.loads((export / "config.json").read_text())
-    from eval.harness.tune_report import schedule_line
+    from eval.tune import schedule_line
 
     assert "fixed count" in schedule_line({**rec, "family": "medusa"})
 
 
 def test_the_report_shows_each_concurrency_beside_the_fixed_one_request_choice(tmp_path):
-    from eval.harness.tune import machine_info
-    from eval.harness.tune_report import markdown
+    from eval.tune import machine_info, markdown
 
     eng = ConcurrentEngine(_speeds(), drift=scatter(0.01))
     rec = sweep_concurrencies(eng, CS, 3, 1e9, now=eng.clock)
@@ -231,20 +228,19 @@ def test_tune_measures_our_decoder_at_the_threads_eval_applies_its_choice_at(mon
 
     import torch
 
-    from cli.tune import _eval_config, add_tune_parser, apply_threads
     from eval.harness.config import EvalConfig
-    from eval.harness.tune_apply import ours_here
+    from eval.tune import add_tune_parser, apply_threads, ours_here, tune_eval_config
 
     parser = argparse.ArgumentParser()
     args = add_tune_parser(parser.add_subparsers(dest="command")).parse_args(["--draft", "x"])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # a 2-core machine's default
-        cfg = _eval_config(args)
+        cfg = tune_eval_config(args)
         assert args.threads is None and cfg.num_threads == EvalConfig().num_threads == 0
         assert cfg.serve_llamacpp_threads == EvalConfig().serve_llamacpp_threads  # serve-check's default
         assert apply_threads(cfg) == 2 == ours_here(EvalConfig())["threads"]
-        cfg = _eval_config(add_tune_parser(argparse.ArgumentParser().add_subparsers(dest="c")).parse_args(
+        cfg = tune_eval_config(add_tune_parser(argparse.ArgumentParser().add_subparsers(dest="c")).parse_args(
             ["--draft", "x", "--threads", "1"]))
         assert apply_threads(cfg) == 1 and cfg.serve_llamacpp_threads == 1
     finally:

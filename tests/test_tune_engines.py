@@ -101,7 +101,7 @@ def test_vllm_loads_an_export_with_a_schedule_and_drafts_what_it_says_per_batch_
 
     from eval.engine.decoder import eos_ids
     from eval.harness.prompts import load_eval_prompts
-    from eval.serving.tune_engines import _VllmSession
+    from eval.tune.serving import VllmSession
     from models.base import load_base
     from models.draft import BaseView
     from models.eagle3 import Eagle3Draft
@@ -127,7 +127,7 @@ def test_vllm_loads_an_export_with_a_schedule_and_drafts_what_it_says_per_batch_
            "max_model_len": max(len(p.input_ids) for p in prompts) + 64, "seed": 0, "enforce_eager": True,
            "speculative_config": spec, "engine_args": read_engine_args(out), "max_num_seqs": 2}
     assert eos_ids(base.model, base.tokenizer) is not None
-    session = _VllmSession(_Engine(tmp_path, 600), job)
+    session = VllmSession(_Engine(tmp_path, 600), job)
     try:
         one, two = session.run(1), session.run(2)
     finally:

@@ -1,4 +1,4 @@
-"""The serving lines `specdraft tune` writes into an export (eval/serving/tune_engines.py, eval/harness/tune_report.py)
+"""The serving lines `specdraft tune` writes into an export (eval/tune/serving.py, eval/tune/report.py)
 hold on another machine: the vLLM venv, the base, the draft and the llama.cpp build are placeholders the shell
 expands, each explained once in NOTES.md; no path of the tuning machine is written. No model, no engine."""
 
@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from eval.harness.tune import Setting
-from eval.harness.tune_report import notes_section
-from eval.serving.tune_engines import (
+from eval.tune import Setting, notes_section
+from eval.tune.serving import (
     BASE_DIR,
     VLLM_DRAFT,
     VLLM_PYTHON,

@@ -1,4 +1,4 @@
-"""The serving line `specdraft tune` writes for vLLM users (eval/serving/tune_engines.py: vllm_serve_command), run as
+"""The serving line `specdraft tune` writes for vLLM users (eval/tune/serving.py: vllm_serve_command), run as
 written: the OpenAI server from .venv-vllm starts and answers one request, without and with a speculative_config
 (marker `vllm`: needs `make vllm`)."""
 
@@ -17,7 +17,7 @@ from vllm_fixtures import medusa_export_on_servable_base
 
 from core.net import free_port
 from eval.serving.serve_check import ServeCheckError, vllm_python
-from eval.serving.tune_engines import vllm_serve_command
+from eval.tune import vllm_serve_command
 
 
 def test_the_line_names_the_module_and_a_memory_share_the_cpu_build_can_start_with():

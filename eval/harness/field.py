@@ -25,6 +25,7 @@ from core.atomic import write_json_atomic
 from core.jsonl import read_finished_rows
 
 CACHE_FORMAT = 1
+LOCKSTEP_WIDTH = 32  # prompts stepped together for an EAGLE-3 draft (run_field; 0 = one at a time)
 
 
 @dataclass
@@ -154,11 +155,23 @@ def shard(items: list, rank: int, world: int) -> list:
     return items[rank::world]
 
 
+def uses_lockstep(drafter, lockstep: int) -> bool:
+    """Whether run_field steps `drafter` in lockstep (eval/harness/field_lockstep.py): an EAGLE-3 drafter and a
+    width >= 1; every other family (or lockstep=0) takes the per-prompt path."""
+    from eval.engine.drafters.eagle3 import Eagle3Drafter
+
+    return lockstep >= 1 and isinstance(drafter, Eagle3Drafter)
+
+
 def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, rank: int = 0,
               world: int = 1, progress: bool = True, cache_root: Path | None = None,
-              max_new_tokens: int | None = None) -> list[dict]:
+              max_new_tokens: int | None = None, lockstep: int = LOCKSTEP_WIDTH) -> list[dict]:
     """Simulate `drafter` on this rank's share of `refs`; rows go to out_dir/rows-<rank>.jsonl as each prompt
-    ends (a rerun continues after the last one written). Returns this rank's rows."""
+    ends (a rerun continues after the last one written). Returns this rank's rows.
+
+    lockstep: for an EAGLE-3 drafter, that many prompts advance together, the draft's weight-heavy ops batched over
+    them (eval/harness/field_lockstep.py; agreement with the per-prompt path is tested, not bitwise); 0, or any other
+    family: one prompt at a time through the unchanged decoder loop (`simulate`), the reference."""
     from tqdm import tqdm
 
     from data.self_distill import end_of_turn_ids
@@ -172,17 +185,35 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
     eos = end_of_turn_ids(base)
     vocab = int(base.model.config.vocab_size)
     device = next(base.model.parameters()).device
-    with path.open("a") as f:
-        for r in tqdm([r for r in mine if r.id not in rows], desc="field: simulated decoding", unit="prompt",
-                      dynamic_ncols=True, disable=not progress):
-            hidden, aux, differs = load_cached(directory, r, device)
-            with torch.inference_mode():
-                n = min(r.n, max_new_tokens or r.n)  # a shorter length: the answer's first tokens, as decoding would
-                res = simulate(drafter, r.prompt, r.answer, n, hidden, aux, aux_layers, vocab, eos)
-            row = {**sim_row(r, res).to_dict(), "tf_differs": [d for d in differs if d < n]}
+    todo = [r for r in mine if r.id not in rows]
+
+    def length(r) -> int:
+        return min(r.n, max_new_tokens or r.n)  # a shorter length: the answer's first tokens, as decoding would
+
+    with path.open("a") as f, tqdm(total=len(todo), desc="field: simulated decoding", unit="prompt",
+                                   dynamic_ncols=True, disable=not progress) as bar:
+        def finished(r, res, differs) -> None:
+            row = {**sim_row(r, res).to_dict(), "tf_differs": [d for d in differs if d < length(r)]}
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows[r.id] = row
+            bar.update()
+
+        if uses_lockstep(drafter, lockstep):
+            from eval.harness.field_lockstep import run_lockstep
+
+            def load(r):
+                _, aux, differs = load_cached(directory, r, device)
+                return aux, differs
+
+            run_lockstep(drafter, todo, load, length, eos, lambda r, slot: finished(r, slot, slot.differs),
+                         width=lockstep)
+        else:
+            for r in todo:
+                hidden, aux, differs = load_cached(directory, r, device)
+                with torch.inference_mode():
+                    res = simulate(drafter, r.prompt, r.answer, length(r), hidden, aux, aux_layers, vocab, eos)
+                finished(r, res, differs)
     return [rows[r.id] for r in mine]
 
 
@@ -196,7 +227,7 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.field_refs import read_refs
     from eval.harness.field_report import field_report, read_rows, write_field_report
-    from eval.harness.tune_apply import tuned_eval_config
+    from eval.tune.choice import tuned_eval_config
     from models.export.load import load_export
 
     t0 = time.perf_counter()

@@ -223,7 +223,7 @@ def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
 def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
     from eval.engine.drafters.registry import build_drafter
-    from eval.harness.tune_apply import tuned_eval_config
+    from eval.tune.choice import tuned_eval_config
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 

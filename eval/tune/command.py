@@ -5,8 +5,8 @@ in the same run, written into the export (docs/howto/serve.md, "Tune").
                    [--budget-minutes N] [--num-prompts N] [--max-new-tokens N] [--repeats N] [--threads N]
                    [--alpha A] [--min-gain G] [--concurrency 1,2,4,8]
 
-The composition root: our decoder (eval/harness/tune_ours.py) and the serving engines (eval/serving/tune_engines.py)
-go to the engine-agnostic sweep (eval/harness/tune.py); outputs by eval/harness/tune_report.py.
+Our decoder (eval/tune/ours.py) and the serving engines (eval/tune/serving.py) go to the engine-agnostic sweep
+(eval/tune/sweep.py, eval/tune/concurrency.py); outputs by eval/tune/report.py. cli/main.py adds this parser.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 from core.load import LoadWatch
+from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN
+from eval.tune.sweep import DEFAULT_REPEATS, MIN_REPEATS, BudgetTooSmall, EngineUnavailable, check_budget
 
 ENGINE_CHOICES = ("ours", "vllm", "llamacpp", "all")
 
 
 def add_tune_parser(sub) -> argparse.ArgumentParser:
-    from eval.harness.tune import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, DEFAULT_REPEATS, MIN_REPEATS
-
     p = sub.add_parser("tune", help="sweep each engine's speculation settings against its own AR and write the "
                        "fastest (or 'do not speculate') into the export")
     p.add_argument("--draft", required=True, help="an export directory (runs/<run>/export)")
@@ -63,7 +63,6 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
 
 def _check_installed(engines: tuple[str, ...]) -> None:
     """Before any model work: a missing engine is one line naming its make target."""
-    from eval.harness.tune import EngineUnavailable
     from eval.serving.llamacpp_paths import LlamaCppError, converter_python, llama_server
     from eval.serving.serve_check import ServeCheckError, vllm_python
 
@@ -77,7 +76,8 @@ def _check_installed(engines: tuple[str, ...]) -> None:
         raise EngineUnavailable(str(exc).splitlines()[0]) from None
 
 
-def _eval_config(args):
+def tune_eval_config(args):
+    """The eval config tune measures with: --config / overrides, then tune's own flags (prompts, tokens, threads)."""
     from core.paths import CONFIGS
     from eval.harness.config import load_eval_config
 
@@ -105,14 +105,14 @@ def apply_threads(cfg) -> int:
 
 def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: int, concurrencies=(1,)) -> list:
     from eval.harness.prompts import config_prompts
-    from eval.harness.tune_ours import OursEngine
     from eval.serving.serve_check import base_hf_dir, check_fingerprint
+    from eval.tune.ours import OursEngine
 
     engines = []
     if "ours" in names:
         engines.append(OursEngine(loaded, cfg))
     if "vllm" in names or "llamacpp" in names:
-        from eval.serving.tune_engines import LlamaCppEngine, VllmEngine
+        from eval.tune.serving import LlamaCppEngine, VllmEngine
 
         prompts = config_prompts(cfg, loaded.base.tokenizer)
         base_dir = base_hf_dir(loaded.base, out_dir)
@@ -128,8 +128,6 @@ def progress_bar(engines):
     """A tqdm bar over every setting of `engines` and the `progress(label, record)` callback the sweep calls per
     setting (also `specdraft demo`'s tree sweep)."""
     from tqdm import tqdm
-
-    from eval.harness.tune import EngineUnavailable
 
     total = 0
     for e in engines:
@@ -151,24 +149,15 @@ def progress_bar(engines):
 def cmd_tune(args) -> int:
     from core.hardware import resolve_device
     from eval.harness.runner import resolve_heldout_skip
-    from eval.harness.tune import (
-        MIN_REPEATS,
-        BudgetTooSmall,
-        EngineUnavailable,
-        check_budget,
-        engine_device,
-        machine_info,
-    )
-    from eval.harness.tune_concurrency import run_sweeps
-    from eval.harness.tune_report import schedule_line, write_export, write_report
+    from eval.tune.choice.record import engine_device, machine_info
+    from eval.tune.concurrency import parse_concurrency, run_sweeps
+    from eval.tune.report import schedule_line, write_export, write_report
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 
     names = ("ours", "vllm", "llamacpp") if args.engine == "all" else (args.engine,)
     if args.num_prompts < 1 or args.max_new_tokens < 1 or (args.threads is not None and args.threads < 1):
         raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
-    from eval.harness.tune_concurrency import parse_concurrency
-
     concurrencies = parse_concurrency(args.concurrency)
     if concurrencies != (1,):
         if names != ("vllm",):
@@ -187,7 +176,7 @@ def cmd_tune(args) -> int:
     draft_dir = Path(args.draft)
     try:
         _check_installed(names)
-        cfg = resolve_heldout_skip(_eval_config(args), read_export_config(draft_dir))
+        cfg = resolve_heldout_skip(tune_eval_config(args), read_export_config(draft_dir))
         apply_threads(cfg)
         loaded = load_export(draft_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                              chat_template=cfg.chat_template)

@@ -1,5 +1,5 @@
 """`specdraft tune` outputs: report.json / report.md / tune.png under <run>/tune/<name>/, and in the export the
-tuned settings where each engine or user finds them: tuning.json (eval/harness/tune.py), vLLM's speculative-token
+tuned settings where each engine or user finds them: tuning.json (eval/tune/choice/record.py), vLLM's speculative-token
 count in config.json (models/export/vllm.py writes it into every vLLM / speculators export), and NOTES.md with the
 command line of each engine's choice. The serving engines' lines name no path of the tuning machine: placeholders
 ($VLLM_PYTHON, $BASE_DIR, ...), listed with their meaning under the lines (each record's "placeholders")."""
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from core.atomic import atomic_open, write_text_atomic
-from eval.harness.tune import write_tuning
+from eval.tune.choice.record import write_tuning
 from models.export.vllm import SCHEDULE_METHODS, TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 
 NOTES_FILE = "NOTES.md"
@@ -70,7 +70,7 @@ def _commands(rec: dict, everywhere: bool) -> list[str]:
 
 def placeholder_lines(engines: dict[str, dict], everywhere: bool = False) -> list[str]:
     """One line per placeholder the shown serving lines use, saying what it stands for and how to find it (the
-    engine's record carries the meanings: eval/serving/tune_engines.py placeholders)."""
+    engine's record carries the meanings: eval/tune/serving.py placeholders)."""
     meanings: dict[str, str] = {}
     for rec in engines.values():
         text = "\n".join(_commands(rec, everywhere))

@@ -1,0 +1,47 @@
+"""A tuned choice: how `specdraft tune` makes it (stats.py), where it keeps it (record.py: the export's
+tuning.json) and how a run applies it where it was measured (apply.py: `specdraft eval` / `field`, `serve-check`,
+`export --format vllm`).
+
+This subpackage sits below the harness (docs/architecture.md, the layer rule): the eval runner and serve-check read
+tuning.json through it, while the rest of eval/tune/ drives our decoder and the serving engines from above them.
+"""
+
+from eval.tune.choice.apply import apply_knobs, ours_here, serving_here, tuned_eval_config, vllm_export_config
+from eval.tune.choice.record import (
+    TUNING_FILE,
+    TUNING_FORMAT,
+    WHERE_FIELDS,
+    applicable,
+    describe_choice,
+    engine_device,
+    machine_info,
+    read_tuning,
+    retune_command,
+    tuned_choice,
+    where_measured,
+    write_tuning,
+)
+from eval.tune.choice.stats import (
+    AR_LABEL,
+    CONFIDENCE,
+    DEFAULT_ALPHA,
+    DEFAULT_MIN_GAIN,
+    EXACT_DTYPES,
+    bonferroni_quantile,
+    choose,
+    confirmation_interval,
+    geomean,
+    is_exact,
+    log_mean,
+    pooled_noise,
+    t_cdf,
+    t_quantile,
+)
+
+__all__ = [
+    "AR_LABEL", "CONFIDENCE", "DEFAULT_ALPHA", "DEFAULT_MIN_GAIN", "EXACT_DTYPES", "TUNING_FILE", "TUNING_FORMAT",
+    "WHERE_FIELDS", "applicable", "apply_knobs", "bonferroni_quantile", "choose", "confirmation_interval",
+    "describe_choice", "engine_device", "geomean", "is_exact", "log_mean", "machine_info", "ours_here",
+    "pooled_noise", "read_tuning", "retune_command", "serving_here", "t_cdf", "t_quantile", "tuned_choice",
+    "tuned_eval_config", "vllm_export_config", "where_measured", "write_tuning",
+]
