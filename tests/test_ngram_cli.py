@@ -39,7 +39,7 @@ def test_ngram_method_errors_are_clear(tmp_path, clean_env):
     assert proc.returncode != 0 and "unknown --method 'nope'" in proc.stderr
     proc = _eval(["--method", "ngram", "--config", "configs/eval/ngram_smoke.yaml", f"run_dir={tmp_path}",
                   "extra.kk=3"], env)
-    assert proc.returncode != 0 and "unknown ngram option" in proc.stderr
+    assert proc.returncode != 0 and "unknown drafter option(s) ['kk']" in proc.stderr
 
 
 def test_ngram_sweep_mode_writes_grid_table_and_heatmap(tmp_path, clean_env):

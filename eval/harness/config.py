@@ -41,8 +41,9 @@ class EvalConfig:
     method_base: str = "smollm2"  # the base a learning-free method (--method ngram) runs on when base_path is ""
     run_dir: str = ""  # where a learning-free eval (--method) writes; "" = runs/<method>
     num_threads: int = 0  # CPU threads; 0 = torch's default
-    # The drafter's own options, typed by its family (eval/engine/drafters/<family>.py `Options`; unknown keys are an
-    # error): e.g. extra.beam_width (ReDrafter), extra.eagle3_mode (EAGLE-3), extra.k / extra.w (N-gram).
+    # The drafter's own options, declared and typed by its family (eval/engine/drafters/<family>.py `Options`): a key
+    # no family declares fails when the config loads, one the export's family lacks when the drafter is built; e.g.
+    # extra.beam_width (ReDrafter), extra.eagle3_mode / extra.chain_length (EAGLE-3), extra.k / extra.w (N-gram).
     extra: dict = field(default_factory=dict)
     prompt_lookup: bool = False  # --method ngram: also time transformers' prompt-lookup decoding (w tokens per step)
     sweep_k: list[int] = field(default_factory=list)  # --method ngram: a (k, w) grid instead of one run
@@ -120,7 +121,20 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
         fail("suite_prompts", cfg.suite_prompts, "use None (the suite's own count) or at least 1 prompt per set")
     if not isinstance(cfg.extra, dict):
         fail("extra", cfg.extra, "give a mapping of the drafter's options, e.g. {beam_width: 8}")
+    cfg.extra = typed_extra(cfg.extra)
     return cfg
+
+
+def typed_extra(extra: dict) -> dict:
+    """`extra` typed by the families' declared options (eval/engine/drafters/<family>.py `Options`): an undeclared
+    key or a value of the wrong type is a ConfigError now, not after the export and its base have loaded."""
+    from eval.engine.drafters.options import OptionsError, check_extra
+    from eval.engine.drafters.registry import DRAFTERS
+
+    try:
+        return check_extra(extra, {name: spec.options for name, spec in DRAFTERS.items()})
+    except OptionsError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_eval_config(config_paths: list[str] | None = None, overrides: list[str] | None = None) -> EvalConfig:

@@ -47,7 +47,7 @@ from eval.serving.serve_check_report import (
     vllm_engine_numbers,
     write_serve_report,
 )
-from models.registry import family_facts, learning_free_vllm_families, vllm_families
+from models.registry import learning_free_vllm_families, vllm_families
 
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
 VENV_ENV = "SPECDRAFT_VLLM_VENV"
@@ -213,39 +213,12 @@ def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
     return {"w": cfg.serve_ngram_w or w, "q": cfg.serve_ngram_q, "q_min": cfg.serve_ngram_q_min}
 
 
-def _tuned_depth(cfg: EvalConfig, draft_dir: Path, engines: tuple[str, ...], family: str) -> tuple[int | None, str]:
-    """The chain `specdraft tune` chose for the engine this check is about (vLLM where it runs, else llama.cpp), and
-    the line that says so; (None, line) when tuning.json has none to apply."""
-    from eval.serving.llamacpp_paths import LLAMACPP_VERSION
-    from eval.tune.choice import applicable, describe_choice, retune_command, serving_here, tuned_choice
-
-    engine = "vllm" if "vllm" in engines else "llamacpp"
-    choice = tuned_choice(draft_dir, engine)
-    if choice is None:
-        return None, ""
-    line = describe_choice(engine, choice)
-    if not cfg.use_tuning:
-        return None, f"{line}; not applied (use_tuning=false): checking the draft's trained chain"
-    here = serving_here(engine, cfg, LLAMACPP_VERSION)
-    ok, why = applicable(choice, here)
-    if not ok:  # measured on another machine, dtype, thread count or version
-        return None, (f"tuning.json's choice for {engine} not applied: {why}; checking the draft's trained chain; "
-                      f"tune for this machine: {retune_command(draft_dir, engine, here.get('threads'))}")
-    if not choice["speculate"]:
-        return None, f"{line}; checking the draft's trained chain"
-    facts = family_facts(family)
-    if facts.llamacpp_whole_block and "llamacpp" in engines:  # llama.cpp drafts DFlash's whole block only
-        return None, f"{line}; not applied: llama.cpp checks a {facts.title} draft's whole block"
-    knobs = choice["knobs"]
-    if knobs.get("p_min"):  # serve-check passes --spec-draft-n-max only (llama.cpp keeps its default p-min)
-        line += f"; applying n-max {knobs['n_max']} only, not its p-min {knobs['p_min']:g}"
-    return int(knobs.get("num_speculative_tokens") or knobs["n_max"]), f"using {line}"
-
-
 def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
                 engines: tuple[str, ...] = ("vllm",)) -> tuple[_Plan, EvalConfig]:
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.runner import resolve_heldout_skip
+    from eval.serving.llamacpp_paths import LLAMACPP_VERSION
+    from eval.tune.choice import tuned_serving_chain
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
     from models.export.vllm import (
@@ -263,7 +236,7 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
     if family not in vllm_families():
         return _plan_unservable(cfg, draft, export_cfg, base, workdir), cfg
     # fp32 files, whatever the run dtype; without the tuned count of config.json unless the tuning applies
-    tuned, tuned_line = _tuned_depth(cfg, Path(draft_dir), engines, family)
+    tuned, tuned_line = tuned_serving_chain(cfg, Path(draft_dir), engines, family, LLAMACPP_VERSION)
     # one request at a time: a fixed chain, never tune --concurrency's per-batch-size schedule
     vllm_dir = export_vllm(draft.float(), workdir / "export", untuned(export_cfg, keep_count=bool(tuned)), view)
     spec = read_speculative_config(vllm_dir)

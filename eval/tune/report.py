@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from core.atomic import atomic_open, write_text_atomic
-from eval.tune.choice.record import write_tuning
+from eval.tune.choice.record import tuned_chain_length, write_tuning
 from models.export.vllm import SCHEDULE_METHODS, TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 
 NOTES_FILE = "NOTES.md"
@@ -267,7 +267,7 @@ def store_vllm_tokens(export_dir: Path, record: dict | None) -> None:
     config = json.loads(path.read_text())
     choice = (record or {}).get("choice") or {}
     if choice.get("speculate"):
-        config[TUNED_TOKENS_KEY] = int(choice["knobs"]["num_speculative_tokens"])
+        config[TUNED_TOKENS_KEY] = tuned_chain_length("vllm", choice["knobs"])
     else:
         config.pop(TUNED_TOKENS_KEY, None)
     ranges = schedule_ranges(record)
@@ -299,7 +299,7 @@ def schedule_line(record: dict) -> str:
         ch = view.get("choice") or {}
         if ch.get("speculate"):
             ci = f", {ch['interval'][0]:.2f}-{ch['interval'][1]:.2f}x" if ch.get("interval") else ""
-            parts.append(f"{c} in flight: {ch['knobs']['num_speculative_tokens']} ({ch['speedup_vs_ar']:.2f}x{ci})")
+            parts.append(f"{c} in flight: {tuned_chain_length('vllm', ch['knobs'])} ({ch['speedup_vs_ar']:.2f}x{ci})")
         else:
             parts.append(f"{c} in flight: do not speculate")
     ranges = sched.get("num_speculative_tokens_per_batch_size")

@@ -34,7 +34,7 @@ from core.paths import default_cache_dir
 from eval.serving.serve_check import DTYPES, RUNNER, root_cause, vllm_python
 from eval.serving.serve_check_report import llamacpp_engine_numbers, vllm_engine_numbers
 from eval.serving.vllm_generate import installed_vllm_version
-from eval.tune.choice.record import machine_info
+from eval.tune.choice.record import CHAIN_KNOBS, machine_info, tuned_chain_length
 from eval.tune.sweep import EngineUnavailable, Measurement, PointFailed, Setting
 
 MAX_TOKENS = 5
@@ -178,14 +178,14 @@ class VllmEngine:
 
     def settings(self) -> list[Setting]:
         self._export()
-        return [Setting(f"num_speculative_tokens {k}", {"num_speculative_tokens": k}, float(k))
+        return [Setting(f"num_speculative_tokens {k}", {CHAIN_KNOBS["vllm"]: k}, float(k))
                 for k in range(1, _depth_cap(self.loaded) + 1)]
 
     def open(self, setting: Setting):
         spec = None
         if setting.speculative:
-            spec = {**self._export(), "num_speculative_tokens": int(setting.knobs["num_speculative_tokens"])}
-        label = "ar" if spec is None else f"spec{setting.knobs['num_speculative_tokens']}"
+            spec = {**self._export(), "num_speculative_tokens": tuned_chain_length("vllm", setting.knobs)}
+        label = "ar" if spec is None else f"spec{tuned_chain_length('vllm', setting.knobs)}"
         job = {**self.job, "label": label, "speculative_config": spec,
                "engine_args": self._engine_args if spec else None}
         return VllmSession(self, job)
@@ -200,7 +200,7 @@ class VllmEngine:
     def command(self, setting: Setting) -> str:
         spec = None
         if setting.speculative:
-            spec = self._portable_spec(num_speculative_tokens=int(setting.knobs["num_speculative_tokens"]))
+            spec = self._portable_spec(num_speculative_tokens=tuned_chain_length("vllm", setting.knobs))
         return vllm_serve_command(VLLM_PYTHON, BASE_DIR, self.job["max_model_len"], spec)
 
 
@@ -362,7 +362,7 @@ class LlamaCppEngine:
             raise EngineUnavailable(f"llama.cpp serves {', '.join(llamacpp_families())} drafts, not a {family} "
                                     "draft; nothing to tune there")
         # cost: n-max first; a higher p-min cuts chains short, so it is the cheaper of two equal n-max
-        return [Setting(f"n-max {k}, p-min {p:g}", {"n_max": k, "p_min": p}, k - 0.1 * p)
+        return [Setting(f"n-max {k}, p-min {p:g}", {CHAIN_KNOBS["llamacpp"]: k, "p_min": p}, k - 0.1 * p)
                 for k in range(1, _depth_cap(self.loaded) + 1) for p in self.p_mins]
 
     def server_args(self, setting: Setting) -> list[str]:
@@ -373,7 +373,7 @@ class LlamaCppEngine:
         if not setting.speculative:
             args = serve_args(str(base), None, None, None)
         else:
-            args = serve_args(str(base), str(draft), self.loaded.family, int(setting.knobs["n_max"]))
+            args = serve_args(str(base), str(draft), self.loaded.family, tuned_chain_length("llamacpp", setting.knobs))
             args += ["--spec-draft-p-min", f"{setting.knobs['p_min']:g}"]
         return runtime_args(args, self.threads, self.ctx, self.cfg.serve_llamacpp_no_repack)
 

@@ -1,7 +1,10 @@
 """Typed eval options of a drafter: the `extra` mapping of an eval config (`extra.beam_width=8`), read into the
-family's own dataclass. Each option comes from `extra`, else from the export's config.json (a tree search or a
-recipe may store one there), else the dataclass default; a key the family does not know is an error naming the
-options it has, so a typo never silently falls back to a default."""
+family's own dataclass, the one declaration of each option. When the config loads, `check_extra` types `extra`
+against every family's declarations (a key no family declares fails there, before any model loads); once the
+export names the family, `parse_options` reads each option from `extra`, else from the export's config.json (a
+tree search or a recipe may store one there), else the dataclass default; a key the family does not know is an
+error naming the options it has, so a typo never silently falls back to a default. Which shape a run decodes when
+the export also holds a tuned one (tuning.json): eval/tune/choice/apply.py `decide`."""
 
 from __future__ import annotations
 
@@ -66,10 +69,39 @@ def parse_options(cls: type, family: str, extra: dict, export_cfg: dict | None =
             value = export_cfg[name]
         else:
             continue
-        kind = types[name]
-        base = next((t for t in getattr(kind, "__args__", ()) if t is not type(None)), kind)  # int | None -> int
-        values[name] = _coerce(name, value, base, family)
+        values[name] = _coerce(name, value, _declared_type(types[name]), family)
     return cls(**values)
+
+
+def _declared_type(kind: Any) -> Any:
+    """int | None -> int: the type a value is coerced to."""
+    return next((t for t in getattr(kind, "__args__", ()) if t is not type(None)), kind)
+
+
+def check_extra(extra: dict, declarations: dict[str, type]) -> dict:
+    """An eval config's `extra` against every family's declared options (`declarations`: family -> its Options
+    dataclass), before any export names the family: a key no family declares is an error naming the closest ones,
+    and each value is coerced to the type its families declare (8, not 8.0; a type they disagree on is left to the
+    family's own check). Returns the typed mapping; `parse_options` checks it again against the export's family."""
+    owners: dict[str, list[tuple[str, Any]]] = {}
+    for family, cls in declarations.items():
+        types = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, []).append((family, _declared_type(types[f.name])))
+    unknown = sorted(set(extra) - set(owners))
+    if unknown:
+        hints = [f"{key}: did you mean {close[0]}?" for key in unknown
+                 if (close := difflib.get_close_matches(key, owners, n=1))]
+        by_family = "; ".join(f"{family}: {', '.join(option_names(cls)) or 'none'}"
+                              for family, cls in declarations.items())
+        raise OptionsError(f"unknown drafter option(s) {unknown} in eval extra"
+                           + (f" ({'; '.join(hints)})" if hints else "") + f"; the options by family: {by_family}")
+    out = {}
+    for key, value in extra.items():
+        kinds = {kind for _, kind in owners[key]}
+        family = " / ".join(f for f, _ in owners[key])
+        out[key] = _coerce(key, value, kinds.pop(), family) if len(kinds) == 1 else value
+    return out
 
 
 def option_names(cls: type) -> list[str]:

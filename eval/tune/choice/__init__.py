@@ -6,8 +6,19 @@ This subpackage sits below the harness (docs/architecture.md, the layer rule): t
 tuning.json through it, while the rest of eval/tune/ drives our decoder and the serving engines from above them.
 """
 
-from eval.tune.choice.apply import apply_knobs, ours_here, serving_here, tuned_eval_config, vllm_export_config
+from eval.tune.choice.apply import (
+    Decision,
+    apply_knobs,
+    decide,
+    ours_here,
+    serving_here,
+    shape_keys_set,
+    tuned_eval_config,
+    tuned_serving_chain,
+    vllm_export_config,
+)
 from eval.tune.choice.record import (
+    CHAIN_KNOBS,
     TUNING_FILE,
     TUNING_FORMAT,
     WHERE_FIELDS,
@@ -17,6 +28,7 @@ from eval.tune.choice.record import (
     machine_info,
     read_tuning,
     retune_command,
+    tuned_chain_length,
     tuned_choice,
     where_measured,
     write_tuning,
@@ -39,9 +51,10 @@ from eval.tune.choice.stats import (
 )
 
 __all__ = [
-    "AR_LABEL", "CONFIDENCE", "DEFAULT_ALPHA", "DEFAULT_MIN_GAIN", "EXACT_DTYPES", "TUNING_FILE", "TUNING_FORMAT",
-    "WHERE_FIELDS", "applicable", "apply_knobs", "bonferroni_quantile", "choose", "confirmation_interval",
-    "describe_choice", "engine_device", "geomean", "is_exact", "log_mean", "machine_info", "ours_here",
-    "pooled_noise", "read_tuning", "retune_command", "serving_here", "t_cdf", "t_quantile", "tuned_choice",
-    "tuned_eval_config", "vllm_export_config", "where_measured", "write_tuning",
+    "AR_LABEL", "CHAIN_KNOBS", "CONFIDENCE", "DEFAULT_ALPHA", "DEFAULT_MIN_GAIN", "EXACT_DTYPES", "TUNING_FILE",
+    "TUNING_FORMAT", "WHERE_FIELDS", "Decision", "applicable", "apply_knobs", "bonferroni_quantile", "choose",
+    "confirmation_interval", "decide", "describe_choice", "engine_device", "geomean", "is_exact", "log_mean",
+    "machine_info", "ours_here", "pooled_noise", "read_tuning", "retune_command", "serving_here", "shape_keys_set",
+    "t_cdf", "t_quantile", "tuned_chain_length", "tuned_choice", "tuned_eval_config", "tuned_serving_chain",
+    "vllm_export_config", "where_measured", "write_tuning",
 ]

@@ -24,6 +24,9 @@ TUNING_FORMAT = 2  # 1: one noise per setting (half the range of its ratios, at 
 # What a choice depends on besides the draft: tuning.json records them per engine, and a choice applies only where
 # each one matches (`applicable`). cpu / avx512_bf16 / amx_bf16 / gpu come from `machine_info`.
 WHERE_FIELDS = ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu", "dtype", "threads", "version")
+# The chain length a serving engine's tuned setting holds, under the engine's own flag name (the one knob of the
+# drafter option chain_length that tune stores by another name: each engine's setting is what that engine is given).
+CHAIN_KNOBS = {"vllm": "num_speculative_tokens", "llamacpp": "n_max"}
 
 
 def machine_info(cpuinfo: str | None = None, device: str = "cpu") -> dict:
@@ -148,3 +151,8 @@ def describe_choice(engine: str, choice: dict) -> str:
     ci = f", {CONFIDENCE:.0%} interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else ""
     return (f"tuning.json: {engine} {choice['label']} ({choice['speedup_vs_ar']:.2f}x its AR{ci} on {where}, tuned "
             f"{choice.get('tuned') or '?'})")
+
+
+def tuned_chain_length(engine: str, knobs: dict) -> int:
+    """The chain length of a serving engine's tuned setting (`CHAIN_KNOBS`: its own name for it)."""
+    return int(knobs[CHAIN_KNOBS[engine]])
