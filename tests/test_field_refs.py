@@ -40,3 +40,8 @@ def test_answers_are_greedy_with_a_tail_and_a_build_resumes_from_the_store(tmp_p
     assert [r.answer for r in refs2 if r.set == "mtbench"] == [r.answer for r in refs]  # kept, in source order
     assert card2["counts"]["mtbench-turn2"] > 0
     assert sum(calls) == card2["counts"]["mtbench-turn2"]  # only the new set was generated
+    calls.clear()
+    card3 = build_refs(out, base, sets=["mtbench-turn2"], max_new_tokens=6, max_prompt_tokens=300, batch_size=16,
+                       cache_dir=tmp_path / "c3", progress=False)  # one set asked for: the others stay stored
+    assert card3["counts"] == card2["counts"] and card3["sets"] == ["mtbench", "mtbench-turn2"] and not calls
+    assert [r.answer for r in read_refs(out, base.fingerprint)[1]] == [r.answer for r in refs2]

@@ -111,14 +111,19 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
     tok = base.tokenizer
     eos = set(end_of_turn_ids(base))
     settings = {"max_new_tokens": max_new_tokens, "tail": TAIL, "max_prompt_tokens": max_prompt_tokens,
-                "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch."), "sets": list(sets)}
+                "dtype": str(next(base.model.parameters()).dtype).removeprefix("torch.")}
+    # one partial file per base and settings, whatever the sets: a build of other sets resumes the same answers
     key = hashlib.sha256(json.dumps({"fp": base.fingerprint, **settings, "engine": engine_name},
                                     sort_keys=True).encode()).hexdigest()[:16]
     partial = Path(cache_dir or default_cache_dir()) / "field_refs" / f"{key}.partial.jsonl"
     partial.parent.mkdir(parents=True, exist_ok=True)
     done = {rec["id"]: rec for rec in read_finished_rows(partial)}
+    kept_skips: dict[str, int] = {}
     if (Path(out) / CARD).is_file():  # resume from the store itself (the partial file does not outlive a machine)
         old, old_lines = read_refs(out, base.fingerprint)
+        # the sets stored before and not asked for now stay, with their skip counts (a build adds, never drops)
+        kept_skips = {k: v for k, v in old.get("skipped_too_long", {}).items() if k not in sets}
+        sets = [s for s in FIELD_SETS if s in sets or s in old["counts"]]
         same = all(old.get(k) == settings[k] for k in ("max_new_tokens", "tail", "max_prompt_tokens", "dtype"))
         if not same:
             raise RefsError(f"{out} was made with other settings ({ {k: old.get(k) for k in settings} }); pass "
@@ -188,7 +193,8 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
     order = {s: k for k, s in enumerate(sets)}
     # stable sort: within a set, the source order (a judge's --num-prompts N takes each set's first N)
     lines = sorted((r for r in done.values() if r["set"] in sets), key=lambda r: order[r["set"]])
-    return write_refs(out, lines, base, settings, engine, skipped, command, time.perf_counter() - t0)
+    return write_refs(out, lines, base, {**settings, "sets": list(sets)}, engine, {**kept_skips, **skipped}, command,
+                      time.perf_counter() - t0)
 
 
 def _engine(name: str, base, max_new_tokens: int, batch_size: int):
@@ -258,7 +264,7 @@ end-of-turn token) |
 |---|---:|---:|
 {rows}
 {pending}
-Made with:
+Last built with (a build keeps every answer stored before and adds the sets it is asked for):
 
 ```
 {card['command']}
