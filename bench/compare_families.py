@@ -5,16 +5,23 @@ top-1, and each run's eval reports (acceptance length, per-depth acceptance, tok
 
 Reads only files the runs wrote: export/config.json + model.safetensors (parameter count from tensor
 shapes; safetensors headers, nothing unpickled), heldout.json, eval/<name>/report.json. Training time is
-the export's `train_seconds`, else the last tqdm elapsed time in runs/logs/<run>.log.
+the export's `train_seconds`, else the last tqdm elapsed time in runs/logs/<run>.log. Times nothing itself: the
+speeds are the eval reports' own (each run's arms timed side by side). With --out, <out>.json holds every run's
+row (bench/harness.py: Results, one arm per run, on disk after each) beside <out>.md and the plot.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from eval.harness.results_doc import train_seconds, trainable_params
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results  # noqa: E402
+from core.atomic import write_text_atomic  # noqa: E402
+from eval.harness.results_doc import train_seconds, trainable_params  # noqa: E402
 
 
 def describe(run: Path, eval_names: list[str]) -> dict:
@@ -102,12 +109,20 @@ def main() -> None:
     missing = [r for r in a.runs if not (r / "export" / "config.json").is_file()]
     for r in missing:
         print(f"skipping {r}: no export/config.json (the run has not finished)")
-    rows = [describe(r, names) for r in a.runs if r not in missing]
+    results = Results(a.out.with_suffix(".json") if a.out else None, {"evals": names, "runs": {}})
+    rows = []
+    for r in a.runs:
+        if r in missing:
+            continue
+        with results.arm("runs", r.name) as row:
+            rows.append(describe(r, names))
+            row.update({k: v for k, v in rows[-1].items() if k != "evals"},
+                       evals={n: str(r / "eval" / n / "report.json") for n in rows[-1]["evals"]})
     md = markdown(rows, names)
     print(md)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.with_suffix(".md").write_text(md)
+        write_text_atomic(a.out.with_suffix(".md"), md)
         for p in plot(rows, names[0], a.out):
             print(f"wrote {p}")
 

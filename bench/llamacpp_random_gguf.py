@@ -8,17 +8,23 @@ Writes DIR/<shape>-base-<type>.gguf (architecture llama, the Llama-3 tokenizer f
 models/ggml-vocab-llama-bpe.gguf) and DIR/<shape>-eagle3-f16.gguf (one EAGLE-3 layer of the base's shape reading
 three base layers, a 32,000-token draft vocabulary as the published Llama-3.1-8B EAGLE-3 drafts use). Tensors
 are generated while the file is written, a chunk at a time: an 8B Q8_0 file (8.5 GB) never sits in memory.
-Skips files that exist.
+Skips files that exist; each file's write is timed by bench/harness.py (time_once), whose only project import is
+core/atomic.py, which the converter venv can load from the checkout.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, in the converter venv
+
+from bench.harness import time_once  # noqa: E402
 
 # Llama-3.2-1B and Llama-3.1-8B (their config.json values)
 SHAPES = {
@@ -186,9 +192,9 @@ def main() -> None:
             print(f"exists: {path}")
             continue
         tmp = path.with_name(path.name + ".tmp")
-        make(tmp)
+        _, seconds = time_once(lambda make=make, tmp=tmp: make(tmp))
         tmp.rename(path)
-        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB)")
+        print(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in {seconds:.0f} s")
 
 
 if __name__ == "__main__":

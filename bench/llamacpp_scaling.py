@@ -15,7 +15,10 @@ drafts do not depend on its length, so a chain of 4's rates serve every n <= 4),
 step(n). A step that accepts more tokens costs the same here: llama.cpp drafts n and verifies n+1 whatever is
 accepted.
 The base files are written once (bench/llamacpp_random_gguf.py in .venv-llamacpp) under
-~/.cache/specdraft/llamacpp/random/. Writes runs/bench-llamacpp-scaling/results.json and prints Markdown.
+~/.cache/specdraft/llamacpp/random/. Writes runs/bench-llamacpp-scaling/results.json through bench/harness.py
+(Results: each shape's row on disk as each of its costs is measured, with the error of a shape that fails) and
+prints Markdown. The costs are llama-server's own timings (its compute, without the HTTP round trip), not a clock
+of this process.
 """
 
 from __future__ import annotations
@@ -23,14 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from core.paths import default_cache_dir
-from eval.serving.llamacpp_gguf import serve_args
-from eval.serving.llamacpp_paths import converter_python, llamacpp_source
-from eval.serving.llamacpp_server import LlamaServer, runtime_args, verify_costs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results  # noqa: E402
+from core.paths import default_cache_dir  # noqa: E402
+from eval.serving.llamacpp_gguf import serve_args  # noqa: E402
+from eval.serving.llamacpp_paths import converter_python, llamacpp_source  # noqa: E402
+from eval.serving.llamacpp_server import LlamaServer, runtime_args, verify_costs  # noqa: E402
 
 
 def random_ggufs(shape: str, base_type: str) -> tuple[Path, Path]:
@@ -92,29 +99,28 @@ def main() -> None:
     # ids of ordinary tokens (the first 100k of Llama-3's vocabulary); random weights make any text as costly
     prompts = [rng.integers(1000, 100_000, a.prompt_len).tolist() for _ in range(a.prompts)]
     n_maxes = [int(x) for x in a.n_max.split(",")]
-    res: dict = {"threads": a.threads, "base_type": a.base_type, "prompt_len": a.prompt_len,
-                 "new_tokens": a.new_tokens, "shapes": {}}
+    results = Results(out, {"threads": a.threads, "base_type": a.base_type, "prompt_len": a.prompt_len,
+                            "new_tokens": a.new_tokens, "shapes": {}})
     for shape in a.shapes.split(","):
         base, draft = random_ggufs(shape, a.base_type)
-        r: dict = {"base": str(base), "draft": str(draft)}
-        print(f"{shape}: AR", flush=True)
-        plain = runtime_args(["-m", str(base)], a.threads, CTX)
-        r["ar_ms"] = step_ms(plain, prompts, a.new_tokens, logs / f"{shape}-ar.log")
-        print(f"{shape}: verify", flush=True)
-        r["verify_ms"] = verify_costs(plain, prompts[:1], [1, *[n + 1 for n in n_maxes]],
-                                      logs / f"{shape}-verify.log", timeout=1800)
-        r["step_ms"] = {}
-        for n in n_maxes:
-            print(f"{shape}: EAGLE-3 step, n-max {n}", flush=True)
-            spec = [*serve_args(str(base), str(draft), "eagle3", n), "--spec-synth-rates", ",".join(["0"] * n)]
-            r["step_ms"][n] = step_ms(runtime_args(spec, a.threads, CTX), prompts, a.new_tokens,
-                                      logs / f"{shape}-step{n}.log")
-        res["shapes"][shape] = r
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=2) + "\n")  # each shape as it finishes
-    res["rates"] = [[float(x) for x in s.split(",")] for s in a.rates.split(";") if s.strip()]
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(tables(res))
+        with results.arm("shapes", shape) as r:
+            r.update(base=str(base), draft=str(draft))
+            print(f"{shape}: AR", flush=True)
+            plain = runtime_args(["-m", str(base)], a.threads, CTX)
+            r["ar_ms"] = step_ms(plain, prompts, a.new_tokens, logs / f"{shape}-ar.log")
+            results.save()
+            print(f"{shape}: verify", flush=True)
+            r["verify_ms"] = verify_costs(plain, prompts[:1], [1, *[n + 1 for n in n_maxes]],
+                                          logs / f"{shape}-verify.log", timeout=1800)
+            r["step_ms"] = {}
+            for n in n_maxes:
+                print(f"{shape}: EAGLE-3 step, n-max {n}", flush=True)
+                spec = [*serve_args(str(base), str(draft), "eagle3", n), "--spec-synth-rates", ",".join(["0"] * n)]
+                r["step_ms"][n] = step_ms(runtime_args(spec, a.threads, CTX), prompts, a.new_tokens,
+                                          logs / f"{shape}-step{n}.log")
+                results.save()
+    results.put("rates", [[float(x) for x in s.split(",")] for s in a.rates.split(";") if s.strip()])
+    print(tables(results.data))
 
 
 def tables(res: dict) -> str:

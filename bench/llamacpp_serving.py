@@ -16,15 +16,21 @@ Per-step costs (ms, from llama-server's own timings):
                 drafts n tokens, verifies n+1 and emits one: predicted_ms / (predicted_n - 1); draft(n) = step(n) -
                 verify(n+1)
   break-even    acceptance length (tokens per step) at which a step of n drafts pays: step(n) / AR step
-Writes JSON to --out (default runs/bench-llamacpp/results.json) and prints Markdown tables.
+The figures are llama-server's own timings (its compute, without the HTTP round trip), not a clock of this
+process. Writes JSON to --out (default runs/bench-llamacpp/results.json) through bench/harness.py (Results: every
+server's row on disk as it finishes, with the error of one that fails) and prints Markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results, ratio  # noqa: E402
 
 
 def _prompts(n: int, base):
@@ -51,7 +57,7 @@ def _serve(args: list[str], prompts, new_tokens: int, threads: int, log: Path, w
     drafted = sum(r["timings"].get("draft_n", 0) for r in rows)
     accepted = sum(r["timings"].get("draft_n_accepted", 0) for r in rows)
     return {"args": args, "tokens_per_second": 1000 * steps_tokens / ms, "ms_per_token": ms / steps_tokens,
-            "mean_accept_rate": accepted / drafted if drafted else None,
+            "mean_accept_rate": ratio(accepted, drafted, 6),
             "acceptance_length": gen / (gen - accepted) if gen > accepted else 1.0,
             "drafted": drafted, "accepted": accepted, "outputs": {r["id"]: r["tokens"] for r in rows}}
 
@@ -79,25 +85,35 @@ def main() -> None:
     prompts = _prompts(args.prompts, base)
     tmp = Path(tempfile.mkdtemp(prefix="bench-llamacpp-"))
     base_dir = base_hf_dir(base, tmp)
-    res: dict = {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads": args.threads, "ar": {},
-                 "draft_base": args.draft_base,
-                 "draft": {}, "ngram": {}, "synthetic0": {}}
+    results = Results(out, {"prompts": len(prompts), "new_tokens": args.new_tokens, "threads": args.threads,
+                            "ar": {}, "draft_base": args.draft_base, "draft": {}, "ngram": {}, "synthetic0": {}})
+    res = results.data
+    outputs: dict = {}  # generated ids per server, kept out of the JSON
+
+    def serve(section: str, key, run_args: list[str], log: str, some_prompts=None) -> dict:
+        """One server's row in `section`, on disk when it finishes; identical_to_ar against the draft base's AR."""
+        with results.arm(section, key) as row:
+            r = _serve(run_args, some_prompts or prompts, args.new_tokens, args.threads, logs / log)
+            outputs[section, key] = r.pop("outputs")
+            if section in ("draft", "ngram"):
+                r["identical_to_ar"] = outputs[section, key] == outputs["ar", args.draft_base]
+            row.update(r)
+        return row
+
     files = {t: str(base_gguf(base, base_dir, t)) for t in args.types.split(",")}
     files.setdefault(args.draft_base, str(base_gguf(base, base_dir, args.draft_base)))
     for t in args.types.split(","):
         print(f"AR {t}", flush=True)
-        res["ar"][t] = _serve(["-m", files[t]], prompts, args.new_tokens, args.threads, logs / f"ar-{t}.log")
+        serve("ar", t, ["-m", files[t]], f"ar-{t}.log")
     bf = files[args.draft_base]
-    ar_ref = res["ar"].get(args.draft_base) or _serve(["-m", bf], prompts, args.new_tokens, args.threads,
-                                                       logs / "ar-ref.log")
+    if ("ar", args.draft_base) not in outputs:  # the reference AR, on the type the draft runs on
+        serve("ar_ref", args.draft_base, ["-m", bf], "ar-ref.log")
+        outputs["ar", args.draft_base] = outputs["ar_ref", args.draft_base]
     n_maxes = [int(x) for x in args.n_max.split(",")]
     for n in n_maxes:
         print(f"ngram-simple n-max {n}", flush=True)
-        r = _serve(["-m", bf, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
-                    "--spec-ngram-simple-size-m", str(n), "--spec-draft-n-max", str(n)], prompts, args.new_tokens,
-                   args.threads, logs / f"ngram-{n}.log")
-        r["identical_to_ar"] = r["outputs"] == ar_ref["outputs"]
-        res["ngram"][n] = r
+        serve("ngram", n, ["-m", bf, "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                           "--spec-ngram-simple-size-m", str(n), "--spec-draft-n-max", str(n)], f"ngram-{n}.log")
     if args.draft:
         from models.export.load import load_export
 
@@ -106,22 +122,16 @@ def main() -> None:
         for n in n_maxes:
             spec = serve_args(bf, dfile, loaded.config["family"], n)
             print(f"EAGLE-3 n-max {n}", flush=True)
-            r = _serve(spec, prompts, args.new_tokens, args.threads, logs / f"eagle3-{n}.log")
-            r["identical_to_ar"] = r["outputs"] == ar_ref["outputs"]
-            res["draft"][n] = r
+            serve("draft", n, spec, f"eagle3-{n}.log")
             print(f"EAGLE-3 n-max {n}, synthetic acceptance 0 (step cost)", flush=True)
-            res["synthetic0"][n] = _serve(spec + ["--spec-synth-rates", ",".join(["0"] * n)], prompts[:4],
-                                          args.new_tokens, args.threads, logs / f"synth0-{n}.log")
+            serve("synthetic0", n, spec + ["--spec-synth-rates", ",".join(["0"] * n)], f"synth0-{n}.log",
+                  prompts[:4])
     print("verify costs", flush=True)
     from eval.serving.llamacpp_server import runtime_args, verify_costs
 
-    res["verify_ms"] = verify_costs(runtime_args(["-m", bf], args.threads, 4096), [p.input_ids for p in prompts[:4]],
-                                    [1, *[n + 1 for n in n_maxes]], logs / "verify.log", reps=5)
-    for section in ("ar", "draft", "ngram", "synthetic0"):
-        for r in res[section].values():
-            r.pop("outputs", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    results.put("verify_ms", verify_costs(runtime_args(["-m", bf], args.threads, 4096),
+                                          [p.input_ids for p in prompts[:4]], [1, *[n + 1 for n in n_maxes]],
+                                          logs / "verify.log", reps=5))
     print(tables(res))
 
 

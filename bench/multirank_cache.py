@@ -7,7 +7,8 @@ launch/build_cache.py` (2 CPU ranks, 1 thread each) on the same config (real Smo
 so files can be compared byte for byte), then prints the wall time of each build (from its own report
 line: base forward + writes, without start-up) and whether every file equals the 1-rank build's.
 On a shared 2-core CPU the 2-rank time is only indicative: the ranks compete with each other and with
-anything else running.
+anything else running. <out>/report.json (bench/harness.py: Results) holds each build's row as it finishes: the
+build's own seconds and the command's wall time (time_once: start-up included).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results, time_once  # noqa: E402
 
 
 def run(cmd: list[str]) -> str:
@@ -50,26 +55,29 @@ def main() -> int:
               f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={2 * args.micro_batch}",
               "wandb.enabled=false"]
     bin_dir = Path(sys.executable).parent
-    results = {}
-    log = run([str(bin_dir / "specdraft"), "cache", *common, f"data.hidden_cache={out / 'one'}", "train.num_threads=1"])
-    results["1 rank (1 thread)"] = seconds(log)
-    for label, extra, port in (("2 ranks, whole base", [], args.port),
-                               ("2 ranks, ZeRO-3 base", ["base.partition=zero3"], args.port + 1)):
-        name = "two-zero3" if extra else "two"
-        log = run([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(port), "launch/build_cache.py",
-                   *common, f"data.hidden_cache={out / name}", "train.num_threads=1", *extra])
-        results[label] = seconds(log)
+    builds = {"1 rank (1 thread)": ("one", None), "2 ranks, whole base": ("two", []),
+              "2 ranks, ZeRO-3 base": ("two-zero3", ["base.partition=zero3"])}
+    results = Results(out / "report.json", {"builds": {}})
+    for i, (label, (name, extra)) in enumerate(builds.items()):
+        if extra is None:
+            cmd = [str(bin_dir / "specdraft"), "cache", *common, f"data.hidden_cache={out / name}",
+                   "train.num_threads=1"]
+        else:
+            cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(args.port + i - 1),
+                   "launch/build_cache.py", *common, f"data.hidden_cache={out / name}", "train.num_threads=1", *extra]
+        with results.arm("builds", label) as row:
+            log, wall = time_once(lambda cmd=cmd: run(cmd))
+            row.update(seconds=seconds(log), wall_seconds=round(wall, 1))
     ref = {f.name: f.read_bytes() for f in sorted((out / "one").iterdir())}
     manifest = json.loads((out / "one" / "manifest.json").read_text())
-    report = {"rows": manifest["rows"], "tokens": manifest["tokens"], "shards": manifest["shards"], "builds": {}}
-    for label, name in (("1 rank (1 thread)", "one"), ("2 ranks, whole base", "two"),
-                        ("2 ranks, ZeRO-3 base", "two-zero3")):
+    for label, (name, _) in builds.items():
         files = {f.name: f.read_bytes() for f in sorted((out / name).iterdir())}
-        same = files == ref
-        report["builds"][label] = {"seconds": results[label], "byte_identical_to_1_rank": same}
-        print(f"{label:<24} {results[label]:7.1f} s   files identical to the 1-rank build: {same}")
+        row = results.data["builds"][label]
+        row["byte_identical_to_1_rank"] = files == ref
+        print(f"{label:<24} {row['seconds']:7.1f} s   files identical to the 1-rank build: {files == ref}")
     print(f"{manifest['rows']} rows, {manifest['tokens']:,} tokens, {manifest['shards']} shards")
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    for key in ("rows", "tokens", "shards"):
+        results.put(key, manifest[key])
     return 0
 
 

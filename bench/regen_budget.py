@@ -9,15 +9,21 @@ Each input is an on-policy store (`specdraft regenerate --store DIR`: it keeps e
 count). Per store, over its first --max-records source conversations: the tokens the engine generated, the rows
 training keeps after cutting at --max-length (data/dataset.py's rendering and masks, as `specdraft train` does),
 the supervised tokens inside that window, and the ratio generated / supervised (1.0 = nothing generated is thrown
-away). Prints a Markdown table and writes --json.
+away). Counts tokens, times nothing. Prints a Markdown table; --json is written through bench/harness.py
+(Results): one row per store, on disk as each finishes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results, ratio  # noqa: E402
 
 
 def generated_per_record(store: Path, n: int) -> dict[str, int]:
@@ -61,22 +67,21 @@ def main() -> None:
     from models.base import load_base
 
     tok = load_base(args.base, dtype="fp32").tokenizer
-    rows = {}
+    results = Results(args.json, {"max_records": args.max_records, "max_length": args.max_length, "files": {}})
+    rows = results.data["files"]
     for spec in args.file:
         name, _, path = spec.partition("=")
-        gen = generated_per_record(Path(path), args.max_records)
-        t = training_tokens(Path(path), set(gen), tok, args.max_length)
-        rows[name] = {"path": path, "records": len(gen), "generated_tokens": sum(gen.values()), **t,
-                      "generated_per_supervised": sum(gen.values()) / max(1, t["supervised_tokens"])}
+        with results.arm("files", name) as row:
+            gen = generated_per_record(Path(path), args.max_records)
+            t = training_tokens(Path(path), set(gen), tok, args.max_length)
+            row.update({"path": path, "records": len(gen), "generated_tokens": sum(gen.values()), **t,
+                        "generated_per_supervised": ratio(sum(gen.values()), max(1, t["supervised_tokens"]), 4)})
     print(f"| file | records | generated tokens | training rows | tokens in the {args.max_length}-token window | "
           "supervised tokens | generated / supervised |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['records']} | {r['generated_tokens']:,} | {r['rows']} | {r['window_tokens']:,} | "
               f"{r['supervised_tokens']:,} | {r['generated_per_supervised']:.2f} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"max_records": args.max_records, "max_length": args.max_length,
-                                               "files": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

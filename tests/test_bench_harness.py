@@ -159,3 +159,29 @@ def test_stopwatch_reads_phases_after_a_sync():
     clock.now += 2.0
     assert watch.wall() == 3.5 and watch.cpu() == 3.5
     assert log == ["sync"] * 4
+
+
+def harness_users(bench_dir: Path = REPO / "bench") -> dict[str, bool]:
+    """Every script of bench/ (the harness aside): does it import bench.harness?"""
+    import ast
+
+    out = {}
+    for path in sorted(bench_dir.glob("*.py")):
+        if path.name == "harness.py":
+            continue
+        tree = ast.parse(path.read_text())
+        out[path.name] = any(isinstance(n, ast.ImportFrom) and n.module == "bench.harness" for n in ast.walk(tree))
+    return out
+
+
+def test_every_bench_script_times_and_records_through_the_harness():
+    """A script with its own clock or its own results file drifts from the rest (no warm-up, ratios across runs,
+    a JSON half-written when a stage is killed): each one imports bench.harness (docs/howto/contribute.md)."""
+    users = harness_users()
+    assert users and not [name for name, uses in users.items() if not uses]
+
+
+def test_the_check_sees_a_script_without_the_harness(tmp_path):
+    (tmp_path / "own_clock.py").write_text("import time\nt0 = time.perf_counter()\n")
+    (tmp_path / "ok.py").write_text("from bench.harness import time_fn\n")
+    assert harness_users(tmp_path) == {"ok.py": True, "own_clock.py": False}

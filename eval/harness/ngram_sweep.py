@@ -1,7 +1,7 @@
 """(k, w) sweep of the N-gram drafter (docs/families/ngram.md): acceptance length and
 speedup over own AR on the same engine, written as sweep.json, sweep.md and sweep_heatmap.png.
 
-Used by `specdraft eval --method ngram extra.sweep_k=[1,2,4] extra.sweep_w=[1,2,3]` and by
+Used by `specdraft eval --method ngram sweep_k=[1,2,4] sweep_w=[1,2,3]` and by
 bench/ngram_sweep.py. Greedy only; every cell is also checked token-identical to AR (reported, not asserted).
 """
 
