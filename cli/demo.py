@@ -36,7 +36,9 @@ RECIPE = "hydra.yaml"  # the family recipe configs/demo.yaml is stacked on
 
 
 def _family(cfg) -> str:
-    return {"hydra": "Hydra++" if cfg.draft.hydra.prefix_layer else "Hydra"}.get(cfg.draft.family, cfg.draft.family)
+    from models.registry import DRAFT_MODELS
+
+    return DRAFT_MODELS[cfg.draft.family].run_title(cfg.draft)
 
 
 def run_demo(overrides: list[str]) -> int:

@@ -24,6 +24,7 @@ def _add_config_args(p: argparse.ArgumentParser, default_help: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     from eval.serving.llamacpp_gguf import BASE_TYPES, CONVERT_TYPES  # GGUF types, one list
+    from models.family import EXPORT_FORMATS
 
     parser = argparse.ArgumentParser(prog="specdraft", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,8 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="convert a run's export to another format")
     p.add_argument("--run", help="the run directory (runs/<run>)")
-    p.add_argument("--format", required=True,
-                   choices=["specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm", "gguf"])
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--base-type", default="f32", choices=BASE_TYPES,
                    help="--format gguf: the base's GGUF type (q4_1 = the packaged SmolLM2 file as is; f32 matches our "

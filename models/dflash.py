@@ -81,7 +81,9 @@ class DFlashLossOptions:
 
 class DFlashDraft(BlockDraft):
     facts = FamilyFacts("dflash", "DFlash", ("specdraft", "vllm", "gguf"), vllm_method="dflash",
-                        llamacpp_spec_type="draft-dflash", llamacpp_whole_block=True,
+                        vllm_schedule=True, llamacpp_spec_type="draft-dflash", llamacpp_whole_block=True,
+                        exporters={"vllm": "models.export.vllm:export_vllm_dflash",
+                                   "gguf": "eval.serving.llamacpp_gguf:dflash_converter_input"},
                         export_keys=("aux_layers", "block_size", "num_layers", "mask_token_id"),
                         draft_options=DFlashOptions, loss_options=DFlashLossOptions,
                         flat_keys=("draft.block_size", "draft.num_anchors", "draft.mask_token_id",

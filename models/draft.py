@@ -127,6 +127,11 @@ class DraftModel(nn.Module):
         fail(key, value, fix) for a bad value. Shared rules live in train/config.py."""
 
     @classmethod
+    def run_title(cls, draft_cfg) -> str:
+        """The name of a run of this family in messages, from its draft config (a variant's: "Hydra++")."""
+        return cls.facts.title
+
+    @classmethod
     def options(cls, section):
         """This family's own options in a training-config section: `cls.options(cfg.draft)` is draft.<name>
         (an instance of facts.draft_options), `cls.options(cfg.loss)` is loss.<name> (facts.loss_options)."""

@@ -88,6 +88,7 @@ class ConfidenceHead(nn.Module):
 
 class DSparkDraft(BlockDraft):
     facts = FamilyFacts("dspark", "DSpark", ("specdraft", "vllm"), vllm_method="dspark",
+                        exporters={"vllm": "models.export.vllm:export_vllm_dspark"},
                         export_keys=("aux_layers", "block_size", "num_layers", "mask_token_id", "markov_rank"),
                         draft_options=DSparkOptions, loss_options=DSparkLossOptions,
                         summary="DFlash's block of γ slots in one forward, every slot drafting, plus a low-rank Markov "

@@ -184,7 +184,10 @@ NORM_VARIANTS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residu
 
 class Eagle3Draft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("eagle3", "EAGLE-3", ("specdraft", "speculators", "vllm", "gguf"), vllm_method="eagle3",
-                        llamacpp_spec_type="draft-eagle3", export_keys=("aux_layers",),
+                        vllm_schedule=True, llamacpp_spec_type="draft-eagle3",
+                        exporters={"vllm": "models.export.vllm:export_vllm_eagle3",
+                                   "gguf": "eval.serving.llamacpp_gguf:eagle3_converter_input"},
+                        chain_estimate=True, export_keys=("aux_layers",),
                         draft_options=Eagle3Options, flat_keys=("draft.ttt_steps",),
                         summary="fc over low/mid/high base layers + one decoder layer, training-time test; chain or "
                         "EAGLE-2 tree; what vLLM serves; P-EAGLE option (`draft.eagle3.parallel_drafting`): K drafts "

@@ -102,12 +102,16 @@ class HydraOptions:
 
 
 class HydraDraft(DraftVocabMixin, DraftModel):
-    facts = FamilyFacts("hydra", "Hydra", ("specdraft",),
+    facts = FamilyFacts("hydra", "Hydra", ("specdraft",), chain_estimate=True,
                         export_keys=("num_heads", "num_layers"), draft_options=HydraOptions,
                         flat_keys=("draft.prefix_layer",),
                         summary="sequentially dependent heads: head k reads `[h_t; e(x_{t+1}); ...; e(x_{t+k})]`; "
                         "Hydra++ (`configs/hydra_pp.yaml`): 4-block heads, a prefix-attention layer, teacher loss",
                         also_files=("models/prefix_attention.py",))
+
+    @classmethod
+    def run_title(cls, draft_cfg) -> str:
+        return "Hydra++" if cls.options(draft_cfg).prefix_layer else "Hydra"
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

@@ -33,6 +33,7 @@ from models.vocab_map import DraftVocabMixin, placeholder_map
 
 class MedusaDraft(DraftVocabMixin, DraftModel):
     facts = FamilyFacts("medusa", "Medusa", ("specdraft", "medusa", "vllm"), vllm_method="medusa",
+                        exporters={"vllm": "models.export.vllm:export_vllm_medusa"}, chain_estimate=True,
                         export_keys=("num_heads", "num_layers"),
                         summary="K independent ResBlock heads on `h_t`, weighted CE; static trees")
 

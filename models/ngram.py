@@ -28,11 +28,12 @@ from models.family import FamilyFacts
 log = logging.getLogger("specdraft.ngram")
 CACHE_SUBDIR = "ngram"
 
-# Learning-free: nothing to train or export but vLLM's own n-gram config (`--format vllm --method ngram`).
-NGRAM_FACTS = FamilyFacts("ngram", "N-gram", ("vllm",), vllm_method="ngram", trainable=False,
-                          summary="learning-free: context n-grams, model bigram / unigram tables, vLLM's prompt "
-                          "lookup",
-                          also_files=("configs/eval/ngram.yaml",))
+# Learning-free: nothing to train or export but vLLM's own n-gram config (`--format vllm --method ngram`). A
+# module-level `facts` is how a family without a model class declares itself (models/registry.py finds it).
+facts = FamilyFacts("ngram", "N-gram", ("vllm",), vllm_method="ngram", trainable=False,
+                    exporters={"vllm": "models.export.vllm:export_vllm_ngram"},
+                    summary="learning-free: context n-grams, model bigram / unigram tables, vLLM's prompt lookup",
+                    also_files=("configs/eval/ngram.yaml",))
 
 
 @dataclass

@@ -58,7 +58,7 @@ class ReDrafterOptions:
 class ReDrafterDraft(DraftVocabMixin, DraftModel):
     # ReDrafter's only context is h_t (no prefix-attention layer: draft.hydra.prefix_layer on a ReDrafter run fails
     # at load as another family's option); share_lm_head there means input_proj(2d->d) + the frozen base head.
-    facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"),
+    facts = FamilyFacts("redrafter", "ReDrafter", ("specdraft", "redrafter-trtllm"), chain_estimate=True,
                         export_keys=("num_heads", "num_layers"), draft_options=ReDrafterOptions,
                         flat_keys=("draft.rnn",),
                         summary="one recurrent draft head (RNN + ResBlocks) shared by every depth, beam search, "

@@ -111,7 +111,7 @@ def test_a_typo_in_a_config_is_caught(tmp_path):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_every_family_has_a_model_a_drafter_a_recipe_and_a_docs_page(name):
     facts = FAMILIES[name]
-    assert name in DRAFTERS, f"{name}: no drafter in eval/engine/drafters/registry.py"
+    assert name in DRAFTERS, f"{name}: no drafter module eval/engine/drafters/{name}.py"
     assert (ROOT / "docs" / "families" / f"{name}.md").is_file(), f"{name}: no docs/families/{name}.md"
     if facts.trainable:
         assert DRAFT_MODELS[name].facts is facts

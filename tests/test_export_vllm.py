@@ -16,8 +16,9 @@ from models.base import load_base
 from models.draft import BaseView
 from models.export.vllm import (
     SPECULATIVE_CONFIG_FILE,
-    VLLM_EXPORTERS,
     export_vllm,
+    export_vllm_medusa,
+    export_vllm_ngram,
     read_engine_args,
     vllm_ngram_config,
 )
@@ -164,7 +165,10 @@ def test_ngram_speculative_config(tmp_path):
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 2}
     with pytest.raises(ValueError, match="w >= 1"):
         vllm_ngram_config({"w": 0})
-    assert set(VLLM_EXPORTERS) >= {"medusa", "ngram"}
+    from models.registry import FAMILIES  # each family names its exporter (FamilyFacts.exporters["vllm"])
+
+    assert FAMILIES["medusa"].writer("vllm") is export_vllm_medusa
+    assert FAMILIES["ngram"].writer("vllm") is export_vllm_ngram
     assert main(["export", "--format", "vllm", "--method", "ngram", "--out", str(tmp_path / "ng"),
                  "extra.w=5", "extra.q=3"]) == 0
     spec = json.loads((tmp_path / "ng" / SPECULATIVE_CONFIG_FILE).read_text())

@@ -29,12 +29,13 @@ import torch
 
 from models.base import draft_inputs
 from models.draft import DraftBatch, estimated_acceptance_length
+from models.registry import chain_estimate_families
 
 # Families whose loss scores depth k at root t from positions <= t + k only and without randomness, so a
 # truncated text gives the same per-root answers (DFlash samples its block anchors; CTC reports prefix accuracy
 # of a collapsed draft: neither can be differenced this way). tests/test_chain_estimate.py checks Medusa and EAGLE-3
-# against the decoder; Hydra and ReDrafter are listed by the same causal reading of their losses, untested here.
-CHAIN_FAMILIES = ("medusa", "hydra", "eagle3", "redrafter")
+# against the decoder; Hydra and ReDrafter declare it by the same causal reading of their losses, untested here.
+CHAIN_FAMILIES = chain_estimate_families()  # those declaring FamilyFacts.chain_estimate
 
 
 @torch.no_grad()

@@ -38,6 +38,7 @@ from eval.harness.lossless import (
 from eval.harness.prompts import config_prompts
 from eval.harness.report import PromptResult, build_report, write_report
 from eval.harness.suite import load_suite, run_suite
+from models.registry import learning_free_families
 
 log = logging.getLogger("specdraft.eval")
 CONFIGS = _CONFIGS / "eval"
@@ -261,7 +262,7 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     return report, out_dir
 
 
-LEARNING_FREE_METHODS = ("ngram",)
+LEARNING_FREE_METHODS = learning_free_families()  # the families declaring FamilyFacts.trainable = False
 
 
 def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:

@@ -212,17 +212,17 @@ def dflash_converter_input(draft, export_cfg: dict, base_dir: Path, out_dir: Pat
         "config.json": lambda p: p.write_text(json.dumps(config, indent=2) + "\n")})
 
 
-# family -> what llama.cpp's converter reads for it (the draft, its export config, the base's HF dir, out dir)
-CONVERTER_INPUTS = {"eagle3": eagle3_converter_input, "dflash": dflash_converter_input}
-
-
 def draft_gguf(draft, export_cfg: dict, base_dir: Path, out_file: Path, outtype: str) -> Path:
-    """A draft as a GGUF (llama.cpp reads the target's tokenizer and config from base_dir)."""
+    """A draft as a GGUF (llama.cpp reads the target's tokenizer and config from base_dir). What the converter reads
+    is written by the family's own function (FamilyFacts.exporters["gguf"]: eagle3_converter_input,
+    dflash_converter_input above)."""
+    from models.registry import FAMILIES, llamacpp_families
+
     family = export_cfg.get("family")
-    if family not in CONVERTER_INPUTS:
-        raise ValueError(f"llama.cpp serves {', '.join(CONVERTER_INPUTS)} drafts; this draft is {family!r}")
+    if family not in llamacpp_families():
+        raise ValueError(f"llama.cpp serves {', '.join(llamacpp_families())} drafts; this draft is {family!r}")
     with tempfile.TemporaryDirectory(prefix="specdraft-gguf-") as tmp:
-        src = CONVERTER_INPUTS[family](draft, export_cfg, base_dir, Path(tmp) / "converter-input")
+        src = FAMILIES[family].writer("gguf")(draft, export_cfg, base_dir, Path(tmp) / "converter-input")
         return run_converter(src, Path(out_file), outtype, target_dir=base_dir)
 
 

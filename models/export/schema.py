@@ -1,10 +1,11 @@
 """The one typed schema of an export's config.json, and the checks every file we read back goes through.
 
 A config.json is checked key by key (type and range), for keys nobody writes (a typo: the closest known key is
-named) and for the keys its family needs (`FamilyFacts.export_keys`). A safetensors file is opened with its header
-checked against the tensors the draft needs (missing, extra, wrong shape: all listed), and against the sha256 the
-export recorded when it was written. Every failure is an `ExportError` (a ValueError the CLI prints as one line)
-that names the file, the key or tensor, and the fix.
+named) and for the keys its family needs (`FamilyFacts.export_keys`). The keys below are shared or older; a
+family's own new keys are typed in its declaration (`FamilyFacts.export_key_types`), not here. A safetensors file
+is opened with its header checked against the tensors the draft needs (missing, extra, wrong shape: all listed),
+and against the sha256 the export recorded when it was written. Every failure is an `ExportError` (a ValueError
+the CLI prints as one line) that names the file, the key or tensor, and the fix.
 """
 
 from __future__ import annotations
@@ -125,22 +126,31 @@ KEYS: dict[str, Callable[[object], str | None]] = {
 COMMON_REQUIRED = ("format", "family", "base_model", "hidden_size", "vocab_size")
 
 
-def check_export_config(config: object, path: Path, required: tuple[str, ...] = ()) -> dict:
-    """`config` (parsed from `path`) against KEYS; `required`: the family's own keys. Returns it unchanged."""
+# The checks a family's declared key types (FamilyFacts.export_key_types) stand for.
+TYPE_CHECKS: dict[type, Callable[[object], str | None]] = {
+    int: _int(0), bool: _is(bool, "true or false"), str: _is(str, "a string"), list: _is(list, "a list"),
+}
+
+
+def check_export_config(config: object, path: Path, required: tuple[str, ...] = (),
+                        own_types: dict[str, type] | None = None) -> dict:
+    """`config` (parsed from `path`) against KEYS and the family's own key types (`own_types`, its
+    FamilyFacts.export_key_types); `required`: the family's own keys. Returns it unchanged."""
     if not isinstance(config, dict):
         raise ExportError(f"{path}: expected a JSON object of export settings, got {type(config).__name__}; {REEXPORT}")
-    unknown = sorted(set(config) - set(KEYS))
+    keys = {**KEYS, **{k: TYPE_CHECKS[t] for k, t in (own_types or {}).items()}}
+    unknown = sorted(set(config) - set(keys))
     if unknown:
-        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, KEYS, n=1)) else k
+        hints = [f"{k} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(k, keys, n=1)) else k
                  for k in unknown]
         raise ExportError(f"{path}: unknown key(s) {', '.join(hints)}; fix or remove them (an export's keys are "
-                          "listed in models/export/schema.py)")
+                          "listed in models/export/schema.py and in its family's FamilyFacts.export_key_types)")
     missing = [k for k in (*COMMON_REQUIRED, *required) if k not in config]
     if missing:
         raise ExportError(f"{path}: missing key(s) {missing} that a {config.get('family', '?')} export needs; "
                           f"{REEXPORT}")
     for key, value in config.items():
-        wrong = KEYS[key](value)
+        wrong = keys[key](value)
         if wrong:
             raise ExportError(f"{path}: \"{key}\": {json.dumps(value)} must be {wrong}; fix the value (or {REEXPORT})")
     return config

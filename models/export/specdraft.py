@@ -71,7 +71,8 @@ def read_export_config(export_dir: Path) -> dict:
     family = config.get("family")
     if family not in DRAFT_MODELS:
         raise ExportError(f"{path}: unknown draft family {family!r}; known: {', '.join(DRAFT_MODELS)}")
-    return check_export_config(config, path, DRAFT_MODELS[family].facts.export_keys)
+    facts = DRAFT_MODELS[family].facts
+    return check_export_config(config, path, facts.export_keys, facts.export_key_types)
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

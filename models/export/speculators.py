@@ -125,7 +125,8 @@ def export_speculators(draft, out_dir: Path, base_name: str, *, verifier: str | 
     speculative_tokens: the chain length written as the default proposal (default: the draft's ttt_steps);
     dtype: cast floating tensors (e.g. torch.bfloat16 for serving); None keeps the training dtype.
     """
-    if not isinstance(draft, Eagle3Draft):  # the layout is that class's (fc, layers.0, d2t / t2d)
+    # The layout is EAGLE-3's (fc, layers.0, d2t / t2d): the one family that declares the speculators format.
+    if "speculators" not in getattr(getattr(draft, "facts", None), "export_formats", ()):
         raise ValueError(f"--format speculators needs an EAGLE-3 draft, this run is {getattr(draft, 'family', None)!r}")
     config = speculators_config(draft, verifier or verifier_path(base_name),
                                 speculative_tokens or draft.ttt_steps)

@@ -3,8 +3,8 @@
 Every vLLM export directory holds `speculative_config.json`: the dict to pass as
 `LLM(..., speculative_config=...)` (its "model" is this directory's absolute path at export time), and, where
 the draft needs more engine arguments, `engine_args.json`: further `LLM(...)` keyword arguments.
-One exporter per vLLM method in `VLLM_EXPORTERS` (a family declares its method in its FamilyFacts); a family
-vLLM cannot serve gets an error naming the formats it does have.
+A family declares its vLLM method and the exporter below that writes its directory in its FamilyFacts
+(`vllm_method`, `exporters["vllm"]`); a family vLLM cannot serve gets an error naming the formats it does have.
 
 Medusa, read from vLLM 0.32's `model_executor/models/medusa.py` + `transformers_utils/configs/medusa.py`:
     model.safetensors
@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from core.atomic import write_dir_atomic
 from models.draft import BaseView
 from models.export.specdraft import draft_tensors
-from models.registry import FAMILIES
+from models.registry import FAMILIES, vllm_schedule_methods
 from models.vocab_map import check_fits
 
 SPECULATIVE_CONFIG_FILE = "speculative_config.json"
@@ -60,9 +60,10 @@ TUNED_TOKENS_KEY = "vllm_num_speculative_tokens"
 # nothing; vLLM caps each k at num_speculative_tokens, so the exporters set that to the largest k).
 TUNED_SCHEDULE_KEY = "vllm_num_speculative_tokens_per_batch_size"
 # vLLM 0.32 methods whose proposer drafts the count the scheduler picks per step (v1/spec_decode/
-# llm_base_proposer.py: propose(num_speculative_tokens, ...), 0 returning no drafts). Medusa's proposer asserts the
-# configured count (v1/spec_decode/medusa.py), so a Medusa export never gets a schedule.
-SCHEDULE_METHODS = ("eagle3", "dflash")
+# llm_base_proposer.py: propose(num_speculative_tokens, ...), 0 returning no drafts): the families declaring
+# FamilyFacts.vllm_schedule. Medusa's proposer asserts the configured count (v1/spec_decode/medusa.py), so a Medusa
+# export never gets a schedule.
+SCHEDULE_METHODS = vllm_schedule_methods()
 
 
 def speculative_tokens(export_cfg: dict, trained: int) -> int:
@@ -247,28 +248,19 @@ def export_vllm_dspark(draft, out_dir: Path, export_cfg: dict, base: BaseView) -
                                          json.dumps(spec, indent=2) + "\n")})
 
 
-# vLLM method -> exporter(draft, out_dir, export_cfg, base_view) -> out_dir. A family names its method in its
-# FamilyFacts. N-gram has no draft to export: its entry takes the eval options instead (export_vllm_ngram).
-VLLM_EXPORTERS = {
-    "medusa": export_vllm_medusa,
-    "eagle3": export_vllm_eagle3,
-    "dflash": export_vllm_dflash,
-    "dspark": export_vllm_dspark,
-    "ngram": export_vllm_ngram,
-}
-
-
 def export_vllm(draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
-    """Dispatch a trained draft to the exporter of its family's vLLM method, or fail naming the formats it has."""
+    """Hand a trained draft to its family's vLLM exporter (FamilyFacts.exporters["vllm"], one of the functions above),
+    or fail naming the formats it has."""
     family = export_cfg.get("family", getattr(draft, "family", "?"))
     facts = FAMILIES.get(family)
-    if facts is None or not facts.trainable or facts.vllm_method not in VLLM_EXPORTERS:
+    if facts is None or not facts.trainable or facts.vllm_method is None:
         have = ", ".join(facts.export_formats if facts else ("specdraft",))
-        servable = ", ".join(n for n, f in FAMILIES.items() if f.trainable and f.vllm_method in VLLM_EXPORTERS)
+        servable = ", ".join(n for n, f in FAMILIES.items() if f.trainable and f.vllm_method)
+        free = ", ".join(n for n, f in FAMILIES.items() if not f.trainable and f.vllm_method)
         raise ValueError(f"vLLM cannot serve a {family!r} draft (vLLM 0.32 serves {servable} drafts and its own "
-                         f"ngram); formats for {family}: {have} (`specdraft export --format ...`), and our decoder "
+                         f"{free}); formats for {family}: {have} (`specdraft export --format ...`), and our decoder "
                          "(`specdraft eval`) runs it")
-    return VLLM_EXPORTERS[facts.vllm_method](draft, out_dir, export_cfg, base)
+    return facts.writer("vllm")(draft, out_dir, export_cfg, base)
 
 
 def read_engine_args(vllm_dir: Path) -> dict:

@@ -1,6 +1,7 @@
-"""Trained draft (from its export) -> the drafter the decoder drives. One entry per family.
+"""Trained draft (from its export) -> the drafter the decoder drives, for every family the model registry knows.
 
-Each family's drafter module declares, next to its Drafter class:
+Each family's drafter module is eval/engine/drafters/<family>.py (found by the family's name, models/registry.py:
+FAMILIES; no list of them is kept here). It declares, next to its Drafter class:
     Options       the frozen dataclass of its eval options (EvalConfig.extra; unknown keys are an error)
     build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info)
     chain         depth -> EvalConfig overrides that make it draft a chain of top-1 tokens, what serving engines run
@@ -12,16 +13,23 @@ and, where the default does not fit (a module that leaves one out gets it):
     max_chain       draft -> the deepest chain it drafts, what serving engines are asked for at most (default:
                     None, any depth)
     target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
+A module eval/engine/drafters/<family>_<anything>.py adds the optional declarations it holds to its family's
+(eagle3_tune.py: EAGLE-3's tune shapes and target key).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 from collections.abc import Callable
 from types import ModuleType
 
-from eval.engine.drafters import ctc, dflash, dspark, eagle3, eagle3_tune, hydra, medusa, ngram, redrafter
+import eval.engine.drafters as _package
 from eval.engine.drafters.options import option_names, parse_options
+from models.registry import FAMILIES
+
+OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key")
 
 
 def _no_shapes(draft) -> list[tuple[str, dict]]:
@@ -45,10 +53,9 @@ class DrafterFamily:
     target_key: Callable[[dict], str] | None = None  # None: the family name
 
     @classmethod
-    def of(cls, module: ModuleType, trained: bool = True, more: ModuleType | None = None) -> DrafterFamily:
-        """The declaration in `module` (and in `more`, for declarations kept in a second module)."""
-        optional = {name: getattr(m, name) for m in (module, more) if m is not None
-                    for name in ("tune_shapes", "searched_trees", "max_chain", "target_key") if hasattr(m, name)}
+    def of(cls, module: ModuleType, trained: bool = True, more: tuple[ModuleType, ...] = ()) -> DrafterFamily:
+        """The declaration in `module` (and the optional ones in `more`, a family's further drafter modules)."""
+        optional = {name: getattr(m, name) for m in (module, *more) for name in OPTIONAL if hasattr(m, name)}
         return cls(module.Options, module.build if trained else None, module.chain, module.chain_depth, module.shape,
                    **optional)
 
@@ -56,21 +63,35 @@ class DrafterFamily:
         return option_names(self.options)
 
 
-DRAFTERS = {
-    "medusa": DrafterFamily.of(medusa),
-    "hydra": DrafterFamily.of(hydra),
-    "redrafter": DrafterFamily.of(redrafter),
-    "ctc": DrafterFamily.of(ctc),
-    "eagle3": DrafterFamily.of(eagle3, more=eagle3_tune),
-    "dflash": DrafterFamily.of(dflash),
-    "dspark": DrafterFamily.of(dspark),
-    "ngram": DrafterFamily.of(ngram, trained=False),
-}
+def _discover() -> dict[str, DrafterFamily]:
+    """Family -> its declaration, for every family of FAMILIES that has eval/engine/drafters/<family>.py (a family
+    without one fails tests/test_configs.py's completeness test, and `drafter_family` names the missing module)."""
+    modules = sorted(m.name for m in pkgutil.iter_modules(_package.__path__))
+
+    def owner(module: str) -> str | None:  # x_y_tune.py is family x_y's when both x and x_y exist
+        return max((f for f in FAMILIES if module.startswith(f + "_")), key=len, default=None)
+
+    def load(module: str) -> ModuleType:
+        return importlib.import_module(f"{_package.__name__}.{module}")
+
+    found = {}
+    for family, facts in FAMILIES.items():
+        if family in modules:
+            more = tuple(load(m) for m in modules if m not in FAMILIES and owner(m) == family)
+            found[family] = DrafterFamily.of(load(family), trained=facts.trainable, more=more)
+    return found
+
+
+DRAFTERS = _discover()
 
 
 def drafter_family(family: str) -> DrafterFamily:
     if family not in DRAFTERS:
-        raise ValueError(f"no decoder support for draft family {family!r}; known: {', '.join(DRAFTERS)}")
+        known = f"known: {', '.join(DRAFTERS)}"
+        if family in FAMILIES:
+            raise ValueError(f"no decoder support for draft family {family!r}: its drafter module "
+                             f"eval/engine/drafters/{family}.py is missing ({known})")
+        raise ValueError(f"no decoder support for draft family {family!r}; {known}")
     return DRAFTERS[family]
 
 
