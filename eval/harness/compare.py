@@ -49,6 +49,7 @@ from eval.harness.compare_config import (
     vllm_setting_names,
 )
 from eval.harness.config import EvalConfig
+from eval.harness.eval_sets import is_heldout
 from eval.harness.hf_baseline import hf_generate_timed
 from eval.harness.lossless import IDENTICAL, classify, format_verdict, is_exact_dtype, rejudge, verify_widths
 from eval.harness.prompts import config_prompts
@@ -105,7 +106,7 @@ def _heldout_skip(entries: list[DraftEntry], setting: str, ecfg: EvalConfig) -> 
     that only runs on MT-bench."""
     from models.export.specdraft import read_export_config
 
-    if ecfg.dataset != "sharegpt":
+    if not is_heldout(ecfg.dataset):
         return ecfg
     skips = [resolve_heldout_skip(ecfg, read_export_config(e.export)).heldout_skip or 0
              for e in entries if e.export is not None and e.runs_in(setting)]

