@@ -261,8 +261,8 @@ class BlockDraft(DraftVocabMixin, DraftModel):
     """The block-parallel draft DFlash and DSpark share (models/dflash.py's docstring has the math): fc over the
     base's aux layers -> the context keys / values of N Qwen3-shaped layers, which fill a block [root, M, ..., M]
     in one forward. A subclass declares its facts, its configs and, where it differs, `anchor_drafts` (slot 0,
-    the root, drafts depth 1 too: DSpark), `row_features` / `extra_block_loss` (more terms in the loss) and what
-    it does with `draft_block_outputs`."""
+    the root, drafts depth 1 too: DSpark), `row_features` / `more_row_features` / `extra_block_loss` (more terms
+    in the loss) and what it does with `draft_block_outputs`."""
 
     anchor_drafts = False  # True: slots 0..G-1 draft depths 1..G (each slot predicts the next position's token)
 
@@ -395,6 +395,14 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         Here norm(out) and the LM head; DSpark appends its Markov embedding and projection."""
         return self.head_input(out).reshape(-1, out.shape[-1]), self.lm_head.weight
 
+    def more_row_features(self, out: torch.Tensor, prev: torch.Tensor, loss_cfg
+                          ) -> list[tuple[float, tuple[torch.Tensor, torch.Tensor]]]:
+        """Further heads scored on the same rows as `row_features`: (scale, (features, weight)) pairs, each row loss
+        computed against the same labels and teacher, weighted by the same position weights and added to the loss
+        times scale (a family whose drafts add a correction to the block's logits can keep the uncorrected logits
+        trained too). The per-depth statistics stay `row_features`'s. Default none."""
+        return []
+
     def extra_block_loss(self, out: torch.Tensor, prev: torch.Tensor, hits: torch.Tensor, valid: torch.Tensor,
                          loss_cfg) -> torch.Tensor | None:
         """A further loss term of one set of blocks (None: none). hits / valid [B·A, K] bool: top-1 equals the
@@ -505,6 +513,10 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         weights = block_position_weights(rows2, valid2, own.position_weights, lambda0=loss_cfg.lambda0,
                                          decay=loss_cfg.decay, alpha=own.dpace_alpha)
         loss = block_weighted_loss(rows2, weights, valid2)
+        for scale, (more_flat, more_weight) in self.more_row_features(out, prev, loss_cfg):
+            more, _, _ = rows_fn(more_flat, more_weight, draft_lab.reshape(-1), chunk_size=loss_cfg.chunk_size,
+                                 **teacher)
+            loss = loss + scale * block_weighted_loss(more.view(-1, k_max), weights, valid2)
         top1, topk = top1.view(-1, k_max), topk.view(-1, k_max)
         oov = outside.view(-1, k_max)
         extra = self.extra_block_loss(out, prev, top1, valid2 | oov, loss_cfg)

@@ -174,6 +174,23 @@ def test_loss_targets_teachers_and_weights_by_hand(base, view):
     torch.testing.assert_close(out.loss, (num / n).detach(), rtol=1e-5, atol=1e-5)
 
 
+def test_more_row_heads_add_their_weighted_loss(base, view):
+    """BlockDraft.more_row_features: a head scored on the same rows, labels and position weights adds scale times
+    its loss (here the block's own logits again: the loss grows by exactly that factor), statistics unchanged."""
+    class TwoHeads(DFlashDraft):
+        def more_row_features(self, out, prev, loss_cfg):
+            return [(0.5, self.row_features(out, prev))]
+
+    draft = _draft(view).eval()
+    twice = TwoHeads(view, num_layers=2, block_size=4, num_anchors=64).eval()
+    twice.load_state_dict(draft.state_dict())
+    batch = random_batch_with_aux(base, draft)
+    cfg = LossSection(teacher_weight=0.5, dflash=DFlashLossOptions(position_weights="dpace"))
+    one, both = draft.loss(batch, view, cfg), twice.loss(batch, view, cfg)
+    torch.testing.assert_close(both.loss, 1.5 * one.loss)
+    assert [d.top1 for d in both.per_depth] == [d.top1 for d in one.per_depth]
+
+
 def test_anchor_sampling(view):
     draft = _draft(view, num_anchors=3)
     valid = torch.zeros(2, 10, dtype=torch.bool)
