@@ -382,3 +382,25 @@ def test_compare_judges_low_precision_differences_by_an_fp32_redecode(smoke_run,
     differ = ex["lossless_differing"]
     assert differ >= 1 and ex["lossless_numeric"] == differ and ex["lossless_mismatches"] == 0
     assert len(_rows(tmp_path / "cmp" / "greedy" / "fp32_redecode.jsonl")) == differ
+
+
+def test_compare_judges_every_row_on_stored_answers_when_asked(smoke_run, tmp_path):
+    """field_refs: each export row is judged with its own shape (Medusa's tree, Medusa-chain's chain4) on the
+    stored answers, paired against the first row; the n-gram method row is not; the results doc has the table."""
+    from helpers.stored_answers import write_tiny_refs
+
+    from eval.harness.field_report import read_rows
+
+    run_dir, _ = smoke_run
+    refs = write_tiny_refs(tmp_path / "refs")
+    cfg = load_compare_config([_config(tmp_path, run_dir / "export", field_refs=str(refs), field_prompts=2)])
+    field = run_compare(cfg)["field"]
+    assert list(field) == ["Medusa", "Medusa-chain"] and field["Medusa-chain"]["shape"] == "chain4"
+    assert field["Medusa"]["prompts"] == 4 and field["Medusa"]["shape"] != "chain4"
+    chain_rows = read_rows(tmp_path / "cmp" / "field" / "Medusa-chain")
+    assert all(len(r["proposed_per_depth"]) <= 4 for r in chain_rows)
+    pair = field["Medusa-chain"]["paired"]
+    assert pair["against"] == "Medusa" and pair["prompts"] == 4
+    assert abs(pair["mean_diff"] - (field["Medusa-chain"]["mean_over_sets"] - field["Medusa"]["mean_over_sets"])) < 1e-9
+    md = write_results(tmp_path / "cmp", tmp_path / "r.md", tmp_path / "img" / "r")
+    assert "### Field benchmark (simulated" in md.read_text() and "| Medusa-chain | chain4 | 4 |" in md.read_text()

@@ -385,6 +385,14 @@ def run_compare(cfg: CompareConfig, engine_columns: Callable[[CompareConfig], Ca
                   f"{r['speedup'] or float('nan'):.2f}x vs own AR | {format_verdict(r)}", flush=True)
         # after every setting, so the tables can be regenerated (--results-only) from a partial run
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if cfg.field_refs:  # every row's exact simulated acceptance on the stored answers, beside the decoded tables
+        from eval.harness.compare_field import judge_rows
+
+        summary["field"] = judge_rows(cfg, settings, entries, out_dir)
+        for label, row in summary["field"].items():
+            print(f"[field] {label}: simulated acceptance length {row['mean_over_sets']:.3f} (mean over "
+                  f"{len(row['sets'])} sets, {row['prompts']} prompts)", flush=True)
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 

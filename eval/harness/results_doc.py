@@ -510,6 +510,15 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
                       and first["config"]["temperature"] == 0)
     if targets and greedy_mtbench:
         lines += ["", "### Targets (the compare config's; greedy, MT-bench)", ""] + target_table(first, targets)
+    if summary.get("field"):
+        from eval.harness.compare_field import field_table
+
+        lines += ["", "### Field benchmark (simulated: exact greedy acceptance on the base's stored answers)", "",
+                  "Each row as it decodes in the first greedy setting, judged on the stored answers "
+                  "(`field_refs` of the compare config; docs/howto/evaluate.md, \"The field benchmark\"): mean over "
+                  "sets with a 95 % bootstrap interval over prompts, the paired difference to the first row on the "
+                  "same prompts, each set's AL. Simulated, not decoded: speeds are in the tables below.", ""]
+        lines += field_table(summary["field"])
     for name, st in settings.items():
         lines += [""] + setting_table(name, st)
         if st.get("vllm"):
