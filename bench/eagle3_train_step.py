@@ -1,0 +1,174 @@
+"""EAGLE-3 training throughput on a CPU: tokens/s of one optimizer step from the hidden cache's inputs, and the
+fraction of the CPU's measured matmul peak it reaches, by threads, dtype and torch.compile.
+
+    python bench/eagle3_train_step.py --out runs/bench-eagle3-train/bench.json
+    python bench/eagle3_train_step.py --threads 1 --arms fp32,bf16 --steps 6
+
+A step = the draft's loss forward (fc over the three aux layers, TTT x3 through its one decoder layer, the chunked
+LM head over the 16k draft vocabulary with soft targets from the base's LM head rows) + backward + AdamW, on a
+micro-batch of BATCH x SEQ tokens, what `specdraft train` runs per micro-batch from the hidden-state cache (no base
+forward). The inputs are random with the cache's shapes: the cost does not depend on their values.
+
+Arms (each at every --threads count; interleaved per thread count, so load drift hits them alike):
+  fp32            fp32 parameters and inputs (train.precision=fp32)
+  bf16            bf16 parameters and inputs, fp32 AdamW master copy (what DeepSpeed's bf16 mode runs,
+                  train.precision=bf16 / fast on a bf16 CPU)
+  fp32-autocast   fp32 parameters under torch.autocast(cpu, bf16): matmuls in bf16, the rest fp32
+  <arm>+compile   the loss forward through torch.compile (backward through AOTAutograd); compile time reported
+FLOPs per step come from torch.utils.flop_counter (matmuls, attention); the peak from a large square GEMM per dtype
+at the same thread count. Fraction = achieved FLOP/s / that peak (fp32 arm: fp32 peak; others: bf16 peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from bench.harness import Results, time_fn  # noqa: E402
+
+ARMS = ("fp32", "bf16", "fp32-autocast", "fp32+compile", "bf16+compile")
+
+
+def gemm_peak(dtype, n: int = 2048) -> float:
+    """GFLOP/s of an n x n x n matmul (the best of 3 after a warm-up)."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    t = time_fn(lambda: a @ b, warmup=1, repeats=3)
+    return 2 * n ** 3 / t.min / 1e9
+
+
+def make_step(arm: str, base, batch: int, seq: int, ttt: int):
+    """(step(), flops of one step) for one arm: a fresh draft, optimizer and random cache-shaped inputs."""
+    import contextlib
+
+    import torch
+
+    from models.draft import BaseView, DraftBatch
+    from models.registry import DRAFT_MODELS
+    from train.config import load_train_config
+
+    compute = torch.bfloat16 if arm.startswith("bf16") else torch.float32
+    cfg = load_train_config(["configs/eagle3.yaml"], ["draft.share_lm_head=false", "draft.vocab_size=16384",
+                                                      f"draft.eagle3.ttt_steps={ttt}", f"draft.num_heads={ttt}"])
+    view = BaseView.from_model(base.model)
+    torch.manual_seed(0)
+    view.draft_vocab = torch.randperm(view.vocab_size)[:cfg.draft.vocab_size]  # frequency order does not matter
+    draft = DRAFT_MODELS["eagle3"].from_config(cfg.draft, view)
+    draft.train()
+    master = [p for p in draft.parameters() if p.requires_grad]
+    if compute == torch.bfloat16:  # DeepSpeed bf16: bf16 module, fp32 master weights stepped by the optimizer
+        fp32_master = [p.detach().float().clone().requires_grad_() for p in master]
+        draft.to(torch.bfloat16)
+        opt = torch.optim.AdamW(fp32_master, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(master, lr=1e-4)
+    d = view.hidden_size
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, view.vocab_size, (batch, seq), generator=g)
+    hidden = torch.randn(batch, seq, d, generator=g).to(compute)
+    aux = torch.randn(batch, seq, 3 * d, generator=g).to(compute)
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    loss_cfg = cfg.loss
+    db = DraftBatch(input_ids=ids, hidden=hidden, loss_mask=mask, aux_hidden=aux)
+
+    def loss_fn(b):
+        return draft.loss(b, view, loss_cfg).loss
+
+    if arm.endswith("+compile"):
+        loss_fn = torch.compile(loss_fn, dynamic=False)
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if arm == "fp32-autocast" else contextlib.nullcontext()
+
+    def step():
+        with autocast():
+            loss = loss_fn(db)
+        loss.backward()
+        if compute == torch.bfloat16:
+            for p, m in zip([p for p in draft.parameters() if p.requires_grad], fp32_master):
+                m.grad = p.grad.float()
+                p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if compute == torch.bfloat16:
+            with torch.no_grad():
+                for p, m in zip([p for p in draft.parameters() if p.requires_grad], fp32_master):
+                    p.copy_(m)
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, autocast():
+        draft.loss(db, view, loss_cfg).loss.backward()
+    draft.zero_grad(set_to_none=True)
+    return step, counter.get_total_flops()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--batch", type=int, default=4, help="conversations per micro-batch (the recipe's 4)")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per conversation (the recipe's 256-token cut)")
+    ap.add_argument("--ttt", type=int, default=3, help="TTT steps (the recipe's 3)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per arm")
+    ap.add_argument("--out", default=None, help="results JSON (written after every arm)")
+    args = ap.parse_args()
+    import torch
+
+    from core.load import LoadWatch
+    from models.base import load_base
+
+    arms = [a for a in args.arms.split(",") if a]
+    bad = [a for a in arms if a not in ARMS]
+    if bad:
+        sys.exit(f"--arms: unknown {', '.join(bad)}; use {', '.join(ARMS)}")
+    base = load_base("smollm2", dtype=torch.float32)
+    results = Results(args.out, {"torch": torch.__version__, "cpu": _cpu_name(), "batch": args.batch,
+                                 "seq": args.seq, "ttt": args.ttt, "rows": {}})
+    tokens = args.batch * args.seq
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        peaks = {"fp32": gemm_peak(torch.float32), "bf16": gemm_peak(torch.bfloat16)}
+        results.put("peak_gflops", str(threads), peaks)
+        print(f"{threads} thread(s): GEMM peak fp32 {peaks['fp32']:.0f}, bf16 {peaks['bf16']:.0f} GFLOP/s")
+        for arm in arms:
+            with results.arm("rows", f"{arm}@{threads}", keep_going=True) as row:
+                watch = LoadWatch()
+                step, flops = make_step(arm, base, args.batch, args.seq, args.ttt)
+                t0 = time.perf_counter()
+                step()  # warm-up (and the compile, for +compile arms)
+                row["first_step_s"] = round(time.perf_counter() - t0, 2)
+                t = time_fn(step, warmup=0, repeats=args.steps)
+                peak = peaks["fp32" if arm.startswith("fp32") and arm != "fp32-autocast" else "bf16"]
+                row.update(t.summary(4))
+                row.update({"threads": threads, "tokens_per_s": round(tokens / t.median, 1),
+                            "gflop_per_step": round(flops / 1e9, 2),
+                            "gflops": round(flops / t.median / 1e9, 1),
+                            "fraction_of_peak": round(flops / t.median / 1e9 / peak, 3), "load": watch.record()})
+                print(f"  {arm:<15} {row['tokens_per_s']:>8.0f} tok/s  {row['gflops']:>6.1f} GFLOP/s "
+                      f"({100 * row['fraction_of_peak']:.0f}% of peak)  first step {row['first_step_s']} s  "
+                      f"load {row['load']}")
+    return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                flags = open("/proc/cpuinfo").read()
+                kind = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "AVX2"
+                return f"{line.split(':', 1)[1].strip()} ({kind}, {os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
