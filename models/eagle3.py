@@ -62,6 +62,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from data.targets import offset_labels
+from losses.distill import fused_linear_distill, linear_distill_reference, parse_divergence
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.ttt import ttt_step_weights, ttt_weighted_loss
 from models.components import (
@@ -177,6 +178,20 @@ class Eagle3Options:
     norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states [k·d] before fc (not with fc_norm)
     norm_output: bool = False  # the next depth reads norm(out), the LM head's input, instead of out (EAGLE-3.1)
     norm_before_residual: bool = False  # the layer's residual is hidden_norm(feature) instead of the raw feature
+    # Training only: the std of Gaussian noise added to the base's aux hidden states before fc (speculators' noise
+    # transform of its `hidden_states`, std 0.05 there); 0 = none. Absolute, in the residual stream's units
+    aux_noise_std: float = 0.0
+
+
+@dataclass
+class Eagle3LossOptions:
+    """EAGLE-3's loss options (loss.eagle3.*)."""
+
+    # What each TTT step distils from the base (weighted by loss.teacher_weight, the rest hard CE): kl (soft CE, the
+    # forward KL up to the base's entropy; the recipe), rkl (reverse KL), tv (total variation), lk_alpha / lk_lambda
+    # (the LK losses, arXiv:2602.23881), ce (hard CE), or a weighted sum such as 0.1*ce+0.9*tv (losses/distill.py)
+    divergence: str = "kl"
+    lk_eta: float = 3.0  # lk_lambda's eta: lambda = exp(-eta * acceptance) weighs KL against TV per row (paper: 3)
 
 
 NORM_VARIANTS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
@@ -188,7 +203,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                         exporters={"vllm": "models.export.vllm:export_vllm_eagle3",
                                    "gguf": "eval.serving.llamacpp_gguf:eagle3_converter_input"},
                         chain_estimate=True, export_keys=("aux_layers",),
-                        draft_options=Eagle3Options, flat_keys=("draft.ttt_steps",),
+                        draft_options=Eagle3Options, loss_options=Eagle3LossOptions, flat_keys=("draft.ttt_steps",),
                         summary="fc over low/mid/high base layers + one decoder layer, training-time test; chain or "
                         "EAGLE-2 tree; what vLLM serves; P-EAGLE option (`draft.eagle3.parallel_drafting`): K drafts "
                         "from one forward",
@@ -215,12 +230,29 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         if o.fc_norm and o.norm_before_fc:
             fail("draft.eagle3.norm_before_fc", True, "fc_norm (one norm per aux layer) and norm_before_fc (one norm "
                  "over all of them) exclude each other, as in speculators: set one of them false")
+        if not 0.0 <= o.aux_noise_std < float("inf"):
+            fail("draft.eagle3.aux_noise_std", o.aux_noise_std, "the noise's std is 0 (none) or more (speculators: "
+                 "0.05)")
+        lo, terms = cls.options(cfg.loss), {}
+        try:
+            terms = parse_divergence(lo.divergence)
+        except ValueError as err:
+            fail("loss.eagle3.divergence", lo.divergence, str(err))
+        if lo.divergence != "kl" and cfg.loss.teacher_weight == 0:
+            fail("loss.eagle3.divergence", lo.divergence, "the divergence is the loss.teacher_weight share of the "
+                 "loss, and loss.teacher_weight=0 trains on hard CE alone: set loss.teacher_weight > 0 (1.0: the "
+                 "divergence alone), or leave divergence at kl")
+        if not 0.0 <= lo.lk_eta < float("inf"):
+            fail("loss.eagle3.lk_eta", lo.lk_eta, "eta is 0 (lk_lambda = KL) or more (the LK paper's best: 3)")
+        if lo.lk_eta != Eagle3LossOptions.lk_eta and "lk_lambda" not in terms:
+            fail("loss.eagle3.lk_eta", lo.lk_eta, f"only lk_lambda reads eta, and loss.eagle3.divergence="
+                 f"{lo.divergence} has none: drop lk_eta, or add lk_lambda to the divergence")
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, ttt_steps: int = 3,
                  init_from_base: bool = True, share_lm_head: bool = False, parallel_drafting: bool = False,
                  mask_token_id: int | None = None, cod_ratio: float = 0.7, cod_ratio_min: float = 0.2,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
-                 norm_before_residual: bool = False):
+                 norm_before_residual: bool = False, aux_noise_std: float = 0.0):
         super().__init__()
         if base.model is None:
             raise ValueError("EAGLE-3 builds a decoder layer of the base's architecture, but this BaseView has no "
@@ -238,6 +270,9 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         self.hidden_size, self.vocab_size = d, int(base.vocab_size)
         self.eps = float(config.rms_norm_eps)
         self.layer_config = config  # read by the speculators export (transformer_layer_config); not a module
+        if not 0.0 <= aux_noise_std < float("inf"):
+            raise ValueError(f"draft.eagle3.aux_noise_std={aux_noise_std}: the noise's std is 0 (none) or more")
+        self.aux_noise_std = float(aux_noise_std)  # training only (loss); not exported, decoding never adds noise
 
         n_out = self._init_vocab(base)  # d2t (persistent) / t2d / base rows W[d2t]: models/vocab_map.py
 
@@ -322,7 +357,8 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         o = cls.options(draft_cfg)
         return cls(base, list(draft_cfg.aux_layers) or None, o.ttt_steps or 3, share_lm_head=draft_cfg.share_lm_head,
                    parallel_drafting=o.parallel_drafting, mask_token_id=o.mask_token_id, cod_ratio=o.cod_ratio,
-                   cod_ratio_min=o.cod_ratio_min, **{key: getattr(o, key) for key in NORM_VARIANTS})
+                   cod_ratio_min=o.cod_ratio_min, aux_noise_std=o.aux_noise_std,
+                   **{key: getattr(o, key) for key in NORM_VARIANTS})
 
     @staticmethod
     def resolve_aux_layers(draft_cfg, model) -> list[int]:
@@ -442,22 +478,39 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
     def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
         """Σ_j decay^j · mean loss of TTT step j (depth j+1, target x_{t+2+j}).
 
-        loss.teacher_weight α: (1-α)·hard CE + α·soft CE to the base's distribution at t+1+j over the draft
-        vocabulary (α = 1, the recipe: pure soft CE, the same gradients as speculators' KL). Rows whose
-        target lies outside the draft vocabulary have no draft id: they are left out of the loss and counted
-        as misses in the per-depth accuracy. Parallel drafting: step j is the mask slot at depth j+1, each depth's
-        loss its own mean as above, over the anchors COD sampling kept for it while training (every anchor in eval
-        mode, so held-out accuracy and the chain estimate are deterministic).
+        loss.teacher_weight α: (1-α)·hard CE + α·D, D = loss.eagle3.divergence between the draft and the base's
+        distribution at t+1+j over the draft vocabulary; D = kl (the default) is the soft CE, computed by the fused CE
+        exactly as before the option existed (α = 1, the recipe: pure soft CE, the same gradients as speculators' KL);
+        any other D is losses/distill.py's fused loss. Rows whose target lies outside the draft vocabulary have no
+        draft id: they are left out of the loss and counted as misses in the per-depth accuracy. Parallel drafting:
+        step j is the mask slot at depth j+1, each depth's loss its own mean as above, over the anchors COD sampling
+        kept for it while training (every anchor in eval mode, so held-out accuracy and the chain estimate are
+        deterministic). In training, draft.eagle3.aux_noise_std > 0 adds N(0, std²) noise to the aux states before
+        fc (speculators' noise on its `hidden_states`); the teacher, the base's own distribution, stays clean.
         """
         if batch.aux_hidden is None:
             raise ValueError("EAGLE-3 trains on the base's aux hidden states, but the batch has none; the training "
                              "loop fills DraftBatch.aux_hidden from base layers draft.aux_layers (or the hidden "
                              "cache built with them)")
-        ids, hidden, mask = batch.input_ids, batch.hidden, batch.loss_mask
-        outs = self.ttt_unroll(batch.aux_hidden, ids, self.ttt_steps, reference=not loss_cfg.chunked)
+        ids, hidden, mask, aux = batch.input_ids, batch.hidden, batch.loss_mask, batch.aux_hidden
+        if self.training and self.aux_noise_std > 0:
+            # [B, T, k·d] + N(0, std²) from torch's global RNG (the loop seeds it per step): on fc's input, where
+            # speculators adds it, so fc_norm / norm_before_fc see the noisy states too
+            aux = aux + torch.randn_like(aux) * self.aux_noise_std
+        outs = self.ttt_unroll(aux, ids, self.ttt_steps, reference=not loss_cfg.chunked)
         keep, n0 = None, 0  # parallel drafting in training: COD sampling of the anchors per depth (None: every row)
-        ce = fused_linear_cross_entropy if loss_cfg.chunked else linear_cross_entropy_reference
         alpha = float(loss_cfg.teacher_weight)
+        opts = self.options(loss_cfg)
+        terms = parse_divergence(opts.divergence)
+        # {term: weight} of losses/distill.py ((1-α)·hard CE + α·Σ w·term in one pass), or None: the fused soft CE
+        # (hard CE alone at α = 0), which is today's loss whatever the divergence says
+        distill = None
+        if alpha > 0 and terms != {"kl": 1.0}:
+            distill = {name: alpha * w for name, w in terms.items()}
+            if alpha < 1:
+                distill["ce"] = distill.get("ce", 0.0) + (1.0 - alpha)
+        ce = fused_linear_cross_entropy if loss_cfg.chunked else linear_cross_entropy_reference
+        divergence = fused_linear_distill if loss_cfg.chunked else linear_distill_reference
         teacher_w = restrict_rows(base.lm_head_weight, self.d2t) if alpha > 0 else None
         weights = ttt_step_weights(self.ttt_steps, loss_cfg.lambda0, loss_cfg.decay)
         s = ids.shape[1] - 1
@@ -470,12 +523,18 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                 base_labels = base_labels.masked_fill(~keep, -100)
             labels, outside = to_draft_labels(base_labels, self.t2d)
             rows, cols = (labels != -100).nonzero(as_tuple=True)  # [n]
-            teacher = {}
-            if alpha > 0:
-                teacher = {"teacher_hidden": hidden[rows, cols + 1 + j], "teacher_weight": teacher_w,
-                           "soft_weight": alpha}
-            loss_sum, stats = ce(self.head_input(out[rows, cols]), self.lm_head.weight, labels[rows, cols],
-                                 chunk_size=loss_cfg.chunk_size, **teacher)
+            head_in = self.head_input(out[rows, cols])  # [n, d]
+            if distill is not None:
+                loss_sum, stats = divergence(head_in, self.lm_head.weight, labels[rows, cols],
+                                             hidden[rows, cols + 1 + j], teacher_w, weights=distill,
+                                             lk_eta=opts.lk_eta, chunk_size=loss_cfg.chunk_size)
+            else:
+                teacher = {}
+                if alpha > 0:
+                    teacher = {"teacher_hidden": hidden[rows, cols + 1 + j], "teacher_weight": teacher_w,
+                               "soft_weight": alpha}
+                loss_sum, stats = ce(head_in, self.lm_head.weight, labels[rows, cols],
+                                     chunk_size=loss_cfg.chunk_size, **teacher)
             sums.append(loss_sum.float())
             counts.append(stats.count)
             per_depth.append(DepthStats(float(loss_sum.detach()), int(stats.count) + int(outside.sum()),

@@ -27,7 +27,7 @@ def _other_value(value):
         return value + 1
     if isinstance(value, float):
         return value + 0.25
-    return {"dpace": "decay"}[value]
+    return {"dpace": "decay", "kl": "tv"}[value]
 
 
 def _get(obj, key: str):

@@ -140,12 +140,13 @@ def load(engine, ckpt_dir: Path) -> dict:
     return client_state or {}
 
 
-# What a checkpoint means depends on these (the draft's shape, its data and their order, the loss, the base): a
-# resumed run must not change them. Anything else (the schedule, the budget, logging, threads) may change.
+# What a checkpoint means depends on these (the draft's shape, its data and their order, the loss, the base, the
+# optimizer whose state it holds): a resumed run must not change them. Anything else (the schedule, the budget,
+# logging, threads) may change.
 RESUME_FIXED = ("base.", "data.source", "data.max_records", "data.max_length", "data.val_fraction",
                 "data.min_assistant_tokens", "data.seed", "data.self_distill", "data.chat_template",
                 "data.hidden_cache_dtype", "draft.", "loss.", "train.seed", "train.global_batch_size",
-                "deepspeed.zero_stage")
+                "train.optimizer", "deepspeed.zero_stage")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from core.config_loader import ConfigError, Layers, load_typed, to_dict
 from core.paths import CONFIGS
 from models.registry import DRAFT_MODELS, FAMILIES, config_key_owners, flat_key_owners, option_sections
+from train.optimizer import OPTIMIZERS, has_muon
 
 SNAPSHOT_EVALS = ("auto", "field", "decode")  # train.snapshot_eval
 
@@ -121,8 +124,13 @@ class TrainSection:
     global_batch_size: int = 16  # conversations per optimizer step, over all ranks
     micro_batch_size: int = 4  # conversations per forward on one rank
     lr: float = 1e-3  # peak learning rate (AdamW), reached after warmup
-    weight_decay: float = 0.0  # AdamW weight decay
+    weight_decay: float = 0.0  # AdamW weight decay (and Muon's, with optimizer=muon)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    # adamw | muon: Muon (torch.optim.Muon, its update scaled to AdamW's size) for the draft's hidden 2-D weight
+    # matrices and AdamW for the rest (norms, biases, LM heads, embeddings); needs deepspeed.zero_stage=0
+    # (train/optimizer.py)
+    optimizer: str = "adamw"
+    muon_lr: float = 0.0  # optimizer=muon: Muon's peak learning rate; 0 = train.lr (speculators uses 0.02)
     warmup_ratio: float = 0.05  # share of the steps spent warming the LR up linearly
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0  # max gradient norm; 0 = off
@@ -327,6 +335,18 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("train.min_lr_ratio", t.min_lr_ratio, "use a fraction in [0, 1]")
     if t.grad_clip < 0:
         _fail("train.grad_clip", t.grad_clip, "use 0 (off) or a positive norm")
+    if t.optimizer not in OPTIMIZERS:
+        _fail("train.optimizer", t.optimizer, f"use one of {', '.join(OPTIMIZERS)}")
+    if t.optimizer == "muon" and not has_muon():
+        _fail("train.optimizer", "muon", f"the installed torch {torch.__version__} has no torch.optim.Muon; upgrade "
+              "torch, or use adamw")
+    if t.optimizer == "muon" and cfg.deepspeed.zero_stage > 0:
+        _fail("train.optimizer", "muon", f"ZeRO stage {cfg.deepspeed.zero_stage} hands the optimizer flat 1-D "
+              "partitions and Muon orthogonalises 2-D matrices: set deepspeed.zero_stage=0 (a draft's optimizer state "
+              "is small) or use adamw")
+    if t.muon_lr < 0 or (t.muon_lr and t.optimizer != "muon"):
+        _fail("train.muon_lr", t.muon_lr, "Muon's peak learning rate: 0 (= train.lr) or more, and only with "
+              "train.optimizer=muon")
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         _fail("train.betas", t.betas, "give two Adam betas in [0, 1), e.g. [0.9, 0.999]")
     if t.precision not in ("auto", "fast", "fp32", "bf16"):

@@ -55,6 +55,7 @@ from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_
 from train.ds_config import build_deepspeed_config, resolve_precision
 from train.heldout import evaluate_heldout, format_heldout_table, with_onpolicy
 from train.onpolicy import onpolicy_heldout_rows
+from train.optimizer import build_optimizer
 from train.schedule import TimeBudgetedSchedule
 from train.tracking import Tracker
 
@@ -169,8 +170,10 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
         # The loss reads LM-head weights directly (fused chunked CE), outside their Linear's forward.
         for p in draft.parameters():
             deepspeed.zero.register_external_parameter(step_module, p)
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                  betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    # AdamW, or Muon + AdamW (train.optimizer); vocabulary-sized matrices (heads, tables) stay on AdamW
+    vocab_sizes = {view.vocab_size} | ({int(d2t.numel())} if d2t is not None else set())
+    optimizer = build_optimizer(cfg.train, draft, vocab_sizes)
+    base_lrs = [group["lr"] for group in optimizer.param_groups]  # each group's peak LR, before the schedule
     lr_multiplier = TimeBudgetedSchedule(total_steps, warmup, cfg.train.min_lr_ratio, 60 * cfg.train.max_minutes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier)
     ds_config = build_deepspeed_config(cfg, info.world_size, precision)
@@ -188,7 +191,7 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
         # LambdaLR's state_dict carries the multiplier object's fields and the base LRs of the saved run;
         # the schedule of *this* config wins (e.g. a run extended with a larger train.max_steps).
         lr_multiplier.configure(total_steps, warmup, cfg.train.min_lr_ratio, 60 * cfg.train.max_minutes)
-        scheduler.base_lrs = [cfg.train.lr for _ in scheduler.base_lrs]
+        scheduler.base_lrs = list(base_lrs)
         log.info("resumed from %s at step %d (%.1f min of training before)", resume_from, start_step,
                  seconds_before / 60)
     elif cfg.resume == "auto":
