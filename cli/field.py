@@ -3,6 +3,7 @@ the field benchmark (docs/howto/evaluate.md, "The field benchmark")."""
 
 from __future__ import annotations
 
+import argparse
 import shlex
 import sys
 from pathlib import Path
@@ -37,6 +38,12 @@ def add_field_judge_parser(sub) -> None:
     p.add_argument("--out", default=None, help="report directory (default <export>/../field/<dtype>-<shape>)")
     p.add_argument("--against", default=None, help="another field report directory judged on the same stored "
                    "answers: paired intervals of this draft minus that one")
+    p.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
+                   help="an EAGLE-3 draft: step many prompts together, the draft's matrix products batched over them "
+                   "(default on; --no-lockstep: one prompt at a time through the decoder loop, the reference)")
+    p.add_argument("--lockstep-width", type=int, default=None, metavar="B",
+                   help="prompts stepped together per rank with --lockstep (default: eval/harness/field.py's "
+                   "LOCKSTEP_WIDTH)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="eval config keys: the draft's shape "
                    "(tree=, tree_choices=, extra.eagle3_mode=chain extra.chain_length=4, ...), dtype=, threads")
 
@@ -47,7 +54,7 @@ def cmd_field(args) -> int:
     import torch
 
     from eval.harness.config import load_eval_config
-    from eval.harness.field import judge_export
+    from eval.harness.field import LOCKSTEP_WIDTH, judge_export
     from eval.harness.field_report import field_markdown, paired, read_rows
 
     cfg = load_eval_config([], args.overrides)
@@ -55,7 +62,8 @@ def cmd_field(args) -> int:
         torch.set_num_threads(cfg.num_threads)
     sets = [s.strip() for s in args.sets.split(",") if s.strip()] or None
     report, out = judge_export(Path(args.draft), Path(args.refs), cfg, sets=sets, num_prompts=args.num_prompts,
-                               out_dir=Path(args.out) if args.out else None, label=args.draft)
+                               out_dir=Path(args.out) if args.out else None, label=args.draft,
+                               lockstep=(args.lockstep_width or LOCKSTEP_WIDTH) if args.lockstep else 0)
     if report.get("partial"):
         print(f"field: rank {report['rank']} done; the last rank to finish writes {out}/field.md")
         return 0
