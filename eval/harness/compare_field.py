@@ -60,23 +60,3 @@ def summarize(report: dict) -> dict:
             "mean_over_sets": report["mean_over_sets"], "mean_interval": report["mean_interval"],
             "sets": {t["set"]: t["acceptance_length"] for t in report["sets"]}, "seconds": m["seconds"],
             "simulated": True}
-
-
-def field_table(field: dict) -> list[str]:
-    """Markdown lines: one row per judged draft, the mean over sets with its interval, the paired difference to the
-    first row, then each set's AL."""
-    if not field:
-        return []
-    sets = list(dict.fromkeys(s for row in field.values() for s in row["sets"]))
-    head = ["draft", "shape", "prompts", "mean AL (95 %)", "vs first row (paired 95 %)"] + sets
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
-    for label, row in field.items():
-        lo, hi = row["mean_interval"] or (float("nan"), float("nan"))
-        p = row.get("paired")
-        vs = "—" if p is None else f"{p['mean_diff']:+.3f}"
-        if p is not None and p["mean_interval"]:
-            vs += f" ({p['mean_interval'][0]:+.3f}..{p['mean_interval'][1]:+.3f})"
-        cells = [label, row["shape"], str(row["prompts"]), f"**{row['mean_over_sets']:.3f}** ({lo:.3f}-{hi:.3f})",
-                 vs] + [f"{row['sets'][s]:.3f}" if s in row["sets"] else "—" for s in sets]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines

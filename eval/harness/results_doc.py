@@ -511,8 +511,6 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
     if targets and greedy_mtbench:
         lines += ["", "### Targets (the compare config's; greedy, MT-bench)", ""] + target_table(first, targets)
     if summary.get("field"):
-        from eval.harness.compare_field import field_table
-
         lines += ["", "### Field benchmark (simulated: exact greedy acceptance on the base's stored answers)", "",
                   "Each row as it decodes in the first greedy setting, judged on the stored answers "
                   "(`field_refs` of the compare config; docs/howto/evaluate.md, \"The field benchmark\"): mean over "
@@ -525,6 +523,26 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
             lines += [""] + vllm_table(name, st["vllm"])
     lines += [""] + [f"![{p.stem}]({_relative(p, md_path.parent)})" for p in images] + ["", end]
     return "\n".join(lines)
+
+
+def field_table(field: dict) -> list[str]:
+    """Markdown lines: one row per judged draft, the mean over sets with its interval, the paired difference to the
+    first row, then each set's AL."""
+    if not field:
+        return []
+    sets = list(dict.fromkeys(s for row in field.values() for s in row["sets"]))
+    head = ["draft", "shape", "prompts", "mean AL (95 %)", "vs first row (paired 95 %)"] + sets
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 2 + "---:|" * (len(head) - 2)]
+    for label, row in field.items():
+        lo, hi = row["mean_interval"] or (float("nan"), float("nan"))
+        p = row.get("paired")
+        vs = "—" if p is None else f"{p['mean_diff']:+.3f}"
+        if p is not None and p["mean_interval"]:
+            vs += f" ({p['mean_interval'][0]:+.3f}..{p['mean_interval'][1]:+.3f})"
+        cells = [label, row["shape"], str(row["prompts"]), f"**{row['mean_over_sets']:.3f}** ({lo:.3f}-{hi:.3f})",
+                 vs] + [f"{row['sets'][s]:.3f}" if s in row["sets"] else "—" for s in sets]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _relative(path: Path, start: Path) -> str:

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The training levers the field reports, for EAGLE-3 at equal CPU time, judged on the field benchmark (the exact
+# simulated greedy acceptance on the base's stored answers, datasets/smollm2-field-refs; docs/howto/evaluate.md):
+# the `EAGLE-3 levers on the field benchmark` table of docs/lab/results.md.
+#
+# Every arm trains on the same first N records of the on-policy store (datasets/smollm2-sharegpt-onpolicy), cut at
+# 256 tokens, from one shared hidden-state cache (built once, outside the budget), at one thread. Arms whose step
+# costs what the base arm's does (a loss, noise, the optimizer) get the same STEPS optimizer steps (= MINUTES of
+# the base arm on a quiet core: equal steps keep the budget equal when other jobs share the machine); arms whose
+# step costs more or less (TTT depth) get MINUTES of training instead (train.max_minutes).
+# Each arm is judged as a greedy chain of 4 on every stored prompt, with a paired interval against the base arm
+# (`specdraft field --against`). Arms (ARMS=... picks some; all by default):
+#   base      the store recipe: soft CE to the base (forward KL), TTT 3, AdamW, lr 2e-3
+#   noise     + Gaussian noise (std 0.05) on the aux hidden states in training (draft.eagle3.aux_noise_std)
+#   tv        total-variation distillation instead of KL (loss.eagle3.divergence=tv)
+#   rkl       reverse KL (loss.eagle3.divergence=rkl)
+#   muon      the Muon optimizer for the 2-D weights (train.optimizer=muon)
+#   ttt5      5 TTT steps (MINUTES)
+#   lk        the LK hybrid (loss.eagle3.divergence=lk_lambda: λ·KL + (1-λ)·TV, λ = exp(-3·α), arXiv 2602.23881)
+#   dspark_mix DSpark's mix, 0.1·CE + 0.9·TV
+#   (2 decoder layers: EAGLE-3 here has one layer and no key for more; not an arm yet)
+#
+#   ARMS="base noise" recipes/eagle3_levers_field.sh       # two arms; rerun to resume or add arms
+#   JOBS=2 ARMS="tv rkl" recipes/eagle3_levers_field.sh    # two arms at once, one thread each (2 cores)
+#
+# Resumable: a trained arm is skipped, an unfinished one continues from its last checkpoint; a judged arm is
+# skipped (its field rows are resumable too).
+set -uo pipefail
+set -f  # no globbing: an arm's overrides hold `*` (loss mixtures)
+cd "$(dirname "$0")/.."
+S=${SPECDRAFT:-.venv/bin/specdraft}
+mkdir -p runs/logs
+. recipes/train_once.sh  # train <run> <args...>
+
+STORE=${STORE:-datasets/smollm2-sharegpt-onpolicy}
+REFS=${REFS:-datasets/smollm2-field-refs}
+N=${N:-3500}
+STEPS=${STEPS:-870}      # the base arm's steps in 30 min at one thread on a quiet 2-core AVX512-BF16 EPYC (2.07 s)
+MINUTES=${MINUTES:-30}
+JOBS=${JOBS:-1}
+ARMS=${ARMS:-base noise tv rkl lk dspark_mix muon ttt5}
+CACHE="runs/cache/levers-$N-256"
+# shellcheck disable=SC2206
+B=(--config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N"
+   data.max_length=256 data.hidden_cache="$CACHE" draft.share_lm_head=false train.lr=2e-3 train.epochs=50
+   train.save_every=40 train.num_threads=1 train.decode_eval_prompts=0 resume=auto ${EXTRA:-})
+EQ=(train.max_steps="$STEPS")
+TIMED=(train.max_minutes="$MINUTES")
+
+arm_args() {  # the overrides of one arm
+  case $1 in
+    base) echo "${EQ[*]}" ;;
+    noise) echo "${EQ[*]} draft.eagle3.aux_noise_std=0.05" ;;
+    tv) echo "${EQ[*]} loss.eagle3.divergence=tv" ;;
+    rkl) echo "${EQ[*]} loss.eagle3.divergence=rkl" ;;
+    muon) echo "${EQ[*]} train.optimizer=muon" ;;
+    ttt5) echo "${TIMED[*]} draft.eagle3.ttt_steps=5 draft.num_heads=5" ;;
+    lk) echo "${EQ[*]} loss.eagle3.divergence=lk_lambda" ;;
+    dspark_mix) echo "${EQ[*]} loss.eagle3.divergence=0.1*ce+0.9*tv" ;;
+    *) echo "unknown arm $1" >&2; return 2 ;;
+  esac
+}
+
+judge() {  # judge <run>: chain of 4 on every stored prompt, paired against the base arm once that is judged
+  local out="runs/$1/field-chain4" against=()
+  [ -f "runs/$1/export/config.json" ] || return
+  if [ "$1" != levers-field-base ] && [ -f runs/levers-field-base/field-chain4/field.json ]; then
+    against=(--against runs/levers-field-base/field-chain4)
+    [ -f "$out/paired.json" ] && { echo "skip judge $1"; return; }
+  else
+    [ -f "$out/field.json" ] && { echo "skip judge $1"; return; }
+  fi
+  echo "=== judge $1 $(date +%T)"
+  $S field --draft "runs/$1/export" --refs "$REFS" --out "$out" "${against[@]}" extra.eagle3_mode=chain \
+    extra.chain_length=4 use_tuning=false num_threads=1 > "runs/logs/field-$1.log" 2>&1 ||
+    echo "!!! judge $1 failed (runs/logs/field-$1.log)"
+}
+
+one() {  # train then judge one arm
+  local extra
+  extra=$(arm_args "$1") || return
+  # shellcheck disable=SC2086
+  train "levers-field-$1" "${B[@]}" $extra
+  judge "levers-field-$1"
+}
+
+# The cache first, alone (both ranks' arms read it; two builders would race).
+[ -f "$CACHE/manifest.json" ] || $S cache "${B[@]}" run_name=levers-field-cache > runs/logs/levers-field-cache.log 2>&1 ||
+  { echo "!!! cache build failed (runs/logs/levers-field-cache.log)" >&2; exit 1; }
+running=0
+for a in $ARMS; do
+  one "$a" &
+  running=$((running + 1))
+  if [ "$running" -ge "$JOBS" ]; then wait -n; running=$((running - 1)); fi
+done
+wait
+for a in $ARMS; do judge "levers-field-$a"; done  # the pairs the parallel order missed (rows are reused)
