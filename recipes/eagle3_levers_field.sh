@@ -8,7 +8,8 @@
 # costs what the base arm's does (a loss, noise, the optimizer) get the same STEPS optimizer steps (= MINUTES of
 # the base arm on a quiet core: equal steps keep the budget equal when other jobs share the machine); arms whose
 # step costs more or less (TTT depth) get MINUTES of training instead (train.max_minutes).
-# Each arm is judged as a greedy chain of 4 on every stored prompt, with a paired interval against the base arm
+# Each arm is judged as a greedy chain of 4 on the first FIELD_PROMPTS stored prompts of every set (30: 330 prompts
+# over 11 sets; FIELD_PROMPTS=0 = all 1,088), with a paired interval against the base arm
 # (`specdraft field --against`). Arms (ARMS=... picks some; all by default):
 #   base      the store recipe: soft CE to the base (forward KL), TTT 3, AdamW, lr 2e-3
 #   noise     + Gaussian noise (std 0.05) on the aux hidden states in training (draft.eagle3.aux_noise_std)
@@ -18,6 +19,8 @@
 #   ttt5      5 TTT steps (MINUTES)
 #   lk        the LK hybrid (loss.eagle3.divergence=lk_lambda: λ·KL + (1-λ)·TV, λ = exp(-3·α), arXiv 2602.23881)
 #   dspark_mix DSpark's mix, 0.1·CE + 0.9·TV
+#   vocab32k  a 32,768-token draft vocabulary (the most frequent tokens) instead of 16,384: a wider LM head, so
+#             each step costs more than the base arm's (equal steps favour it; its tokens/s is in its metrics)
 #   (2 decoder layers: EAGLE-3 here has one layer and no key for more; not an arm yet)
 #
 #   ARMS="base noise" recipes/eagle3_levers_field.sh       # two arms; rerun to resume or add arms
@@ -38,7 +41,8 @@ N=${N:-3500}
 STEPS=${STEPS:-870}      # the base arm's steps in 30 min at one thread on a quiet 2-core AVX512-BF16 EPYC (2.07 s)
 MINUTES=${MINUTES:-30}
 JOBS=${JOBS:-1}
-ARMS=${ARMS:-base noise tv rkl lk dspark_mix muon ttt5}
+ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5}
+FIELD_PROMPTS=${FIELD_PROMPTS:-30}
 CACHE="runs/cache/levers-$N-256"
 # shellcheck disable=SC2206
 B=(--config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N"
@@ -57,12 +61,14 @@ arm_args() {  # the overrides of one arm
     ttt5) echo "${TIMED[*]} draft.eagle3.ttt_steps=5 draft.num_heads=5" ;;
     lk) echo "${EQ[*]} loss.eagle3.divergence=lk_lambda" ;;
     dspark_mix) echo "${EQ[*]} loss.eagle3.divergence=0.1*ce+0.9*tv" ;;
+    vocab32k) echo "${EQ[*]} draft.vocab_size=32768" ;;
     *) echo "unknown arm $1" >&2; return 2 ;;
   esac
 }
 
 judge() {  # judge <run>: chain of 4 on every stored prompt, paired against the base arm once that is judged
-  local out="runs/$1/field-chain4" against=()
+  local out="runs/$1/field-chain4" against=() some=()
+  [ "$FIELD_PROMPTS" -gt 0 ] && some=(--num-prompts "$FIELD_PROMPTS")
   [ -f "runs/$1/export/config.json" ] || return
   if [ "$1" != levers-field-base ] && [ -f runs/levers-field-base/field-chain4/field.json ]; then
     against=(--against runs/levers-field-base/field-chain4)
@@ -71,7 +77,7 @@ judge() {  # judge <run>: chain of 4 on every stored prompt, paired against the 
     [ -f "$out/field.json" ] && { echo "skip judge $1"; return; }
   fi
   echo "=== judge $1 $(date +%T)"
-  $S field --draft "runs/$1/export" --refs "$REFS" --out "$out" "${against[@]}" extra.eagle3_mode=chain \
+  $S field --draft "runs/$1/export" --refs "$REFS" --out "$out" "${some[@]}" "${against[@]}" extra.eagle3_mode=chain \
     extra.chain_length=4 use_tuning=false num_threads=1 > "runs/logs/field-$1.log" 2>&1 ||
     echo "!!! judge $1 failed (runs/logs/field-$1.log)"
 }
