@@ -18,6 +18,10 @@
 #   COMPARE=0 recipes/block_drafters_equal_data.sh       # train only; later:
 #   EXTRA="train.num_threads=1" recipes/block_drafters_equal_data.sh   # more keys for every run (beside other jobs)
 #   specdraft compare --config configs/compare_block_eagle3.yaml --update-docs
+#   FAMILIES="dflash dspark domino" COMPARE=0 FIELD=5 recipes/block_drafters_equal_data.sh
+#       # some families only (Domino too: SpecForge's block drafter with a GRU correction, docs/families/domino.md),
+#       # each judged on the field benchmark (the first FIELD stored prompts of every set, its default chain) in
+#       # runs/<prefix>-<family>/field-chain/
 #
 # Resumable: a run whose export exists is skipped, an unfinished one continues from its last checkpoint
 # (resume=auto); the compare keeps the rows it has stored. The run names are fixed (runs/block-<family>) because
@@ -53,21 +57,37 @@ fi
 B="--config configs/cpu_budget.yaml data.source=$STORE data.max_records=$N data.max_length=$LENGTH
    data.hidden_cache=$HIDDEN data.onpolicy_heldout=64 draft.share_lm_head=false train.epochs=50
    train.max_minutes=$MINUTES train.save_every=40 resume=auto ${EXTRA:-}"
+FAMILIES=${FAMILIES:-eagle3 peagle dflash dspark}
 # EAGLE-3 first: its run builds the hidden-state cache (outside its training minutes), the others reuse it.
-# shellcheck disable=SC2086
-train "$PREFIX-eagle3" --config configs/eagle3.yaml $B train.lr="${LR_EAGLE3:-2e-3}"
-# shellcheck disable=SC2086
-train "$PREFIX-peagle" --config configs/eagle3.yaml $B train.lr="${LR_EAGLE3:-2e-3}" \
-  draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4
-# shellcheck disable=SC2086
-train "$PREFIX-dflash" --config configs/dflash.yaml $B train.lr="${LR_BLOCK:-6e-4}" draft.dflash.num_anchors=128
-# shellcheck disable=SC2086
-train "$PREFIX-dspark" --config configs/dspark.yaml $B train.lr="${LR_BLOCK:-6e-4}" draft.dspark.num_anchors=128
-
-for run in eagle3 peagle dflash dspark; do
-  [ -f "runs/$PREFIX-$run/export/config.json" ] || { echo "!!! runs/$PREFIX-$run has no export: no compare" >&2; exit 1; }
+for fam in $FAMILIES; do
+  case $fam in
+    # shellcheck disable=SC2086
+    eagle3) train "$PREFIX-eagle3" --config configs/eagle3.yaml $B train.lr="${LR_EAGLE3:-2e-3}" ;;
+    # shellcheck disable=SC2086
+    peagle) train "$PREFIX-peagle" --config configs/eagle3.yaml $B train.lr="${LR_EAGLE3:-2e-3}" \
+              draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4 ;;
+    # shellcheck disable=SC2086
+    dflash|dspark|domino) train "$PREFIX-$fam" --config "configs/$fam.yaml" $B train.lr="${LR_BLOCK:-6e-4}" \
+              "draft.$fam.num_anchors=128" ;;
+    *) echo "block_drafters: unknown family $fam (eagle3 peagle dflash dspark domino)" >&2; exit 2 ;;
+  esac
 done
+
+if [ "${FIELD:-0}" -gt 0 ]; then  # the field benchmark: each draft's default chain on FIELD prompts of every set
+  for fam in $FAMILIES; do
+    out="runs/$PREFIX-$fam/field-chain"
+    [ -f "runs/$PREFIX-$fam/export/config.json" ] || { echo "!!! runs/$PREFIX-$fam has no export: not judged" >&2; continue; }
+    [ -f "$out/field.json" ] && { echo "skip field $PREFIX-$fam"; continue; }
+    echo "=== field $PREFIX-$fam $(date +%T)"
+    $S field --draft "runs/$PREFIX-$fam/export" --num-prompts "$FIELD" --out "$out" use_tuning=false num_threads=1 \
+      > "runs/logs/field-$PREFIX-$fam.log" 2>&1 || echo "!!! field $PREFIX-$fam failed (runs/logs/field-$PREFIX-$fam.log)"
+  done
+fi
+
 if [ "${COMPARE:-1}" = 1 ]; then
+  for run in eagle3 peagle dflash dspark; do
+    [ -f "runs/$PREFIX-$run/export/config.json" ] || { echo "!!! runs/$PREFIX-$run has no export: no compare" >&2; exit 1; }
+  done
   $S compare --config configs/compare_block_eagle3.yaml --update-docs
 fi
 exit 0
