@@ -6,6 +6,7 @@ AR on this machine, and kept in the export (docs/howto/serve.md, "Tune").
     sweep.py       the engine-agnostic sweep: settings paired with AR, the choice, its confirmation, the budget
     concurrency.py the sweep at several requests in flight, vLLM's per-batch-size schedule; `run_sweeps`
     ours.py        our decoder as a tune engine (chains, the family's shapes, searched trees)
+    field.py       our decoder's acceptance side from the field benchmark (stored base answers), simulated
     serving.py     vLLM and llama.cpp as tune engines, and the serving lines tune writes (placeholders)
     report.py      report.json / report.md / tune.png, and what tune writes into the export (NOTES.md, config.json)
     command.py     the `specdraft tune` parser and command (cli/main.py adds it)
@@ -29,8 +30,12 @@ _PUBLIC = {
     "eval.tune.concurrency": ("SCHEDULE_KEY", "parse_concurrency", "run_sweeps", "speculation_schedule",
                               "sweep_concurrencies"),
     "eval.tune.ours": ("OursEngine",),
+    "eval.tune.field": ("DEFAULT_FIELD_PROMPTS", "DEFAULT_REFS", "FIELD_KEYS", "FieldPlan", "add_field_columns",
+                        "check_field_args", "field_columns", "field_point", "plan_field", "ranking_note",
+                        "settings_to_simulate", "simulate_setting"),
     "eval.tune.serving": ("LlamaCppEngine", "VllmEngine", "placeholders", "vllm_serve_command"),
-    "eval.tune.report": ("markdown", "notes_section", "plot", "schedule_line", "write_export", "write_report"),
+    "eval.tune.report": ("field_line", "field_lines", "markdown", "notes_section", "plot", "schedule_line",
+                         "write_export", "write_report"),
     "eval.tune.command": ("add_tune_parser", "apply_threads", "cmd_tune", "progress_bar", "tune_eval_config"),
 }
 _WHERE = {name: module for module, names in _PUBLIC.items() for name in names}

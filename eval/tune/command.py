@@ -4,9 +4,12 @@ in the same run, written into the export (docs/howto/serve.md, "Tune").
     specdraft tune --draft runs/<run>/export [--engine ours|vllm|llamacpp|all] [--prompts mtbench|sharegpt|X.jsonl]
                    [--budget-minutes N] [--num-prompts N] [--max-new-tokens N] [--repeats N] [--threads N]
                    [--alpha A] [--min-gain G] [--concurrency 1,2,4,8]
+                   [--field-refs DIR] [--field-prompts N] [--field-all]
 
 Our decoder (eval/tune/ours.py) and the serving engines (eval/tune/serving.py) go to the engine-agnostic sweep
-(eval/tune/sweep.py, eval/tune/concurrency.py); outputs by eval/tune/report.py. cli/main.py adds this parser.
+(eval/tune/sweep.py, eval/tune/concurrency.py); our decoder's acceptance side is then read from the field benchmark
+where stored answers for the base exist (eval/tune/field.py); outputs by eval/tune/report.py. cli/main.py adds this
+parser.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from core.load import LoadWatch
 from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN
+from eval.tune.field import DEFAULT_FIELD_PROMPTS
 from eval.tune.sweep import DEFAULT_REPEATS, MIN_REPEATS, BudgetTooSmall, EngineUnavailable, check_budget
 
 ENGINE_CHOICES = ("ours", "vllm", "llamacpp", "all")
@@ -54,6 +58,14 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                    "num_speculative_tokens_per_batch_size schedule written (default 1: one request)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds an engine may take to start or to run one "
                    "pass before the setting counts as hung (default 900)")
+    p.add_argument("--field-refs", default=None, metavar="DIR", help="our decoder: stored base answers "
+                   "(`specdraft field-refs`) on which the settings that matter get their exact greedy acceptance "
+                   "length, simulated (default: datasets/smollm2-field-refs when present and made with the draft's "
+                   "base; another base's is one note and tune goes on without them)")
+    p.add_argument("--field-prompts", type=int, default=DEFAULT_FIELD_PROMPTS, metavar="N",
+                   help=f"stored answers per set to simulate (default {DEFAULT_FIELD_PROMPTS}; 0: no field columns)")
+    p.add_argument("--field-all", action="store_true", help="simulate every measured setting, not only those that "
+                   "beat AR, the choice and the decoded fastest")
     p.add_argument("--name", default="tune", help="report directory: <run>/tune/<name>/")
     p.add_argument("--config", action="append", default=[], metavar="YAML",
                    help="eval config deltas (default configs/eval/mtbench.yaml): dtype, backend, GGUF types, ...")
@@ -151,7 +163,8 @@ def cmd_tune(args) -> int:
     from eval.harness.runner import resolve_heldout_skip
     from eval.tune.choice.record import engine_device, machine_info
     from eval.tune.concurrency import parse_concurrency, run_sweeps
-    from eval.tune.report import schedule_line, write_export, write_report
+    from eval.tune.field import check_field_args, plan_field
+    from eval.tune.report import field_line, schedule_line, write_export, write_report
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 
@@ -173,6 +186,8 @@ def cmd_tune(args) -> int:
                          "against is measured from the repeats")
     if not 0 < args.alpha < 1 or args.min_gain < 0:
         raise ValueError("--alpha must lie in (0, 1) and --min-gain be at least 0")
+    field_prompts = args.field_prompts if "ours" in names else 0  # the field replays our decoder only
+    check_field_args(args.field_refs, field_prompts)
     draft_dir = Path(args.draft)
     try:
         _check_installed(names)
@@ -181,8 +196,14 @@ def cmd_tune(args) -> int:
         loaded = load_export(draft_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                              chat_template=cfg.chat_template)
         out_dir = draft_dir.resolve().parent / "tune" / cfg.name
+        # before the sweep: stored answers that cannot be read fail now, not after an hour of timing
+        field_plan, field_note = plan_field(args.field_refs, field_prompts, loaded.base.fingerprint)
         engines = _build_engines(names, loaded, cfg, out_dir, args.timeout, cfg.serve_llamacpp_threads,
                                  concurrencies)
+        ours = next((e for e in engines if e.name == "ours"), None)
+        if field_note and ours is not None:
+            ours.notes.append(field_note)  # in the report's notes (describe() hands the list to the record)
+            print(field_note, file=sys.stderr)
         budget_s = args.budget_minutes * 60
         check_budget(engines, args.repeats, budget_s)  # before the progress bar lists (and searches) settings
         bar, progress = progress_bar(engines)
@@ -191,13 +212,18 @@ def cmd_tune(args) -> int:
         with bar:
             records = run_sweeps(engines, args.repeats, budget_s - (time.monotonic() - t0), progress,
                                  alpha=args.alpha, min_gain=args.min_gain)
+        sweep_seconds = time.monotonic() - t0  # what the budget covers; the field's simulation comes after
     except (EngineUnavailable, BudgetTooSmall) as exc:
         print(f"specdraft tune: {exc}", file=sys.stderr)
         return 3
+    if field_plan is not None and ours is not None:
+        from eval.tune.field import add_field_columns
+
+        add_field_columns(ours, records.get("ours"), field_plan, out_dir / "field", every=args.field_all)
     context = {"export": str(draft_dir), "machine": machine_info(), "dataset": cfg.dataset,
                "num_prompts": cfg.num_prompts, "max_new_tokens": cfg.max_new_tokens, "repeats": args.repeats,
                "alpha": args.alpha, "min_gain": args.min_gain, "budget_minutes": args.budget_minutes,
-               "wall_seconds": time.monotonic() - t0,
+               "wall_seconds": sweep_seconds,
                # "specdraft", not argv[0]: where the script was installed is this machine's path
                "command": shlex.join(["specdraft", *sys.argv[1:]]),
                "concurrencies": list(concurrencies), "load": watch.record()}
@@ -215,6 +241,8 @@ def cmd_tune(args) -> int:
             what = c["label"] if c["speculate"] else "do not speculate"
             ci = f", {c['interval'][0]:.2f}-{c['interval'][1]:.2f}x" if c.get("interval") else ""
             print(f"{name}: {what} ({c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']})")
+            if rec.get("field"):
+                print(f"{name}: {field_line(rec)}")
             for bug in c.get("bugs") or []:
                 print(f"{name}: BUG: {bug} changed the tokens in {rec.get('dtype')} (see tuning.json)")
             if rec.get("schedule"):

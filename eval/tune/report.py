@@ -52,6 +52,7 @@ def markdown(context: dict, engines: dict[str, dict]) -> str:
             lines += concurrency_lines(rec)
         else:
             lines += _view_lines(rec)
+            lines += field_lines(rec)
         for note in rec.get("notes") or []:
             lines += ["", f"- {note}"]
         lines.append("")
@@ -92,22 +93,27 @@ def _view_lines(rec: dict) -> list[str]:
     noise = (f" Noise (sd of a ln paired ratio, pooled over every setting and AR-vs-AR differences): "
              f"{_f(rule.get('noise_sd'), '.3f')} on {rule.get('noise_df')} degrees of freedom; "
              f"{rule.get('settings_compared')} settings compared, one-sided t {_f(rule.get('t'))}.") if rule else ""
+    # the field's columns (eval/tune/field.py) only where a setting was simulated; the decoded ones say so then
+    field = any(p.get("field_acceptance_length") is not None for p in rec["points"])
+    al_head = "acceptance length (decoded)" if field else "acceptance length"
+    field_head = " field AL, simulated (95 % interval) | speedup at field AL (estimate) |" if field else ""
     lines += [f"AR: {_f(ar.get('tokens_per_second'), '.1f')} tok/s (median of its paired passes).{noise}", "",
-              "| setting | tok/s | AR tok/s (paired) | speedup vs AR | lower bound | beats AR | acceptance length "
-              "| accepted / drafted | same tokens as AR | status |",
-              "|---|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+              "| setting | tok/s | AR tok/s (paired) | speedup vs AR | lower bound | beats AR | "
+              f"{al_head} |{field_head} accepted / drafted | same tokens as AR | status |",
+              "|---|---:|---:|---:|---:|---|---:|" + ("---:|---:|" if field else "") + "---:|---:|---|"]
     chosen = (rec.get("choice") or {}).get("label")
     for p in rec["points"]:
         mark = " **(chosen)**" if p["label"] == chosen else ""
         if p["status"] != "ok":
-            lines.append(f"| {p['label']} | | | | | | | | | {p['status']}: {p.get('error', '')} |")
+            blank = " |" * (10 if field else 8)  # every cell between the label and the status
+            lines.append(f"| {p['label']} |{blank} {p['status']}: {p.get('error', '')} |")
             continue
         status = "**BUG**: tokens differ from AR's in an exact dtype" if p.get("bug") else "ok"
         lines.append(f"| {p['label']}{mark} | {_f(p['tokens_per_second'], '.1f')} | "
                      f"{_f(p['ar_tokens_per_second'], '.1f')} | {p['speedup']:.3f}x | "
                      f"{_f(p.get('lower_bound'), '.3f')}x | {'yes' if p.get('beats_ar') else 'no'} | "
-                     f"{_f(p['acceptance_length'])} | {_f(p['accepted_per_drafted'], '.3f')} | "
-                     f"{_f(p['same_tokens_as_ar'])} | {status} |")
+                     f"{_f(p['acceptance_length'])} |{field_cells(p) if field else ''} "
+                     f"{_f(p['accepted_per_drafted'], '.3f')} | {_f(p['same_tokens_as_ar'])} | {status} |")
     if c:
         lines += ["", choice_line(c)]
         if c.get("command"):
@@ -119,6 +125,51 @@ def _view_lines(rec: dict) -> list[str]:
         if p["status"] == "failed" and p.get("log_tail"):
             lines += ["", f"Last log lines of {p['label']}:", "", "```", *p["log_tail"], "```"]
     return lines
+
+
+def field_cells(p: dict) -> str:
+    """A point's two field cells (eval/tune/field.py), "not simulated" where it was not."""
+    al = p.get("field_acceptance_length")
+    if al is None:
+        return " not simulated | |"
+    lo, hi = p["field_interval"] or (al, al)
+    return f" {al:.3f} ({lo:.3f}-{hi:.3f}) | {_f(p.get('speedup_at_field_acceptance'), '.3f')}x |"
+
+
+def field_lines(rec: dict) -> list[str]:
+    """What the field columns are and which settings were simulated, and the ranking note (eval/tune/field.py)."""
+    f = rec.get("field")
+    if not f:
+        return []
+    sets = ", ".join(f["sets"])
+    lines = ["", f"Field (simulated): {f['prompts']} stored answers of {f['refs']} (base {f['base']}; the first "
+             f"{f['per_set']} of each of {len(f['sets'])} sets: {sets}; up to {f['max_new_tokens']} tokens each), "
+             "the exact greedy acceptance length our decoder reaches, replayed on the base's stored answers in this "
+             f"dtype and backend ({f['seconds']:.0f} s); the mean over sets with its 95 % bootstrap interval. "
+             "Decoded: every other column, from the timed passes over the prompts above. \"speedup at field AL\" = "
+             "decoded speedup x field AL / decoded AL (the per-step cost from decoding, the acceptance from the "
+             "stored answers): an estimate, never measured; the choice rests on the decoded paired passes only.",
+             "", f"Simulated ({f['rule']}): {', '.join(f['simulated']) or 'none'}; not simulated: "
+             f"{', '.join(f['not_simulated']) or 'none'}."]
+    if f.get("ranking"):
+        lines += ["", f["ranking"]]
+    return lines
+
+
+def field_line(rec: dict) -> str:
+    """`specdraft tune`'s printed line about the field (eval/tune/field.py): what was simulated, the choice's
+    field acceptance against its decoded one, and the ranking note when there is one."""
+    f = rec["field"]
+    c = rec.get("choice") or {}
+    line = (f"field acceptance simulated for {len(f['simulated'])} setting(s) on {f['prompts']} stored answers "
+            f"({len(f['sets'])} sets) in {f['seconds']:.0f} s")
+    point = next((p for p in rec.get("points") or [] if p["label"] == c.get("label")), {})
+    if c.get("field_acceptance_length") is not None:
+        lo, hi = c["field_interval"] or (None, None)
+        line += (f"; {c['label']}: AL {c['field_acceptance_length']:.2f} ({_f(lo)}-{_f(hi)}) simulated, "
+                 f"{_f(point.get('acceptance_length'))} decoded; "
+                 f"{_f(c.get('speedup_at_field_acceptance'))}x AR at field AL (estimate)")
+    return line + (f". {f['ranking']}" if f.get("ranking") else "")
 
 
 def concurrency_lines(rec: dict) -> list[str]:
@@ -231,8 +282,13 @@ def notes_section(engines: dict[str, dict]) -> str:
             continue
         what = c["label"] if c["speculate"] else "do not speculate"
         ci = f" ({c['interval'][0]:.2f}-{c['interval'][1]:.2f}x)" if c.get("interval") else ""
+        field = ""
+        if c.get("field_acceptance_length") is not None:  # eval/tune/field.py: simulated, not decoded
+            lo, hi = c["field_interval"] or (None, None)
+            field = (f"; field acceptance length {c['field_acceptance_length']:.2f} ({_f(lo)}-{_f(hi)}), simulated "
+                     f"on {c['field_prompts']} stored answers")
         lines.append(f"- **{TITLES.get(name, name)}** ({m}, {rec.get('dtype')}, threads {rec.get('threads')}): "
-                     f"{what}, {c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']}")
+                     f"{what}, {c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']}{field}")
         if c.get("command"):
             lines += ["", "  ```bash", f"  {c['command']}", "  ```"]
         if rec.get("schedule"):
