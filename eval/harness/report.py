@@ -17,6 +17,7 @@ from pathlib import Path
 
 from core.atomic import atomic_open
 from eval.harness.lossless import format_verdict
+from eval.harness.untuned import untuned_line
 
 REPORT_KEYS = (
     "method", "base_model", "device", "dataset", "num_prompts", "new_tokens", "base_steps",
@@ -360,7 +361,9 @@ def _fmt(value) -> str:
 
 
 def _markdown(report: dict, speeds: dict[str, float | None]) -> str:
-    lines = [f"# {report['method']} on {report['dataset']}", "",
+    first = untuned_line((report.get("extra") or {}).get("untuned"))  # an untuned speed column is said first
+    lines = [f"**{first}**", ""] if first else []
+    lines += [f"# {report['method']} on {report['dataset']}", "",
              f"Base `{report['base_model']}` on {report['device']}, {report['num_prompts']} prompts.", "",
              f"**Verdict:** {format_verdict(report)}.", "",
              "| metric | value |", "|---|---|"]

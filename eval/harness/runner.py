@@ -40,6 +40,7 @@ from eval.harness.lossless import (
 from eval.harness.prompts import config_prompts
 from eval.harness.report import PromptResult, build_report, write_report
 from eval.harness.suite import load_suite, run_suite
+from eval.harness.untuned import untuned_line
 from models.registry import learning_free_families
 
 log = logging.getLogger("specdraft.eval")
@@ -225,8 +226,8 @@ def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
 
 def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
-    from eval.engine.drafters.registry import build_drafter
-    from eval.tune.choice import tuned_eval_config
+    from eval.engine.drafters.registry import build_drafter, drafter_family
+    from eval.tune.choice import tuned_eval_config, untuned_speed
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 
@@ -240,12 +241,15 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))  # a bad heldout_skip fails before any load
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                          chat_template=cfg.chat_template)
+    untuned = untuned_speed(cfg, export_dir, loaded.family)  # the export's default shape: said in the first line
     cfg, tuned = tuned_eval_config(cfg, export_dir, loaded.family)  # the shape `specdraft tune` chose, if any
     if tuned:
         print(f"eval: {tuned}", flush=True)
     drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
     if tuned:
         info["tuning"] = tuned
+    if untuned:
+        info["untuned"] = {**untuned, "shape": drafter_family(loaded.family).shape(info)}
     device = next(loaded.base.model.parameters()).device
 
     @functools.cache  # loaded once per eval, and only when some output differs (a suite's sets share it)
@@ -340,7 +344,9 @@ def format_summary(report: dict, out_dir: Path) -> str:
     if ex.get("tree_nodes_per_step") is not None:  # the verification cost side of the acceptance length
         name = f"tree {ex['tree']}, " if ex.get("tree") not in (None, "custom") else ""
         shape = f" ({name}{ex['tree_nodes_per_step']:.1f} tokens verified per step, root included)"
-    return (f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}, "
+    first = untuned_line(ex.get("untuned"))
+    return ((f"{first}\n" if first else "") +
+            f"{report['method']} on {report['dataset']} ({report['num_prompts']} prompts, {report['device']}, "
             f"{ex.get('dtype', '?')}, {ex.get('backend', '?')} backend):\n"
             f"  acceptance length {f(report['acceptance_length'])}{shape}\n"
             f"  {f(report['tokens_per_second'], '.1f')} tok/s"

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from core.atomic import write_bytes_atomic, write_text_atomic
+from eval.harness.untuned import untuned_line
 
 SUITE_FILES = {"json": "suite.json", "md": "suite.md", "plot": "suite.png"}
 
@@ -20,7 +21,9 @@ def suite_markdown(summary: dict) -> str:
     depth = max((len(r["accept_rate_per_position"]) for r in summary["sets"]), default=0)
     head = ["set", "prompts", "AL", "speedup vs own AR", "tok/s", "own AR tok/s"] + [f"acc@{k + 1}"
                                                                                    for k in range(depth)]
-    lines = [f"# Suite `{summary['suite']}`: {summary['method']}", "",
+    first = untuned_line(summary.get("untuned"))  # an untuned speed column is said before anything else
+    lines = [f"**{first}**", ""] if first else []
+    lines += [f"# Suite `{summary['suite']}`: {summary['method']}", "",
              f"{summary['num_prompts_per_set']} prompts per set, greedy unless the eval config says otherwise. AL = "
              "new tokens / base decode steps (plain decoding = 1.0); acc@k = share of steps whose k-th draft token "
              "was accepted.", "",

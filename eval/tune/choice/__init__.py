@@ -15,6 +15,7 @@ from eval.tune.choice.apply import (
     shape_keys_set,
     tuned_eval_config,
     tuned_serving_chain,
+    untuned_speed,
     vllm_export_config,
 )
 from eval.tune.choice.record import (
@@ -56,5 +57,5 @@ __all__ = [
     "confirmation_interval", "decide", "describe_choice", "engine_device", "geomean", "is_exact", "log_mean",
     "machine_info", "ours_here", "pooled_noise", "read_tuning", "retune_command", "serving_here", "shape_keys_set",
     "t_cdf", "t_quantile", "tuned_chain_length", "tuned_choice", "tuned_eval_config", "tuned_serving_chain",
-    "vllm_export_config", "where_measured", "write_tuning",
+    "untuned_speed", "vllm_export_config", "where_measured", "write_tuning",
 ]

@@ -114,10 +114,25 @@ def tuned_eval_config(cfg, export_dir, family: str) -> tuple[object, str | None]
         return cfg, f"{describe_choice('ours', d.choice)}; not applied: {d.why}"
     if d.status == "elsewhere":
         return cfg, (f"tuning.json's choice for ours not applied: {d.why}; tune for this machine: "
-                     f"{retune_command(export_dir, 'ours', d.here['threads'])}")
+                     f"{retune_command(export_dir, 'ours', d.here['threads'], d.here['dtype'])}")
     if d.status == "no speculation":
         return cfg, f"{describe_choice('ours', d.choice)}; evaluating the export's default shape"
     return apply_knobs(cfg, d.choice["knobs"]), f"using {describe_choice('ours', d.choice)}"
+
+
+def untuned_speed(cfg, export_dir, family: str) -> dict | None:
+    """`specdraft eval`: when the run decodes the export's default shape because no tuning.json choice applies here
+    (status "untuned": none for our decoder; "elsewhere": measured on another machine / dtype / threads / version),
+    what the summary's first line says: {"status", "why", "retune_command"}. None when the shape is tuned here, or
+    is the config's own, or tuning.json says not to speculate."""
+    d = decide(export_dir, "ours", lambda: ours_here(cfg), config_sets=shape_keys_set(cfg, family),
+               use_tuning=cfg.use_tuning)
+    if d.source != "export" or d.status not in ("untuned", "elsewhere"):
+        return None
+    here = d.here or ours_here(cfg)
+    why = d.why if d.status == "elsewhere" else "the export has no tuning.json choice for our decoder"
+    return {"status": d.status, "why": why,
+            "retune_command": retune_command(export_dir, "ours", here["threads"], here["dtype"])}
 
 
 def apply_knobs(cfg, knobs: dict):

@@ -87,9 +87,18 @@ def applicable(choice: dict, here: dict) -> tuple[bool, str]:
     return True, ""
 
 
-def retune_command(export_dir, engine: str, threads=None) -> str:
-    """The command that tunes `engine` for this machine."""
+# torch's names (a record's "dtype") -> the config values `specdraft tune` takes
+_DTYPE_VALUES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def retune_command(export_dir, engine: str, threads=None, dtype: str | None = None) -> str:
+    """The command that tunes `engine` for this machine. dtype: the base dtype the run decoded in (config or torch
+    name); added as `dtype=...` unless it is fp32, tune's default (configs/eval/mtbench.yaml), so that the choice is
+    measured in the dtype the run will apply it in."""
     extra = f" --threads {threads}" if isinstance(threads, int) else ""
+    value = _DTYPE_VALUES.get(str(dtype), dtype)
+    if value and value != "fp32":
+        extra += f" dtype={value}"
     return f"specdraft tune --draft {export_dir} --engine {engine}{extra}"
 
 
