@@ -12,9 +12,10 @@
    verifying 2-4 tokens costs depends on the CPU and the dtype); a tree the user sets (eval.tree_choices=...) is
    kept as given;
 3. print the held-out per-head accuracy table (written by training to runs/demo/heldout.json);
-4. decode MT-bench prompts with the bundled speculative decoder and that tree (configs/eval/demo.yaml, in the
-   training's dtype: `fast`, i.e. bf16 on CPUs with bf16 matrix instructions and fp32 elsewhere, unless
-   train.precision says), with own-AR and transformers-generate baselines side by side in the same run, and print
+4. decode MT-bench prompts with the bundled speculative decoder and that tree (configs/eval/demo.yaml, dtype
+   `fast`: on a CPU with bf16 matrix instructions whichever of bf16 and fp32 a few seconds' probe of the base's decode
+   steps finds faster (core/dtype_phases.py), fp32 on other CPUs; a dtype the user forces through train.precision or
+   base.dtype is kept), with own-AR and transformers-generate baselines side by side in the same run, and print
    acceptance length (with the tree size), both speedups and the losslessness verdict in words;
 5. (bf16 only; an fp32 run is exact already) the exact fp32 judge: every MT-bench prompt whose bf16 output differed
    from plain decoding was already decoded again in fp32 inside step 4 (same tree, same length: numeric rounding or a
@@ -71,8 +72,11 @@ def run_demo(overrides: list[str]) -> int:
           "training)", flush=True)
     run_dir = train(cfg, decode_eval=make_decode_eval(cfg))  # train.decode_eval_prompts=N decodes snapshots
     t_train = time.perf_counter() - t0
-    # The decoding runs in the dtype the cache and the training used (fp32 when train.precision=fp32 forces it).
-    eval_args = [f"dtype={dtype}", f"num_prompts={planned['eval.num_prompts']}"]
+    # Decoding: where the training's dtype came from `fast`, `fast` again, which for decoding is the probe's faster
+    # dtype on this CPU (core/dtype_phases.py; the tree sweep and the eval resolve it alike, from one cached probe);
+    # a dtype the user forced (train.precision=fp32, base.dtype=bf16) is kept for every phase.
+    asked = cfg.base.dtype if cfg.base.dtype != "auto" else cfg.train.precision
+    eval_args = [f"dtype={'fast' if asked == 'fast' else dtype}", f"num_prompts={planned['eval.num_prompts']}"]
     check_tree: list[str] = []  # the user's tree (in eval_overrides) or the tuned one, fixed for the fp32 check
     if _sets_tree(eval_overrides):
         print("[demo 2/5] the tree: yours (eval.tree / eval.tree_choices), not tuned", flush=True)
@@ -157,8 +161,11 @@ def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None,
         print(format_heldout_table(json.loads(heldout.read_text())), flush=True)
     overrides = list(overrides or [])
     eval_cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], overrides)
-    # run_demo passes the training dtype; alone, configs/eval/demo.yaml's dtype=fast is bf16 on CPUs with bf16
-    # matrix instructions and fp32 elsewhere (then the run itself is the exact check)
+    if eval_cfg.dtype == "fast":  # configs/eval/demo.yaml's: the decode probe's dtype on this CPU (fp32 without
+        # bf16 instructions: then the run itself is the exact check)
+        from eval.harness.run_dtype import export_decode_dtypes
+
+        eval_cfg, _ = export_decode_dtypes(eval_cfg, run_dir / "export")
     dtype = resolve_dtype(eval_cfg.dtype, resolve_device(eval_cfg.device))
     print(f"[demo 4/5] speculative decoding on {eval_cfg.num_prompts} {eval_cfg.dataset} prompts "
           f"({eval_cfg.max_new_tokens} new tokens each, {str(dtype).removeprefix('torch.')}), own AR and HF generate "
@@ -174,8 +181,9 @@ def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None,
               f"and length{also}", flush=True)
         exact, _ = eval_export(run_dir / "export", check_cfg)
     else:
-        print("[demo 5/5] the decoding above ran in fp32 (no fast bf16 on this CPU, or train.precision=fp32): its "
-              "verdict is the exact losslessness check", flush=True)
+        print("[demo 5/5] the decoding above ran in fp32 (the decode probe timed it as fast as bf16 here, no bf16 "
+              "instructions on this CPU, or train.precision=fp32): its verdict is the exact losslessness check",
+              flush=True)
 
     print("\n" + "=" * 100)
     print(format_summary(report, out_dir))

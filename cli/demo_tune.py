@@ -52,6 +52,7 @@ def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 320
 
     from core.hardware import resolve_device
     from eval.harness.config import load_eval_config
+    from eval.harness.run_dtype import export_decode_dtypes
     from eval.harness.runner import resolve_heldout_skip
     from eval.tune import (
         DEFAULT_ALPHA,
@@ -75,6 +76,7 @@ def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 320
     except ValueError:  # trained on every ShareGPT conversation: MT-bench questions drawn with another seed
         # (they may overlap the ones the demo reports; nothing else is held out)
         cfg = load_eval_config([str(config)], [*overrides, *sweep, "dataset=mtbench", "seed=1"])
+    cfg, _ = export_decode_dtypes(cfg, export_dir)  # dtype=fast: the decode dtype the eval after it resolves to
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                          chat_template=cfg.chat_template)
     engine = OursEngine(loaded, cfg, searched_tree=False, shapes=DEMO_SHAPES)

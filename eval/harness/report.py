@@ -17,6 +17,7 @@ from pathlib import Path
 
 from core.atomic import atomic_open
 from eval.harness.lossless import format_verdict
+from eval.harness.run_dtype import format_dtypes
 from eval.harness.untuned import untuned_line
 
 REPORT_KEYS = (
@@ -361,12 +362,15 @@ def _fmt(value) -> str:
 
 
 def _markdown(report: dict, speeds: dict[str, float | None]) -> str:
-    first = untuned_line((report.get("extra") or {}).get("untuned"))  # an untuned speed column is said first
+    extra = report.get("extra") or {}
+    first = untuned_line(extra.get("untuned"))  # an untuned speed column is said before anything else
     lines = [f"**{first}**", ""] if first else []
     lines += [f"# {report['method']} on {report['dataset']}", "",
-             f"Base `{report['base_model']}` on {report['device']}, {report['num_prompts']} prompts.", "",
-             f"**Verdict:** {format_verdict(report)}.", "",
-             "| metric | value |", "|---|---|"]
+              f"Base `{report['base_model']}` on {report['device']}, {report['num_prompts']} prompts.", "",
+              f"**Verdict:** {format_verdict(report)}.", ""]
+    if extra.get("dtypes"):
+        lines += [f"**{format_dtypes(extra['dtypes'])}**", ""]
+    lines += ["| metric | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(report[k])} |" for k in REPORT_KEYS
               if k not in ("method", "accept_rate_per_position")]
     rates = report["accept_rate_per_position"]

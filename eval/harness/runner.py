@@ -39,6 +39,7 @@ from eval.harness.lossless import (
 )
 from eval.harness.prompts import config_prompts
 from eval.harness.report import PromptResult, build_report, write_report
+from eval.harness.run_dtype import decode_dtypes, export_decode_dtypes, format_dtypes
 from eval.harness.suite import load_suite, run_suite
 from eval.harness.untuned import untuned_line
 from models.registry import learning_free_families
@@ -239,6 +240,8 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
         skip = resolve_heldout_skip(dataclasses.replace(cfg, dataset=held), read_export_config(export_dir))
         cfg = dataclasses.replace(cfg, heldout_skip=skip.heldout_skip)
     cfg = resolve_heldout_skip(cfg, read_export_config(export_dir))  # a bad heldout_skip fails before any load
+    cfg, dtypes = export_decode_dtypes(cfg, export_dir)  # dtype=fast: the decode probe's dtype on this machine
+    print(f"eval: {format_dtypes(dtypes.to_dict())}", flush=True)
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                          chat_template=cfg.chat_template)
     untuned = untuned_speed(cfg, export_dir, loaded.family)  # the export's default shape: said in the first line
@@ -246,6 +249,7 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     if tuned:
         print(f"eval: {tuned}", flush=True)
     drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
+    info["dtypes"] = dtypes.to_dict()
     if tuned:
         info["tuning"] = tuned
     if untuned:
@@ -282,9 +286,11 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
         raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
                          " (trained drafts: --draft runs/<run>/export)")
     opts = ngram_options(cfg.extra)  # fail on a typo before loading anything
+    cfg, dtypes = decode_dtypes(cfg, cfg.base_path or cfg.method_base)  # dtype=fast: the decode probe's dtype
     base = load_base(cfg.base_path or cfg.method_base, dtype=cfg.dtype, device=resolve_device(cfg.device),
                      chat_template=cfg.chat_template or None)
     drafter, info = build_ngram_drafter(base, cfg.extra)
+    info["dtypes"] = dtypes.to_dict()
     if cfg.prompt_lookup:  # transformers' prompt lookup drafting w tokens per step
         info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))
     out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name
@@ -354,7 +360,8 @@ def format_summary(report: dict, out_dir: Path) -> str:
             f"{f(report['hf_tokens_per_second'], '.1f')} tok/s\n"
             f"  speedup {f(report['speedup'])}x vs own AR, {f(report['speedup_vs_hf'])}x vs HF generate "
             f"({load_note})\n"
-            f"  {format_verdict(report)}\n"
+            f"  {format_verdict(report)}\n" +
+            (f"  {format_dtypes(ex['dtypes'])}\n" if ex.get("dtypes") else "") +
             f"  report: {out_dir / 'report.md'}")
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from core.atomic import write_bytes_atomic, write_text_atomic
+from eval.harness.run_dtype import format_dtypes
 from eval.harness.untuned import untuned_line
 
 SUITE_FILES = {"json": "suite.json", "md": "suite.md", "plot": "suite.png"}
@@ -24,10 +25,12 @@ def suite_markdown(summary: dict) -> str:
     first = untuned_line(summary.get("untuned"))  # an untuned speed column is said before anything else
     lines = [f"**{first}**", ""] if first else []
     lines += [f"# Suite `{summary['suite']}`: {summary['method']}", "",
-             f"{summary['num_prompts_per_set']} prompts per set, greedy unless the eval config says otherwise. AL = "
-             "new tokens / base decode steps (plain decoding = 1.0); acc@k = share of steps whose k-th draft token "
-             "was accepted.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+              f"{summary['num_prompts_per_set']} prompts per set, greedy unless the eval config says otherwise. AL = "
+              "new tokens / base decode steps (plain decoding = 1.0); acc@k = share of steps whose k-th draft token "
+              "was accepted.", ""]
+    if summary.get("dtypes"):
+        lines += [format_dtypes(summary["dtypes"]) + ".", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary["sets"]:
         rates = list(r["accept_rate_per_position"]) + [None] * (depth - len(r["accept_rate_per_position"]))
         cells = [r["set"], str(r["num_prompts"]), _f(r["acceptance_length"]), _f(r["speedup"]),

@@ -105,6 +105,25 @@ def tune_eval_config(args):
     return dataclasses.replace(cfg, **changes)
 
 
+def decode_dtype(cfg, names, draft_dir: Path):
+    """The eval config with the dtype the base loads in. Our decoder alone: `dtype=fast` as `specdraft eval`
+    resolves it (eval/harness/run_dtype.py: the decode probe's dtype on this CPU), so that the eval applies the
+    choice; with a serving engine too, the base is shared and keeps `fast`'s plain meaning (core/hardware.py:
+    fast_dtype), which serve-check matches their choices against."""
+    from core.dtype_phases import needs_probe
+    from core.hardware import resolve_device
+    from eval.harness.run_dtype import export_decode_dtypes, format_dtypes
+
+    if tuple(names) == ("ours",):
+        cfg, dtypes = export_decode_dtypes(cfg, draft_dir)
+        print(f"tune: {format_dtypes(dtypes.to_dict())}", flush=True)
+    elif "ours" in names and needs_probe(cfg.dtype, resolve_device(cfg.device)):
+        print("tune: our decoder is tuned beside serving engines on one base, in fast's bulk dtype; `specdraft eval "
+              "dtype=fast` decodes in the decode probe's dtype, which may differ: tune --engine ours alone for a "
+              "choice that eval applies", flush=True)
+    return cfg
+
+
 def apply_threads(cfg) -> int:
     """torch's threads for our decoder as `specdraft eval` sets them (eval/harness/runner.py: num_threads, 0 =
     torch's default), so that a tuned choice is measured at the count the eval applies it at; returns them."""
@@ -193,6 +212,7 @@ def cmd_tune(args) -> int:
         _check_installed(names)
         cfg = resolve_heldout_skip(tune_eval_config(args), read_export_config(draft_dir))
         apply_threads(cfg)
+        cfg = decode_dtype(cfg, names, draft_dir)
         loaded = load_export(draft_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                              chat_template=cfg.chat_template)
         out_dir = draft_dir.resolve().parent / "tune" / cfg.name

@@ -1,0 +1,83 @@
+"""The decode-dtype probe's results, kept per machine under the user cache ($SPECDRAFT_CACHE, else
+~/.cache/specdraft): dtype_probe/<key hash>.json, one file per key.
+
+The key is what the bf16-vs-fp32 decode timing depends on: the CPU (model name and a hash of its flags), the torch
+version (its oneDNN / MKL kernels), torch's intra-op thread count, the base (its fingerprint: shapes and weights),
+the decode backend asked for and anything else the caller adds (the fast backend's fp32 matmul layout). A change
+in any of them names another file, so the probe runs again. The file holds the key it was written for, the probe
+record (core/dtype_phases.py: check_probe) and the load average beside it; a file that does not parse, holds
+another key or an unusable record is reported in a warning and measured again, never trusted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from core.atomic import write_json_atomic
+from core.dtype_phases import PROBE_FORMAT, check_probe
+from core.paths import default_cache_dir
+
+log = logging.getLogger("specdraft.dtype_probe")
+PROBE_DIR = "dtype_probe"
+
+
+def cpu_signature(cpuinfo: str | None = None) -> dict:
+    """{"cpu": model name, "cpu_flags": 16 hex chars of sha256 over the sorted flags} from /proc/cpuinfo (empty
+    strings where there is none: not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                  if line.lower().startswith("model name")), "")
+    flags = sorted({f for line in cpuinfo.splitlines() if line.lower().startswith("flags")
+                    for f in line.split(":", 1)[1].split()})
+    digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16] if flags else ""
+    return {"cpu": model, "cpu_flags": digest}
+
+
+def probe_key(*, fingerprint: str, backend: str, threads: int, extra: dict | None = None,
+              cpuinfo: str | None = None) -> dict:
+    """What a probe result holds for (see the module docstring)."""
+    import torch
+
+    return {"format": PROBE_FORMAT, **cpu_signature(cpuinfo), "torch": torch.__version__, "threads": int(threads),
+            "base": fingerprint, "backend": backend, **(extra or {})}
+
+
+def cache_path(key: dict, cache_dir: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir or default_cache_dir()) / PROBE_DIR / f"{digest}.json"
+
+
+def read_cached(key: dict, cache_dir: Path | None = None) -> dict | None:
+    """The probe record cached for `key` (with "cache_file": where it was read), or None: none yet (silently), or a
+    bad file (with a warning naming it and why; the caller measures again and overwrites it)."""
+    path = cache_path(key, cache_dir)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("decode dtype probe cache %s is unreadable (%s); probing again", path, exc)
+        return None
+    if not isinstance(data, dict) or data.get("key") != key:
+        log.warning("decode dtype probe cache %s was written for another key; probing again", path)
+        return None
+    bad = check_probe(data.get("probe"))
+    if bad:
+        log.warning("decode dtype probe cache %s holds an unusable record (%s); probing again", path, bad)
+        return None
+    return {**data["probe"], "cache_file": str(path)}
+
+
+def write_cached(key: dict, probe: dict, cache_dir: Path | None = None) -> Path:
+    """Keep `probe` for `key` (atomically: a reader never sees half a file)."""
+    path = cache_path(key, cache_dir)
+    record = {k: v for k, v in probe.items() if k != "cache_file"}
+    write_json_atomic(path, {"key": key, "probe": record})
+    return path
