@@ -18,6 +18,7 @@ from pathlib import Path
 
 from core.atomic import write_json_atomic
 from core.dtype_phases import PROBE_FORMAT, check_probe
+from core.hardware import cpu_model, cpuinfo_text
 from core.paths import default_cache_dir
 
 log = logging.getLogger("specdraft.dtype_probe")
@@ -28,12 +29,8 @@ def cpu_signature(cpuinfo: str | None = None) -> dict:
     """{"cpu": model name, "cpu_flags": 16 hex chars of sha256 over the sorted flags} from /proc/cpuinfo (empty
     strings where there is none: not Linux)."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.lower().startswith("model name")), "")
+        cpuinfo = cpuinfo_text()
+    model = cpu_model(cpuinfo)
     flags = sorted({f for line in cpuinfo.splitlines() if line.lower().startswith("flags")
                     for f in line.split(":", 1)[1].split()})
     digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16] if flags else ""

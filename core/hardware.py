@@ -13,15 +13,26 @@ DTYPES = {
 }
 
 
+def cpuinfo_text() -> str:
+    """/proc/cpuinfo, or "" where there is none (not Linux)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The CPU's model name (lscpu's "Model name") in a /proc/cpuinfo text; "" when it has none."""
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                 if line.lower().startswith("model name")), "")
+
+
 def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
     """True when this CPU has bf16 matrix instructions (avx512_bf16 or AMX). Without them torch emulates bf16
     GEMMs: on an AVX2-only AMD EPYC a [512, 576] x [576, 1536] bf16 matmul took 47 ms against 5 ms in fp32,
     while with AVX512-BF16 bf16 runs SmolLM2 ~2.5-3x faster than fp32 (docs/lab/benchmarks.md, "Which dtype")."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:  # not Linux: no way to tell, stay exact
-            return False
+        cpuinfo = cpuinfo_text()  # "" where there is none (not Linux): no way to tell, stay exact
     flags = set(cpuinfo.split())
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 

@@ -16,6 +16,7 @@ import platform
 from pathlib import Path
 
 from core.atomic import write_text_atomic
+from core.hardware import cpu_model, cpuinfo_text
 from eval.tune.choice.stats import CONFIDENCE
 
 TUNING_FILE = "tuning.json"
@@ -33,12 +34,8 @@ def machine_info(cpuinfo: str | None = None, device: str = "cpu") -> dict:
     """CPU model (lscpu's "Model name", from /proc/cpuinfo), core count, bf16 instructions, OS; the device the
     engine computes on ("cpu" / "cuda") and, on CUDA, the GPU's name."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
-                  if line.lower().startswith("model name")), platform.processor() or platform.machine())
+        cpuinfo = cpuinfo_text()
+    model = cpu_model(cpuinfo) or platform.processor() or platform.machine()
     flags = set(cpuinfo.split())
     gpu = None
     if device.startswith("cuda"):
