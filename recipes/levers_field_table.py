@@ -42,7 +42,8 @@ def arm_row(arm: str, runs: Path) -> dict:
     row["tok_s"] = statistics.median(s["tokens_per_s"] for s in steps) if steps else None
     field = run / "field-chain4" / "field.json"
     if not field.exists():
-        return {**row, "status": "trained, not judged" if (run / "export").exists() else "training"}
+        return {**row, "status": "trained, not judged" if (run / "export").exists()
+                else f"stopped at step {row['steps']}: the recipe resumes it from its last checkpoint"}
     report = json.loads(field.read_text())
     mtbench = next((s["acceptance_length"] for s in report["sets"] if s["set"] == "mtbench"), None)
     row.update(prompts=report["prompts"], mean=report["mean_over_sets"], interval=report["mean_interval"],
@@ -57,8 +58,8 @@ def arm_row(arm: str, runs: Path) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| arm | changed from the base arm | steps | median train tok/s | prompts | MT-bench chain-4 AL | "
-           "mean over sets [95 %] | minus base, paired [95 %] | verdict |",
+    out = ["| arm | changed from the base arm | steps | median train tok/s (shared CPU: no speed claim) | prompts | "
+           "MT-bench chain-4 AL | mean over sets [95 %] | minus base, paired [95 %] | verdict |",
            "|---|---|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         if r["status"] != "judged":
