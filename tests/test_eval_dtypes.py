@@ -5,7 +5,6 @@ phase used and why; an explicit dtype is decoded as asked, unprobed."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from eval.harness.config import load_eval_config
 from eval.harness.runner import eval_export, format_summary
@@ -21,15 +20,9 @@ def _ms(bf16, fp32):
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    from models.base import load_base
-    from models.draft import BaseView
-    from models.export.specdraft import export_specdraft
-    from models.hydra import HydraDraft
+    from helpers.drafts import tiny_hydra_export
 
-    base = load_base("tiny")
-    torch.manual_seed(0)
-    draft = HydraDraft(1, 1, BaseView.from_model(base.model), share_lm_head=True).eval()
-    return export_specdraft(draft, tmp_path_factory.mktemp("run") / "export", base.name, base.fingerprint)
+    return tiny_hydra_export(tmp_path_factory.mktemp("run"))
 
 
 @pytest.fixture

@@ -19,15 +19,9 @@ SMOKE_EVAL = ["configs/eval/smoke.yaml"]
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    from models.base import load_base
-    from models.draft import BaseView
-    from models.export.specdraft import export_specdraft
-    from models.hydra import HydraDraft
+    from helpers.drafts import tiny_hydra_export
 
-    base = load_base("tiny")
-    torch.manual_seed(0)
-    draft = HydraDraft(1, 1, BaseView.from_model(base.model), share_lm_head=True).eval()
-    return export_specdraft(draft, tmp_path_factory.mktemp("run") / "export", base.name, base.fingerprint)
+    return tiny_hydra_export(tmp_path_factory.mktemp("run"))
 
 
 def run(export, overrides):

@@ -4,6 +4,7 @@ off their init, and the batches their losses and decoders are fed."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -119,3 +120,16 @@ def assert_unroll_equals_inference(draft, batch: DraftBatch, rows: tuple[int, ..
                 hidden, tk, tv = draft.draft_rows(cache, hidden, ids[t + 1 + j:t + 2 + j], torch.tensor([t + j]),
                                                   tk, tv, vis)
                 torch.testing.assert_close(hidden[0], outs[j][0, t], rtol=1e-5, atol=1e-5)
+
+
+def tiny_hydra_export(out_dir: Path) -> Path:
+    """An untrained one-head Hydra draft on the tiny base, exported to out_dir/export: a draft for tests that need
+    an export to evaluate (its acceptance is whatever chance gives; the decoding is still exact)."""
+    from models.base import load_base
+    from models.export.specdraft import export_specdraft
+    from models.hydra import HydraDraft
+
+    base = load_base("tiny")
+    torch.manual_seed(0)
+    draft = HydraDraft(1, 1, BaseView.from_model(base.model), share_lm_head=True).eval()
+    return export_specdraft(draft, Path(out_dir) / "export", base.name, base.fingerprint)
