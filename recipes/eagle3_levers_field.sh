@@ -25,6 +25,8 @@
 #
 #   ARMS="base noise" recipes/eagle3_levers_field.sh       # two arms; rerun to resume or add arms
 #   JOBS=2 ARMS="tv rkl" recipes/eagle3_levers_field.sh    # two arms at once, one thread each (2 cores)
+# Memory: an arm holds ~8.5 GB (the cache's rows in memory); on a 24 GB machine run at most two arms at once and
+# nothing else big beside them (a third job got an arm killed by the kernel's out-of-memory killer).
 #
 # Resumable: a trained arm is skipped, an unfinished one continues from its last checkpoint; a judged arm is
 # skipped (its field rows are resumable too).
@@ -66,7 +68,7 @@ arm_args() {  # the overrides of one arm
   esac
 }
 
-judge() {  # judge <run>: chain of 4 on every stored prompt, paired against the base arm once that is judged
+judge() {  # judge <run>: chain of 4 on FIELD_PROMPTS stored prompts a set, paired against the base arm once judged
   local out="runs/$1/field-chain4" against=() some=()
   [ "$FIELD_PROMPTS" -gt 0 ] && some=(--num-prompts "$FIELD_PROMPTS")
   [ -f "runs/$1/export/config.json" ] || return
