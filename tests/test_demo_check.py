@@ -4,6 +4,7 @@ on another tree or a shorter length proves nothing about the prompts the bf16 ru
 from __future__ import annotations
 
 import torch
+from helpers.reports import fake_hydra_report
 
 import cli.demo as demo
 import eval.harness.runner as runner
@@ -14,11 +15,8 @@ def test_the_fp32_check_uses_the_runs_tree_and_length(monkeypatch, tmp_path, cap
 
     def fake_eval_export(export_dir, cfg):
         seen.append(cfg)
-        report = {"method": "hydra", "dataset": "mtbench", "num_prompts": cfg.num_prompts, "device": "cpu",
-                  "acceptance_length": 1.5, "tokens_per_second": 1.0, "ar_tokens_per_second": 1.0,
-                  "hf_tokens_per_second": 1.0, "speedup": 1.0, "speedup_vs_hf": 1.0, "lossless": True,
-                  "extra": {"dtype": cfg.dtype, "lossless_identical": cfg.num_prompts, "lossless_redecoded": 1}}
-        return report, tmp_path
+        extra = {"dtype": cfg.dtype, "lossless_identical": cfg.num_prompts, "lossless_redecoded": 1}
+        return fake_hydra_report(cfg, extra), tmp_path
 
     monkeypatch.setattr(runner, "eval_export", fake_eval_export)
     monkeypatch.setattr("core.hardware.resolve_dtype", lambda name, device: torch.bfloat16)

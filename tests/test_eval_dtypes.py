@@ -5,6 +5,7 @@ phase used and why; an explicit dtype is decoded as asked, unprobed."""
 from __future__ import annotations
 
 import pytest
+from helpers.reports import fake_hydra_report
 
 from eval.harness.config import load_eval_config
 from eval.harness.runner import eval_export, format_summary
@@ -96,11 +97,7 @@ def test_the_demo_decodes_in_the_probed_dtype_and_skips_the_fp32_check_when_that
 
     def fake_eval_export(export_dir, cfg):
         seen.append(cfg)
-        report = {"method": "hydra", "dataset": "mtbench", "num_prompts": cfg.num_prompts, "device": "cpu",
-                  "acceptance_length": 1.5, "tokens_per_second": 1.0, "ar_tokens_per_second": 1.0,
-                  "hf_tokens_per_second": 1.0, "speedup": 1.0, "speedup_vs_hf": 1.0, "lossless": True,
-                  "extra": {"dtype": cfg.dtype}}
-        return report, export_dir
+        return fake_hydra_report(cfg, {"dtype": cfg.dtype}), export_dir
 
     monkeypatch.setattr(runner, "eval_export", fake_eval_export)
     bf16_cpu["ms"] = _ms(bf16=(43.7, 47.0), fp32=(32.3, 41.0))
