@@ -15,6 +15,10 @@ Arms (each at every --threads count; interleaved per thread count, so load drift
                   train.precision=bf16 / fast on a bf16 CPU)
   fp32-autocast   fp32 parameters under torch.autocast(cpu, bf16): matmuls in bf16, the rest fp32
   <arm>+compile   the loss forward through torch.compile (backward through AOTAutograd); compile time reported
+  bf16+compile-dyn  the same with dynamic=True: the kernels training would get, whose batches change shape every
+                  step (sequence length, the rows whose target is in the draft vocabulary); dynamic=False
+                  recompiles per shape up to dynamo's limit of 8, then runs eager
+--profile ARM prints torch.profiler's operator table for three steps of one arm (where the time goes).
 FLOPs per step come from torch.utils.flop_counter (matmuls, attention); the peak from a large square GEMM per dtype
 at the same thread count. Fraction = achieved FLOP/s / that peak (fp32 arm: fp32 peak; others: bf16 peak).
 """
@@ -31,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from bench.harness import Results, time_fn  # noqa: E402
 
-ARMS = ("fp32", "bf16", "fp32-autocast", "fp32+compile", "bf16+compile")
+ARMS = ("fp32", "bf16", "fp32-autocast", "fp32+compile", "bf16+compile", "bf16+compile-dyn")
 
 
 def gemm_peak(dtype, n: int = 2048) -> float:
@@ -80,8 +84,8 @@ def make_step(arm: str, base, batch: int, seq: int, ttt: int):
     def loss_fn(b):
         return draft.loss(b, view, loss_cfg).loss
 
-    if arm.endswith("+compile"):
-        loss_fn = torch.compile(loss_fn, dynamic=False)
+    if "+compile" in arm:
+        loss_fn = torch.compile(loss_fn, dynamic=arm.endswith("-dyn"))
 
     def autocast():
         return torch.autocast("cpu", dtype=torch.bfloat16) if arm == "fp32-autocast" else contextlib.nullcontext()
@@ -119,6 +123,8 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=3, help="TTT steps (the recipe's 3)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per arm")
     ap.add_argument("--out", default=None, help="results JSON (written after every arm)")
+    ap.add_argument("--profile", default=None, metavar="ARM", help="print the operator table of 3 steps of ARM "
+                    "at the first --threads count, then exit")
     args = ap.parse_args()
     import torch
 
@@ -133,6 +139,10 @@ def main() -> None:
     results = Results(args.out, {"torch": torch.__version__, "cpu": _cpu_name(), "batch": args.batch,
                                  "seq": args.seq, "ttt": args.ttt, "rows": {}})
     tokens = args.batch * args.seq
+    if args.profile:
+        if args.profile not in ARMS:
+            sys.exit(f"--profile: unknown arm {args.profile}; use {', '.join(ARMS)}")
+        return profile(args.profile, base, args, int(args.threads.split(",")[0]))
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         peaks = {"fp32": gemm_peak(torch.float32), "bf16": gemm_peak(torch.bfloat16)}
@@ -156,6 +166,23 @@ def main() -> None:
                       f"({100 * row['fraction_of_peak']:.0f}% of peak)  first step {row['first_step_s']} s  "
                       f"load {row['load']}")
     return None
+
+
+def profile(arm: str, base, args, threads: int) -> None:
+    """torch.profiler's operator table (self CPU time) for 3 steps of one arm, after 2 warm-up steps."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.set_num_threads(threads)
+    step, _ = make_step(arm, base, args.batch, args.seq, args.ttt)
+    step()
+    step()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    print(f"{arm} at {threads} thread(s), {_cpu_name()}, load {open('/proc/loadavg').read().split()[:3]}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def _cpu_name() -> str:
