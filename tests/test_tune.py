@@ -163,6 +163,18 @@ def test_a_difference_inside_the_noise_is_a_tie_and_the_cheaper_setting_wins():
     assert sweep(eng)["choice"]["label"] == "chain 3"
 
 
+def test_the_faster_tie_rule_takes_the_fastest_of_the_tied_settings_and_says_so():
+    """What the demo asks of its sweep: when the noise cannot separate two winners, the faster measured one."""
+    eng = ScriptedEngine({AR.label: 20.0, "chain 1": 26.0, "chain 3": 26.8}, drift=scatter(0.03))
+    c = sweep(eng, tie="faster")["choice"]
+    assert c["label"] == "chain 3" and "tied with chain 1" in c["reason"] and "faster measured" in c["reason"]
+    # no winner: the rule does not matter, AR stays
+    eng = ScriptedEngine({AR.label: 20.0, "chain 1": 19.0, "chain 3": 18.0}, drift=scatter(0.03))
+    assert not sweep(eng, tie="faster")["choice"]["speculate"]
+    with pytest.raises(ValueError, match="tie='fastest'"):
+        choose([], tie="fastest")
+
+
 def test_the_noise_is_pooled_over_every_setting_and_the_ar_null_differences():
     """Log ratios: each setting's residuals about its own mean plus AR-vs-AR differences, over their degrees of
     freedom; a setting's standard error is that sd / sqrt(its pairs)."""

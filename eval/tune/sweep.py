@@ -274,8 +274,9 @@ def paired_passes(ar, session, repeats: int, clock: Clock,
 def sweep_engine(engine: Engine, repeats: int, deadline: float,
                  progress: Callable[[str, dict | None], None] = lambda label, rec: None,
                  now: Callable[[], float] = time.monotonic, alpha: float = DEFAULT_ALPHA,
-                 min_gain: float = DEFAULT_MIN_GAIN) -> dict:
-    """Every setting of `engine` against its AR, paired and interleaved, the choice, and the winner's confirmation;
+                 min_gain: float = DEFAULT_MIN_GAIN, tie: str = "cheaper") -> dict:
+    """Every setting of `engine` against its AR, paired and interleaved, the choice (`tie`: which of the settings
+    the noise cannot separate wins, eval/tune/choice/stats.py: choose), and the winner's confirmation;
     returns the engine's tuning record. A setting that crashes or hangs is recorded with the engine's last log lines
     and the sweep goes on (an AR that dies is reopened once); settings the budget cannot fit (it keeps room for the
     confirmation) are recorded as skipped. `progress(label, record)` is called once per setting."""
@@ -322,7 +323,7 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
     finally:
         if ar is not None:
             ar.close()
-    choice = choose(points, alpha, min_gain, exact=is_exact(described.get("dtype")))
+    choice = choose(points, alpha, min_gain, exact=is_exact(described.get("dtype")), tie=tie)
     if choice["speculate"]:
         choice = confirm(engine, choice, points, repeats, clock, min_gain)
     command = getattr(engine, "command", None)  # how a user serves the choice (llama.cpp: its command line)

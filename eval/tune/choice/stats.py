@@ -93,13 +93,21 @@ def log_mean(p: dict) -> float:
     return statistics.fmean(math.log(r) for r in p["ratios"])
 
 
+TIE_RULES = ("cheaper", "faster")
+
+
 def choose(points: Sequence[dict], alpha: float = DEFAULT_ALPHA, min_gain: float = DEFAULT_MIN_GAIN,
-           exact: bool = False) -> dict:
+           exact: bool = False, tie: str = "cheaper") -> dict:
     """The sweep's choice (module docstring): among the settings that beat AR at the Bonferroni level, the cheapest
-    that no other one beats; AR ("do not speculate") when none beats it. Adds to each measured point its standard
+    that no other one beats; AR ("do not speculate") when none beats it. tie="faster" takes the fastest of those
+    instead (the interval cannot separate them, so the measured speed decides: what a run that reports the speed
+    it reached wants, e.g. the demo; "cheaper" is the safer default for serving, fewer nodes verified a step).
+    Adds to each measured point its standard
     error ("log_se", of its ln speedup), its lower bound at that level and whether it beats AR; in an exact dtype a
     point whose tokens differ from AR's gets "bug" and is no candidate. Returns the chosen point (label, knobs,
     cost, speedup), its margin over the runner-up, the noise and the rule, and why."""
+    if tie not in TIE_RULES:
+        raise ValueError(f"tie={tie!r}: use one of {', '.join(TIE_RULES)}")
     measured = [p for p in points if p.get("status") == "ok"]
     noise = pooled_noise(measured)
     for p in measured:
@@ -144,12 +152,21 @@ def choose(points: Sequence[dict], alpha: float = DEFAULT_ALPHA, min_gain: float
                f"no setting's lower bound ({level}) clears 1{gain}") + f" ({best}): do not speculate on this " \
             "engine and machine"
     else:
-        chosen = min((p for p in winners if not any(beats(q, p) for q in winners)),
-                     key=lambda p: (p["cost"], -p["speedup"]))
+        unbeaten = [p for p in winners if not any(beats(q, p) for q in winners)]
+        if tie == "faster":
+            chosen = max(unbeaten, key=lambda p: (p["speedup"], -p["cost"]))
+        else:
+            chosen = min(unbeaten, key=lambda p: (p["cost"], -p["speedup"]))
         why = f"beats AR (lower bound {chosen['lower_bound']:.3f}x, {level})"
-        if chosen is not fastest:
+        tied = [p["label"] for p in unbeaten if p is not chosen]
+        if chosen is not fastest and tie == "faster":  # the fastest point was measured fewer times
+            why += (f"; the fastest ({fastest['label']}, {fastest['speedup']:.3f}x) is not shown to beat AR at this "
+                    "level")
+        elif chosen is not fastest:
             why += (f"; tied with the fastest ({fastest['label']}, {fastest['speedup']:.3f}x) within the noise: the "
                     "cheaper setting wins")
+        elif tie == "faster" and tied:
+            why += f"; tied with {', '.join(tied)} within the noise: the faster measured setting wins"
     others = [p for p in [ar, *cands] if p is not chosen]
     runner = max(others, key=lambda p: p["speedup"])
     return {**base, "label": chosen["label"], "knobs": chosen["knobs"], "cost": chosen["cost"],
