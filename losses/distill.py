@@ -43,7 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from losses.fused_linear_ce import LossStats, _compute_dtype, _matmul_dtype
+from losses.chunk_loop import chunked_forward, scaled_backward
+from losses.chunk_loop import compute_dtype as _compute_dtype
+from losses.chunk_loop import matmul_dtype as _matmul_dtype
+from losses.fused_linear_ce import LossStats
 from losses.weighted_ce import IGNORE_INDEX
 
 TERMS = ("ce", "kl", "rkl", "tv", "lk_alpha", "lk_lambda")  # the names a divergence spec may use
@@ -124,49 +127,18 @@ class _FusedLinearDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, weights, eta, chunk_size, topk,
                 need_grad_hidden, need_grad_weight):
-        n = hidden.shape[0]
-        cdtype, mdtype = _compute_dtype(hidden), _matmul_dtype(hidden)
-        w, tw = weight.to(mdtype), teacher_weight.to(mdtype)  # [V, d], [V, d_t]: cast once per call
-        valid = labels != IGNORE_INDEX  # [N]
-        targets = labels.masked_fill(~valid, 0)  # [N] a safe gather index; invalid rows are zeroed
-        k = min(topk, w.shape[0])
         weights = dict(weights)
-        loss_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
-        top1 = torch.zeros((), dtype=torch.long, device=hidden.device)
-        topk_hits = torch.zeros((), dtype=torch.long, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None  # [N, d]
-        grad_w = torch.zeros_like(w, dtype=cdtype) if need_grad_weight else None  # [V, d], accumulated in cdtype
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            x = hidden[start:end].to(mdtype)  # [c, d]
-            loss, hits1, hitsk, g = _chunk_forward_backward(
-                x, w, targets[start:end], valid[start:end], teacher_hidden[start:end].to(mdtype), tw, weights, eta, k)
-            loss_sum += loss
-            top1 += hits1
-            topk_hits += hitsk
-            if grad_hidden is not None:
-                grad_hidden[start:end] = g.to(mdtype) @ w  # [c, V] @ [V, d] -> [c, d]
-            if grad_w is not None:
-                if mdtype == cdtype:
-                    grad_w.addmm_(g.T, x)  # [V, c] @ [c, d] -> [V, d]
-                else:  # low-precision matmul, fp32 accumulation across chunks
-                    grad_w.add_(g.T.to(mdtype) @ x)
-            del g
-        ctx.save_for_backward(grad_hidden, grad_w.to(weight.dtype) if grad_w is not None else None)
-        count = valid.sum()
-        ctx.mark_non_differentiable(count, top1, topk_hits)
-        return loss_sum, count, top1, topk_hits
+
+        def chunk_fn(x, w, targets, valid, tx, tw, k):
+            return _chunk_forward_backward(x, w, targets, valid, tx, tw, weights, eta, k)
+
+        return chunked_forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, chunk_size, topk,
+                               need_grad_hidden, need_grad_weight, chunk_fn)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_count, _grad_top1, _grad_topk):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # Out of place, so the stash survives a second backward (retain_graph=True, gradcheck).
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return scaled_backward(ctx, grad_loss, 11)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

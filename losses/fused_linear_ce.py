@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from losses.chunk_loop import chunked_forward, scaled_backward
+from losses.chunk_loop import compute_dtype as _compute_dtype
+from losses.chunk_loop import matmul_dtype as _matmul_dtype
 from losses.soft_ce import soft_cross_entropy_sum
 from losses.weighted_ce import IGNORE_INDEX, cross_entropy_sum
 
@@ -125,57 +128,16 @@ class _FusedLinearCE(torch.autograd.Function):
         need_grad_hidden: bool,
         need_grad_weight: bool,
     ):
-        n = hidden.shape[0]
-        cdtype, mdtype = _compute_dtype(hidden), _matmul_dtype(hidden)
-        # Cast the head once per call, not per chunk ([V, d]; a no-op when already in mdtype).
-        w = weight.to(mdtype)
-        tw = teacher_weight.to(mdtype) if teacher_weight is not None else None
-        valid = labels != IGNORE_INDEX  # [N] bool
-        targets = labels.masked_fill(~valid, 0)  # [N] safe gather index; invalid rows are zeroed later
-        k = min(topk, w.shape[0])
+        def chunk_fn(x, w, targets, valid, tx, tw, k):
+            return _chunk_forward_backward(x, w, targets, valid, tx, tw, alpha, temperature, k)
 
-        loss_sum = torch.zeros((), dtype=cdtype, device=hidden.device)
-        top1 = torch.zeros((), dtype=torch.long, device=hidden.device)
-        topk_hits = torch.zeros((), dtype=torch.long, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None  # [N, d], input dtype
-        grad_w = torch.zeros_like(w, dtype=cdtype) if need_grad_weight else None  # [V, d], accumulated in cdtype
-
-        for start in range(0, n, chunk_size):
-            end = min(start + chunk_size, n)
-            x = hidden[start:end].to(mdtype)  # [c, d]
-            tx = teacher_hidden[start:end].to(mdtype) if tw is not None else None
-            chunk_loss, chunk_top1, chunk_topk, g = _chunk_forward_backward(
-                x, w, targets[start:end], valid[start:end], tx, tw, alpha, temperature, k
-            )
-            loss_sum += chunk_loss
-            top1 += chunk_top1
-            topk_hits += chunk_topk
-            if grad_hidden is not None:
-                grad_hidden[start:end] = g.to(mdtype) @ w  # [c, V] @ [V, d] -> [c, d], cast to input dtype
-            if grad_w is not None:
-                if mdtype == cdtype:
-                    grad_w.addmm_(g.T, x)  # [V, c] @ [c, d] -> [V, d]
-                else:  # low-precision matmul, fp32 accumulation across chunks
-                    grad_w.add_(g.T.to(mdtype) @ x)
-            del g  # free the [c, V] buffer before the next chunk allocates its own
-
-        # save_for_backward (not ctx attributes) so autograd frees the stash right after backward.
-        ctx.save_for_backward(grad_hidden, grad_w.to(weight.dtype) if grad_w is not None else None)
-        count = valid.sum()
-        ctx.mark_non_differentiable(count, top1, topk_hits)
-        return loss_sum, count, top1, topk_hits
+        return chunked_forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, chunk_size, topk,
+                               need_grad_hidden, need_grad_weight, chunk_fn)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_count, _grad_top1, _grad_topk):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # Out of place: the stash must survive a second backward (retain_graph=True, gradcheck).
-        # Costs one transient [V, d] copy per head; grad_output is never 1 in practice (λ_k / count).
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-        if grad_weight is not None:
-            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return scaled_backward(ctx, grad_loss, 11)
 
 
 def _chunk_forward_backward(
@@ -283,18 +245,6 @@ def linear_cross_entropy_reference(
 # ---------------------------------------------------------------------------------------------------
 # Shared checks
 # ---------------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    # Softmax / loss dtype: fp64 stays fp64 (gradcheck); bf16/fp16/fp32 are computed in fp32.
-    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
-
-
-def _matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
-    # The LM-head matmuls run in the input's dtype: bf16/fp16 inputs use the fast low-precision units
-    # (tensor cores, AVX512-BF16), whose matmuls accumulate in fp32 anyway; the [c, V] logits are then
-    # upcast so softmax, loss and dLoss/dlogits are fp32.
-    return hidden.dtype if hidden.dtype in (torch.bfloat16, torch.float16) else _compute_dtype(hidden)
 
 
 def _validate(
