@@ -1,4 +1,4 @@
-"""EAGLE-3: fused low/mid/high base features + one decoder layer, autoregressive in feature space
+"""EAGLE-3: fused low/mid/high base features + one decoder layer (or a few), autoregressive in feature space
 (docs/families/eagle3.md; the layout is the one `speculators` trains and vLLM serves, see models/export/speculators.py).
 
 At base position t (the base has committed x_0..x_t and its aux states at t are known):
@@ -46,15 +46,25 @@ by default, and a draft without them has exactly the tensors above):
                           (EAGLE-3.1: keeps the fed-back feature's scale from drifting over the depths)
     norm_before_residual  a = hidden_norm(g_t) + o_proj(...) instead of g_t + o_proj(...)
 
+Deeper drafts (`draft.eagle3.num_layers` = 2..4; vLLM's llama_eagle3.py and speculators run the same): out_t above
+is layer 0's output; layers 1.. (models/eagle3_layers.py: Eagle3DecoderLayer, `layers.1`, ...) are plain decoder
+layers of the base's shape, each on the layer before's d-wide output (x + Attn(input_layernorm(x)), then + MLP), at
+the same positions and with the same attention pattern, each over its own keys (the TTT unroll keeps them per layer,
+the decode-time Eagle3Cache holds [L, H_kv, capacity, hd]); norm / lm_head (and norm_output) follow the last layer,
+whose output is what the next depth reads. norm_before_residual concerns layer 0 only, as in vLLM.
+
 Initialisation (our choice; speculators starts the layer at random): the layer is a copy of the base's
 last decoder layer with its q/k/v weights on both input halves and o_proj / down_proj at zero, fc picks
 the highest aux layer, norm and lm_head come from the base. A fresh draft therefore predicts
-lm_head(norm(a_t^(l3))), roughly the base's own next-token guess, and training grows from there.
+lm_head(norm(a_t^(l3))), roughly the base's own next-token guess, and training grows from there. Layers 1.. copy the
+same base layer with o_proj / down_proj at zero: each starts as the identity, so a fresh deeper draft predicts
+exactly what a fresh one-layer draft does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,100 +76,21 @@ from losses.distill import fused_linear_distill, linear_distill_reference, parse
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 from losses.ttt import ttt_step_weights, ttt_weighted_loss
 from models.components import (
-    GatedMLP,
     RMSNorm,
     check_aux_layers,
     default_aux_layers,
     default_mask_token_id,
     expand_kv,
     rope_cos_sin,
-    rotate_half,
 )
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
+from models.eagle3_layers import Eagle3Cache, Eagle3DecoderLayer, Eagle3Layer
 from models.eagle3_ttt import cod_keep, ttt_attention, ttt_attention_reference
 from models.family import FamilyFacts
 from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
 
 MAX_TTT_STEPS = 7
-
-
-class Eagle3Attention(nn.Module):
-    """LLaMA attention whose q/k/v read the 2d-wide input. Names match HF / speculators (q_proj, ...)."""
-
-    def __init__(self, config):
-        super().__init__()
-        d = int(config.hidden_size)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or d // self.num_heads)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.q_proj = nn.Linear(2 * d, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(2 * d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(2 * d, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=bias)
-
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, n, 2d], cos/sin [B or 1, n, hd] -> q [B, H, n, hd], k / v [B, H_kv, n, hd] (RoPE on q, k)."""
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
-
-    def out(self, o: torch.Tensor) -> torch.Tensor:
-        """[B, H, n, hd] -> [B, n, d]."""
-        b, _, n, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
-
-
-class Eagle3Layer(nn.Module):
-    """The one decoder layer (speculators' `layers.0`): two input norms, 2d-wide attention, MLP."""
-
-    def __init__(self, config, norm_before_residual: bool = False):
-        super().__init__()
-        d, eps = int(config.hidden_size), float(config.rms_norm_eps)
-        self.norm_before_residual = bool(norm_before_residual)
-        self.input_layernorm = RMSNorm(d, eps)  # on the token embedding
-        self.hidden_norm = RMSNorm(d, eps)  # on the feature (fc output or the previous step's output)
-        self.self_attn = Eagle3Attention(config)
-        self.post_attention_layernorm = RMSNorm(d, eps)
-        self.mlp = GatedMLP(config)
-
-    def pre(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """emb, hidden [B, n, d] -> (attention input [B, n, 2d] = [norm(emb); norm(hidden)], residual = hidden,
-        or hidden_norm(hidden) with norm_before_residual)."""
-        normed = self.hidden_norm(hidden)
-        return torch.cat([self.input_layernorm(emb), normed], dim=-1), normed if self.norm_before_residual else hidden
-
-    def post(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attention output [B, n, d] (after o_proj) + residual -> the layer output [B, n, d] (pre final norm)."""
-        a = residual + attn
-        return a + self.mlp(self.post_attention_layernorm(a))
-
-
-@dataclass
-class Eagle3Cache:
-    """The draft layer's own KV cache of committed positions (batch 1): step-0 keys/values
-    [1, H_kv, capacity, hd], rows [:length] valid. Grows by doubling."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    length: int = 0
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        n = int(k.shape[2])
-        end = self.length + n
-        if end > self.keys.shape[2]:
-            cap = max(end, 2 * int(self.keys.shape[2]))
-            grow = (1, self.keys.shape[1], cap, self.keys.shape[3])
-            keys, values = self.keys.new_zeros(grow), self.values.new_zeros(grow)
-            keys[:, :, :self.length] = self.keys[:, :, :self.length]
-            values[:, :, :self.length] = self.values[:, :, :self.length]
-            self.keys, self.values = keys, values
-        self.keys[:, :, self.length:end] = k
-        self.values[:, :, self.length:end] = v
-        self.length = end
+MAX_LAYERS = 4  # draft.eagle3.num_layers: 1..4 decoder layers
 
 
 @dataclass
@@ -167,6 +98,10 @@ class Eagle3Options:
     """EAGLE-3's training options (draft.eagle3.*)."""
 
     ttt_steps: int = 3  # training-time-test unroll (1..7); one reported depth per step (draft.num_heads = it)
+    # Decoder layers (1..4): layer 0 reads [embedding; feature], layers 1.. are plain decoder layers of the base's shape
+    # on the layer before's output (vLLM's and speculators' multi-layer EAGLE-3; each starts as the identity). Each
+    # layer adds about one layer's cost to every draft step and keeps its own KV cache
+    num_layers: int = 1
     # P-EAGLE: draft ttt_steps tokens in one forward, depths 2.. fed the mask token and a learned mask_hidden
     # (exports as speculators' `peagle`, served by vLLM as eagle3 + parallel_drafting); false = plain EAGLE-3
     parallel_drafting: bool = False
@@ -204,7 +139,8 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                                    "gguf": "eval.serving.llamacpp_gguf:eagle3_converter_input"},
                         chain_estimate=True, export_keys=("aux_layers",),
                         draft_options=Eagle3Options, loss_options=Eagle3LossOptions, flat_keys=("draft.ttt_steps",),
-                        summary="fc over low/mid/high base layers + one decoder layer, training-time test; chain or "
+                        summary="fc over low/mid/high base layers + one decoder layer (up to 4: "
+                        "`draft.eagle3.num_layers`), training-time test; chain or "
                         "EAGLE-2 tree; what vLLM serves; P-EAGLE option (`draft.eagle3.parallel_drafting`): K drafts "
                         "from one forward",
                         also_files=("models/eagle3_ttt.py", "losses/ttt.py"))
@@ -214,6 +150,12 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         d, ttt_steps = cfg.draft, cls.options(cfg.draft).ttt_steps
         if not 1 <= ttt_steps <= 7:
             fail("draft.eagle3.ttt_steps", ttt_steps, "EAGLE-3 unrolls 1..7 training-time-test steps (default 3)")
+        if not 1 <= cls.options(cfg.draft).num_layers <= MAX_LAYERS:
+            fail("draft.eagle3.num_layers", cls.options(cfg.draft).num_layers, f"EAGLE-3 drafts with 1..{MAX_LAYERS} "
+                 "decoder layers (default 1; vLLM and speculators serve more than one)")
+        if d.num_layers != 1:
+            fail("draft.num_layers", d.num_layers, "EAGLE-3 takes its decoder layers from draft.eagle3.num_layers "
+                 "(1..4); draft.num_layers (ResBlocks, DFlash's layers) does not apply: leave it at 1")
         if d.num_heads != ttt_steps:
             fail("draft.num_heads", d.num_heads, f"EAGLE-3 reports one depth per TTT step: set draft.num_heads="
                  f"{ttt_steps} (= draft.eagle3.ttt_steps), as configs/eagle3.yaml does")
@@ -252,7 +194,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                  init_from_base: bool = True, share_lm_head: bool = False, parallel_drafting: bool = False,
                  mask_token_id: int | None = None, cod_ratio: float = 0.7, cod_ratio_min: float = 0.2,
                  fc_norm: bool = False, norm_before_fc: bool = False, norm_output: bool = False,
-                 norm_before_residual: bool = False, aux_noise_std: float = 0.0):
+                 norm_before_residual: bool = False, aux_noise_std: float = 0.0, num_layers: int = 1):
         super().__init__()
         if base.model is None:
             raise ValueError("EAGLE-3 builds a decoder layer of the base's architecture, but this BaseView has no "
@@ -261,6 +203,9 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         if not 1 <= ttt_steps <= MAX_TTT_STEPS:
             raise ValueError(f"draft.eagle3.ttt_steps={ttt_steps}: EAGLE-3 unrolls 1..{MAX_TTT_STEPS} steps "
                              "(default 3)")
+        if not 1 <= num_layers <= MAX_LAYERS:
+            raise ValueError(f"draft.eagle3.num_layers={num_layers}: EAGLE-3 drafts with 1..{MAX_LAYERS} decoder "
+                             "layers (default 1)")
         body = getattr(base.model, "model", None)
         n_layers = int(config.num_hidden_layers)
         self.aux_layers = check_aux_layers(aux_layers or default_aux_layers(n_layers), n_layers)
@@ -285,8 +230,10 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         self.input_norm = RMSNorm(k * d, self.eps) if norm_before_fc else None  # speculators' input_norm [k·d]
         self.fc_norm = nn.ModuleList([RMSNorm(d, self.eps) for _ in range(k)]) if fc_norm else None  # fc_norm.{i} [d]
         self.fc = nn.Linear(k * d, d, bias=False)
-        # speculators / vLLM name it layers.0
-        self.layers = nn.ModuleList([Eagle3Layer(config, norm_before_residual=self.norm_before_residual)])
+        # speculators / vLLM name them layers.0 (the 2d-wide first layer), layers.1, ... (plain decoder layers)
+        self.layers = nn.ModuleList([Eagle3Layer(config, norm_before_residual=self.norm_before_residual)] +
+                                    [Eagle3DecoderLayer(config) for _ in range(int(num_layers) - 1)])
+        self.num_layers = len(self.layers)
         self.norm = RMSNorm(d, self.eps)
         self.lm_head = nn.Linear(d, n_out, bias=False)
         # Frozen base input embedding [V, d]: never trained, never exported (vLLM shares the base's).
@@ -329,8 +276,9 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                 self._init_from_base(body, d)
 
     def _init_from_base(self, body, d: int) -> None:
-        """Layer = the base's last layer (q/k/v on both halves, o_proj / down_proj zero), fc = the highest
-        aux layer, norm = the base's final norm: a fresh draft predicts lm_head(norm(a^(l3)))."""
+        """Layer 0 = the base's last layer (q/k/v on both halves, o_proj / down_proj zero), layers 1.. the same layer
+        as the identity (`_init_deep_layer`), fc = the highest aux layer, norm = the base's final norm: a fresh draft
+        predicts lm_head(norm(a^(l3)))."""
         last = body.layers[-1]
         layer = self.layers[0]
         src = last.state_dict()
@@ -346,9 +294,28 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         for norm in ("input_layernorm", "hidden_norm"):
             getattr(layer, norm).weight.copy_(src["input_layernorm.weight"])
         layer.post_attention_layernorm.weight.copy_(src["post_attention_layernorm.weight"])
+        for deep in self.layers[1:]:
+            self._init_deep_layer(deep, src)
         self.norm.weight.copy_(body.norm.weight)
         self.fc.weight.zero_()
         self.fc.weight[:, -d:].copy_(torch.eye(d))
+
+    @staticmethod
+    def _init_deep_layer(layer: Eagle3DecoderLayer, src: dict) -> None:
+        """A layer after the first = the base layer whose state dict is `src` with o_proj and down_proj (and their
+        biases) at zero: the identity on its input, so a fresh deeper draft predicts what a fresh one-layer one does."""
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(layer.self_attn, name).weight.copy_(src[f"self_attn.{name}.weight"])
+            if getattr(layer.self_attn, name).bias is not None:
+                getattr(layer.self_attn, name).bias.copy_(src[f"self_attn.{name}.bias"])
+        for name in ("gate_proj", "up_proj"):
+            getattr(layer.mlp, name).weight.copy_(src[f"mlp.{name}.weight"])
+        for zero in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            zero.weight.zero_()
+            if zero.bias is not None:
+                zero.bias.zero_()
+        layer.input_layernorm.weight.copy_(src["input_layernorm.weight"])
+        layer.post_attention_layernorm.weight.copy_(src["post_attention_layernorm.weight"])
 
     # -- construction from configs -----------------------------------------------------------------------
 
@@ -357,7 +324,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         o = cls.options(draft_cfg)
         return cls(base, list(draft_cfg.aux_layers) or None, o.ttt_steps or 3, share_lm_head=draft_cfg.share_lm_head,
                    parallel_drafting=o.parallel_drafting, mask_token_id=o.mask_token_id, cod_ratio=o.cod_ratio,
-                   cod_ratio_min=o.cod_ratio_min, aux_noise_std=o.aux_noise_std,
+                   cod_ratio_min=o.cod_ratio_min, aux_noise_std=o.aux_noise_std, num_layers=o.num_layers,
                    **{key: getattr(o, key) for key in NORM_VARIANTS})
 
     @staticmethod
@@ -377,6 +344,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False,
                    share_lm_head=cfg.get("share_lm_head", False),
                    parallel_drafting=cfg.get("parallel_drafting", False), mask_token_id=cfg.get("mask_token_id"),
+                   num_layers=int(cfg.get("num_layers", 1)),  # an export without the key has one layer
                    **{key: bool(cfg.get(key, False)) for key in NORM_VARIANTS})
 
     def norm_variants(self) -> dict[str, bool]:
@@ -391,6 +359,8 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                "share_lm_head": self.share_lm_head,
                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
         cfg.update(self.norm_variants())  # only the keys that are on: a plain export's config is unchanged
+        if self.num_layers != 1:  # likewise: a one-layer export's config is the one it always was
+            cfg["num_layers"] = self.num_layers
         if self.parallel_drafting:
             # eagle3_mode / chain_length: the drafter's defaults for this export (eval/engine/drafters/options.py):
             # the parallel chain of the K tokens it was trained to draft in one forward
@@ -440,6 +410,20 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         """Layer output [..., d] -> logits over the draft vocabulary [..., N] (draft ids)."""
         return self.lm_head(self.head_input(out))
 
+    def run_layers(self, x: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Every decoder layer over the same rows, then `output`: x [B, n, 2d] / residual [B, n, d] = layer 0's input
+        (`Eagle3Layer.pre`), cos / sin [B or 1, n, hd] the rows' RoPE (every layer sits at the same positions);
+        attend(i, q, k, v) -> layer i's attention [B, H, n, hd] over its own keys (it stores k / v where the caller
+        keeps them). Layer i > 0 reads layer i-1's output. Returns the draft's output [B, n, d]."""
+        h = x
+        for i, layer in enumerate(self.layers):
+            if i:
+                x, residual = layer.pre(h)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+            h = layer.post(layer.self_attn.out(attend(i, q, k, v)), residual)
+        return self.output(h)
+
 
     # -- training ----------------------------------------------------------------------------------------
 
@@ -454,13 +438,18 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         """
         parallel = self.parallel_drafting if parallel is None else parallel
         layer = self.layers[0]
-        attn = layer.self_attn
         b, t = ids.shape
         s = t - 1
         hidden = self.fuse(aux[:, :s])  # [B, S, d]
         pos = torch.arange(s, device=ids.device)[None]  # [1, S]
-        keys, values, outs = [], [], []
-        attend = ttt_attention_reference if reference else ttt_attention
+        keys, values, outs = [[] for _ in self.layers], [[] for _ in self.layers], []  # per layer, per step
+        attention = ttt_attention_reference if reference else ttt_attention
+
+        def attend(i, q, k, v):  # layer i: this step's keys beside its earlier steps'
+            keys[i].append(expand_kv(k, self.groups))
+            values[i].append(expand_kv(v, self.groups))
+            return attention(q, keys[i], values[i])
+
         for j in range(steps):
             if parallel and j > 0:
                 x, residual = (m.expand(b, s, -1) for m in self.mask_inputs(1, hidden.dtype))
@@ -468,10 +457,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                 tok = F.pad(ids[:, 1 + j:], (0, j))[:, :s]  # [B, S]: x_{t+1+j}
                 x, residual = layer.pre(self.embed_tokens(tok).to(hidden.dtype), hidden)
             cos, sin = self.rope(pos + j, x.dtype)
-            q, k, v = attn.qkv(x, cos, sin)
-            keys.append(expand_kv(k, self.groups))
-            values.append(expand_kv(v, self.groups))
-            hidden = self.output(layer.post(attn.out(attend(q, keys, values)), residual))  # [B, S, d]
+            hidden = self.run_layers(x, residual, cos, sin, attend)  # [B, S, d]
             outs.append(hidden)
         return outs
 
@@ -544,29 +530,33 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
     # -- inference ---------------------------------------------------------------------------------------
 
     def new_cache(self, capacity: int, device, dtype) -> Eagle3Cache:
+        """An empty cache for every layer's keys: [num_layers, H_kv, capacity, hd]."""
         attn = self.layers[0].self_attn
-        shape = (1, attn.num_kv_heads, max(1, int(capacity)), attn.head_dim)
+        shape = (self.num_layers, attn.num_kv_heads, max(1, int(capacity)), attn.head_dim)
         zeros = torch.zeros(shape, device=device, dtype=dtype)
         return Eagle3Cache(zeros, zeros.clone())
 
     def commit_rows(self, cache: Eagle3Cache, aux: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Step 0 over n newly committed base positions (appended to `cache`): aux [n, k·d], next_tokens [n]
-        (the token after each position; the last one is the root) -> layer outputs [n, d].
+        """Step 0 over n newly committed base positions (appended to `cache`, every layer): aux [n, k·d],
+        next_tokens [n] (the token after each position; the last one is the root) -> outputs [n, d].
         Row i sits at position cache.length + i and sees every cached row and the new rows <= i."""
         n = int(aux.shape[0])
         past = cache.length
         g = self.fuse(aux)[None]  # [1, n, d]
-        layer = self.layers[0]
-        x, residual = layer.pre(self.embed_tokens(next_tokens.to(g.device))[None].to(g.dtype), g)
+        x, residual = self.layers[0].pre(self.embed_tokens(next_tokens.to(g.device))[None].to(g.dtype), g)
         cos, sin = self.rope(torch.arange(past, past + n, device=g.device)[None], x.dtype)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
-        cache.append(k, v)
         mask = torch.ones(n, past + n, dtype=torch.bool, device=g.device)
         mask[:, past:] = torch.tril(mask[:, past:])
-        keys = expand_kv(cache.keys[:, :, :past + n], self.groups)
-        vals = expand_kv(cache.values[:, :, :past + n], self.groups)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        return self.output(layer.post(layer.self_attn.out(o), residual))[0]
+
+        def attend(i, q, k, v):
+            cache.write(i, k, v, past)
+            keys = expand_kv(cache.keys[i:i + 1, :, :past + n], self.groups)
+            vals = expand_kv(cache.values[i:i + 1, :, :past + n], self.groups)
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+        out = self.run_layers(x, residual, cos, sin, attend)[0]
+        cache.length = past + n
+        return out
 
     def parallel_rows(self, cache: Eagle3Cache, aux: torch.Tensor, next_tokens: torch.Tensor, slots: int
                       ) -> torch.Tensor:
@@ -578,44 +568,54 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         n = int(aux.shape[0])
         past = cache.length
         g = self.fuse(aux)[None]  # [1, n, d]
-        layer = self.layers[0]
-        x, residual = layer.pre(self.embed_tokens(next_tokens.to(g.device))[None].to(g.dtype), g)
+        x, residual = self.layers[0].pre(self.embed_tokens(next_tokens.to(g.device))[None].to(g.dtype), g)
         if slots:
             mx, mres = self.mask_inputs(slots, x.dtype)
             x, residual = torch.cat([x, mx], 1), torch.cat([residual, mres], 1)
         m = n + slots
         cos, sin = self.rope(torch.arange(past, past + m, device=g.device)[None], x.dtype)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
-        cache.append(k[:, :, :n], v[:, :, :n])
         mask = torch.ones(m, past + m, dtype=torch.bool, device=g.device)
         mask[:, past:] = torch.tril(mask[:, past:])
-        keys = expand_kv(torch.cat([cache.keys[:, :, :past + n], k[:, :, n:]], 2), self.groups)
-        vals = expand_kv(torch.cat([cache.values[:, :, :past + n], v[:, :, n:]], 2), self.groups)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        return self.output(layer.post(layer.self_attn.out(o), residual))[0]
+
+        def attend(i, q, k, v):
+            cache.write(i, k[:, :, :n], v[:, :, :n], past)
+            keys = expand_kv(torch.cat([cache.keys[i:i + 1, :, :past + n], k[:, :, n:]], 2), self.groups)
+            vals = expand_kv(torch.cat([cache.values[i:i + 1, :, :past + n], v[:, :, n:]], 2), self.groups)
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+        out = self.run_layers(x, residual, cos, sin, attend)[0]
+        cache.length = past + n
+        return out
 
     def draft_rows(self, cache: Eagle3Cache, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                    tree_k: torch.Tensor | None, tree_v: torch.Tensor | None, visible: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Depth >= 2 rows (tree nodes), nothing committed: hidden [m, d] (each parent's output), tokens [m]
-        (each node's own token, base ids), positions [m]; tree_k / tree_v [1, H_kv, M, hd] = the keys of
-        nodes drafted earlier in this step (or None), visible [m, M] bool = which of them are each row's
-        ancestors. Each row sees the whole cache, its ancestors and itself.
+        (each node's own token, base ids), positions [m]; tree_k / tree_v [L, H_kv, M, hd] = the keys of
+        nodes drafted earlier in this step, row l those of layer l (or None), visible [m, M] bool = which of them
+        are each row's ancestors. Each row sees the whole cache, its ancestors and itself.
         Returns (outputs [m, d], tree_k, tree_v with these rows appended)."""
         m = int(hidden.shape[0])
-        layer = self.layers[0]
-        x, residual = layer.pre(self.embed_tokens(tokens.to(hidden.device))[None].to(hidden.dtype), hidden[None])
+        x, residual = self.layers[0].pre(self.embed_tokens(tokens.to(hidden.device))[None].to(hidden.dtype),
+                                         hidden[None])
         cos, sin = self.rope(positions.to(hidden.device)[None], x.dtype)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
-        tree_k = k if tree_k is None else torch.cat([tree_k, k], dim=2)
-        tree_v = v if tree_v is None else torch.cat([tree_v, v], dim=2)
-        past, big_m = cache.length, int(tree_k.shape[2])
+        past, big_m = cache.length, m + (0 if tree_k is None else int(tree_k.shape[2]))
         mask = torch.zeros(m, past + big_m, dtype=torch.bool, device=hidden.device)
         mask[:, :past] = True
         if visible is not None and visible.shape[1]:
             mask[:, past:past + visible.shape[1]] = visible
         mask[torch.arange(m), past + big_m - m + torch.arange(m)] = True  # itself
-        keys = expand_kv(torch.cat([cache.keys[:, :, :past], tree_k], 2), self.groups)
-        vals = expand_kv(torch.cat([cache.values[:, :, :past], tree_v], 2), self.groups)
-        o = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
-        return self.output(layer.post(layer.self_attn.out(o), residual))[0], tree_k, tree_v
+        grown_k, grown_v = [], []
+
+        def attend(i, q, k, v):
+            tk = k if tree_k is None else torch.cat([tree_k[i:i + 1], k], dim=2)
+            tv = v if tree_v is None else torch.cat([tree_v[i:i + 1], v], dim=2)
+            grown_k.append(tk), grown_v.append(tv)
+            keys = expand_kv(torch.cat([cache.keys[i:i + 1, :, :past], tk], 2), self.groups)
+            vals = expand_kv(torch.cat([cache.values[i:i + 1, :, :past], tv], 2), self.groups)
+            return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+
+        out = self.run_layers(x, residual, cos, sin, attend)[0]
+        if len(grown_k) == 1:
+            return out, grown_k[0], grown_v[0]
+        return out, torch.cat(grown_k, 0), torch.cat(grown_v, 0)

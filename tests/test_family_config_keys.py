@@ -58,6 +58,13 @@ def test_the_old_flat_keys_move_into_the_family_that_read_them():
         "loss.position_weights": "dflash", "loss.dpace_alpha": "dflash"}
 
 
+# family key -> why it may share its last name with a shared key
+SAME_NAME_AS_SHARED = {
+    "draft.eagle3.num_layers": "EAGLE-3's decoder layers; the shared draft.num_layers counts other families' ResBlocks "
+                               "or DFlash's layers, and an EAGLE-3 run refuses it != 1 naming draft.eagle3.num_layers",
+}
+
+
 def test_the_sections_are_built_from_the_families_own_dataclasses():
     for section, cls in (("draft", DraftSection), ("loss", LossSection)):
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -65,9 +72,11 @@ def test_the_sections_are_built_from_the_families_own_dataclasses():
             assert fields[name] is options
             assert options.__module__ == DRAFT_MODELS[name].__module__  # declared in the family's own file
             assert isinstance(getattr(cls(), name), options)
-    # no per-family key is left flat in the shared sections
+    # no per-family key is left flat in the shared sections (but for the few family keys that share a name with a
+    # different shared key, each with its reason: upgrade_flat_keys leaves a shared key where it is)
     shared = {f.name for f in dataclasses.fields(DraftSection)} | {f.name for f in dataclasses.fields(LossSection)}
-    assert not {key.split(".")[-1] for key in config_key_owners()} & shared
+    assert not {key.split(".")[-1] for key in config_key_owners() if key not in SAME_NAME_AS_SHARED} & shared
+    assert set(SAME_NAME_AS_SHARED) <= set(config_key_owners())
 
 
 @pytest.mark.parametrize("key", sorted(config_key_owners()))

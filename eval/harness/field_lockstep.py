@@ -89,8 +89,7 @@ class LockstepEagle3:
     def __init__(self, drafter):
         self.drafter = drafter
         self.draft = drafter.draft
-        self.layer = self.draft.layers[0]
-        self.attn = self.layer.self_attn
+        self.layer = self.draft.layers[0]  # layer 0's pre() builds every path's input; run_layers runs them all
         self.groups = self.draft.groups
         self.device, self.dtype = drafter._device, drafter._dtype
 
@@ -137,14 +136,12 @@ class LockstepEagle3:
             r += b - a
         return torch.cat(aux), torch.cat(nxt), torch.cat(pos), spans
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [1, R, 2d], positions [R] -> q [1, H, R, hd], k / v [1, H_kv, R, hd] (RoPE at each row's position)."""
+    def _layers(self, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Every decoder layer over R rows (Eagle3Draft.run_layers: q/k/v, o_proj and the MLP batched over all slots):
+        x [1, R, 2d], residual [1, R, d] (layer 0's input), positions [R] (RoPE at each row's position);
+        attend(i, q, k, v) -> layer i's attention [1, H, R, hd], slot by slot. Returns the draft's outputs [R, d]."""
         cos, sin = self.draft.rope(positions.to(self.device)[None], x.dtype)
-        return self.attn.qkv(x, cos, sin)
-
-    def _finish(self, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Attention outputs [1, H, R, hd] + residual [1, R, d] -> the layer's outputs [R, d] (o_proj, MLP: batched)."""
-        return self.draft.output(self.layer.post(self.attn.out(o), residual))[0]
+        return self.draft.run_layers(x, residual, cos, sin, attend)[0]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [1, H, m, hd] over keys / values [1, H_kv, L, hd] (views into a slot's cache buffer), mask [m, L] bool.
@@ -152,29 +149,36 @@ class LockstepEagle3:
         the whole cache per call."""
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.groups > 1)
 
-    def _commit_attend(self, s: Slot, q, k, v, lo: int, hi: int, extra: int = 0) -> torch.Tensor:
-        """One slot's step-0 rows q/k/v[:, :, lo:hi] appended to its cache (as Eagle3Draft.commit_rows), then causal
-        attention over cache + new rows -> [1, H, n, hd]. extra > 0 (P-EAGLE): the last `extra` of the rows are mask
-        slots whose keys are seen (causally) but not kept: written past the cache's length, which stays put."""
-        n = hi - lo - extra
-        past = s.cache.length
-        s.cache.append(k[:, :, lo:lo + n], v[:, :, lo:lo + n])
-        m = n + extra
-        if extra:
-            _scratch(s.cache, k[:, :, lo + n:hi], v[:, :, lo + n:hi], 0)
+    def _commit_attend(self, s: Slot, i: int, q, k, v, lo: int, hi: int) -> torch.Tensor:
+        """Layer i: one slot's step-0 rows q/k/v[:, :, lo:hi] written after its cache's committed rows (as
+        Eagle3Draft.commit_rows; the caller moves the length once every layer has written), then causal attention
+        over cache + new rows -> [1, H, m, hd]. P-EAGLE's mask slots, the last rows of the span, are written the same
+        way: past the length the caller leaves them, seen (causally) but not kept."""
+        m, past = hi - lo, s.cache.length
+        s.cache.write(i, k[:, :, lo:hi], v[:, :, lo:hi], past)
         mask = torch.ones(m, past + m, dtype=torch.bool, device=self.device)
         mask[:, past:] = torch.tril(mask[:, past:])
-        return self._attend(q[:, :, lo:hi], s.cache.keys[:, :, :past + m], s.cache.values[:, :, :past + m], mask)
+        return self._attend(q[:, :, lo:hi], s.cache.keys[i:i + 1, :, :past + m], s.cache.values[i:i + 1, :, :past + m],
+                            mask)
+
+    def _commit_layers(self, slots: list[Slot], x, residual, pos, spans, extra: int = 0) -> torch.Tensor:
+        """The rows of every slot's span through every layer, each slot's attention over its own cache; then each
+        cache keeps its span's rows but the last `extra` (P-EAGLE's mask slots). Returns the outputs [R, d]."""
+        def attend(i, q, k, v):
+            return torch.cat([self._commit_attend(s, i, q, k, v, a, b) for s, (a, b) in zip(slots, spans)], dim=2)
+
+        out = self._layers(x, residual, pos, attend)
+        for s, (a, b) in zip(slots, spans):
+            s.cache.length += b - a - extra
+        return out
 
     def _commit(self, slots: list[Slot]) -> torch.Tensor:
-        """Eagle3Drafter._commit for every slot: the new rows through the layer, appended to each cache.
+        """Eagle3Drafter._commit for every slot: the new rows through the layers, appended to each cache.
         Returns o_root [B, d], the output of each slot's last (root) row."""
         aux, nxt, pos, spans = self._new_rows(slots)
         g = self.draft.fuse(aux)[None]  # [1, R, d]: fc over every slot's new rows at once
         x, residual = self.layer.pre(self.draft.embed_tokens(nxt)[None].to(g.dtype), g)  # [1, R, 2d], [1, R, d]
-        q, k, v = self._qkv(x, pos)
-        o = torch.cat([self._commit_attend(s, q, k, v, a, b) for s, (a, b) in zip(slots, spans)], dim=2)
-        out = self._finish(o, residual)  # [R, d]
+        out = self._commit_layers(slots, x, residual, pos, spans)  # [R, d]
         return out[torch.tensor([b - 1 for _, b in spans], device=out.device)]
 
     def _draft_rows(self, slots: list[Slot], hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -185,22 +189,30 @@ class LockstepEagle3:
         scratch rows (past the cache's length; updated here), visible[i] [m_i, drafted[i]] its rows' ancestors
         among them. Each row sees the slot's whole cache, its ancestors and itself. Returns outputs [R, d]."""
         x, residual = self.layer.pre(self.draft.embed_tokens(tokens)[None].to(hidden.dtype), hidden[None])
-        q, k, v = self._qkv(x, positions)
-        outs = []
+        masks = []
         for i, (s, (lo, hi)) in enumerate(zip(slots, spans)):
-            m, past = hi - lo, s.cache.length
-            _scratch(s.cache, k[:, :, lo:hi], v[:, :, lo:hi], drafted[i])
-            drafted[i] += m
-            big_m = drafted[i]
+            m, past, big_m = hi - lo, s.cache.length, drafted[i] + hi - lo
             mask = torch.zeros(m, past + big_m, dtype=torch.bool, device=self.device)
             mask[:, :past] = True
             vis = visible[i]
             if vis is not None and vis.shape[1]:
                 mask[:, past:past + vis.shape[1]] = vis
             mask[torch.arange(m), past + big_m - m + torch.arange(m)] = True  # itself
-            outs.append(self._attend(q[:, :, lo:hi], s.cache.keys[:, :, :past + big_m],
-                                     s.cache.values[:, :, :past + big_m], mask))
-        return self._finish(torch.cat(outs, dim=2), residual)
+            masks.append(mask)
+
+        def attend(layer, q, k, v):  # each slot: its scratch rows of this layer after the committed ones
+            outs = []
+            for i, (s, (lo, hi)) in enumerate(zip(slots, spans)):
+                end = s.cache.length + drafted[i] + hi - lo
+                s.cache.write(layer, k[:, :, lo:hi], v[:, :, lo:hi], s.cache.length + drafted[i])
+                outs.append(self._attend(q[:, :, lo:hi], s.cache.keys[layer:layer + 1, :, :end],
+                                         s.cache.values[layer:layer + 1, :, :end], masks[i]))
+            return torch.cat(outs, dim=2)
+
+        out = self._layers(x, residual, positions, attend)
+        for i, (lo, hi) in enumerate(spans):
+            drafted[i] += hi - lo
+        return out
 
     def _top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Eagle3Drafter._top over all rows at once: outputs [R, d] -> (top-k log-probs [R, k], base ids [R, k]).
@@ -249,9 +261,7 @@ class LockstepEagle3:
                 grown.append((r, r + b - a + extra))
                 r += b - a + extra
             x, residual, pos, spans = torch.cat(xs, 1), torch.cat(rs, 1), torch.cat(ps), grown
-        q, k, v = self._qkv(x, pos)
-        o = torch.cat([self._commit_attend(s, q, k, v, a, b, extra) for s, (a, b) in zip(slots, spans)], dim=2)
-        out = self._finish(o, residual)  # [R + B·extra, d]
+        out = self._commit_layers(slots, x, residual, pos, spans, extra)  # [R + B·extra, d]
         if big_k == 0:
             return [Proposal([s.root], [-1], [0]) for s in slots]
         rows = torch.cat([torch.arange(b - extra - 1, b) for _, b in spans])  # [B·K]: root row, then the slots
@@ -356,22 +366,6 @@ class LockstepEagle3:
                 s.stopped = True
                 break
         s.length = base + n_acc + 1
-
-
-def _scratch(cache: Eagle3Cache, k: torch.Tensor, v: torch.Tensor, offset: int) -> None:
-    """Write K/V [1, H_kv, m, hd] of rows drafted this step at cache rows length + offset .. + m, past the committed
-    rows: attention then reads one contiguous prefix of the buffer (no cat of cache and scratch per call), and the
-    next commit overwrites them (the drafter keeps them in a buffer of its own that dies with the call: the same
-    values either way). The buffer grows by doubling, as Eagle3Cache.append does."""
-    start, m = cache.length + offset, int(k.shape[2])
-    if start + m > cache.keys.shape[2]:
-        cap = max(start + m, 2 * int(cache.keys.shape[2]))
-        grow = (1, cache.keys.shape[1], cap, cache.keys.shape[3])
-        keys, values = cache.keys.new_zeros(grow), cache.values.new_zeros(grow)
-        keys[:, :, :start], values[:, :, :start] = cache.keys[:, :, :start], cache.values[:, :, :start]
-        cache.keys, cache.values = keys, values
-    cache.keys[:, :, start:start + m] = k
-    cache.values[:, :, start:start + m] = v
 
 
 def _grow(counts: list[int], n: int) -> None:

@@ -124,6 +124,10 @@ def eagle3_converter_input(draft, export_cfg: dict, base_dir: Path, out_dir: Pat
         raise ValueError(f"llama.cpp's EAGLE-3 graph has no {', '.join(unsupported)} (EAGLE-3.1 normalisation): it "
                          "would run this draft without those norms; serve it with vLLM (`specdraft export --format "
                          "vllm`), or train with draft.eagle3." + "=false draft.eagle3.".join(unsupported) + "=false")
+    layers = int(getattr(draft, "num_layers", 1))
+    if layers != 1:  # llama.cpp's EAGLE-3 graph (src/models/eagle3.cpp) asserts n_layer == 1
+        raise ValueError(f"llama.cpp's EAGLE-3 graph runs one decoder layer, this draft has {layers} "
+                         f"(draft.eagle3.num_layers={layers}); serve it with vLLM (`specdraft export --format vllm`)")
     aux = list(getattr(draft, "aux_layers", []))
     if len(aux) != 3:  # llama.cpp's EAGLE-3 graph concatenates exactly three target layers
         raise ValueError(f"llama.cpp's EAGLE-3 reads exactly 3 aux layers of the base; this draft reads {aux} "

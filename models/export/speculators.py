@@ -8,6 +8,11 @@ Layout (checked against speculators 0.9.0 `models/eagle3/{config,core,model_defi
         layers.0.input_layernorm.weight, layers.0.hidden_norm.weight, layers.0.post_attention_layernorm.weight
         layers.0.self_attn.{q,k,v}_proj.weight  [*, 2d]   input = [norm(embedding); norm(feature)]
         layers.0.self_attn.o_proj.weight, layers.0.mlp.{gate,up,down}_proj.weight
+        layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight
+        layers.{i}.self_attn.{q,k,v,o}_proj.weight  [*, d]   layers.{i}.mlp.{gate,up,down}_proj.weight
+                                      only a deeper draft (i = 1 .. num_layers - 1): plain decoder layers of the
+                                      base's shape (speculators' later layers, vLLM's layer_idx > 0: d-wide q/k/v,
+                                      no hidden_norm)
         norm.weight                   [d]
         lm_head.weight                [N, d]     N = draft_vocab_size
         input_norm.weight             [k*d]      only with norm_before_fc: one RMSNorm over the aux states before fc
@@ -17,7 +22,8 @@ Layout (checked against speculators 0.9.0 `models/eagle3/{config,core,model_defi
       (d2t / t2d only with a draft vocabulary; no embed_tokens: vLLM and speculators take the base's.)
     config.json
         speculators_model_type "eagle3", architectures ["Eagle3Speculator"], transformer_layer_config (the
-        base's LlamaConfig with num_hidden_layers 1), draft_vocab_size, the normalisation variants fc_norm,
+        base's LlamaConfig with num_hidden_layers = the draft's decoder layers, draft.eagle3.num_layers, 1 by default),
+        draft_vocab_size, the normalisation variants fc_norm,
         norm_before_fc, norm_output, norm_before_residual (each written, true or false: vLLM's reader defaults
         norm_before_residual to true, speculators to false; models/eagle3.py: NORM_VARIANTS),
         eagle_aux_hidden_state_layer_ids,
@@ -48,7 +54,7 @@ from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
 from models.draft import BaseView
-from models.eagle3 import NORM_VARIANTS, Eagle3Draft
+from models.eagle3 import MAX_LAYERS, NORM_VARIANTS, Eagle3Draft
 from models.export.specdraft import read_tensors
 
 # speculators' name for the EAGLE-3 layout (config.json's speculators_model_type; DFlash's is in speculators_dflash.py)
@@ -72,7 +78,8 @@ def speculators_config(draft: Eagle3Draft, verifier: str, speculative_tokens: in
     arch = list(layer.get("architectures") or ["LlamaForCausalLM"])
     for key in _DROP_LAYER_KEYS:
         layer.pop(key, None)
-    layer.update(num_hidden_layers=1, tie_word_embeddings=False, vocab_size=draft.vocab_size)
+    layer.update(num_hidden_layers=int(getattr(draft, "num_layers", 1)), tie_word_embeddings=False,
+                 vocab_size=draft.vocab_size)
     parallel = bool(getattr(draft, "parallel_drafting", False))
     variants = draft.norm_variants()
     config = {
@@ -194,12 +201,14 @@ def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
                          "engine reads the same layout")
     if config.get("fc_norm") and config.get("norm_before_fc"):
         raise ValueError(f"{export_dir}: fc_norm and norm_before_fc are both true; speculators allows one of them")
-    if int(config["transformer_layer_config"].get("num_hidden_layers", 1)) != 1:
-        raise ValueError(f"{export_dir}: specdraft's EAGLE-3 has one decoder layer")
+    layers = int(config["transformer_layer_config"].get("num_hidden_layers", 1))
+    if not 1 <= layers <= MAX_LAYERS:
+        raise ValueError(f"{export_dir}: transformer_layer_config.num_hidden_layers={layers}; specdraft's EAGLE-3 has "
+                         f"1..{MAX_LAYERS} decoder layers")
     tensors, view = read_speculators_tensors(export_dir, config, base)
     steps = int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     draft = Eagle3Draft(view, config["eagle_aux_hidden_state_layer_ids"], min(max(steps, 1), 7), init_from_base=False,
-                        parallel_drafting=parallel, mask_token_id=config.get("mask_token_id"),
+                        parallel_drafting=parallel, mask_token_id=config.get("mask_token_id"), num_layers=layers,
                         **{key: bool(config.get(key, False)) for key in NORM_VARIANTS})
     missing, unexpected = draft.load_state_dict(tensors, strict=False)
     if missing or unexpected:
