@@ -21,7 +21,8 @@
 #   dspark_mix DSpark's mix, 0.1·CE + 0.9·TV
 #   vocab32k  a 32,768-token draft vocabulary (the most frequent tokens) instead of 16,384: a wider LM head, so
 #             each step costs more than the base arm's (equal steps favour it; its tokens/s is in its metrics)
-#   (2 decoder layers: EAGLE-3 here has one layer and no key for more; not an arm yet)
+#   layers2   2 decoder layers (draft.eagle3.num_layers=2: a plain decoder layer after the first, starting as the
+#             identity); a step costs about one more layer, so MINUTES of training like ttt5
 #
 #   ARMS="base noise" recipes/eagle3_levers_field.sh       # two arms; rerun to resume or add arms
 #   JOBS=2 ARMS="tv rkl" recipes/eagle3_levers_field.sh    # two arms at once, one thread each (2 cores)
@@ -43,7 +44,7 @@ N=${N:-3500}
 STEPS=${STEPS:-870}      # the base arm's steps in 30 min at one thread on a quiet 2-core AVX512-BF16 EPYC (2.07 s)
 MINUTES=${MINUTES:-30}
 JOBS=${JOBS:-1}
-ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5}
+ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5 layers2}
 FIELD_PROMPTS=${FIELD_PROMPTS:-30}
 CACHE="runs/cache/levers-$N-256"
 # shellcheck disable=SC2206
@@ -64,6 +65,7 @@ arm_args() {  # the overrides of one arm
     lk) echo "${EQ[*]} loss.eagle3.divergence=lk_lambda" ;;
     dspark_mix) echo "${EQ[*]} loss.eagle3.divergence=0.1*ce+0.9*tv" ;;
     vocab32k) echo "${EQ[*]} draft.vocab_size=32768" ;;
+    layers2) echo "${TIMED[*]} draft.eagle3.num_layers=2" ;;
     *) echo "unknown arm $1" >&2; return 2 ;;
   esac
 }

@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-ARMS = ("base", "noise", "tv", "rkl", "muon", "lk", "vocab32k", "dspark_mix", "ttt5")
+ARMS = ("base", "noise", "tv", "rkl", "muon", "lk", "vocab32k", "dspark_mix", "ttt5", "layers2")
 CHANGE = {  # what each arm changes from the base arm (recipes/eagle3_levers_field.sh arm_args)
     "base": "the store recipe: forward KL (soft CE), TTT 3, AdamW lr 2e-3, 16k draft vocab",
     "noise": "Gaussian noise std 0.05 on the aux hidden states",
@@ -26,6 +26,7 @@ CHANGE = {  # what each arm changes from the base arm (recipes/eagle3_levers_fie
     "vocab32k": "32,768-token draft vocabulary",
     "dspark_mix": "DSpark's mix: 0.1·CE + 0.9·TV",
     "ttt5": "5 TTT steps (equal minutes)",
+    "layers2": "2 decoder layers (equal minutes)",
 }
 
 
