@@ -23,6 +23,11 @@
 #             each step costs more than the base arm's (equal steps favour it; its tokens/s is in its metrics)
 #   layers2   2 decoder layers (draft.eagle3.num_layers=2: a plain decoder layer after the first, starting as the
 #             identity); a step costs about one more layer, so MINUTES of training like ttt5
+#   peagle    P-EAGLE: the same layer drafts 4 tokens in one forward (draft.eagle3.parallel_drafting, K = 4;
+#             docs/families/eagle3.md), MINUTES of training
+#   dspark    the DSpark family (configs/dspark.yaml: a block drafter, its recipe's lr 6e-4, 128 anchors a
+#             conversation as recipes/block_drafters_equal_data.sh), MINUTES of training from the same cache, judged
+#             as its default chain (8) in field-chain/ instead of field-chain4/, paired with the base arm all the same
 #
 #   ARMS="base noise" recipes/eagle3_levers_field.sh       # two arms; rerun to resume or add arms
 #   JOBS=2 ARMS="tv rkl" recipes/eagle3_levers_field.sh    # two arms at once, one thread each (2 cores)
@@ -44,11 +49,11 @@ N=${N:-3500}
 STEPS=${STEPS:-870}      # the base arm's steps in 30 min at one thread on a quiet 2-core AVX512-BF16 EPYC (2.07 s)
 MINUTES=${MINUTES:-30}
 JOBS=${JOBS:-1}
-ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5 layers2}
+ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5 layers2 peagle dspark}
 FIELD_PROMPTS=${FIELD_PROMPTS:-30}
 CACHE="runs/cache/levers-$N-256"
 # shellcheck disable=SC2206
-B=(--config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N"
+B=(--config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N"
    data.max_length=256 data.hidden_cache="$CACHE" draft.share_lm_head=false train.lr=2e-3 train.epochs=50
    train.save_every=40 train.num_threads=1 train.decode_eval_prompts=0 resume=auto ${EXTRA:-})
 EQ=(train.max_steps="$STEPS")
@@ -66,12 +71,19 @@ arm_args() {  # the overrides of one arm
     dspark_mix) echo "${EQ[*]} loss.eagle3.divergence=0.1*ce+0.9*tv" ;;
     vocab32k) echo "${EQ[*]} draft.vocab_size=32768" ;;
     layers2) echo "${TIMED[*]} draft.eagle3.num_layers=2" ;;
+    peagle) echo "${TIMED[*]} draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4" ;;
+    dspark) echo "${TIMED[*]} train.lr=6e-4 draft.dspark.num_anchors=128" ;;
     *) echo "unknown arm $1" >&2; return 2 ;;
   esac
 }
 
+arm_config() {  # the family config an arm starts from (before configs/cpu_budget.yaml)
+  case $1 in dspark) echo configs/dspark.yaml ;; *) echo configs/eagle3.yaml ;; esac
+}
+
 judge() {  # judge <run>: chain of 4 on FIELD_PROMPTS stored prompts a set, paired against the base arm once judged
-  local out="runs/$1/field-chain4" against=() some=()
+  local out="runs/$1/field-chain4" against=() some=() chain=(extra.eagle3_mode=chain extra.chain_length=4)
+  [ "$1" = levers-field-dspark ] && { out="runs/$1/field-chain"; chain=(); }  # its default chain
   [ "$FIELD_PROMPTS" -gt 0 ] && some=(--num-prompts "$FIELD_PROMPTS")
   [ -f "runs/$1/export/config.json" ] || return
   if [ "$1" != levers-field-base ] && [ -f runs/levers-field-base/field-chain4/field.json ]; then
@@ -81,8 +93,8 @@ judge() {  # judge <run>: chain of 4 on FIELD_PROMPTS stored prompts a set, pair
     [ -f "$out/field.json" ] && { echo "skip judge $1"; return; }
   fi
   echo "=== judge $1 $(date +%T)"
-  $S field --draft "runs/$1/export" --refs "$REFS" --out "$out" "${some[@]}" "${against[@]}" extra.eagle3_mode=chain \
-    extra.chain_length=4 use_tuning=false num_threads=1 > "runs/logs/field-$1.log" 2>&1 ||
+  $S field --draft "runs/$1/export" --refs "$REFS" --out "$out" "${some[@]}" "${against[@]}" "${chain[@]}" \
+    use_tuning=false num_threads=1 > "runs/logs/field-$1.log" 2>&1 ||
     echo "!!! judge $1 failed (runs/logs/field-$1.log)"
 }
 
@@ -90,12 +102,12 @@ one() {  # train then judge one arm
   local extra
   extra=$(arm_args "$1") || return
   # shellcheck disable=SC2086
-  train "levers-field-$1" "${B[@]}" $extra
+  train "levers-field-$1" --config "$(arm_config "$1")" "${B[@]}" $extra
   judge "levers-field-$1"
 }
 
 # The cache first, alone (both ranks' arms read it; two builders would race).
-[ -f "$CACHE/manifest.json" ] || $S cache "${B[@]}" run_name=levers-field-cache > runs/logs/levers-field-cache.log 2>&1 ||
+[ -f "$CACHE/manifest.json" ] || $S cache --config configs/eagle3.yaml "${B[@]}" run_name=levers-field-cache > runs/logs/levers-field-cache.log 2>&1 ||
   { echo "!!! cache build failed (runs/logs/levers-field-cache.log)" >&2; exit 1; }
 running=0
 for a in $ARMS; do

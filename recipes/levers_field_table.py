@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-ARMS = ("base", "noise", "tv", "rkl", "muon", "lk", "vocab32k", "dspark_mix", "ttt5", "layers2")
+ARMS = ("base", "noise", "tv", "rkl", "muon", "lk", "vocab32k", "dspark_mix", "ttt5", "layers2", "peagle", "dspark")
 CHANGE = {  # what each arm changes from the base arm (recipes/eagle3_levers_field.sh arm_args)
     "base": "the store recipe: forward KL (soft CE), TTT 3, AdamW lr 2e-3, 16k draft vocab",
     "noise": "Gaussian noise std 0.05 on the aux hidden states",
@@ -27,6 +27,8 @@ CHANGE = {  # what each arm changes from the base arm (recipes/eagle3_levers_fie
     "dspark_mix": "DSpark's mix: 0.1·CE + 0.9·TV",
     "ttt5": "5 TTT steps (equal minutes)",
     "layers2": "2 decoder layers (equal minutes)",
+    "peagle": "P-EAGLE: 4 tokens from one forward (equal minutes)",
+    "dspark": "the DSpark family, its default chain of 8 (equal minutes)",
 }
 
 
@@ -41,7 +43,8 @@ def arm_row(arm: str, runs: Path) -> dict:
     steps = [s for s in steps if "tokens_per_s" in s]
     row["steps"] = max((s["step"] for s in steps), default=0)
     row["tok_s"] = statistics.median(s["tokens_per_s"] for s in steps) if steps else None
-    field = run / "field-chain4" / "field.json"
+    judged = run / ("field-chain" if arm == "dspark" else "field-chain4")  # DSpark: its own default chain
+    field = judged / "field.json"
     if not field.exists():
         return {**row, "status": "trained, not judged" if (run / "export").exists()
                 else f"stopped at step {row['steps']}: the recipe resumes it from its last checkpoint"}
@@ -49,7 +52,7 @@ def arm_row(arm: str, runs: Path) -> dict:
     mtbench = next((s["acceptance_length"] for s in report["sets"] if s["set"] == "mtbench"), None)
     row.update(prompts=report["prompts"], mean=report["mean_over_sets"], interval=report["mean_interval"],
                mtbench=mtbench, status="judged")
-    paired = run / "field-chain4" / "paired.json"
+    paired = judged / "paired.json"
     if paired.exists():
         p = json.loads(paired.read_text())
         lo, hi = p["mean_interval"]
