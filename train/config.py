@@ -158,6 +158,9 @@ class TrainSection:
     # the stored sets scored at snapshots (comma-separated): held-out ShareGPT slices, not the sets reported headline
     field_eval_sets: str = "sharegpt-code,sharegpt-math,sharegpt-writing,sharegpt-chat"
     seed: int = 0  # model init, data order and dropout
+    # an export directory of the same family and shape, trained on this base: the draft starts from its weights
+    # (fresh optimizer and LR schedule) instead of the family's initialisation; "" = off (train/init_from.py)
+    init_from: str = ""
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default
 
 
@@ -352,6 +355,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if t.precision not in ("auto", "fast", "fp32", "bf16"):
         _fail("train.precision", t.precision, "use auto, fast (bf16 on GPUs and on CPUs with bf16 matrix "
               "instructions, else fp32), fp32 or bf16")
+    if t.init_from and not (Path(t.init_from) / "config.json").is_file():
+        _fail("train.init_from", t.init_from, "give an export directory (one holding config.json and "
+              "model.safetensors, e.g. drafts/smollm2-eagle3-store/export), or leave it empty")
     if t.log_every < 1:
         _fail("train.log_every", t.log_every, "use 1 or more steps")
     if t.decode_eval_prompts < 0:

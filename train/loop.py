@@ -54,6 +54,7 @@ from train.data_order import DataOrder
 from train.distributed import DistInfo, all_reduce_sum, any_rank, barrier, init_distributed
 from train.ds_config import build_deepspeed_config, resolve_precision
 from train.heldout import evaluate_heldout, format_heldout_table, with_onpolicy
+from train.init_from import initial_vocab, load_initial_weights
 from train.onpolicy import onpolicy_heldout_rows
 from train.optimizer import build_optimizer
 from train.schedule import TimeBudgetedSchedule
@@ -138,6 +139,8 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
     for turn in (0, 1):  # rank 0 builds and caches the draft vocabulary; the others read the cache
         if (turn == 0) == info.is_main:
             d2t = _draft_vocab(cfg, base, train_ds, view.vocab_size)
+            if cfg.train.init_from:  # the started-from draft's map: its LM head's rows stand for those tokens
+                d2t = initial_vocab(cfg.train.init_from, cfg.draft.family, d2t)
         barrier()
     view.draft_vocab = d2t.to(info.device) if d2t is not None else None
     vocab_info = vocab_report(d2t, train_ds, val_ds, view.vocab_size) if info.is_main else {}
@@ -151,6 +154,9 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
     # Hydra++ / CTC copy the base's last decoder layer: gathered whole while the draft is built.
     with partitioned.gathered_last_layer() if partitioned else contextlib.nullcontext():
         draft = DRAFT_MODELS[cfg.draft.family].from_config(cfg.draft, view)
+    if cfg.train.init_from:  # a trained draft's weights instead of the family's initialisation
+        load_initial_weights(draft, cfg.train.init_from, cfg.draft.family, d2t, base.fingerprint)
+        log.info("draft initialised from %s", cfg.train.init_from)
     aux_layers = list(getattr(draft, "aux_layers", None) or [])  # base layers the draft reads besides h
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
