@@ -19,6 +19,11 @@ Arms (each at every --threads count; interleaved per thread count, so load drift
                   step (sequence length, the rows whose target is in the draft vocabulary); dynamic=False
                   recompiles per shape up to dynamo's limit of 8, then runs eager
 --profile ARM prints torch.profiler's operator table for three steps of one arm (where the time goes).
+--variant NAME=OVERRIDES (repeatable) times draft variants against the plain draft side by side instead:
+
+    python bench/eagle3_train_step.py --threads 1 --steps 5 --variant ttt5=draft.eagle3.ttt_steps=5,draft.num_heads=5 \
+      --variant layers2=draft.eagle3.num_layers=2 \
+      --variant peagle=draft.eagle3.parallel_drafting=true,draft.eagle3.ttt_steps=4,draft.num_heads=4
 FLOPs per step come from torch.utils.flop_counter (matmuls, attention); the peak from a large square GEMM per dtype
 at the same thread count. Fraction = achieved FLOP/s / that peak (fp32 arm: fp32 peak; others: bf16 peak).
 """
@@ -47,7 +52,7 @@ def gemm_peak(dtype, n: int = 2048) -> float:
     return 2 * n ** 3 / t.min / 1e9
 
 
-def make_step(arm: str, base, batch: int, seq: int, ttt: int):
+def make_step(arm: str, base, batch: int, seq: int, ttt: int, extra: tuple[str, ...] = ()):
     """(step(), flops of one step) for one arm: a fresh draft, optimizer and random cache-shaped inputs."""
     import contextlib
 
@@ -59,7 +64,8 @@ def make_step(arm: str, base, batch: int, seq: int, ttt: int):
 
     compute = torch.bfloat16 if arm.startswith("bf16") else torch.float32
     cfg = load_train_config(["configs/eagle3.yaml"], ["draft.share_lm_head=false", "draft.vocab_size=16384",
-                                                      f"draft.eagle3.ttt_steps={ttt}", f"draft.num_heads={ttt}"])
+                                                      f"draft.eagle3.ttt_steps={ttt}", f"draft.num_heads={ttt}",
+                                                      *extra])
     view = BaseView.from_model(base.model)
     torch.manual_seed(0)
     view.draft_vocab = torch.randperm(view.vocab_size)[:cfg.draft.vocab_size]  # frequency order does not matter
@@ -123,6 +129,9 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=3, help="TTT steps (the recipe's 3)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per arm")
     ap.add_argument("--out", default=None, help="results JSON (written after every arm)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+                    help="a draft variant (config overrides) whose step cost to compare with the plain draft's, side "
+                    "by side (bf16, the first --threads count); repeatable")
     ap.add_argument("--profile", default=None, metavar="ARM", help="print the operator table of 3 steps of ARM "
                     "at the first --threads count, then exit")
     args = ap.parse_args()
@@ -139,6 +148,8 @@ def main() -> None:
     results = Results(args.out, {"torch": torch.__version__, "cpu": _cpu_name(), "batch": args.batch,
                                  "seq": args.seq, "ttt": args.ttt, "rows": {}})
     tokens = args.batch * args.seq
+    if args.variant:
+        return compare_variants(args.variant, base, args, int(args.threads.split(",")[0]), results)
     if args.profile:
         if args.profile not in ARMS:
             sys.exit(f"--profile: unknown arm {args.profile}; use {', '.join(ARMS)}")
@@ -166,6 +177,42 @@ def main() -> None:
                       f"({100 * row['fraction_of_peak']:.0f}% of peak)  first step {row['first_step_s']} s  "
                       f"load {row['load']}")
     return None
+
+
+def compare_variants(specs: list[str], base, args, threads: int, results) -> None:
+    """Seconds per bf16 step of the plain draft and of each variant, interleaved over --steps rounds, and each
+    variant's cost relative to the plain draft's: what recipes/eagle3_levers_field.sh divides an arm's steps by to
+    give it the plain arm's compute."""
+    import statistics
+
+    import torch
+
+    torch.set_num_threads(threads)
+    variants = {"plain": ()}
+    for spec in specs:
+        name, sep, overrides = spec.partition("=")
+        if not sep or not overrides:
+            sys.exit(f"--variant {spec!r}: use NAME=KEY=VALUE[,KEY=VALUE], e.g. layers2=draft.eagle3.num_layers=2")
+        variants[name] = tuple(overrides.split(","))
+    watch_start = open("/proc/loadavg").read().split()[:3]
+    steps = {}
+    for name, extra in variants.items():
+        ttt = next((int(o.split("=")[1]) for o in extra if o.startswith("draft.eagle3.ttt_steps=")), args.ttt)
+        steps[name] = make_step("bf16", base, args.batch, args.seq, ttt, extra)[0]
+        steps[name]()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    plain = statistics.median(times["plain"])
+    print(f"bf16, {threads} thread(s), {_cpu_name()}, load {watch_start} -> {open('/proc/loadavg').read().split()[:3]}")
+    for name, ts in times.items():
+        cost = statistics.median(ts)
+        results.put("variants", name, {"overrides": list(variants[name]), "seconds": round(cost, 4),
+                                       "relative_cost": round(cost / plain, 3)})
+        print(f"  {name:<10} {cost:.3f} s a step  {cost / plain:.2f}x the plain draft's")
 
 
 def profile(arm: str, base, args, threads: int) -> None:

@@ -5,9 +5,12 @@
 #
 # Every arm trains on the same first N records of the on-policy store (datasets/smollm2-sharegpt-onpolicy), cut at
 # 256 tokens, from one shared hidden-state cache (built once, outside the budget), at one thread. Arms whose step
-# costs what the base arm's does (a loss, noise, the optimizer) get the same STEPS optimizer steps (= MINUTES of
-# the base arm on a quiet core: equal steps keep the budget equal when other jobs share the machine); arms whose
-# step costs more or less (TTT depth) get MINUTES of training instead (train.max_minutes).
+# costs what the base arm's does (a loss, noise, the optimizer) get the same STEPS optimizer steps (= 30 minutes of
+# the base arm on a quiet core: equal steps keep the budget equal when other jobs share the machine); EAGLE-3 arms whose
+# step costs more (TTT depth, a second layer, P-EAGLE) get the base arm's compute instead: STEPS divided by their step
+# cost relative to the base arm's, measured side by side (`bench/eagle3_train_step.py --threads 1 --variant ...`,
+# bf16, one thread: ttt5 1.79x, layers2 1.46x, peagle 1.19x on the AVX512-BF16 EPYC). DSpark, another family, gets
+# PAIR_MINUTES of training (train.max_minutes: the wall time the base arm's STEPS take with two arms side by side).
 # Each arm is judged as a greedy chain of 4 on the first FIELD_PROMPTS stored prompts of every set (30: 330 prompts
 # over 11 sets; FIELD_PROMPTS=0 = all 1,088), with a paired interval against the base arm
 # (`specdraft field --against`). Arms (ARMS=... picks some; all by default):
@@ -16,17 +19,17 @@
 #   tv        total-variation distillation instead of KL (loss.eagle3.divergence=tv)
 #   rkl       reverse KL (loss.eagle3.divergence=rkl)
 #   muon      the Muon optimizer for the 2-D weights (train.optimizer=muon)
-#   ttt5      5 TTT steps (MINUTES)
+#   ttt5      5 TTT steps (STEPS / 1.79)
 #   lk        the LK hybrid (loss.eagle3.divergence=lk_lambda: λ·KL + (1-λ)·TV, λ = exp(-3·α), arXiv 2602.23881)
 #   dspark_mix DSpark's mix, 0.1·CE + 0.9·TV
 #   vocab32k  a 32,768-token draft vocabulary (the most frequent tokens) instead of 16,384: a wider LM head, so
 #             each step costs more than the base arm's (equal steps favour it; its tokens/s is in its metrics)
 #   layers2   2 decoder layers (draft.eagle3.num_layers=2: a plain decoder layer after the first, starting as the
-#             identity); a step costs about one more layer, so MINUTES of training like ttt5
+#             identity); STEPS / 1.46
 #   peagle    P-EAGLE: the same layer drafts 4 tokens in one forward (draft.eagle3.parallel_drafting, K = 4;
-#             docs/families/eagle3.md), MINUTES of training
+#             docs/families/eagle3.md), STEPS / 1.19
 #   dspark    the DSpark family (configs/dspark.yaml: a block drafter, its recipe's lr 6e-4, 128 anchors a
-#             conversation as recipes/block_drafters_equal_data.sh), MINUTES of training from the same cache, judged
+#             conversation as recipes/block_drafters_equal_data.sh), PAIR_MINUTES of training from the same cache, judged
 #             as its default chain (8) in field-chain/ instead of field-chain4/, paired with the base arm all the same
 #
 #   ARMS="base noise" recipes/eagle3_levers_field.sh       # two arms; rerun to resume or add arms
@@ -47,7 +50,7 @@ STORE=${STORE:-datasets/smollm2-sharegpt-onpolicy}
 REFS=${REFS:-datasets/smollm2-field-refs}
 N=${N:-3500}
 STEPS=${STEPS:-870}      # the base arm's steps in 30 min at one thread on a quiet 2-core AVX512-BF16 EPYC (2.07 s)
-MINUTES=${MINUTES:-30}
+PAIR_MINUTES=${PAIR_MINUTES:-75}  # 870 base-arm steps took 75-80 min as one of two 1-thread arms on that EPYC
 JOBS=${JOBS:-1}
 ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5 layers2 peagle dspark}
 FIELD_PROMPTS=${FIELD_PROMPTS:-30}
@@ -57,7 +60,8 @@ B=(--config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N"
    data.max_length=256 data.hidden_cache="$CACHE" draft.share_lm_head=false train.lr=2e-3 train.epochs=50
    train.save_every=40 train.num_threads=1 train.decode_eval_prompts=0 resume=auto ${EXTRA:-})
 EQ=(train.max_steps="$STEPS")
-TIMED=(train.max_minutes="$MINUTES")
+TIMED=(train.max_minutes="$PAIR_MINUTES")
+costed() { echo "train.max_steps=$((STEPS * 100 / $1))"; }  # costed <step cost x100>: the base arm's compute
 
 arm_args() {  # the overrides of one arm
   case $1 in
@@ -66,12 +70,12 @@ arm_args() {  # the overrides of one arm
     tv) echo "${EQ[*]} loss.eagle3.divergence=tv" ;;
     rkl) echo "${EQ[*]} loss.eagle3.divergence=rkl" ;;
     muon) echo "${EQ[*]} train.optimizer=muon" ;;
-    ttt5) echo "${TIMED[*]} draft.eagle3.ttt_steps=5 draft.num_heads=5" ;;
+    ttt5) echo "$(costed 179) draft.eagle3.ttt_steps=5 draft.num_heads=5" ;;
     lk) echo "${EQ[*]} loss.eagle3.divergence=lk_lambda" ;;
     dspark_mix) echo "${EQ[*]} loss.eagle3.divergence=0.1*ce+0.9*tv" ;;
     vocab32k) echo "${EQ[*]} draft.vocab_size=32768" ;;
-    layers2) echo "${TIMED[*]} draft.eagle3.num_layers=2" ;;
-    peagle) echo "${TIMED[*]} draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4" ;;
+    layers2) echo "$(costed 146) draft.eagle3.num_layers=2" ;;
+    peagle) echo "$(costed 119) draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4" ;;
     dspark) echo "${TIMED[*]} train.lr=6e-4 draft.dspark.num_anchors=128" ;;
     *) echo "unknown arm $1" >&2; return 2 ;;
   esac

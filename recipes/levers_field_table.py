@@ -25,10 +25,10 @@ CHANGE = {  # what each arm changes from the base arm (recipes/eagle3_levers_fie
     "lk": "LK hybrid: λ·KL + (1-λ)·TV, λ = exp(-3·α)",
     "vocab32k": "32,768-token draft vocabulary",
     "dspark_mix": "DSpark's mix: 0.1·CE + 0.9·TV",
-    "ttt5": "5 TTT steps (equal minutes)",
-    "layers2": "2 decoder layers (equal minutes)",
-    "peagle": "P-EAGLE: 4 tokens from one forward (equal minutes)",
-    "dspark": "the DSpark family, its default chain of 8 (equal minutes)",
+    "ttt5": "5 TTT steps (the base arm's compute: 870 / 1.79 steps)",
+    "layers2": "2 decoder layers (870 / 1.46 steps)",
+    "peagle": "P-EAGLE: 4 tokens from one forward (870 / 1.19 steps)",
+    "dspark": "the DSpark family, its default chain of 8 (75 wall minutes beside another arm)",
 }
 
 
