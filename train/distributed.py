@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core.build_locks import clear_stale_build_locks
 from core.net import free_port
 
 
@@ -35,6 +36,7 @@ def init_distributed() -> DistInfo:
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": os.environ.get("MASTER_PORT", str(free_port()))})
     if not dist.is_initialized():
+        clear_stale_build_locks()  # a run killed while DeepSpeed built its CPU op would hang every later one
         deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
