@@ -16,6 +16,11 @@
 #       # the draft of docs/lab/results.md ("EAGLE-3 on the 12,000-conversation store"): each conversation's first
 #       # 256 tokens (where MT-bench's first answers live), 75 min of training (2,169 of 2,396 steps, 1.8 epochs)
 #   specdraft compare --config configs/compare_store_eagle3.yaml --update-docs   # then decode it and its snapshots
+#   LENGTH=256 EPOCHS=1 EXPORT_EVERY=300 RUN=eagle3-store-cont \
+#     EXTRA="train.init_from=drafts/smollm2-eagle3-store/export train.lr=5e-4 train.decode_eval_prompts=8" \
+#     recipes/eagle3_store.sh
+#       # the shipped draft trained one more epoch from its weights (EXTRA: more keys, last, so they win), each
+#       # snapshot scored on the field benchmark; export/ is the best-scored one
 #
 # Resumable: rerun after a kill and training continues from the last checkpoint (resume=auto). The run is named
 # after the records it reads, so a store that has grown since trains a new run instead of resuming the old one.
@@ -50,5 +55,5 @@ if [ -x .venv-vllm/bin/python ]; then
 fi
 $S train --config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" data.max_length="$LENGTH" \
   data.hidden_cache="$HIDDEN" draft.share_lm_head=false data.onpolicy_heldout=64 train.lr=2e-3 train.epochs="$EPOCHS" train.max_minutes="$MINUTES" train.save_every=40 \
-  train.export_every="$EXPORT_EVERY" resume=auto run_name="$RUN" 2>&1 | tee -a "runs/logs/$RUN.log" \
+  train.export_every="$EXPORT_EVERY" resume=auto run_name="$RUN" ${EXTRA:-} 2>&1 | tee -a "runs/logs/$RUN.log" \
   | grep --line-buffered -v "step/s\]\|s/step\]"
