@@ -28,7 +28,7 @@
 #             identity); STEPS / 1.46
 #   peagle    P-EAGLE: the same layer drafts 4 tokens in one forward (draft.eagle3.parallel_drafting, K = 4;
 #             docs/families/eagle3.md), STEPS / 1.19
-#   dspark    the DSpark family (configs/dspark.yaml: a block drafter, its recipe's lr 6e-4, 128 anchors a
+#   dspark_family the DSpark family (configs/dspark.yaml: a block drafter, its recipe's lr 6e-4, 128 anchors a
 #             conversation as recipes/block_drafters_equal_data.sh), PAIR_MINUTES of training from the same cache, judged
 #             as its default chain (8) in field-chain/ instead of field-chain4/, paired with the base arm all the same
 #
@@ -52,7 +52,7 @@ N=${N:-3500}
 STEPS=${STEPS:-870}      # the base arm's steps in 30 min at one thread on a quiet 2-core AVX512-BF16 EPYC (2.07 s)
 PAIR_MINUTES=${PAIR_MINUTES:-75}  # 870 base-arm steps took 75-80 min as one of two 1-thread arms on that EPYC
 JOBS=${JOBS:-1}
-ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5 layers2 peagle dspark}
+ARMS=${ARMS:-base noise tv rkl muon lk vocab32k dspark_mix ttt5 layers2 peagle dspark_family}
 FIELD_PROMPTS=${FIELD_PROMPTS:-30}
 CACHE="runs/cache/levers-$N-256"
 # shellcheck disable=SC2206
@@ -76,18 +76,18 @@ arm_args() {  # the overrides of one arm
     vocab32k) echo "${EQ[*]} draft.vocab_size=32768" ;;
     layers2) echo "$(costed 146) draft.eagle3.num_layers=2" ;;
     peagle) echo "$(costed 119) draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4" ;;
-    dspark) echo "${TIMED[*]} train.lr=6e-4 draft.dspark.num_anchors=128" ;;
+    dspark_family) echo "${TIMED[*]} train.lr=6e-4 draft.dspark.num_anchors=128" ;;
     *) echo "unknown arm $1" >&2; return 2 ;;
   esac
 }
 
 arm_config() {  # the family config an arm starts from (before configs/cpu_budget.yaml)
-  case $1 in dspark) echo configs/dspark.yaml ;; *) echo configs/eagle3.yaml ;; esac
+  case $1 in dspark_family) echo configs/dspark.yaml ;; *) echo configs/eagle3.yaml ;; esac
 }
 
 judge() {  # judge <run>: chain of 4 on FIELD_PROMPTS stored prompts a set, paired against the base arm once judged
   local out="runs/$1/field-chain4" against=() some=() chain=(extra.eagle3_mode=chain extra.chain_length=4)
-  [ "$1" = levers-field-dspark ] && { out="runs/$1/field-chain"; chain=(); }  # its default chain
+  [ "$1" = levers-field-dspark_family ] && { out="runs/$1/field-chain"; chain=(); }  # its default chain
   [ "$FIELD_PROMPTS" -gt 0 ] && some=(--num-prompts "$FIELD_PROMPTS")
   [ -f "runs/$1/export/config.json" ] || return
   if [ "$1" != levers-field-base ] && [ -f runs/levers-field-base/field-chain4/field.json ]; then

@@ -15,7 +15,8 @@ import json
 import statistics
 from pathlib import Path
 
-ARMS = ("base", "noise", "tv", "rkl", "muon", "lk", "vocab32k", "dspark_mix", "ttt5", "layers2", "peagle", "dspark")
+ARMS = ("base", "noise", "tv", "rkl", "muon", "lk", "vocab32k", "dspark_mix", "ttt5", "layers2", "peagle",
+        "dspark_family")
 CHANGE = {  # what each arm changes from the base arm (recipes/eagle3_levers_field.sh arm_args)
     "base": "the store recipe: forward KL (soft CE), TTT 3, AdamW lr 2e-3, 16k draft vocab",
     "noise": "Gaussian noise std 0.05 on the aux hidden states",
@@ -28,7 +29,7 @@ CHANGE = {  # what each arm changes from the base arm (recipes/eagle3_levers_fie
     "ttt5": "5 TTT steps (the base arm's compute: 870 / 1.79 steps)",
     "layers2": "2 decoder layers (870 / 1.46 steps)",
     "peagle": "P-EAGLE: 4 tokens from one forward (870 / 1.19 steps)",
-    "dspark": "the DSpark family, its default chain of 8 (75 wall minutes beside another arm)",
+    "dspark_family": "the DSpark family, its default chain of 8 (75 wall minutes beside another arm)",
 }
 
 
@@ -43,7 +44,9 @@ def arm_row(arm: str, runs: Path) -> dict:
     steps = [s for s in steps if "tokens_per_s" in s]
     row["steps"] = max((s["step"] for s in steps), default=0)
     row["tok_s"] = statistics.median(s["tokens_per_s"] for s in steps) if steps else None
-    judged = run / ("field-chain" if arm == "dspark" else "field-chain4")  # DSpark: its own default chain
+    # EAGLE-3 arms are judged as a chain of 4 (field-chain4/), another family as its own default chain (field-chain/)
+    judged = next((run / d for d in ("field-chain4", "field-chain") if (run / d / "field.json").exists()),
+                  run / "field-chain4")
     field = judged / "field.json"
     if not field.exists():
         return {**row, "status": "trained, not judged" if (run / "export").exists()
