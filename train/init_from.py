@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from models.export.schema import check_sha256
-from models.export.specdraft import read_export_config, read_tensors
+from models.draft import BaseView
+from models.export.specdraft import load_draft, read_export_config, read_tensors
 
 
 def initial_vocab(export_dir: str | Path, family: str, built: torch.Tensor | None) -> torch.Tensor | None:
@@ -31,35 +31,32 @@ def initial_vocab(export_dir: str | Path, family: str, built: torch.Tensor | Non
     return None if n == 0 else read_tensors(export_dir / "model.safetensors")["d2t"].long().to(built.device)
 
 
-def load_initial_weights(draft: nn.Module, export_dir: str | Path, family: str, d2t: torch.Tensor | None,
+def load_initial_weights(draft: nn.Module, export_dir: str | Path, family: str, view: BaseView,
                          base_fingerprint: str | None) -> dict:
-    """Copy the export's tensors into `draft` (built from this run's config). Returns the export's config.
-    Raises ValueError naming train.init_from and what differs."""
+    """Copy the export's tensors into `draft` (built from this run's config on `view`). Returns the export's config.
+    The export is read and checked as every load does (models/export/specdraft.py: load_draft: schema, sha256, the
+    base's fingerprint, its tensors); then its state must fit this run's draft key for key and shape for shape, its
+    token map included. Raises ValueError naming train.init_from and what differs."""
     export_dir = Path(export_dir)
-    config = _same_family(export_dir, family)
+    _same_family(export_dir, family)
     where = f"train.init_from={export_dir}"
-    if base_fingerprint is not None and config.get("base_fingerprint") not in (None, base_fingerprint):
-        raise ValueError(f"{where} was trained on base {config.get('base_model')!r} (fingerprint "
-                         f"{config['base_fingerprint']}), not on this run's base ({base_fingerprint})")
-    path = export_dir / "model.safetensors"
-    tensors = read_tensors(path)
-    check_sha256(path, config.get("model_sha256"))
-    theirs = tensors.get("d2t")
-    if (theirs is None) != (d2t is None) or (d2t is not None and not torch.equal(theirs.long(), d2t.cpu().long())):
-        raise ValueError(f"{where}: its draft vocabulary ({_vocab(theirs)}) is not this run's ({_vocab(d2t)}); the "
-                         "LM head's rows would stand for other tokens (the run takes the export's map: "
-                         "initial_vocab)")
-    own = {k: tuple(v.shape) for k, v in draft.state_dict().items()}
-    found = {k: tuple(v.shape) for k, v in tensors.items() if k in own or k != "d2t"}
-    missing, extra = sorted(set(own) - set(found)), sorted(set(found) - set(own))
-    shapes = [f"{k} {list(found[k])} (here {list(own[k])})" for k in sorted(set(own) & set(found))
-              if found[k] != own[k]]
+    try:
+        trained, config = load_draft(export_dir, view, base_fingerprint)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    own, theirs = draft.state_dict(), trained.state_dict()
+    missing, extra = sorted(set(own) - set(theirs)), sorted(set(theirs) - set(own))
+    shapes = [f"{k} {list(theirs[k].shape)} (here {list(own[k].shape)})" for k in sorted(set(own) & set(theirs))
+              if theirs[k].shape != own[k].shape]
     if missing or extra or shapes:
         problems = [f"{name} {items[:6]}" for name, items in
                     (("missing", missing), ("unexpected", extra), ("wrong shape:", shapes)) if items]
         raise ValueError(f"{where}: its tensors do not match this run's {family} draft ({'; '.join(problems)}); "
                          "set the draft keys it was trained with (its config.json), or start fresh")
-    draft.load_state_dict({k: v for k, v in tensors.items() if k in own}, strict=True)
+    if "d2t" in own and not torch.equal(own["d2t"].cpu(), theirs["d2t"].cpu()):
+        raise ValueError(f"{where}: its draft vocabulary is not this run's map; the LM head's rows would stand for "
+                         "other tokens (the run takes the export's map: initial_vocab)")
+    draft.load_state_dict(theirs, strict=True)
     return config
 
 
@@ -70,10 +67,6 @@ def _same_family(export_dir: Path, family: str) -> dict:
         raise ValueError(f"train.init_from={export_dir} holds a {config['family']} draft, but this run trains "
                          f"{family}; start from an export of a {family} run, or leave train.init_from empty")
     return config
-
-
-def _vocab(d2t: torch.Tensor | None) -> str:
-    return "the full vocabulary" if d2t is None else f"a {d2t.numel()}-token map"
 
 
 def _vocab_size(n: int) -> str:

@@ -155,7 +155,7 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
     with partitioned.gathered_last_layer() if partitioned else contextlib.nullcontext():
         draft = DRAFT_MODELS[cfg.draft.family].from_config(cfg.draft, view)
     if cfg.train.init_from:  # a trained draft's weights instead of the family's initialisation
-        load_initial_weights(draft, cfg.train.init_from, cfg.draft.family, d2t, base.fingerprint)
+        load_initial_weights(draft, cfg.train.init_from, cfg.draft.family, view, base.fingerprint)
         log.info("draft initialised from %s", cfg.train.init_from)
     aux_layers = list(getattr(draft, "aux_layers", None) or [])  # base layers the draft reads besides h
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
