@@ -238,7 +238,8 @@ class LockstepEagle3:
                 drafts[i].append(t)
             if k == big_k:
                 break
-            visible = [torch.ones(1, k - 1, dtype=torch.bool, device=self.device)] * b  # d_1 .. d_{k-1}
+            # d_1 .. d_{k-1}: one mask a slot (a list repeated with * would alias one tensor across the slots)
+            visible = [torch.ones(1, k - 1, dtype=torch.bool, device=self.device) for _ in range(b)]
             out = self._draft_rows(slots, out, tok, pos0 + k, spans, drafted, visible)
         return [Proposal([s.root, *dr], list(range(-1, len(dr))), list(range(len(dr) + 1)))
                 for s, dr in zip(slots, drafts)]
