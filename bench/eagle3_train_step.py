@@ -187,18 +187,19 @@ def compare_variants(specs: list[str], base, args, threads: int, results) -> Non
 
     import torch
 
+    from core.load import LoadWatch, describe
+
     torch.set_num_threads(threads)
+    watch = LoadWatch()
     variants = {"plain": ()}
     for spec in specs:
         name, sep, overrides = spec.partition("=")
         if not sep or not overrides:
             sys.exit(f"--variant {spec!r}: use NAME=KEY=VALUE[,KEY=VALUE], e.g. layers2=draft.eagle3.num_layers=2")
         variants[name] = tuple(overrides.split(","))
-    watch_start = open("/proc/loadavg").read().split()[:3]
     steps = {}
-    for name, extra in variants.items():
-        ttt = next((int(o.split("=")[1]) for o in extra if o.startswith("draft.eagle3.ttt_steps=")), args.ttt)
-        steps[name] = make_step("bf16", base, args.batch, args.seq, ttt, extra)[0]
+    for name, extra in variants.items():  # a variant's overrides come last, so its own ttt_steps wins
+        steps[name] = make_step("bf16", base, args.batch, args.seq, args.ttt, extra)[0]
         steps[name]()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.steps):
@@ -207,7 +208,9 @@ def compare_variants(specs: list[str], base, args, threads: int, results) -> Non
             step()
             times[name].append(time.perf_counter() - t0)
     plain = statistics.median(times["plain"])
-    print(f"bf16, {threads} thread(s), {_cpu_name()}, load {watch_start} -> {open('/proc/loadavg').read().split()[:3]}")
+    load = watch.record()
+    results.put("variants_load", load)
+    print(f"bf16, {threads} thread(s), {_cpu_name()}, {describe(load)}")
     for name, ts in times.items():
         cost = statistics.median(ts)
         results.put("variants", name, {"overrides": list(variants[name]), "seconds": round(cost, 4),
@@ -221,6 +224,8 @@ def profile(arm: str, base, args, threads: int) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from core.load import load_average
+
     torch.set_num_threads(threads)
     step, _ = make_step(arm, base, args.batch, args.seq, args.ttt)
     step()
@@ -228,7 +233,7 @@ def profile(arm: str, base, args, threads: int) -> None:
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(3):
             step()
-    print(f"{arm} at {threads} thread(s), {_cpu_name()}, load {open('/proc/loadavg').read().split()[:3]}")
+    print(f"{arm} at {threads} thread(s), {_cpu_name()}, load average {load_average()}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
