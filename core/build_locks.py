@@ -42,7 +42,7 @@ def extensions_root() -> Path:
 def _building_in(directory: Path) -> bool:
     """Whether some process (ninja, the compiler) has `directory` as its working directory."""
     target = os.path.realpath(directory)
-    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+    for pid in os.listdir("/proc"):  # the caller checked that there is a /proc
         if not pid.isdigit():
             continue
         try:
