@@ -84,7 +84,7 @@ from models.components import (
     rope_cos_sin,
 )
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
-from models.eagle3_layers import Eagle3Cache, Eagle3DecoderLayer, Eagle3Layer
+from models.eagle3_layers import Eagle3Cache, Eagle3DecoderLayer, Eagle3Layer, init_deep_layer, init_first_layer
 from models.eagle3_ttt import cod_keep, ttt_attention, ttt_attention_reference
 from models.family import FamilyFacts
 from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
@@ -277,45 +277,15 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
 
     def _init_from_base(self, body, d: int) -> None:
         """Layer 0 = the base's last layer (q/k/v on both halves, o_proj / down_proj zero), layers 1.. the same layer
-        as the identity (`_init_deep_layer`), fc = the highest aux layer, norm = the base's final norm: a fresh draft
-        predicts lm_head(norm(a^(l3)))."""
-        last = body.layers[-1]
-        layer = self.layers[0]
-        src = last.state_dict()
-        for name in ("q_proj", "k_proj", "v_proj"):
-            w = src[f"self_attn.{name}.weight"]
-            getattr(layer.self_attn, name).weight.copy_(torch.cat([w, w], dim=1))
-            if getattr(layer.self_attn, name).bias is not None:
-                getattr(layer.self_attn, name).bias.copy_(src[f"self_attn.{name}.bias"])
-        for name in ("gate_proj", "up_proj"):
-            getattr(layer.mlp, name).weight.copy_(src[f"mlp.{name}.weight"])
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
-        for norm in ("input_layernorm", "hidden_norm"):
-            getattr(layer, norm).weight.copy_(src["input_layernorm.weight"])
-        layer.post_attention_layernorm.weight.copy_(src["post_attention_layernorm.weight"])
+        as the identity (models/eagle3_layers.py), fc = the highest aux layer, norm = the base's final norm: a fresh
+        draft predicts lm_head(norm(a^(l3)))."""
+        src = body.layers[-1].state_dict()
+        init_first_layer(self.layers[0], src)
         for deep in self.layers[1:]:
-            self._init_deep_layer(deep, src)
+            init_deep_layer(deep, src)
         self.norm.weight.copy_(body.norm.weight)
         self.fc.weight.zero_()
         self.fc.weight[:, -d:].copy_(torch.eye(d))
-
-    @staticmethod
-    def _init_deep_layer(layer: Eagle3DecoderLayer, src: dict) -> None:
-        """A layer after the first = the base layer whose state dict is `src` with o_proj and down_proj (and their
-        biases) at zero: the identity on its input, so a fresh deeper draft predicts what a fresh one-layer one does."""
-        for name in ("q_proj", "k_proj", "v_proj"):
-            getattr(layer.self_attn, name).weight.copy_(src[f"self_attn.{name}.weight"])
-            if getattr(layer.self_attn, name).bias is not None:
-                getattr(layer.self_attn, name).bias.copy_(src[f"self_attn.{name}.bias"])
-        for name in ("gate_proj", "up_proj"):
-            getattr(layer.mlp, name).weight.copy_(src[f"mlp.{name}.weight"])
-        for zero in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            zero.weight.zero_()
-            if zero.bias is not None:
-                zero.bias.zero_()
-        layer.input_layernorm.weight.copy_(src["input_layernorm.weight"])
-        layer.post_attention_layernorm.weight.copy_(src["post_attention_layernorm.weight"])
 
     # -- construction from configs -----------------------------------------------------------------------
 

@@ -133,3 +133,42 @@ class Eagle3Cache:
         self.keys[:, :, self.length:end] = k
         self.values[:, :, self.length:end] = v
         self.length = end
+
+
+# -- initialisation from a base decoder layer ----------------------------------------------------------------------
+
+
+def _copy_base_layer(layer: nn.Module, src: dict, widen: bool) -> None:
+    """q/k/v (and their biases) and gate/up from the base layer whose state dict is `src`; widen: q/k/v read the 2d-wide
+    [embedding; feature] input of layer 0, so the base's weights go on both halves."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = src[f"self_attn.{name}.weight"]
+        getattr(layer.self_attn, name).weight.copy_(torch.cat([w, w], dim=1) if widen else w)
+        if getattr(layer.self_attn, name).bias is not None:
+            getattr(layer.self_attn, name).bias.copy_(src[f"self_attn.{name}.bias"])
+    for name in ("gate_proj", "up_proj"):
+        getattr(layer.mlp, name).weight.copy_(src[f"mlp.{name}.weight"])
+    layer.post_attention_layernorm.weight.copy_(src["post_attention_layernorm.weight"])
+
+
+@torch.no_grad()
+def init_first_layer(layer: Eagle3Layer, src: dict) -> None:
+    """Layer 0 = the base layer `src` with q/k/v on both input halves, o_proj / down_proj weights at zero, both input
+    norms from the base's input norm."""
+    _copy_base_layer(layer, src, widen=True)
+    layer.self_attn.o_proj.weight.zero_()
+    layer.mlp.down_proj.weight.zero_()
+    for norm in ("input_layernorm", "hidden_norm"):
+        getattr(layer, norm).weight.copy_(src["input_layernorm.weight"])
+
+
+@torch.no_grad()
+def init_deep_layer(layer: Eagle3DecoderLayer, src: dict) -> None:
+    """A layer after the first = the base layer `src` with o_proj and down_proj (and their biases) at zero: the
+    identity on its input, so a fresh deeper draft predicts what a fresh one-layer one does."""
+    _copy_base_layer(layer, src, widen=False)
+    for zero in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        zero.weight.zero_()
+        if zero.bias is not None:
+            zero.bias.zero_()
+    layer.input_layernorm.weight.copy_(src["input_layernorm.weight"])
