@@ -265,8 +265,9 @@ def cmd_serve_check(args) -> int:
 
 def cmd_eval(args) -> int:
     from eval.harness.runner import run_eval_cli
+    from eval.tune.untuned_probe import probe_untuned_shape
 
-    return run_eval_cli(args)
+    return run_eval_cli(args, shape_probe=probe_untuned_shape)
 
 
 def cmd_tree_search(args) -> int:

@@ -300,7 +300,9 @@ def test_cli_stores_the_tree_and_eval_uses_it(tiny_export, capsys):
 
     assert main(["eval", "--draft", str(tiny_export), "--config", "configs/eval/smoke.yaml", "backend=hf",
                  "num_prompts=1", "max_new_tokens=6", "warmup_tokens=0", "ar_baseline=false",
-                 "hf_baseline=false"]) == 0, capsys.readouterr().err
+                 "hf_baseline=false", "untuned_probe=false"]) == 0, capsys.readouterr().err
+    # untuned_probe=false: the export's default shape, which is now the searched tree (with the probe on, an
+    # untuned eval may decode a chain the probe measured faster; tests/test_untuned_probe.py)
     report = json.loads((tiny_export.parent / "eval" / "smoke" / "report.json").read_text())
     assert report["extra"]["tree"] == "export"
     assert report["extra"]["tree_nodes"] == len(config["tree"]) + 1

@@ -68,6 +68,10 @@ class EvalConfig:
     # eval / serve-check: apply the export's tuning.json (`specdraft tune`) when the config names no draft shape
     # (tree, tree_choices, the family's extra options); false = the export's default shape
     use_tuning: bool = True
+    # eval: when no tuning.json choice applies here and the config names no shape, decode the shape a short probe
+    # chooses (chains of 1-3 and the export's default against own AR, ~1 minute, cached per machine;
+    # eval/tune/untuned_probe.py); false = the export's default shape
+    untuned_probe: bool = True
     # an evaluation suite (configs/eval/suites/<name>.yaml; `specdraft eval --suite NAME`): every set of it in one
     # pass, one table and plot under <run>/eval/suite-<name>/; "" = one prompt set (dataset)
     suite: str = ""

@@ -41,7 +41,7 @@ from eval.harness.prompts import config_prompts
 from eval.harness.report import PromptResult, build_report, write_report
 from eval.harness.run_dtype import decode_dtypes, export_decode_dtypes, format_dtypes
 from eval.harness.suite import load_suite, run_suite
-from eval.harness.untuned import untuned_line
+from eval.harness.untuned import probe_clause, untuned_line
 from models.registry import learning_free_families
 
 log = logging.getLogger("specdraft.eval")
@@ -225,10 +225,13 @@ def resolve_heldout_skip(cfg: EvalConfig, export_cfg: dict) -> EvalConfig:
     return cfg
 
 
-def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
-    """Load base + draft from an export (base rebuilt from its config.json) and evaluate it."""
+def eval_export(export_dir: Path, cfg: EvalConfig, shape_probe=None) -> tuple[dict, Path]:
+    """Load base + draft from an export (base rebuilt from its config.json) and evaluate it. shape_probe(loaded, cfg,
+    export_dir, here) -> {"label", "knobs", ...}: the shape to decode when no tuning.json choice applies here
+    (`specdraft eval` passes eval/tune/untuned_probe.py: probe_untuned_shape, which sits above this layer); None or
+    untuned_probe=false: the export's default shape."""
     from eval.engine.drafters.registry import build_drafter, drafter_family
-    from eval.tune.choice import tuned_eval_config, untuned_speed
+    from eval.tune.choice import apply_knobs, ours_here, tuned_eval_config, untuned_speed
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 
@@ -248,12 +251,19 @@ def eval_export(export_dir: Path, cfg: EvalConfig) -> tuple[dict, Path]:
     cfg, tuned = tuned_eval_config(cfg, export_dir, loaded.family)  # the shape `specdraft tune` chose, if any
     if tuned:
         print(f"eval: {tuned}", flush=True)
+    probed = None
+    if untuned and cfg.untuned_probe and shape_probe is not None:  # not the export's default: a probed shape
+        probed = shape_probe(loaded, cfg, export_dir, ours_here(cfg))
+        cfg = apply_knobs(cfg, probed["knobs"])
+        print(f"eval: no tuning.json choice applies here; decoding {probe_clause(probed)}", flush=True)
     drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
     info["dtypes"] = dtypes.to_dict()
     if tuned:
         info["tuning"] = tuned
     if untuned:
         info["untuned"] = {**untuned, "shape": drafter_family(loaded.family).shape(info)}
+        if probed is not None:
+            info["untuned"]["probe"] = {k: v for k, v in probed.items() if k != "knobs"}
     device = next(loaded.base.model.parameters()).device
 
     @functools.cache  # loaded once per eval, and only when some output differs (a suite's sets share it)
@@ -365,7 +375,8 @@ def format_summary(report: dict, out_dir: Path) -> str:
             f"  report: {out_dir / 'report.md'}")
 
 
-def run_eval_cli(args) -> int:
+def run_eval_cli(args, shape_probe=None) -> int:
+    """`specdraft eval`; shape_probe: see eval_export."""
     configs = args.config or [str(CONFIGS / "mtbench.yaml")]
     cfg = load_eval_config(configs, args.overrides)
     if cfg.num_threads:
@@ -385,7 +396,7 @@ def run_eval_cli(args) -> int:
         cfg = dataclasses.replace(cfg, suite=args.suite)
     if cfg.suite:
         load_suite(cfg.suite, cfg.suite_sets)  # an unknown suite or set: one line, before any work
-    report, out_dir = eval_export(Path(args.draft), cfg)
+    report, out_dir = eval_export(Path(args.draft), cfg, shape_probe)
     if cfg.suite:
         from eval.harness.suite_report import SUITE_FILES, suite_markdown
 

@@ -7,8 +7,23 @@ from __future__ import annotations
 
 
 def untuned_line(untuned: dict | None) -> str | None:
-    """From a report's extra["untuned"] ({"status", "why", "retune_command", "shape"}), or None when tuned."""
+    """From a report's extra["untuned"] ({"status", "why", "retune_command", "shape"}, and "probe" when a short probe
+    chose the shape: eval/tune/untuned_probe.py), or None when tuned."""
     if not untuned:
         return None
+    probe = untuned.get("probe")
+    if probe:
+        return (f"UNTUNED SPEED: no tuning.json choice applies here ({untuned['why']}); the speed column is for "
+                f"{probe_clause(probe)} ({untuned['shape']}); tune it here with: {untuned['retune_command']}")
     return (f"UNTUNED SPEED: the speed column is for the export's default shape ({untuned['shape']}), not one tuned "
             f"for this machine ({untuned['why']}); tune it here with: {untuned['retune_command']}")
+
+
+def probe_clause(probe: dict) -> str:
+    """What the untuned-shape probe chose and measured, in one clause: "chain 2, the shape a 2-prompt x 32-token
+    probe chose (1.13x own AR; chain 1 1.10x, ...)" (probe: eval/tune/untuned_probe.py summarize's dict)."""
+    measured = "; ".join(f"{p['label']} {p['speedup']:.2f}x" for p in probe.get("points", []))
+    verdict = "" if probe.get("beats_ar") else ", none beyond its noise over own AR"
+    cached = ", cached" if probe.get("cached") else ""
+    return (f"{probe['label']}, the shape a {probe.get('prompts')}-prompt x {probe.get('max_new_tokens')}-token "
+            f"probe chose ({measured or 'nothing measured'}{verdict}{cached})")

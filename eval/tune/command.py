@@ -155,7 +155,7 @@ def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: i
     return engines
 
 
-def progress_bar(engines):
+def progress_bar(engines, desc: str = "tune"):
     """A tqdm bar over every setting of `engines` and the `progress(label, record)` callback the sweep calls per
     setting (also `specdraft demo`'s tree sweep)."""
     from tqdm import tqdm
@@ -166,7 +166,7 @@ def progress_bar(engines):
             total += len(e.settings())
         except EngineUnavailable:
             pass
-    bar = tqdm(total=total, desc="tune", unit="setting", dynamic_ncols=True)
+    bar = tqdm(total=total, desc=desc, unit="setting", dynamic_ncols=True)
 
     def progress(label: str, record: dict | None) -> None:
         status = "" if record is None else (f"{record['speedup']:.2f}x AR" if record.get("status") == "ok"

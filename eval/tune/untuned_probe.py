@@ -1,0 +1,174 @@
+"""The shape `specdraft eval` decodes when no tuning.json choice applies on this machine: a short probe, not the
+export's default.
+
+Why: an export's default shape is what its trainer guessed for another machine. The shipped EAGLE-3's default is a
+16-node dynamic tree; on a CPU decoding in fp32 it verifies 16 tokens a step and ran at 0.31x own AR
+(docs/lab/benchmarks.md), while a chain of 1-2 runs above AR on every CPU kind measured. So an eval that has no
+applicable tuning sweeps a few cheap shapes first: chains of 1..PROBE_CHAIN top-1 tokens and the export's default,
+PROBE_PROMPTS held-out prompts of PROBE_TOKENS tokens, PROBE_REPEATS paired passes against own AR each
+(eval/tune/sweep.py: sweep_engine, the tuner's own statistics), and decodes the one it chooses. Of shapes the noise
+cannot separate it takes the faster measured one (an eval reports the speed it reaches); when none beats AR it
+takes the fastest measured one and says so. The probe is no tune: the summary's first line still says the speed
+column is untuned, names the shape and its probe speed, and gives the `specdraft tune` command.
+
+The probe's choice is kept under the user cache ($SPECDRAFT_CACHE, else ~/.cache/specdraft): shape_probe/<key
+hash>.json, keyed by what its timing depends on (the draft's weights and config, the CPU, torch, the dtype, the
+thread count, the backend, specdraft's version), so a suite's sets and later evals on this machine probe once.
+Never written into the export (a shipped draft's directory is tracked). `untuned_probe=false` decodes the
+export's default instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from core.atomic import write_json_atomic
+from core.paths import default_cache_dir
+
+log = logging.getLogger("specdraft.untuned_probe")
+
+PROBE_DIR = "shape_probe"
+PROBE_FORMAT = 1
+PROBE_CHAIN = 3  # chains of 1..3: deeper ones verify more tokens a step than a CPU gets back at today's acceptance
+PROBE_PROMPTS = 2
+PROBE_TOKENS = 32
+PROBE_PROMPT_TOKENS = 256  # longer held-out prompts are skipped: each pass prefills every prompt again
+PROBE_REPEATS = 2
+PROBE_WARMUP = 4
+PROBE_BUDGET_S = 300.0
+TIE = "faster"
+DEFAULT_LABEL = "the export's default"
+
+
+def probe_shapes(family: str) -> list[tuple[str, dict]]:
+    """(label, knobs) of the probe: chains of 1..PROBE_CHAIN where the family has a chain, and the export's default
+    shape (no knobs: apply_knobs leaves the config as it is)."""
+    from eval.engine.drafters.registry import chain_overrides
+
+    shapes = []
+    for d in range(1, PROBE_CHAIN + 1):
+        try:
+            shapes.append((f"chain {d}", chain_overrides(family, d)))
+        except ValueError:  # the family has no chain (CTC)
+            break
+    return [*shapes, (DEFAULT_LABEL, {})]
+
+
+def draft_digest(export_dir: Path) -> str:
+    """16 hex chars of sha256 over the export's config.json and weights (*.safetensors): the draft the probe timed."""
+    h = hashlib.sha256()
+    for path in sorted(Path(export_dir).glob("*.safetensors")) + [Path(export_dir) / "config.json"]:
+        if path.is_file():
+            h.update(path.name.encode())
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()[:16]
+
+
+def probe_key(export_dir: Path, cfg, here: dict, family: str) -> dict:
+    """What the probe's choice holds for: the draft, the CPU (model and flags), torch, where the eval runs
+    (eval/tune/choice/apply.py: ours_here: device, dtype, threads, specdraft's version), the backend asked for and
+    the shapes probed."""
+    import torch
+
+    from core.dtype_probe_cache import cpu_signature
+
+    key = {"format": PROBE_FORMAT, "draft": draft_digest(export_dir), **cpu_signature(), "torch": torch.__version__,
+           **{k: here.get(k) for k in ("device", "gpu", "dtype", "threads", "version")}, "backend": cfg.backend,
+           "shapes": probe_shapes(family)}
+    return json.loads(json.dumps(key))  # as the cache file reads back (tuples become lists), so the two compare
+
+
+def cache_path(key: dict, cache_dir: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(cache_dir or default_cache_dir()) / PROBE_DIR / f"{digest}.json"
+
+
+def read_cached(key: dict, cache_dir: Path | None = None) -> dict | None:
+    """The choice cached for `key`, or None: none yet (silently), or a bad file (a warning naming it; probed again)."""
+    path = cache_path(key, cache_dir)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("shape probe cache %s is unreadable (%s); probing again", path, exc)
+        return None
+    choice = data.get("choice") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or data.get("key") != key or not isinstance(choice, dict) \
+            or not isinstance(choice.get("knobs"), dict) or not isinstance(choice.get("label"), str):
+        log.warning("shape probe cache %s was written for another key or holds no choice; probing again", path)
+        return None
+    return {**choice, "cache_file": str(path)}
+
+
+def summarize(record: dict) -> dict:
+    """From a sweep record (sweep_engine): what the eval decodes and why. label / knobs: the shape; speedup: its
+    probe speed against own AR (the confirmation's when it was confirmed); beats_ar: whether the probe's statistics
+    said it beats AR; points: every measured shape's label, speedup and acceptance."""
+    points = [p for p in record.get("points", []) if p.get("status") == "ok" and p.get("speedup") is not None]
+    choice = record.get("choice") or {}
+    if choice.get("speculate"):
+        best = {"label": choice["label"], "knobs": choice["knobs"], "speedup": choice.get("speedup"),
+                "beats_ar": True, "reason": choice.get("reason", "")}
+    elif points:  # none beat AR: the fastest measured shape (an eval of a draft still drafts)
+        p = max(points, key=lambda q: q["speedup"])
+        best = {"label": p["label"], "knobs": p["knobs"], "speedup": p["speedup"], "beats_ar": False,
+                "reason": "no shape beat own AR in the probe; the fastest measured one"}
+    else:
+        best = {"label": DEFAULT_LABEL, "knobs": {}, "speedup": None, "beats_ar": False,
+                "reason": f"nothing measured ({record.get('error') or 'every shape failed or was skipped'})"}
+    best["points"] = [{"label": p["label"], "speedup": p["speedup"], "acceptance_length": p.get("acceptance_length")}
+                      for p in points]
+    best["prompts"] = len(record.get("prompts") or [])
+    best["max_new_tokens"] = record.get("max_new_tokens")
+    return best
+
+
+def probe_config(cfg, export_dir: Path):
+    """The eval config the probe decodes: held-out ShareGPT (the conversations after the draft's training ones),
+    else MT-bench drawn with another seed; PROBE_PROMPTS x PROBE_TOKENS; no HF baseline; the eval's dtype, backend,
+    device and threads."""
+    from eval.harness.runner import resolve_heldout_skip
+    from models.export.specdraft import read_export_config
+
+    probe = dataclasses.replace(cfg, name="shape-probe", suite="", suite_sets=[], num_prompts=PROBE_PROMPTS,
+                                max_new_tokens=PROBE_TOKENS, hf_baseline=False, warmup_tokens=PROBE_WARMUP,
+                                max_prompt_tokens=PROBE_PROMPT_TOKENS, both_turns=False)
+    try:
+        return resolve_heldout_skip(dataclasses.replace(probe, dataset="sharegpt", heldout_skip=None),
+                                    read_export_config(export_dir))
+    except ValueError:  # trained on every ShareGPT conversation: none is held out
+        return dataclasses.replace(probe, dataset="mtbench", seed=cfg.seed + 1)
+
+
+def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: float = PROBE_BUDGET_S,
+                        cache_dir: Path | None = None) -> dict:
+    """The shape an untuned eval decodes (summarize's dict, with "cached": whether it was read from the cache and
+    "cache_file"). `loaded`: the eval's loaded export (models.export.load.LoadedExport), reused, not loaded again."""
+    from eval.tune import OursEngine, progress_bar, sweep_engine
+
+    key = probe_key(export_dir, cfg, here, loaded.family)
+    cached = read_cached(key, cache_dir)
+    if cached is not None:
+        return {**cached, "cached": True}
+    pcfg = probe_config(cfg, export_dir)
+    engine = OursEngine(loaded, pcfg, searched_tree=False, shapes=probe_shapes(loaded.family))
+    t0 = time.monotonic()
+    bar, progress = progress_bar([engine], desc="shape probe")
+    with bar:
+        record = sweep_engine(engine, PROBE_REPEATS, time.monotonic() + budget_s, progress, tie=TIE)
+    choice = summarize(record)
+    choice["seconds"] = round(time.monotonic() - t0, 1)
+    choice["dataset"] = pcfg.dataset
+    path = cache_path(key, cache_dir)
+    write_json_atomic(path, {"key": key, "choice": choice, "measured": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                    time.gmtime())})
+    return {**choice, "cached": False, "cache_file": str(path)}
+

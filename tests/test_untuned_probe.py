@@ -1,0 +1,141 @@
+"""`specdraft eval` with no applicable tuning.json choice decodes the shape a short probe chose
+(eval/tune/untuned_probe.py), not the export's default: the probe's choice is applied, said in the first line, kept
+per machine in the user cache and read back; untuned_probe=false, a tuned machine or a shape the config names run
+no probe. On the tiny one-head Hydra export (its default: a static tree of more nodes than a chain of 1)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.harness.config import load_eval_config
+from eval.harness.runner import eval_export, format_summary
+from eval.tune.untuned_probe import DEFAULT_LABEL, probe_untuned_shape, summarize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMOKE_EVAL = ["configs/eval/smoke.yaml"]
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    from helpers.drafts import tiny_hydra_export
+
+    return tiny_hydra_export(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "shape_probe"
+
+
+def run(export, overrides, probe=probe_untuned_shape):
+    cfg = load_eval_config(SMOKE_EVAL, ["hf_baseline=false", "dtype=fp32", *overrides])
+    report, out_dir = eval_export(export, cfg, probe)
+    return report, format_summary(report, out_dir)
+
+
+def fake_sweep(chosen: str | None, speeds: dict[str, float]):
+    """A sweep_engine stand-in: every probed shape measured at speeds[label], the choice `chosen` (None: none beat
+    AR); .calls: the tie rule of each call."""
+    calls = []
+
+    def sweep(engine, repeats, deadline, progress, tie):
+        calls.append(tie)
+        points = [{"label": s.label, "knobs": s.knobs, "status": "ok", "speedup": speeds[s.label],
+                   "acceptance_length": 1.5} for s in engine.settings()]
+        pick = next((p for p in points if p["label"] == chosen), None)
+        choice = ({"speculate": True, "label": pick["label"], "knobs": pick["knobs"], "speedup": pick["speedup"]}
+                  if pick else {"speculate": False, "label": "AR", "knobs": {}})
+        return {"points": points, "choice": choice, "prompts": ["a", "b"], "max_new_tokens": 32}
+
+    sweep.calls = calls
+    return sweep
+
+
+def no_sweep(*args, **kwargs):
+    raise AssertionError("the probe ran")
+
+
+def test_the_probed_shape_is_decoded_said_first_and_cached(export, cache, monkeypatch):
+    default, _ = run(export, ["name=default", "untuned_probe=false"], probe=no_sweep)
+    assert default["extra"]["tree_nodes"] > 2  # the export's default is more than a chain of 1 (root + 1)
+
+    sweep = fake_sweep("chain 1", {"chain 1": 1.3, DEFAULT_LABEL: 0.8})
+    monkeypatch.setattr("eval.tune.sweep_engine", sweep)
+    report, summary = run(export, ["name=probed"])
+    assert sweep.calls == ["faster"]
+    assert report["extra"]["tree_nodes"] == 2  # chain 1 decoded, not the default
+    probe = report["extra"]["untuned"]["probe"]
+    assert probe["label"] == "chain 1" and probe["beats_ar"] and not probe["cached"]
+    first = summary.splitlines()[0]
+    assert first.startswith("UNTUNED SPEED") and "chain 1, the shape a 2-prompt x 32-token probe chose" in first
+    assert "chain 1 1.30x; the export's default 0.80x" in first and "specdraft tune --draft" in first
+    assert len(list(cache.glob("*.json"))) == 1
+
+    monkeypatch.setattr("eval.tune.sweep_engine", no_sweep)  # the second eval reads the cache
+    report, summary = run(export, ["name=again"])
+    assert report["extra"]["tree_nodes"] == 2 and report["extra"]["untuned"]["probe"]["cached"]
+    assert ", cached)" in summary.splitlines()[0]
+
+
+def test_no_probe_when_tuned_off_or_the_config_names_a_shape(export, cache, monkeypatch, tmp_path):
+    import shutil
+
+    monkeypatch.setattr("eval.tune.sweep_engine", no_sweep)
+    _, summary = run(export, ["name=off", "untuned_probe=false"])
+    assert "export's default shape" in summary.splitlines()[0]
+    _, summary = run(export, ["name=own", "tree_choices=[[0]]"])
+    assert "UNTUNED" not in summary
+
+    from test_eval_untuned import _write_choice
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(export, tuned)
+    _write_choice(tuned, load_eval_config(SMOKE_EVAL, ["dtype=fp32"]))  # measured here
+    report, summary = run(tuned, ["name=tuned"])
+    assert "UNTUNED" not in summary and report["extra"]["tuning"].startswith("using tuning.json")
+
+
+def test_a_real_probe_on_the_tiny_export(export, cache):
+    report, summary = run(export, ["name=real"])
+    probe = report["extra"]["untuned"]["probe"]
+    assert probe["label"] in ("chain 1", DEFAULT_LABEL) and probe["prompts"] == 2
+    assert {p["label"] for p in probe["points"]} == {"chain 1", DEFAULT_LABEL}
+    assert (report["extra"]["tree_nodes"] == 2) == (probe["label"] == "chain 1")
+    assert all(p["speedup"] > 0 for p in probe["points"])
+
+
+def test_a_bad_cache_file_is_probed_again(export, cache, monkeypatch, caplog):
+    monkeypatch.setattr("eval.tune.sweep_engine", fake_sweep("chain 1", {"chain 1": 1.2, DEFAULT_LABEL: 1.0}))
+    run(export, ["name=first"])
+    (path,) = cache.glob("*.json")
+    data = json.loads(path.read_text())
+    data["key"]["threads"] = 99  # written for another thread count
+    path.write_text(json.dumps(data))
+    sweep = fake_sweep(DEFAULT_LABEL, {"chain 1": 1.0, DEFAULT_LABEL: 1.2})
+    monkeypatch.setattr("eval.tune.sweep_engine", sweep)
+    with caplog.at_level("WARNING", logger="specdraft.untuned_probe"):
+        report, _ = run(export, ["name=second"])
+    assert "written for another key" in caplog.text and sweep.calls == ["faster"]
+    assert report["extra"]["untuned"]["probe"]["label"] == DEFAULT_LABEL
+    path.write_text("{not json")
+    with caplog.at_level("WARNING", logger="specdraft.untuned_probe"):
+        run(export, ["name=third"])
+    assert "unreadable" in caplog.text and len(sweep.calls) == 2
+
+
+def test_summarize_takes_the_choice_else_the_fastest_measured_shape():
+    points = [{"label": "chain 1", "knobs": {"a": 1}, "status": "ok", "speedup": 0.95},
+              {"label": "chain 2", "knobs": {"a": 2}, "status": "ok", "speedup": 0.97},
+              {"label": "tree", "knobs": {"a": 3}, "status": "failed", "speedup": None}]
+    chosen = summarize({"points": points, "choice": {"speculate": True, "label": "chain 1", "knobs": {"a": 1},
+                                                     "speedup": 1.1}})
+    assert (chosen["label"], chosen["speedup"], chosen["beats_ar"]) == ("chain 1", 1.1, True)
+    none = summarize({"points": points, "choice": {"speculate": False}})
+    assert (none["label"], none["knobs"], none["beats_ar"]) == ("chain 2", {"a": 2}, False)
+    assert [p["label"] for p in none["points"]] == ["chain 1", "chain 2"]
+    empty = summarize({"points": [], "choice": None, "error": "AR failed"})
+    assert (empty["label"], empty["knobs"]) == (DEFAULT_LABEL, {}) and "AR failed" in empty["reason"]
