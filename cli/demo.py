@@ -75,8 +75,7 @@ def run_demo(overrides: list[str]) -> int:
     # Decoding: where the training's dtype came from `fast`, `fast` again, which for decoding is the probe's faster
     # dtype on this CPU (core/dtype_phases.py; the tree sweep and the eval resolve it alike, from one cached probe);
     # a dtype the user forced (train.precision=fp32, base.dtype=bf16) is kept for every phase.
-    asked = cfg.base.dtype if cfg.base.dtype != "auto" else cfg.train.precision
-    eval_args = [f"dtype={'fast' if asked == 'fast' else dtype}", f"num_prompts={planned['eval.num_prompts']}"]
+    eval_args = [f"dtype={eval_dtype(cfg, dtype)}", f"num_prompts={planned['eval.num_prompts']}"]
     check_tree: list[str] = []  # the user's tree (in eval_overrides) or the tuned one, fixed for the fp32 check
     if _sets_tree(eval_overrides):
         print("[demo 2/5] the tree: yours (eval.tree / eval.tree_choices), not tuned", flush=True)
@@ -100,6 +99,13 @@ def run_demo(overrides: list[str]) -> int:
     return 0
 
 
+def eval_dtype(cfg, dtype: str) -> str:
+    """The dtype the demo's decoding asks for: where the training's dtype came from `fast`, `fast` again (for
+    decoding, the decode probe's faster dtype on this CPU); a dtype the user forced is kept for every phase."""
+    asked = cfg.base.dtype if cfg.base.dtype != "auto" else cfg.train.precision
+    return "fast" if asked == "fast" else dtype
+
+
 def _sets_tree(eval_overrides: list[str]) -> bool:
     """Whether the user chose the demo's tree (eval.tree=... / eval.tree_choices=...): then it is not tuned."""
     return any(o.split("=", 1)[0].strip() in ("tree", "tree_choices") for o in eval_overrides)
@@ -114,13 +120,13 @@ def _user_plan_keys(overrides: list[str]) -> dict[str, str]:
 
 
 def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True):
-    """Probe this machine's base speed in the run's dtype and plan the demo on it; prints the plan line.
-    tree_sweep: the demo sweeps its trees before decoding (priced in the plan). Returns (plan, the dtype name the
-    run uses: "bf16" | "fp32" | ...)."""
+    """Probe this machine's base speed in the run's dtype (the bulk forward) and its one-token decode speed in the
+    dtype the demo decodes in, and plan the demo on them; prints the plan line. tree_sweep: the demo sweeps its
+    trees before decoding (priced in the plan). Returns (plan, the dtype name the run uses: "bf16" | "fp32" | ...)."""
     import gc
 
     from cli.demo_plan import class_speed, make_plan, speed_class
-    from cli.demo_probe import machine_key, probe_forward_speed, remember_class, remembered_class
+    from cli.demo_probe import decode_speed, machine_key, probe_forward_speed, remember_class, remembered_class
     from core.hardware import resolve_device
     from models.base import load_base
     from train.ds_config import resolve_precision
@@ -138,9 +144,18 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True):
     key = machine_key(dtype, device)
     k = speed_class(measured, remembered_class(key))
     remember_class(key, k)
+    decoding, decode_dtype, source = decode_speed(cfg.base.path, eval_dtype(cfg, dtype), device,
+                                                  chat_template=cfg.data.chat_template or None)
+    decode_class, decode_note = None, f"decoding priced from the bulk probe: {source}"
+    if decoding:
+        decode_key = f"{machine_key(decode_dtype, device)} decode"
+        decode_class = speed_class(decoding, remembered_class(decode_key))
+        remember_class(decode_key, decode_class)
+        decode_note = f"one-token decoding {decoding:.1f} tok/s in {decode_dtype}, from {source}"
     plan = make_plan(class_speed(k), "bf16" if dtype in ("bf16", "fp16") else "fp32", user=user,
-                     soft_loss=cfg.loss.teacher_weight > 0, tree_sweep=tree_sweep)
-    print(f"[demo plan] {plan.line()} (measured {measured:.0f} tok/s)", flush=True)
+                     soft_loss=cfg.loss.teacher_weight > 0, tree_sweep=tree_sweep,
+                     decode_tok_s=None if decode_class is None else class_speed(decode_class))
+    print(f"[demo plan] {plan.line()} (measured {measured:.0f} tok/s; {decode_note})", flush=True)
     return plan, dtype
 
 

@@ -11,9 +11,15 @@ The plan is the first shape of `SHAPES` (best first) whose estimate fits the bud
 the order: it drafts x_{t+2} in the base's answers to first questions (MT-bench), and the first answers' tokens
 are at the start of each conversation, so every shape cuts the conversations at 128 tokens and a faster machine
 gets more conversations, not longer ones (measured: docs/lab/benchmarks.md, "The demo: which data cut"). The
-largest shape, 3,400 conversations x 128 tokens x 3 epochs x 8 prompts, is what the AVX512-BF16 CPU affords in bf16.
+AVX512-BF16 EPYC affords ~4,000 conversations x 128 tokens x 3 epochs x 8 prompts in bf16; larger shapes are for
+CPUs whose bulk forwards run faster still (AMX).
 
-Plans are deterministic per speed class: the measured speed is quantized (`speed_class`, ~19% steps, with
+Decoding is priced from its own measurement, the base's one-token step in the dtype the demo decodes in
+(cli/demo_probe.py: decode_speed), not from the bulk probe: on an AMX Xeon bulk forwards run several times faster
+than on the EPYC while a one-token step does not, so a plan scaled by the bulk probe alone would overrun its
+decoding there.
+
+Plans are deterministic per speed class: both measured speeds are quantized (`speed_class`, ~19% steps, with
 hysteresis against the class a previous run on the same machine used), so a rerun picks the same shape and reuses
 its hidden-state cache, whose key depends on the rows (data.max_records, data.max_length).
 """
@@ -27,8 +33,9 @@ from dataclasses import dataclass, field, replace
 PLAN_KEYS = ("data.max_records", "data.max_length", "train.epochs", "train.max_minutes", "eval.num_prompts")
 
 # Minutes `specdraft demo` may take: the README promises `make demo` in under 15 min on a 2-core CPU with its
-# set-up (`make setup`, ~2 min from a fresh clone), and the estimate needs ~1 min of margin.
-BUDGET_MINUTES = 12.0
+# set-up (`make setup`, ~2 min from a fresh clone), and should use at least 80 % of them (12 min) where the machine
+# affords more work. Planned totals have landed within ~0.5 min of the timed runs (docs/quickstart.md).
+BUDGET_MINUTES = 12.5
 
 # ShareGPT as the demo reads it (the first 2,000 conversations of the packaged file, SmolLM2's chat template,
 # >= 8 assistant tokens within max_length): max_length -> (share of conversations kept, mean tokens of a kept
@@ -50,13 +57,21 @@ PAD_EFFICIENCY = 0.95  # the cache build right-pads micro-batches of 4 rows; mos
 #    bf16 against 4.7-5.7 in fp32), 5.0. The soft loss to the base (configs/demo.yaml: loss.teacher_weight 1.0)
 #    computes the base's logits over the draft vocabulary at every target too: SOFT_LOSS_SPEED of the hard-label
 #    speed;
-#  - decode_s, ref: seconds per MT-bench token of the three decoders together (speculative, own AR, HF generate)
-#    at the probe speed `ref`; decoding scales with the CPU like the probe does;
+#  - decode_steps: seconds per MT-bench token of the three decoders together (speculative, own AR, HF generate),
+#    in one-token AR steps of the base in the dtype the demo decodes in (cli/demo_probe.py: decode_speed). From the
+#    timed demos (docs/quickstart.md): bf16 on the AVX512-BF16 EPYC 37.7 / 31.5 / 23.5 tok/s = 3.2 AR steps a token,
+#    on the AMX Xeon 26.6 / 22.9 / 18.7 = 3.1; fp32 on the EPYC 39.7 / 32.4 / 15.1 = 3.8 (transformers' generate
+#    is slow in fp32 there); with the prompts' prefills and warm-ups, 3.4 and 4.0;
+#  - decode_s, ref: the same seconds a token at the probe speed `ref`, used only where no decode speed was measured
+#    (a plan made from the bulk probe alone): decoding scaled like the bulk forward, which holds on the EPYCs but
+#    not on AMX, whose bulk forwards run several times faster while one-token decoding does not;
 #  - fixed_s: base conversion, tokenizing, DeepSpeed start, draft vocabulary, export, loading the base for eval
 #    and the tie tolerance (in bf16 also the short fp32 exact check).
 COSTS = {
-    "fp32": {"attn_len": 700.0, "train_ratio": 6.0, "decode_s": 0.149, "ref": 570.0, "fixed_s": 75.0},
-    "bf16": {"attn_len": 700.0, "train_ratio": 5.0, "decode_s": 0.117, "ref": 1200.0, "fixed_s": 90.0},
+    "fp32": {"attn_len": 700.0, "train_ratio": 6.0, "decode_steps": 4.0, "decode_s": 0.149, "ref": 570.0,
+             "fixed_s": 75.0},
+    "bf16": {"attn_len": 700.0, "train_ratio": 5.0, "decode_steps": 3.4, "decode_s": 0.117, "ref": 1200.0,
+             "fixed_s": 90.0},
 }
 MAX_NEW_TOKENS = 96  # configs/eval/demo.yaml
 # Head training with the soft loss (loss.teacher_weight > 0) against hard labels, tokens/s. The head's step alone is
@@ -80,9 +95,11 @@ class Shape:
 # 3-epoch head with the demo's tree: at equal cached tokens a 128-token cut decodes as well as a 256-token one
 # (1.40 / 1.41 at ~150k tokens, 1.44 / 1.43 at ~300k), whole 512-token conversations worse (1.33 at ~150k, 1.39 at
 # ~310k): the head learns from the first answers, so every shape cuts at 128 tokens (the cheapest rows) and spends
-# what the machine affords on conversations, then on epochs and eval prompts.
+# what the machine affords on conversations, then on epochs and eval prompts. The shapes above 3,400 conversations
+# are for machines whose bulk forwards outrun the AVX512-BF16 EPYC's (AMX), priced with their own decode speed.
 SHAPES = (
-    *(Shape(records, 128, 3, 8) for records in (3400, 3000, 2600, 2200, 1900, 1600, 1300, 1000, 800, 600, 400)),
+    *(Shape(records, 128, 3, 8) for records in (12000, 10000, 8400, 7000, 6000, 5200, 4600, 4000, 3600, 3200, 2800,
+                                                2500, 2200, 1900, 1600, 1300, 1000, 800, 600, 400)),
     Shape(400, 128, 2, 8), Shape(400, 128, 2, 6), Shape(300, 128, 2, 4),
 )
 
@@ -147,6 +164,7 @@ class Plan:
     user_keys: tuple[str, ...] = field(default=())  # plan keys the user set (kept as given)
     base_total_s: float | None = None  # with user keys: the total of the plan without them
     tree_sweep: bool = True  # eval_s includes the demo's tree sweep (cli/demo_tune.py)
+    decode_tok_s: float | None = None  # one-token AR decoding (a speed class's speed); None: priced from tok_s
 
     @property
     def total_s(self) -> float:
@@ -167,7 +185,8 @@ class Plan:
         """The one line the demo prints before it starts."""
         s = self.shape
         epochs = f"{s.epochs:g} epoch{'' if s.epochs == 1 else 's'}"
-        text = (f"this CPU: {self.dtype}, ~{self.tok_s:.0f} tok/s -> {s.max_records} conversations cut at "
+        decoding = f", decoding ~{self.decode_tok_s:.0f} tok/s" if self.decode_tok_s else ""
+        text = (f"this CPU: {self.dtype}, ~{self.tok_s:.0f} tok/s{decoding} -> {s.max_records} conversations cut at "
                 f"{s.max_length} tokens, ~{self.train_tokens / 1000:.0f}k tokens cached in ~{self.cache_s / 60:.1f} "
                 f"min, {epochs} in ~{self.train_s / 60:.1f} min (cap {self.max_minutes:g}), "
                 f"{'the tree sweep and ' if self.tree_sweep else ''}{s.num_prompts} MT-bench prompts in "
@@ -181,11 +200,21 @@ class Plan:
         return text
 
 
+def decode_token_seconds(tok_s: float, dtype: str, decode_tok_s: float | None) -> float:
+    """Seconds per MT-bench token of the demo's three decoders: from the measured one-token decode speed where
+    there is one, else scaled from the bulk probe (COSTS: decode_steps, decode_s)."""
+    c = COSTS[dtype]
+    if decode_tok_s:
+        return c["decode_steps"] / decode_tok_s
+    return c["decode_s"] * c["ref"] / tok_s
+
+
 def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_minutes: float | None = None, *,
-             soft_loss: bool = True, tree_sweep: bool = True) -> Plan:
+             soft_loss: bool = True, tree_sweep: bool = True, decode_tok_s: float | None = None) -> Plan:
     """The time estimate of one shape at a speed (probe tokens/s) in a dtype. soft_loss: the head trains with
     the soft loss to the base (loss.teacher_weight > 0; slower a token); tree_sweep: the demo sweeps its trees
-    before decoding (not when the user sets the tree)."""
+    before decoding (not when the user sets the tree); decode_tok_s: the base's one-token decode speed in the
+    dtype the demo decodes in (None: decoding priced from tok_s)."""
     if dtype not in COSTS:
         raise ValueError(f"no demo cost model for dtype {dtype!r}; known: {', '.join(COSTS)}")
     c = COSTS[dtype]
@@ -195,16 +224,16 @@ def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_
     heldout_s = HELDOUT_ROWS * tokens / rows / forward_tok_s
     train_tok_s = tok_s * c["train_ratio"] * (SOFT_LOSS_SPEED if soft_loss else 1.0)
     train_s = shape.epochs * tokens / train_tok_s + heldout_s
-    eval_s = shape.num_prompts * MAX_NEW_TOKENS * c["decode_s"] * c["ref"] / tok_s
+    eval_s = shape.num_prompts * MAX_NEW_TOKENS * decode_token_seconds(tok_s, dtype, decode_tok_s)
     if tree_sweep:
-        eval_s += tune_seconds(tok_s, dtype)
+        eval_s += tune_seconds(tok_s, dtype, decode_tok_s)
     if max_minutes is None:
         # A cap, not a target: the estimate plus a quarter and half a minute, plus half of the budget the plan
         # leaves unused, so a machine slower than its probe loses epochs only when the budget is really at stake.
         spare = max(0.0, budget_minutes - (c["fixed_s"] + cache_s + train_s + eval_s) / 60)
         max_minutes = math.ceil(2 * (1.25 * train_s / 60 + 0.5 + spare / 2)) / 2
     return Plan(dtype, tok_s, shape, rows, tokens, cache_s, train_s, max_minutes, eval_s, c["fixed_s"],
-                budget_minutes, tree_sweep=tree_sweep)
+                budget_minutes, tree_sweep=tree_sweep, decode_tok_s=decode_tok_s)
 
 
 # The tree sweep before the MT-bench decoding (cli/demo_tune.py): its decoded tokens are AR and speculative passes,
@@ -214,12 +243,12 @@ TUNE_SHARE_OF_DECODE = 0.3
 TUNE_FIXED_S = 15.0
 
 
-def tune_seconds(tok_s: float, dtype: str) -> float:
-    """Seconds of the demo's tree sweep at a probe speed."""
+def tune_seconds(tok_s: float, dtype: str, decode_tok_s: float | None = None) -> float:
+    """Seconds of the demo's tree sweep at a probe speed (and decode speed, when measured)."""
     from cli.demo_tune import TUNE_DECODED_TOKENS
 
-    c = COSTS[dtype]
-    return TUNE_FIXED_S + TUNE_DECODED_TOKENS * TUNE_SHARE_OF_DECODE * c["decode_s"] * c["ref"] / tok_s
+    return TUNE_FIXED_S + TUNE_DECODED_TOKENS * TUNE_SHARE_OF_DECODE * decode_token_seconds(tok_s, dtype,
+                                                                                            decode_tok_s)
 
 
 SHAREGPT_RECORDS = 17_671  # complete conversations in the packaged ShareGPT: what data.max_records=null reads
@@ -245,14 +274,15 @@ def _apply(shape: Shape, user: dict[str, str]) -> Shape:
 
 
 def make_plan(tok_s: float, dtype: str, budget_minutes: float = BUDGET_MINUTES,
-              user: dict[str, str] | None = None, *, soft_loss: bool = True, tree_sweep: bool = True) -> Plan:
+              user: dict[str, str] | None = None, *, soft_loss: bool = True, tree_sweep: bool = True,
+              decode_tok_s: float | None = None) -> Plan:
     """The demo's plan at `tok_s` (a speed class's speed) in `dtype` ("fp32" | "bf16"): the first of SHAPES that
     fits `budget_minutes`, else the cheapest one. `user` = plan keys the user set (`PLAN_KEYS` -> value): they
     replace the planned values as given (the rest of the plan stays, so an override changes only what it names;
     without train.max_minutes the training cap follows the new estimate), and the plan says what they cost
-    against the plan without them. soft_loss / tree_sweep: see `estimate`."""
+    against the plan without them. soft_loss / tree_sweep / decode_tok_s: see `estimate`."""
     user = {k: v for k, v in (user or {}).items() if k in PLAN_KEYS}
-    kinds = {"soft_loss": soft_loss, "tree_sweep": tree_sweep}
+    kinds = {"soft_loss": soft_loss, "tree_sweep": tree_sweep, "decode_tok_s": decode_tok_s}
     plans = [estimate(s, tok_s, dtype, budget_minutes, **kinds) for s in SHAPES]
     plain = next((p for p in plans if p.fits), plans[-1])
     if not user:

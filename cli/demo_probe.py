@@ -49,6 +49,36 @@ def probe_forward_speed(model: torch.nn.Module, *, rows: int = PROBE_ROWS, lengt
     return rows * length / best
 
 
+def decode_speed(base_path: str, eval_dtype: str, device: torch.device,
+                 chat_template: str | None = None) -> tuple[float | None, str, str]:
+    """(tokens/s of one-token AR decoding, the dtype decoded in, where the number comes from) for the base the demo
+    decodes, in the dtype its eval resolves `eval_dtype` to (`fast`: the decode-dtype probe's choice on this CPU,
+    eval/harness/run_dtype.py). Where that probe ran (or is cached) its one-token step is read; elsewhere (fp32 on
+    a CPU without bf16 instructions, an explicit dtype) the step is timed here the same way
+    (eval/engine/dtype_probe.py: time_decode_steps). (None, dtype, why) on CUDA: the plan then prices decoding
+    from the bulk probe."""
+    from cli import CONFIGS
+    from core.dtype_phases import dtype_name
+    from core.hardware import resolve_dtype
+    from eval.engine.backends.choice import make_backend
+    from eval.engine.dtype_probe import time_decode_steps
+    from eval.harness.config import load_eval_config
+    from eval.harness.run_dtype import decode_dtypes
+    from models.base import load_base
+
+    cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [f"dtype={eval_dtype}"])
+    cfg, phases = decode_dtypes(cfg, base_path)
+    decode = dtype_name(resolve_dtype(phases.decode, device))
+    if phases.probe and decode in phases.probe.get("ms", {}):
+        return 1e3 / phases.probe["ms"][decode]["1"], decode, "the decode-dtype probe"
+    if device.type != "cpu":
+        return None, decode, f"not measured on {device.type}"
+    base = load_base(base_path, dtype=decode, device=device, chat_template=chat_template)
+    backend = make_backend(cfg.backend, base.model)
+    ms = time_decode_steps({decode: backend}, vocab_size=int(base.model.config.vocab_size))
+    return 1e3 / ms[decode]["1"], decode, "timed one-token steps"
+
+
 def machine_key(dtype: str, device: torch.device) -> str:
     """What a speed class belongs to: the processor, the thread count, the device and the dtype."""
     from core.hardware import device_name

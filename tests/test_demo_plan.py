@@ -20,7 +20,12 @@ from cli.demo_plan import (
 # threads) in its fresh-clone runs.
 AVX2_FP32 = 570.0
 AVX512_BF16 = 1241.0
-FULL = SHAPES[0]  # the largest shape: what a fast CPU (the AVX512-BF16 box in bf16) gets
+# One-token decoding (tok/s, own AR in the demo's dtype, 2 threads, idle): the AVX512-BF16 EPYC 31.5 in bf16; the
+# AMX Xeon 22.9 in bf16, whose bulk forwards trained the head at ~9,300 tok/s (a probe of ~1,850 tok/s at the
+# EPYC's training ratio).
+AVX512_DECODE = 31.5
+AMX_BF16, AMX_DECODE = 1850.0, 22.9
+FULL = SHAPES[0]  # the largest shape
 MEASURED = demo_plan.Shape(800, 512, 3, 8)  # the fixed recipe timed end to end on the AVX2-only box (21.5 min)
 
 
@@ -36,12 +41,40 @@ def test_plan_fits_the_budget_on_both_kinds_of_cpu(tok_s, dtype):
     assert plan.dtype in plan.line() and f"~{plan.total_s / 60:.1f} min in all" in plan.line()
 
 
-def test_fast_cpu_gets_the_full_recipe_and_the_slow_one_fewer_conversations():
-    assert _plan(AVX512_BF16, "bf16").shape == FULL
+def test_a_fast_cpu_gets_more_conversations_than_a_slow_one():
+    fast = _plan(AVX512_BF16, "bf16", decode_tok_s=AVX512_DECODE).shape
     slow = _plan(AVX2_FP32, "fp32").shape
     # the head learns from the first answers: the same 128-token cut, epochs and prompts, fewer conversations
-    assert slow.max_records < FULL.max_records and slow.max_length == FULL.max_length == 128
-    assert slow.epochs == FULL.epochs and slow.num_prompts == FULL.num_prompts
+    assert slow.max_records < fast.max_records and slow.max_length == fast.max_length == 128
+    assert slow.epochs == fast.epochs and slow.num_prompts == fast.num_prompts
+    assert fast.max_records >= 3400  # what the EPYC was timed with (docs/quickstart.md)
+
+
+def test_decoding_is_priced_from_its_own_speed():
+    """AMX: bulk forwards faster than the EPYC's, one-token decoding slower. A plan sized by the bulk probe alone
+    prices decoding as if it were as fast as the bulk forward; at the measured decode speed it overruns, while the
+    plan made with that speed fits and still spends what the faster bulk forward affords on conversations."""
+    bulk = class_speed(speed_class(AMX_BF16))
+    decode = class_speed(speed_class(AMX_DECODE))
+    blind = make_plan(bulk, "bf16")
+    priced = make_plan(bulk, "bf16", decode_tok_s=decode)
+    assert priced.fits and priced.eval_s > 1.4 * blind.eval_s  # decoding at 23 tok/s, not at the bulk's pace
+    assert not estimate(blind.shape, bulk, "bf16", BUDGET_MINUTES, decode_tok_s=decode).fits
+    assert priced.shape.max_records > _plan(AVX512_BF16, "bf16", decode_tok_s=AVX512_DECODE).shape.max_records
+    assert f"decoding ~{decode:.0f} tok/s" in priced.line() and "decoding ~" not in blind.line()
+    # per token of the three decoders: COSTS' decode_steps AR steps at the measured speed
+    assert demo_plan.decode_token_seconds(bulk, "bf16", decode) == demo_plan.COSTS["bf16"]["decode_steps"] / decode
+
+
+def test_the_plan_uses_most_of_the_budget_where_the_machine_affords_it():
+    """>= 80 % of the 15 minutes (12) on the measured kinds: the planned total at most one shape step under the
+    budget."""
+    for tok_s, dtype, decode in ((AVX512_BF16, "bf16", AVX512_DECODE), (AMX_BF16, "bf16", AMX_DECODE)):
+        plan = _plan(tok_s, dtype, decode_tok_s=class_speed(speed_class(decode)))
+        bigger = SHAPES[SHAPES.index(plan.shape) - 1]
+        assert plan.fits and not estimate(bigger, plan.tok_s, dtype, BUDGET_MINUTES,
+                                          decode_tok_s=plan.decode_tok_s).fits
+        assert plan.total_s / 60 > 0.8 * BUDGET_MINUTES
 
 
 def test_the_full_recipe_would_not_fit_the_avx2_cpu():
@@ -143,6 +176,16 @@ def test_probe_measures_a_positive_speed_on_a_tiny_base():
 
     base = load_base("tiny")
     assert probe_forward_speed(base.model, rows=2, length=16, min_seconds=0.0, min_runs=2) > 0
+
+
+def test_decode_speed_times_one_token_steps_where_no_probe_ran(tmp_path, monkeypatch):
+    import torch
+
+    from cli.demo_probe import decode_speed
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    tok_s, dtype, source = decode_speed("tiny", "fp32", torch.device("cpu"))  # an explicit dtype: no dtype probe
+    assert tok_s > 0 and dtype == "fp32" and source == "timed one-token steps"
 
 
 def test_speed_class_is_remembered_per_machine(tmp_path, monkeypatch):
