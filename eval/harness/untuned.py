@@ -21,7 +21,8 @@ def untuned_line(untuned: dict | None) -> str | None:
 
 def probe_clause(probe: dict) -> str:
     """What the untuned-shape probe chose and measured, in one clause: "chain 2, the shape a 2-prompt x 32-token
-    probe chose (1.13x own AR; chain 1 1.10x, ...)" (probe: eval/tune/untuned_probe.py summarize's dict)."""
+    probe chose (chain 1 1.10x; chain 2 1.13x; ...)", speeds against own AR (probe: eval/tune/untuned_probe.py
+    summarize's dict)."""
     measured = "; ".join(f"{p['label']} {p['speedup']:.2f}x" for p in probe.get("points", []))
     verdict = "" if probe.get("beats_ar") else ", none beyond its noise over own AR"
     cached = ", cached" if probe.get("cached") else ""
