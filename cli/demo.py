@@ -59,7 +59,8 @@ def run_demo(overrides: list[str]) -> int:
     except ConfigError as err:
         raise ConfigError(f"an eval.* override (for configs/eval/demo.yaml): {err}") from None
     t0 = time.perf_counter()
-    plan, dtype = plan_for_this_machine(cfg, _user_plan_keys(overrides), tree_sweep=not _sets_tree(eval_overrides))
+    plan, dtype = plan_for_this_machine(cfg, _user_plan_keys(overrides), tree_sweep=not _sets_tree(eval_overrides),
+                                        eval_overrides=eval_overrides)
     planned = plan.overrides()
     cfg = load_train_config(configs, [f"{k}={v}" for k, v in planned.items() if not k.startswith("eval.")]
                             + train_overrides)
@@ -119,10 +120,11 @@ def _user_plan_keys(overrides: list[str]) -> dict[str, str]:
     return {k.strip(): v.strip() for k, v in pairs if k.strip() in PLAN_KEYS}
 
 
-def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True):
-    """Probe this machine's base speed in the run's dtype (the bulk forward) and its one-token decode speed in the
-    dtype the demo decodes in, and plan the demo on them; prints the plan line. tree_sweep: the demo sweeps its
-    trees before decoding (priced in the plan). Returns (plan, the dtype name the run uses: "bf16" | "fp32" | ...)."""
+def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True, eval_overrides: list[str] = ()):
+    """Probe this machine's base speed in the run's dtype (the bulk forward) and its one-token decode speed as the
+    demo's eval decodes (its dtype; `eval_overrides`: the user's eval.* keys, e.g. a backend), and plan the demo on
+    them; prints the plan line. tree_sweep: the demo sweeps its trees before decoding (priced in the plan). Returns
+    (plan, the dtype name the run uses: "bf16" | "fp32" | ...)."""
     import gc
 
     from cli.demo_plan import class_speed, make_plan, speed_class
@@ -144,7 +146,8 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True):
     key = machine_key(dtype, device)
     k = speed_class(measured, remembered_class(key))
     remember_class(key, k)
-    decoding, decode_dtype, source = decode_speed(cfg.base.path, eval_dtype(cfg, dtype), device,
+    decoding, decode_dtype, source = decode_speed(cfg.base.path, [f"dtype={eval_dtype(cfg, dtype)}",
+                                                                  *eval_overrides], device,
                                                   chat_template=cfg.data.chat_template or None)
     decode_class, decode_note = None, f"decoding priced from the bulk probe: {source}"
     if decoding:
@@ -152,9 +155,10 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True):
         decode_class = speed_class(decoding, remembered_class(decode_key))
         remember_class(decode_key, decode_class)
         decode_note = f"one-token decoding {decoding:.1f} tok/s in {decode_dtype}, from {source}"
-    plan = make_plan(class_speed(k), "bf16" if dtype in ("bf16", "fp16") else "fp32", user=user,
-                     soft_loss=cfg.loss.teacher_weight > 0, tree_sweep=tree_sweep,
-                     decode_tok_s=None if decode_class is None else class_speed(decode_class))
+    priced = "bf16" if dtype in ("bf16", "fp16") else "fp32"  # the cost model's dtypes (cli/demo_plan.py: COSTS)
+    plan = make_plan(class_speed(k), priced, user=user, soft_loss=cfg.loss.teacher_weight > 0, tree_sweep=tree_sweep,
+                     decode_tok_s=None if decode_class is None else class_speed(decode_class),
+                     decode_dtype="bf16" if decode_dtype in ("bf16", "fp16") else "fp32")
     print(f"[demo plan] {plan.line()} (measured {measured:.0f} tok/s; {decode_note})", flush=True)
     return plan, dtype
 

@@ -60,15 +60,16 @@ PAD_EFFICIENCY = 0.95  # the cache build right-pads micro-batches of 4 rows; mos
 #  - decode_steps: seconds per MT-bench token of the three decoders together (speculative, own AR, HF generate),
 #    in one-token AR steps of the base in the dtype the demo decodes in (cli/demo_probe.py: decode_speed). From the
 #    timed demos (docs/quickstart.md): bf16 on the AVX512-BF16 EPYC 37.7 / 31.5 / 23.5 tok/s = 3.2 AR steps a token,
-#    on the AMX Xeon 26.6 / 22.9 / 18.7 = 3.1; fp32 on the EPYC 39.7 / 32.4 / 15.1 = 3.8 (transformers' generate
-#    is slow in fp32 there); with the prompts' prefills and warm-ups, 3.4 and 4.0;
+#    on the AMX Xeon 26.6 / 22.9 / 18.7 = 3.1; fp32 on the EPYC 39.7 / 32.4 / 15.1 = 4.0 (transformers' generate
+#    is slow in fp32 there); with the prompts' prefills and warm-ups, 3.4 and 4.2. Looked up by the dtype the demo
+#    decodes in, which `fast` may make fp32 where the bulk phases run in bf16;
 #  - decode_s, ref: the same seconds a token at the probe speed `ref`, used only where no decode speed was measured
 #    (a plan made from the bulk probe alone): decoding scaled like the bulk forward, which holds on the EPYCs but
 #    not on AMX, whose bulk forwards run several times faster while one-token decoding does not;
 #  - fixed_s: base conversion, tokenizing, DeepSpeed start, draft vocabulary, export, loading the base for eval
 #    and the tie tolerance (in bf16 also the short fp32 exact check).
 COSTS = {
-    "fp32": {"attn_len": 700.0, "train_ratio": 6.0, "decode_steps": 4.0, "decode_s": 0.149, "ref": 570.0,
+    "fp32": {"attn_len": 700.0, "train_ratio": 6.0, "decode_steps": 4.2, "decode_s": 0.149, "ref": 570.0,
              "fixed_s": 75.0},
     "bf16": {"attn_len": 700.0, "train_ratio": 5.0, "decode_steps": 3.4, "decode_s": 0.117, "ref": 1200.0,
              "fixed_s": 90.0},
@@ -95,8 +96,8 @@ class Shape:
 # 3-epoch head with the demo's tree: at equal cached tokens a 128-token cut decodes as well as a 256-token one
 # (1.40 / 1.41 at ~150k tokens, 1.44 / 1.43 at ~300k), whole 512-token conversations worse (1.33 at ~150k, 1.39 at
 # ~310k): the head learns from the first answers, so every shape cuts at 128 tokens (the cheapest rows) and spends
-# what the machine affords on conversations, then on epochs and eval prompts. The shapes above 3,400 conversations
-# are for machines whose bulk forwards outrun the AVX512-BF16 EPYC's (AMX), priced with their own decode speed.
+# what the machine affords on conversations, then on epochs and eval prompts. The largest shapes are for machines
+# whose bulk forwards outrun the AVX512-BF16 EPYC's (~4,000 conversations in bf16), e.g. AMX.
 SHAPES = (
     *(Shape(records, 128, 3, 8) for records in (12000, 10000, 8400, 7000, 6000, 5200, 4600, 4000, 3600, 3200, 2800,
                                                 2500, 2200, 1900, 1600, 1300, 1000, 800, 600, 400)),
@@ -165,6 +166,7 @@ class Plan:
     base_total_s: float | None = None  # with user keys: the total of the plan without them
     tree_sweep: bool = True  # eval_s includes the demo's tree sweep (cli/demo_tune.py)
     decode_tok_s: float | None = None  # one-token AR decoding (a speed class's speed); None: priced from tok_s
+    decode_dtype: str | None = None  # the dtype the demo decodes in, when not the bulk dtype
 
     @property
     def total_s(self) -> float:
@@ -185,7 +187,8 @@ class Plan:
         """The one line the demo prints before it starts."""
         s = self.shape
         epochs = f"{s.epochs:g} epoch{'' if s.epochs == 1 else 's'}"
-        decoding = f", decoding ~{self.decode_tok_s:.0f} tok/s" if self.decode_tok_s else ""
+        in_dtype = f" in {self.decode_dtype}" if self.decode_dtype else ""
+        decoding = f", decoding ~{self.decode_tok_s:.0f} tok/s{in_dtype}" if self.decode_tok_s else ""
         text = (f"this CPU: {self.dtype}, ~{self.tok_s:.0f} tok/s{decoding} -> {s.max_records} conversations cut at "
                 f"{s.max_length} tokens, ~{self.train_tokens / 1000:.0f}k tokens cached in ~{self.cache_s / 60:.1f} "
                 f"min, {epochs} in ~{self.train_s / 60:.1f} min (cap {self.max_minutes:g}), "
@@ -200,21 +203,26 @@ class Plan:
         return text
 
 
-def decode_token_seconds(tok_s: float, dtype: str, decode_tok_s: float | None) -> float:
-    """Seconds per MT-bench token of the demo's three decoders: from the measured one-token decode speed where
-    there is one, else scaled from the bulk probe (COSTS: decode_steps, decode_s)."""
-    c = COSTS[dtype]
+def decode_token_seconds(tok_s: float, dtype: str, decode_tok_s: float | None,
+                         decode_dtype: str | None = None) -> float:
+    """Seconds per MT-bench token of the demo's three decoders: from the measured one-token decode speed in
+    `decode_dtype` (default: the bulk dtype) where there is one, else scaled from the bulk probe (COSTS: decode_steps,
+    decode_s)."""
     if decode_tok_s:
-        return c["decode_steps"] / decode_tok_s
+        return COSTS[decode_dtype or dtype]["decode_steps"] / decode_tok_s
+    c = COSTS[dtype]
     return c["decode_s"] * c["ref"] / tok_s
 
 
 def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_minutes: float | None = None, *,
-             soft_loss: bool = True, tree_sweep: bool = True, decode_tok_s: float | None = None) -> Plan:
+             soft_loss: bool = True, tree_sweep: bool = True, decode_tok_s: float | None = None,
+             decode_dtype: str | None = None) -> Plan:
     """The time estimate of one shape at a speed (probe tokens/s) in a dtype. soft_loss: the head trains with
     the soft loss to the base (loss.teacher_weight > 0; slower a token); tree_sweep: the demo sweeps its trees
     before decoding (not when the user sets the tree); decode_tok_s: the base's one-token decode speed in the
-    dtype the demo decodes in (None: decoding priced from tok_s)."""
+    dtype the demo decodes in, decode_dtype ("fp32" | "bf16"; None: `dtype`), None: decoding priced from tok_s."""
+    if decode_dtype is not None and decode_dtype not in COSTS:
+        raise ValueError(f"no demo cost model for decode dtype {decode_dtype!r}; known: {', '.join(COSTS)}")
     if dtype not in COSTS:
         raise ValueError(f"no demo cost model for dtype {dtype!r}; known: {', '.join(COSTS)}")
     c = COSTS[dtype]
@@ -224,16 +232,17 @@ def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_
     heldout_s = HELDOUT_ROWS * tokens / rows / forward_tok_s
     train_tok_s = tok_s * c["train_ratio"] * (SOFT_LOSS_SPEED if soft_loss else 1.0)
     train_s = shape.epochs * tokens / train_tok_s + heldout_s
-    eval_s = shape.num_prompts * MAX_NEW_TOKENS * decode_token_seconds(tok_s, dtype, decode_tok_s)
+    eval_s = shape.num_prompts * MAX_NEW_TOKENS * decode_token_seconds(tok_s, dtype, decode_tok_s, decode_dtype)
     if tree_sweep:
-        eval_s += tune_seconds(tok_s, dtype, decode_tok_s)
+        eval_s += tune_seconds(tok_s, dtype, decode_tok_s, decode_dtype)
     if max_minutes is None:
         # A cap, not a target: the estimate plus a quarter and half a minute, plus half of the budget the plan
         # leaves unused, so a machine slower than its probe loses epochs only when the budget is really at stake.
         spare = max(0.0, budget_minutes - (c["fixed_s"] + cache_s + train_s + eval_s) / 60)
         max_minutes = math.ceil(2 * (1.25 * train_s / 60 + 0.5 + spare / 2)) / 2
     return Plan(dtype, tok_s, shape, rows, tokens, cache_s, train_s, max_minutes, eval_s, c["fixed_s"],
-                budget_minutes, tree_sweep=tree_sweep, decode_tok_s=decode_tok_s)
+                budget_minutes, tree_sweep=tree_sweep, decode_tok_s=decode_tok_s,
+                decode_dtype=decode_dtype if decode_dtype != dtype else None)
 
 
 # The tree sweep before the MT-bench decoding (cli/demo_tune.py): its decoded tokens are AR and speculative passes,
@@ -243,12 +252,12 @@ TUNE_SHARE_OF_DECODE = 0.3
 TUNE_FIXED_S = 15.0
 
 
-def tune_seconds(tok_s: float, dtype: str, decode_tok_s: float | None = None) -> float:
-    """Seconds of the demo's tree sweep at a probe speed (and decode speed, when measured)."""
+def tune_seconds(tok_s: float, dtype: str, decode_tok_s: float | None = None, decode_dtype: str | None = None) -> float:
+    """Seconds of the demo's tree sweep at a probe speed (and decode speed and dtype, when measured)."""
     from cli.demo_tune import TUNE_DECODED_TOKENS
 
-    return TUNE_FIXED_S + TUNE_DECODED_TOKENS * TUNE_SHARE_OF_DECODE * decode_token_seconds(tok_s, dtype,
-                                                                                            decode_tok_s)
+    per_token = decode_token_seconds(tok_s, dtype, decode_tok_s, decode_dtype)
+    return TUNE_FIXED_S + TUNE_DECODED_TOKENS * TUNE_SHARE_OF_DECODE * per_token
 
 
 SHAREGPT_RECORDS = 17_671  # complete conversations in the packaged ShareGPT: what data.max_records=null reads
@@ -275,14 +284,15 @@ def _apply(shape: Shape, user: dict[str, str]) -> Shape:
 
 def make_plan(tok_s: float, dtype: str, budget_minutes: float = BUDGET_MINUTES,
               user: dict[str, str] | None = None, *, soft_loss: bool = True, tree_sweep: bool = True,
-              decode_tok_s: float | None = None) -> Plan:
+              decode_tok_s: float | None = None, decode_dtype: str | None = None) -> Plan:
     """The demo's plan at `tok_s` (a speed class's speed) in `dtype` ("fp32" | "bf16"): the first of SHAPES that
     fits `budget_minutes`, else the cheapest one. `user` = plan keys the user set (`PLAN_KEYS` -> value): they
     replace the planned values as given (the rest of the plan stays, so an override changes only what it names;
     without train.max_minutes the training cap follows the new estimate), and the plan says what they cost
-    against the plan without them. soft_loss / tree_sweep / decode_tok_s: see `estimate`."""
+    against the plan without them. soft_loss / tree_sweep / decode_tok_s / decode_dtype: see `estimate`."""
     user = {k: v for k, v in (user or {}).items() if k in PLAN_KEYS}
-    kinds = {"soft_loss": soft_loss, "tree_sweep": tree_sweep, "decode_tok_s": decode_tok_s}
+    kinds = {"soft_loss": soft_loss, "tree_sweep": tree_sweep, "decode_tok_s": decode_tok_s,
+             "decode_dtype": decode_dtype}
     plans = [estimate(s, tok_s, dtype, budget_minutes, **kinds) for s in SHAPES]
     plain = next((p for p in plans if p.fits), plans[-1])
     if not user:

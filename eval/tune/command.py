@@ -156,8 +156,8 @@ def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: i
 
 
 def progress_bar(engines, desc: str = "tune"):
-    """A tqdm bar over every setting of `engines` and the `progress(label, record)` callback the sweep calls per
-    setting (also `specdraft demo`'s tree sweep)."""
+    """A tqdm bar (labelled `desc`) over every setting of `engines` and the `progress(label, record)` callback the
+    sweep calls per setting (also `specdraft demo`'s tree sweep and `specdraft eval`'s untuned shape probe)."""
     from tqdm import tqdm
 
     total = 0

@@ -79,9 +79,10 @@ def probe_key(export_dir: Path, cfg, here: dict, family: str) -> dict:
 
     from core.dtype_probe_cache import cpu_signature
 
+    # the acceptance rule and temperature change what a shape accepts, so a sampling eval is probed on its own
     key = {"format": PROBE_FORMAT, "draft": draft_digest(export_dir), **cpu_signature(), "torch": torch.__version__,
            **{k: here.get(k) for k in ("device", "gpu", "dtype", "threads", "version")}, "backend": cfg.backend,
-           "shapes": probe_shapes(family)}
+           "acceptance": cfg.acceptance, "temperature": cfg.temperature, "shapes": probe_shapes(family)}
     return json.loads(json.dumps(key))  # as the cache file reads back (tuples become lists), so the two compare
 
 
@@ -114,8 +115,8 @@ def summarize(record: dict) -> dict:
     said it beats AR; points: every measured shape's label, speedup and acceptance."""
     points = [p for p in record.get("points", []) if p.get("status") == "ok" and p.get("speedup") is not None]
     choice = record.get("choice") or {}
-    if choice.get("speculate"):
-        best = {"label": choice["label"], "knobs": choice["knobs"], "speedup": choice.get("speedup"),
+    if choice.get("speculate"):  # eval/tune/choice/stats.py: choose, then sweep.py: judge_confirmation
+        best = {"label": choice["label"], "knobs": choice["knobs"], "speedup": choice.get("speedup_vs_ar"),
                 "beats_ar": True, "reason": choice.get("reason", "")}
     elif points:  # none beat AR: the fastest measured shape (an eval of a draft still drafts)
         p = max(points, key=lambda q: q["speedup"])
@@ -140,18 +141,19 @@ def probe_config(cfg, export_dir: Path, tokenizer):
     from eval.harness.runner import resolve_heldout_skip
     from models.export.specdraft import read_export_config
 
+    # seed + 1: another draw than the eval's (an eval of dataset=sharegpt skips the same training conversations)
     probe = dataclasses.replace(cfg, name="shape-probe", suite="", suite_sets=[], num_prompts=PROBE_PROMPTS,
                                 max_new_tokens=PROBE_TOKENS, hf_baseline=False, warmup_tokens=PROBE_WARMUP,
-                                max_prompt_tokens=PROBE_PROMPT_TOKENS, both_turns=False)
+                                max_prompt_tokens=PROBE_PROMPT_TOKENS, both_turns=False, seed=cfg.seed + 1)
     try:
         held = resolve_heldout_skip(dataclasses.replace(probe, dataset="sharegpt", heldout_skip=None),
                                     read_export_config(export_dir))
         config_prompts(held, tokenizer)  # loadable here (the package is installed, prompts are left)
         return held
     except (ValueError, ImportError, OSError) as exc:
-        log.info("shape probe: no held-out ShareGPT prompts (%s); probing on %s drawn with seed %d", exc,
-                 cfg.dataset, cfg.seed + 1)
-        return dataclasses.replace(probe, seed=cfg.seed + 1)
+        log.warning("shape probe: no held-out ShareGPT prompts (%s); probing on the eval's own set %s, drawn with "
+                    "seed %d", exc, cfg.dataset, probe.seed)
+        return probe
 
 
 def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: float = PROBE_BUDGET_S,
@@ -160,12 +162,16 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
     "cache_file"). `loaded`: the eval's loaded export (models.export.load.LoadedExport), reused, not loaded again."""
     from eval.tune import OursEngine, progress_bar, sweep_engine
 
+    shapes = probe_shapes(loaded.family)
+    if len(shapes) < 2:  # a family without a chain: the export's default is the only shape, nothing to choose
+        return {"label": DEFAULT_LABEL, "knobs": {}, "speedup": None, "beats_ar": False, "points": [], "prompts": 0,
+                "reason": "the family has no chain: the export's default is the only shape", "cached": False}
     key = probe_key(export_dir, cfg, here, loaded.family)
     cached = read_cached(key, cache_dir)
     if cached is not None:
         return {**cached, "cached": True}
     pcfg = probe_config(cfg, export_dir, loaded.base.tokenizer)
-    engine = OursEngine(loaded, pcfg, searched_tree=False, shapes=probe_shapes(loaded.family))
+    engine = OursEngine(loaded, pcfg, searched_tree=False, shapes=shapes)
     t0 = time.monotonic()
     bar, progress = progress_bar([engine], desc="shape probe")
     with bar:
@@ -173,8 +179,14 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
     choice = summarize(record)
     choice["seconds"] = round(time.monotonic() - t0, 1)
     choice["dataset"] = pcfg.dataset
+    if not choice["points"]:  # nothing measured (AR failed, the budget ran out): not kept, the next eval tries again
+        return {**choice, "cached": False}
     path = cache_path(key, cache_dir)
-    write_json_atomic(path, {"key": key, "choice": choice, "measured": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                    time.gmtime())})
+    try:
+        write_json_atomic(path, {"key": key, "choice": choice,
+                                 "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+    except OSError as exc:  # a read-only cache costs the next eval a probe, not this eval its result
+        log.warning("shape probe: could not keep the choice in %s (%s); the next eval probes again", path, exc)
+        return {**choice, "cached": False}
     return {**choice, "cached": False, "cache_file": str(path)}
 
