@@ -11,7 +11,7 @@ import pytest
 
 from eval.harness.config import load_eval_config
 from eval.harness.runner import eval_export, format_summary
-from eval.tune.untuned_probe import DEFAULT_LABEL, probe_untuned_shape, summarize
+from eval.tune.untuned_probe import DEFAULT_KNOBS, DEFAULT_LABEL, probe_shapes, probe_untuned_shape, summarize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -142,7 +142,19 @@ def test_summarize_takes_the_choice_else_the_fastest_measured_shape():
     assert (none["label"], none["knobs"], none["beats_ar"]) == ("chain 2", {"a": 2}, False)
     assert [p["label"] for p in none["points"]] == ["chain 1", "chain 2"]
     empty = summarize({"points": [], "choice": None, "error": "AR failed"})
-    assert (empty["label"], empty["knobs"]) == (DEFAULT_LABEL, {}) and "AR failed" in empty["reason"]
+    assert (empty["label"], empty["knobs"]) == (DEFAULT_LABEL, DEFAULT_KNOBS) and "AR failed" in empty["reason"]
+
+
+def test_every_probed_shape_speculates():
+    """The sweep takes a setting without knobs for plain AR decoding: the export's default must carry some (it once
+    carried none, and the probe timed AR against AR under the default's name)."""
+    from eval.engine.drafters.registry import DRAFTERS
+    from eval.tune.sweep import Setting
+
+    for family in DRAFTERS:
+        shapes = probe_shapes(family)
+        assert shapes[-1] == (DEFAULT_LABEL, DEFAULT_KNOBS)
+        assert all(Setting(label, knobs, 1.0).speculative for label, knobs in shapes), family
 
 
 def test_without_held_out_sharegpt_the_probe_draws_the_eval_set_again(export, monkeypatch):

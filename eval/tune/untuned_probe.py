@@ -33,7 +33,7 @@ from core.paths import default_cache_dir
 log = logging.getLogger("specdraft.untuned_probe")
 
 PROBE_DIR = "shape_probe"
-PROBE_FORMAT = 1
+PROBE_FORMAT = 2  # 1: the export's default was timed as plain AR (empty knobs)
 PROBE_CHAIN = 3  # chains of 1..3: deeper ones verify more tokens a step than a CPU gets back at today's acceptance
 PROBE_PROMPTS = 2
 PROBE_TOKENS = 32
@@ -45,9 +45,15 @@ TIE = "faster"
 DEFAULT_LABEL = "the export's default"
 
 
+# The export's default shape as a setting: `tree=auto` is the eval config's own default (the export's shape, else the
+# family's), so applying it changes nothing; the knobs must not be empty, since the sweep takes a setting with no
+# knobs for plain AR decoding (eval/tune/sweep.py: Setting.speculative).
+DEFAULT_KNOBS = {"tree": "auto"}
+
+
 def probe_shapes(family: str) -> list[tuple[str, dict]]:
     """(label, knobs) of the probe: chains of 1..PROBE_CHAIN where the family has a chain, and the export's default
-    shape (no knobs: apply_knobs leaves the config as it is)."""
+    shape (DEFAULT_KNOBS)."""
     from eval.engine.drafters.registry import chain_overrides
 
     shapes = []
@@ -56,7 +62,7 @@ def probe_shapes(family: str) -> list[tuple[str, dict]]:
             shapes.append((f"chain {d}", chain_overrides(family, d)))
         except ValueError:  # the family has no chain (CTC)
             break
-    return [*shapes, (DEFAULT_LABEL, {})]
+    return [*shapes, (DEFAULT_LABEL, dict(DEFAULT_KNOBS))]
 
 
 def draft_digest(export_dir: Path) -> str:
@@ -123,7 +129,7 @@ def summarize(record: dict) -> dict:
         best = {"label": p["label"], "knobs": p["knobs"], "speedup": p["speedup"], "beats_ar": False,
                 "reason": "no shape beat own AR in the probe; the fastest measured one"}
     else:
-        best = {"label": DEFAULT_LABEL, "knobs": {}, "speedup": None, "beats_ar": False,
+        best = {"label": DEFAULT_LABEL, "knobs": dict(DEFAULT_KNOBS), "speedup": None, "beats_ar": False,
                 "reason": f"nothing measured ({record.get('error') or 'every shape failed or was skipped'})"}
     best["points"] = [{"label": p["label"], "speedup": p["speedup"], "acceptance_length": p.get("acceptance_length")}
                       for p in points]
@@ -164,7 +170,8 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
 
     shapes = probe_shapes(loaded.family)
     if len(shapes) < 2:  # a family without a chain: the export's default is the only shape, nothing to choose
-        return {"label": DEFAULT_LABEL, "knobs": {}, "speedup": None, "beats_ar": False, "points": [], "prompts": 0,
+        return {"label": DEFAULT_LABEL, "knobs": dict(DEFAULT_KNOBS), "speedup": None, "beats_ar": False,
+                "points": [], "prompts": 0,
                 "reason": "the family has no chain: the export's default is the only shape", "cached": False}
     key = probe_key(export_dir, cfg, here, loaded.family)
     cached = read_cached(key, cache_dir)
