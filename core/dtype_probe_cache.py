@@ -12,14 +12,12 @@ another key or an unusable record is reported in a warning and measured again, n
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from pathlib import Path
 
-from core.atomic import write_json_atomic
 from core.dtype_phases import PROBE_FORMAT, check_probe
 from core.hardware import cpu_model, cpuinfo_text
-from core.paths import default_cache_dir
+from core.keyed_cache import keyed_path, read_keyed, write_keyed
 
 log = logging.getLogger("specdraft.dtype_probe")
 PROBE_DIR = "dtype_probe"
@@ -47,34 +45,15 @@ def probe_key(*, fingerprint: str, backend: str, threads: int, extra: dict | Non
 
 
 def cache_path(key: dict, cache_dir: Path | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir or default_cache_dir()) / PROBE_DIR / f"{digest}.json"
+    return keyed_path(PROBE_DIR, key, cache_dir)
 
 
 def read_cached(key: dict, cache_dir: Path | None = None) -> dict | None:
     """The probe record cached for `key` (with "cache_file": where it was read), or None: none yet (silently), or a
     bad file (with a warning naming it and why; the caller measures again and overwrites it)."""
-    path = cache_path(key, cache_dir)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        log.warning("decode dtype probe cache %s is unreadable (%s); probing again", path, exc)
-        return None
-    if not isinstance(data, dict) or data.get("key") != key:
-        log.warning("decode dtype probe cache %s was written for another key; probing again", path)
-        return None
-    bad = check_probe(data.get("probe"))
-    if bad:
-        log.warning("decode dtype probe cache %s holds an unusable record (%s); probing again", path, bad)
-        return None
-    return {**data["probe"], "cache_file": str(path)}
+    return read_keyed(PROBE_DIR, key, "probe", check_probe, "decode dtype probe cache", log, cache_dir)
 
 
 def write_cached(key: dict, probe: dict, cache_dir: Path | None = None) -> Path:
     """Keep `probe` for `key` (atomically: a reader never sees half a file)."""
-    path = cache_path(key, cache_dir)
-    record = {k: v for k, v in probe.items() if k != "cache_file"}
-    write_json_atomic(path, {"key": key, "probe": record})
-    return path
+    return write_keyed(PROBE_DIR, key, "probe", probe, cache_dir)

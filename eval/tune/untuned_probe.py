@@ -27,8 +27,7 @@ import logging
 import time
 from pathlib import Path
 
-from core.atomic import write_json_atomic
-from core.paths import default_cache_dir
+from core.keyed_cache import keyed_path, read_keyed, write_keyed
 
 log = logging.getLogger("specdraft.untuned_probe")
 
@@ -93,26 +92,20 @@ def probe_key(export_dir: Path, cfg, here: dict, family: str) -> dict:
 
 
 def cache_path(key: dict, cache_dir: Path | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir or default_cache_dir()) / PROBE_DIR / f"{digest}.json"
+    return keyed_path(PROBE_DIR, key, cache_dir)
+
+
+def _check_choice(choice) -> str | None:
+    """None when `choice` is a usable cached choice (a label and knobs), else what is wrong with it."""
+    if not isinstance(choice, dict) or not isinstance(choice.get("label"), str) \
+            or not isinstance(choice.get("knobs"), dict):
+        return "no shape (label and knobs)"
+    return None
 
 
 def read_cached(key: dict, cache_dir: Path | None = None) -> dict | None:
     """The choice cached for `key`, or None: none yet (silently), or a bad file (a warning naming it; probed again)."""
-    path = cache_path(key, cache_dir)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        log.warning("shape probe cache %s is unreadable (%s); probing again", path, exc)
-        return None
-    choice = data.get("choice") if isinstance(data, dict) else None
-    if not isinstance(data, dict) or data.get("key") != key or not isinstance(choice, dict) \
-            or not isinstance(choice.get("knobs"), dict) or not isinstance(choice.get("label"), str):
-        log.warning("shape probe cache %s was written for another key or holds no choice; probing again", path)
-        return None
-    return {**choice, "cache_file": str(path)}
+    return read_keyed(PROBE_DIR, key, "choice", _check_choice, "shape probe cache", log, cache_dir)
 
 
 def summarize(record: dict) -> dict:
@@ -190,8 +183,8 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
         return {**choice, "cached": False}
     path = cache_path(key, cache_dir)
     try:
-        write_json_atomic(path, {"key": key, "choice": choice,
-                                 "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+        write_keyed(PROBE_DIR, key, "choice", choice, cache_dir,
+                    measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     except OSError as exc:  # a read-only cache costs the next eval a probe, not this eval its result
         log.warning("shape probe: could not keep the choice in %s (%s); the next eval probes again", path, exc)
         return {**choice, "cached": False}
