@@ -173,10 +173,12 @@ def test_without_held_out_sharegpt_the_probe_draws_the_eval_set_again(export, mo
 
     cfg = load_eval_config(SMOKE_EVAL, ["dtype=fp32", "seed=3"])
     tokenizer = load_base("tiny").tokenizer
-    held = probe_config(cfg, export, tokenizer)
+    held, loaded_prompts = probe_config(cfg, export, tokenizer)
     assert (held.dataset, held.seed) == ("sharegpt", 4)  # another draw than an eval of dataset=sharegpt
+    assert len(loaded_prompts) == PROBE_PROMPTS  # loaded once, handed to the engine
     monkeypatch.setattr(prompts, "config_prompts", no_sharegpt)
-    pcfg = probe_config(cfg, export, tokenizer)
+    pcfg, none = probe_config(cfg, export, tokenizer)
+    assert none is None
     assert (pcfg.dataset, pcfg.seed, pcfg.num_prompts, pcfg.hf_baseline) == (cfg.dataset, 4, PROBE_PROMPTS, False)
 
 

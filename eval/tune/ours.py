@@ -38,16 +38,17 @@ class OursEngine:
     open_seconds = 2.0
 
     def __init__(self, loaded, cfg: EvalConfig, *, searched_tree: bool = True, tree_search_prompts: int = 8,
-                 shapes: Sequence[tuple[str, dict]] | None = None):
+                 shapes: Sequence[tuple[str, dict]] | None = None, prompts: list | None = None):
         """shapes: (label, knobs) pairs to sweep instead of the family's list (`specdraft demo` sweeps the few
-        trees a one-head draft has); a shape the draft cannot run is left out, as in the family's list."""
+        trees a one-head draft has); a shape the draft cannot run is left out, as in the family's list. prompts:
+        cfg's prompts when the caller has already loaded them (config_prompts), else loaded here."""
         self.loaded, self.cfg = loaded, cfg
         self.shapes = None if shapes is None else list(shapes)
         self.family = loaded.family
         self.base = loaded.base
         self.backend = make_backend(cfg.backend, self.base.model)
         self.eos = eos_ids(self.base.model, self.base.tokenizer)
-        self.prompts = config_prompts(cfg, self.base.tokenizer)
+        self.prompts = prompts if prompts is not None else config_prompts(cfg, self.base.tokenizer)
         self.pass_seconds = len(self.prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
         self.searched_tree, self.tree_search_prompts = searched_tree, tree_search_prompts
         self.notes: list[str] = []

@@ -13,9 +13,9 @@ column is untuned, names the shape and its probe speed, and gives the `specdraft
 
 The probe's choice is kept under the user cache ($SPECDRAFT_CACHE, else ~/.cache/specdraft): shape_probe/<key
 hash>.json, keyed by what its timing depends on (the draft's weights and config, the CPU, torch, the dtype, the
-thread count, the backend, specdraft's version), so a suite's sets and later evals on this machine probe once.
-Never written into the export (a shipped draft's directory is tracked). `untuned_probe=false` decodes the
-export's default instead.
+thread count, the backend, the acceptance rule, specdraft's version), so a suite's sets and later evals on this
+machine probe once. Never written into the export (a shipped draft's directory is tracked). `untuned_probe=false`
+decodes the export's default instead.
 """
 
 from __future__ import annotations
@@ -131,11 +131,12 @@ def summarize(record: dict) -> dict:
     return best
 
 
-def probe_config(cfg, export_dir: Path, tokenizer):
-    """The eval config the probe decodes: held-out ShareGPT (the conversations after the draft's training ones;
-    never the prompts the eval reports), else the eval's own set drawn with another seed (the draft trained on
-    every ShareGPT conversation, or the ShareGPT package is not installed, as in the GPU image); PROBE_PROMPTS x
-    PROBE_TOKENS; no HF baseline; the eval's dtype, backend, device and threads."""
+def probe_config(cfg, export_dir: Path, tokenizer) -> tuple[object, list | None]:
+    """(the eval config the probe decodes, its prompts when already loaded): held-out ShareGPT (the conversations
+    after the draft's training ones; never the prompts the eval reports), else the eval's own set drawn with another
+    seed (the draft trained on every ShareGPT conversation, or the ShareGPT package is not installed, as in the GPU
+    image; its prompts None: the engine loads them); PROBE_PROMPTS x PROBE_TOKENS; no HF baseline; the eval's
+    dtype, backend, device and threads."""
     from eval.harness.prompts import config_prompts
     from eval.harness.runner import resolve_heldout_skip
     from models.export.specdraft import read_export_config
@@ -147,12 +148,11 @@ def probe_config(cfg, export_dir: Path, tokenizer):
     try:
         held = resolve_heldout_skip(dataclasses.replace(probe, dataset="sharegpt", heldout_skip=None),
                                     read_export_config(export_dir))
-        config_prompts(held, tokenizer)  # loadable here (the package is installed, prompts are left)
-        return held
+        return held, config_prompts(held, tokenizer)  # loadable here (the package is installed, prompts are left)
     except (ValueError, ImportError, OSError) as exc:
         log.warning("shape probe: no held-out ShareGPT prompts (%s); probing on the eval's own set %s, drawn with "
                     "seed %d", exc, cfg.dataset, probe.seed)
-        return probe
+        return probe, None
 
 
 def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: float = PROBE_BUDGET_S,
@@ -170,8 +170,8 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
     cached = read_cached(key, cache_dir)
     if cached is not None:
         return {**cached, "cached": True}
-    pcfg = probe_config(cfg, export_dir, loaded.base.tokenizer)
-    engine = OursEngine(loaded, pcfg, searched_tree=False, shapes=shapes)
+    pcfg, prompts = probe_config(cfg, export_dir, loaded.base.tokenizer)
+    engine = OursEngine(loaded, pcfg, searched_tree=False, shapes=shapes, prompts=prompts)
     t0 = time.monotonic()
     bar, progress = progress_bar([engine], desc="shape probe")
     with bar:
@@ -181,12 +181,12 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
     choice["dataset"] = pcfg.dataset
     if not choice["points"]:  # nothing measured (AR failed, the budget ran out): not kept, the next eval tries again
         return {**choice, "cached": False}
-    path = cache_path(key, cache_dir)
     try:
-        write_keyed(PROBE_DIR, key, "choice", choice, cache_dir,
-                    measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        path = write_keyed(PROBE_DIR, key, "choice", choice, cache_dir,
+                           measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     except OSError as exc:  # a read-only cache costs the next eval a probe, not this eval its result
-        log.warning("shape probe: could not keep the choice in %s (%s); the next eval probes again", path, exc)
+        log.warning("shape probe: could not keep the choice in %s (%s); the next eval probes again",
+                    cache_path(key, cache_dir), exc)
         return {**choice, "cached": False}
     return {**choice, "cached": False, "cache_file": str(path)}
 
