@@ -127,7 +127,7 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True, ev
     (plan, the dtype name the run uses: "bf16" | "fp32" | ...)."""
     import gc
 
-    from cli.demo_plan import class_speed, make_plan, speed_class
+    from cli.demo_plan import class_speed, cost_dtype, make_plan, speed_class
     from cli.demo_probe import decode_speed, machine_key, probe_forward_speed, remember_class, remembered_class
     from core.hardware import resolve_device
     from models.base import load_base
@@ -155,10 +155,9 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True, ev
         decode_class = speed_class(decoding, remembered_class(decode_key))
         remember_class(decode_key, decode_class)
         decode_note = f"one-token decoding {decoding:.1f} tok/s in {decode_dtype}, from {source}"
-    priced = "bf16" if dtype in ("bf16", "fp16") else "fp32"  # the cost model's dtypes (cli/demo_plan.py: COSTS)
-    plan = make_plan(class_speed(k), priced, user=user, soft_loss=cfg.loss.teacher_weight > 0, tree_sweep=tree_sweep,
-                     decode_tok_s=None if decode_class is None else class_speed(decode_class),
-                     decode_dtype="bf16" if decode_dtype in ("bf16", "fp16") else "fp32")
+    plan = make_plan(class_speed(k), cost_dtype(dtype), user=user, soft_loss=cfg.loss.teacher_weight > 0,
+                     tree_sweep=tree_sweep, decode_tok_s=None if decode_class is None else class_speed(decode_class),
+                     decode_dtype=cost_dtype(decode_dtype))
     print(f"[demo plan] {plan.line()} (measured {measured:.0f} tok/s; {decode_note})", flush=True)
     return plan, dtype
 

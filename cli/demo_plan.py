@@ -206,6 +206,11 @@ class Plan:
         return text
 
 
+def cost_dtype(dtype: str) -> str:
+    """The COSTS entry a run's dtype is priced with: fp16 like bf16 (both half-width matmuls), else fp32."""
+    return "bf16" if dtype in ("bf16", "fp16") else "fp32"
+
+
 def decode_token_seconds(tok_s: float, dtype: str, decode_tok_s: float | None,
                          decode_dtype: str | None = None) -> float:
     """Seconds per MT-bench token of the demo's three decoders: from the measured one-token decode speed in
