@@ -100,8 +100,10 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.axvline(0, color="black", lw=0.8)
     ax.set_yticks(range(len(judged)), [r["arm"] for r in judged])
     ax.invert_yaxis()
-    ax.set_xlabel("chain-4 acceptance length minus the base arm's (mean over sets, paired 95 %)")
-    ax.set_title(f"EAGLE-3 levers at equal steps, field benchmark ({judged[0]['prompts']} prompts)", fontsize=9)
+    ax.set_xlabel("acceptance length minus the base arm's\n"
+                  "(chain of 4, another family its default chain; mean over sets, paired 95 %)", fontsize=9)
+    ax.set_title(f"Training levers at the base arm's compute, field benchmark ({judged[0]['prompts']} prompts)",
+                 fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
