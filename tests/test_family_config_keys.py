@@ -16,7 +16,7 @@ from models.registry import DRAFT_MODELS, FAMILIES, config_key_owners, flat_key_
 from train import checkpoint
 from train.config import DraftSection, LossSection, TrainConfig, load_train_config, saved_config_tree
 
-SHIPPED_RUN_CONFIG = "drafts/smollm2-eagle3-store/config.yaml"  # a run's config.yaml with the old flat keys
+FLAT_RUN_CONFIG = "tests/fixtures/flat_keys_run_config.yaml"  # a real run's config.yaml with the old flat keys
 
 
 def _other_value(value):
@@ -160,15 +160,15 @@ def test_a_nested_key_of_an_unknown_option_names_the_valid_ones():
 
 
 def test_a_saved_run_config_with_flat_keys_loads_and_resumes_unchanged():
-    """The shipped draft's run config.yaml (every old flat key, at its value): it loads to the same training, and
+    """A real run's config.yaml (every old flat key, at its value): it loads to the same training, and
     the resume check sees no change between it and the config loaded from it."""
-    saved = yaml.safe_load(open(SHIPPED_RUN_CONFIG))
-    cfg = load_train_config([SHIPPED_RUN_CONFIG])
+    saved = yaml.safe_load(open(FLAT_RUN_CONFIG))
+    cfg = load_train_config([FLAT_RUN_CONFIG])
     assert cfg.draft.family == "eagle3" and cfg.draft.eagle3.ttt_steps == saved["draft"]["ttt_steps"] == 3
     assert cfg.loss.teacher_weight == saved["loss"]["teacher_weight"]
     assert checkpoint.resume_config_changes(saved_config_tree(saved), to_dict(cfg)) == []
     # a real change is still caught, and named by its new key
-    changed = load_train_config([SHIPPED_RUN_CONFIG], ["draft.eagle3.ttt_steps=4", "draft.num_heads=4"])
+    changed = load_train_config([FLAT_RUN_CONFIG], ["draft.eagle3.ttt_steps=4", "draft.num_heads=4"])
     diffs = checkpoint.resume_config_changes(saved_config_tree(saved), to_dict(changed))
     assert "draft.eagle3.ttt_steps: 3 -> 4" in diffs
 
@@ -217,10 +217,10 @@ def test_resuming_a_run_whose_config_yaml_has_the_old_flat_keys(tmp_path):
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step40").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(open(SHIPPED_RUN_CONFIG).read())
-    cfg = load_train_config([SHIPPED_RUN_CONFIG], [f"run_dir={run_dir}", "resume=auto"])
+    (run_dir / "config.yaml").write_text(open(FLAT_RUN_CONFIG).read())
+    cfg = load_train_config([FLAT_RUN_CONFIG], [f"run_dir={run_dir}", "resume=auto"])
     _check_resumed_config(cfg, run_dir, run_dir / "checkpoints")  # no change: resumes
-    changed = load_train_config([SHIPPED_RUN_CONFIG], [f"run_dir={run_dir}", "resume=auto",
+    changed = load_train_config([FLAT_RUN_CONFIG], [f"run_dir={run_dir}", "resume=auto",
                                                        "draft.eagle3.ttt_steps=4", "draft.num_heads=4"])
     with pytest.raises(ValueError, match=r"draft\.eagle3\.ttt_steps: 3 -> 4"):
         _check_resumed_config(changed, run_dir, run_dir / "checkpoints")
