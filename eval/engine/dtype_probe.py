@@ -7,7 +7,9 @@ random tokens once; then, in PROBE_REPEATS interleaved rounds (bf16 then fp32, f
 the machine's load hits both alike), each runs STEPS_PER_SAMPLE steps of one token (an AR step) and of
 PROBE_WIDTH tokens in a chain (a speculative verify step), every step dropped again (commit of nothing), so the KV
 prefix stays PROBE_PREFIX long. The median per dtype and width is kept, in ms per step. A few seconds for
-SmolLM2-135M on 2 cores; the result is cached per machine (core/dtype_probe_cache.py), so it runs once.
+SmolLM2-135M on 2 cores; the result is cached per machine (core/dtype_probe_cache.py), so it runs once, and again
+where the cached record was measured on another host or CPU, by another version of this code (PROBE_CODE: this
+module and the backends it times) or on a loaded machine.
 
 Only `dtype=fast` on a CPU with bf16 matrix instructions probes (core/dtype_phases.py: needs_probe): CUDA decodes
 in bf16 and a CPU without bf16 instructions in fp32 with no measurement, and an explicit dtype is kept as asked.
@@ -20,12 +22,14 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from core.dtype_phases import PROBE_FORMAT, PhaseDtypes, needs_probe, phase_dtypes
 from core.dtype_probe_cache import probe_key, read_cached, write_cached
-from core.load import LoadWatch, cores, load_average
+from core.keyed_cache import code_version
+from core.load import LoadWatch
 from eval.engine.backends.backend import Backend
 from eval.engine.backends.choice import choose_backend
 
@@ -36,6 +40,16 @@ PROBE_WIDTH = 4  # verify width: a 3-token chain or a 4-node tree (root included
 PROBE_REPEATS = 7  # interleaved rounds; the median of each (dtype, width) is kept
 STEPS_PER_SAMPLE = 3  # steps per timed sample (one sample = their mean)
 WARMUP_STEPS = 2  # untimed steps per (dtype, width): oneDNN / MKL pick their kernels on the first call
+# The code whose timing a cached record holds: this module and the decode backends it times. Another version of any
+# of them measures again (core/keyed_cache.py: code_version).
+_BACKENDS = Path(__file__).resolve().parent / "backends"
+PROBE_CODE = (Path(__file__).resolve(), *(_BACKENDS / f for f in ("backend.py", "choice.py", "fast.py", "fast_core.py",
+                                                                   "fast_matmul.py", "fast_support.py", "hf.py")))
+
+
+def probe_code_version() -> str:
+    """The version of the code a probe record was measured by (PROBE_CODE's source digest)."""
+    return code_version(PROBE_CODE)
 
 
 def probe_backends(model: torch.nn.Module, kind: str, max_len: int) -> dict[str, Backend]:
@@ -98,11 +112,6 @@ def probe_decode_speed(model: torch.nn.Module, kind: str) -> dict:
                                                                                       time.gmtime())}
 
 
-def _quiet_now() -> bool:
-    now = load_average()
-    return now is not None and now[0] <= cores()
-
-
 def resolve_phase_dtypes(requested: str, device: torch.device | str, *, load_fp32: Callable[[], object],
                          fingerprint: str | None = None, backend: str = "auto", cache_dir=None,
                          probe: Callable[[torch.nn.Module, str], dict] | None = None,
@@ -112,9 +121,10 @@ def resolve_phase_dtypes(requested: str, device: torch.device | str, *, load_fp3
     Only `fast` on a CPU with bf16 instructions measures: the cached probe for this machine (CPU, torch, threads,
     base `fingerprint`, `backend`) when there is one, else `probe(model, backend kind)` (default:
     probe_decode_speed) on the base that `load_fp32()` returns (a models.base.LoadedBase in fp32 on the CPU; loaded
-    only when needed, or when `fingerprint` is None, to read it), whose record is then cached. A record measured on
-    a loaded machine is measured again at the first run that finds the machine quiet. cpuinfo: /proc/cpuinfo's
-    text (tests pass another CPU's)."""
+    only when needed, or when `fingerprint` is None, to read it), whose record is then cached with its provenance. A
+    cached record measured on another host or CPU, by another version of the probe code or on a loaded machine
+    (core/keyed_cache.py: stale) is measured again, with one line saying why. cpuinfo: /proc/cpuinfo's text (tests
+    pass another CPU's)."""
     device = torch.device(device)
     if not needs_probe(requested, device, cpuinfo):
         return phase_dtypes(requested, device, cpuinfo=cpuinfo)
@@ -126,16 +136,13 @@ def resolve_phase_dtypes(requested: str, device: torch.device | str, *, load_fp3
         fingerprint = base.fingerprint
     key = probe_key(fingerprint=fingerprint, backend=backend, threads=torch.get_num_threads(),
                     extra={"fp32_matmul": fp32_layout(device)}, cpuinfo=cpuinfo)
-    record = read_cached(key, cache_dir)
-    if record is not None and (record.get("load") or {}).get("loaded") and _quiet_now():
-        log.info("the cached decode dtype probe %s ran on a loaded machine; measuring again now that it is quiet",
-                 record.get("cache_file"))
-        record = None
+    code = probe_code_version()
+    record = read_cached(key, cache_dir, code=code, cpuinfo=cpuinfo)
     if record is None:
         base = base if base is not None else load_fp32()
         kind, _ = choose_backend(backend, base.model)
         log.info("timing decode steps in bf16 and fp32 on this machine (once; cached per CPU, torch, threads, base)")
         record = (probe or probe_decode_speed)(base.model, kind)
-        record = {**record, "cache_file": str(write_cached(key, record, cache_dir))}
+        record = {**record, "cache_file": str(write_cached(key, record, cache_dir, code=code, cpuinfo=cpuinfo))}
     del base
     return phase_dtypes(requested, device, probe=record, cpuinfo=cpuinfo)

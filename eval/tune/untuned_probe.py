@@ -14,8 +14,12 @@ column is untuned, names the shape and its probe speed, and gives the `specdraft
 The probe's choice is kept under the user cache ($SPECDRAFT_CACHE, else ~/.cache/specdraft): shape_probe/<key
 hash>.json, keyed by what its timing depends on (the draft's weights and config, the CPU, torch, the dtype, the
 thread count, the backend, the acceptance rule, specdraft's version), so a suite's sets and later evals on this
-machine probe once. Never written into the export (a shipped draft's directory is tracked). `untuned_probe=false`
-decodes the export's default instead.
+machine probe once. Beside it the file keeps its provenance (core/keyed_cache.py: the host, the CPU's model and
+kernel flags, PROBE_CODE's version, the load around the probe, the date): a choice probed on another host or CPU,
+by other code, or on a loaded machine is probed again, with one line saying why. With PROBE_REPEATS under tune's
+MIN_REPEATS its choice is a quick one ("quick": true, eval/tune/choice/record.py: repeats_mark): it picks the shape
+an untuned eval decodes and is never reported as tuned. Never written into the export (a shipped draft's directory
+is tracked). `untuned_probe=false` decodes the export's default instead.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import logging
 import time
 from pathlib import Path
 
-from core.keyed_cache import keyed_path, read_keyed, write_keyed
+from core.keyed_cache import code_version, keyed_path, provenance, read_keyed, write_keyed
+from core.load import LoadWatch
 
 log = logging.getLogger("specdraft.untuned_probe")
 
@@ -42,6 +47,18 @@ PROBE_WARMUP = 4
 PROBE_BUDGET_S = 300.0
 TIE = "faster"
 DEFAULT_LABEL = "the export's default"
+# The code whose timing a cached choice holds: this probe, the sweep and its statistics, our decoder as a tune
+# engine, the decode loop and its backends. Another version of any of them probes again.
+_EVAL = Path(__file__).resolve().parents[1]
+PROBE_CODE = (Path(__file__).resolve(), _EVAL / "tune" / "sweep.py", _EVAL / "tune" / "ours.py",
+              _EVAL / "tune" / "choice" / "stats.py", _EVAL / "engine" / "decoder.py", _EVAL / "engine" / "tree.py",
+              *(_EVAL / "engine" / "backends" / f for f in ("backend.py", "fast.py", "fast_core.py", "fast_matmul.py",
+                                                             "hf.py")))
+
+
+def probe_code_version() -> str:
+    """The version of the code a cached choice was probed by (PROBE_CODE's source digest)."""
+    return code_version(PROBE_CODE)
 
 
 # The export's default shape as a setting: `tree=auto` is the eval config's own default (the export's shape, else the
@@ -103,9 +120,10 @@ def _check_choice(choice) -> str | None:
     return None
 
 
-def read_cached(key: dict, cache_dir: Path | None = None) -> dict | None:
-    """The choice cached for `key`, or None: none yet (silently), or a bad file (a warning naming it; probed again)."""
-    return read_keyed(PROBE_DIR, key, "choice", _check_choice, "shape probe cache", log, cache_dir)
+def read_cached(key: dict, cache_dir: Path | None = None, *, code: str | None = None) -> dict | None:
+    """The choice cached for `key`, or None: none yet (silently), a bad file (a warning naming it), or, with `code`
+    (PROBE_CODE's version), a choice probed elsewhere, by other code or loaded (one line says why); probed again."""
+    return read_keyed(PROBE_DIR, key, "choice", _check_choice, "shape probe cache", log, cache_dir, code=code)
 
 
 def summarize(record: dict) -> dict:
@@ -128,6 +146,7 @@ def summarize(record: dict) -> dict:
                       for p in points]
     best["prompts"] = len(record.get("prompts") or [])
     best["max_new_tokens"] = record.get("max_new_tokens")
+    best.update({k: record[k] for k in ("repeats", "quick") if k in record})  # the repeat rule's mark
     return best
 
 
@@ -167,22 +186,25 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
                 "points": [], "prompts": 0,
                 "reason": "the family has no chain: the export's default is the only shape", "cached": False}
     key = probe_key(export_dir, cfg, here, loaded.family)
-    cached = read_cached(key, cache_dir)
+    code = probe_code_version()
+    cached = read_cached(key, cache_dir, code=code)
     if cached is not None:
         return {**cached, "cached": True}
     pcfg, prompts = probe_config(cfg, export_dir, loaded.base.tokenizer)
     engine = OursEngine(loaded, pcfg, searched_tree=False, shapes=shapes, prompts=prompts)
     t0 = time.monotonic()
+    watch = LoadWatch()
     bar, progress = progress_bar([engine], desc="shape probe")
     with bar:
         record = sweep_engine(engine, PROBE_REPEATS, time.monotonic() + budget_s, progress, tie=TIE)
     choice = summarize(record)
+    choice["load"] = watch.record()
     choice["seconds"] = round(time.monotonic() - t0, 1)
     choice["dataset"] = pcfg.dataset
     if not choice["points"]:  # nothing measured (AR failed, the budget ran out): not kept, the next eval tries again
         return {**choice, "cached": False}
     try:
-        path = write_keyed(PROBE_DIR, key, "choice", choice, cache_dir,
+        path = write_keyed(PROBE_DIR, key, "choice", choice, cache_dir, prov=provenance(code, choice["load"]),
                            measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     except OSError as exc:  # a read-only cache costs the next eval a probe, not this eval its result
         log.warning("shape probe: could not keep the choice in %s (%s); the next eval probes again",
