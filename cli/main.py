@@ -10,7 +10,14 @@ from pathlib import Path
 
 from cli import CONFIGS
 from cli.card import add_card_parser, cmd_card
-from cli.field import add_field_judge_parser, add_field_parsers, cmd_field, cmd_field_refs
+from cli.field import (
+    add_field_judge_parser,
+    add_field_paired_parser,
+    add_field_parsers,
+    cmd_field,
+    cmd_field_paired,
+    cmd_field_refs,
+)
 from cli.ship import add_ship_parser, cmd_ship
 from core.config_loader import ConfigError
 from eval.tune import add_tune_parser, cmd_tune
@@ -142,6 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="only check: exit 1 when a page is out of date")
     add_field_parsers(sub)
     add_field_judge_parser(sub)
+    add_field_paired_parser(sub)
     add_card_parser(sub)
     return parser
 
@@ -407,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
                "serve-check": cmd_serve_check, "tune": cmd_tune, "ship": cmd_ship,
                "tree-search": cmd_tree_search, "compare": cmd_compare,
                "config-reference": cmd_config_reference, "docs-families": cmd_docs_families,
-               "field-refs": cmd_field_refs, "field": cmd_field, "card": cmd_card}[args.command]
+               "field-refs": cmd_field_refs, "field": cmd_field, "field-paired": cmd_field_paired,
+               "card": cmd_card}[args.command]
     try:
         return handler(args)
     except ConfigError as exc:

@@ -268,3 +268,37 @@ def test_lockstep_agrees_with_per_prompt_on_the_shipped_draft(shape, tmp_path):
               for run in (slow, fast)]
         assert abs(al[0] - al[1]) <= 0.005, (s, al)
     assert differ < 0.005 * steps
+
+
+def test_a_batched_run_records_its_measured_agreement_and_a_defect_shows(model, plain, stored, tmp_path,
+                                                                         monkeypatch):
+    """After a batched run, a sample of its prompts re-decoded one at a time (measure_agreement): every step and row
+    identical here, and the report's path says so in numbers. With a defect put into lockstep's chain (depth 2's
+    draft replaced), the same check counts the differing steps and rows: it cannot pass by accident."""
+    from eval.harness.field import measure_agreement
+    from eval.harness.field_report import path_label
+
+    refs, eos = stored
+    base = SimpleNamespace(model=model, fingerprint="tiny-agree", tokenizer=SimpleNamespace(eos_token_id=eos[0]))
+    drafter = Eagle3Drafter(plain, mode="chain", chain_length=4)
+    kw = dict(backend_name="hf", cache_root=tmp_path / "cache")
+    rows = run_field(drafter, refs, base, out_dir=tmp_path / "good", lockstep=3, progress=False, **kw)
+    good = measure_agreement(drafter, rows, refs, base, sample=6, **kw)
+    assert good["rows"] == 6 and good["identical_rows"] == 6 and good["identical_steps"] == good["steps"] > 6
+    assert good["max_set_al_diff"] == 0.0
+    label = path_label({"lockstep": 3, "path": "batched", "agreement": good})
+    assert f"measured agreement: {good['steps']} of {good['steps']} steps identical, 6 of 6" in label
+
+    real = LockstepEagle3._chain
+
+    def broken(self, slots, o_root):
+        proposals = real(self, slots, o_root)
+        for p in proposals:
+            if len(p.tokens) > 2:
+                p.tokens[2] = (p.tokens[2] + 1) % model.config.vocab_size  # depth 2 never matches now
+        return proposals
+
+    monkeypatch.setattr(LockstepEagle3, "_chain", broken)
+    bad_rows = run_field(drafter, refs, base, out_dir=tmp_path / "bad", lockstep=3, progress=False, **kw)
+    bad = measure_agreement(drafter, bad_rows, refs, base, sample=6, **kw)
+    assert bad["identical_steps"] < bad["steps"] and bad["identical_rows"] < 6 and bad["max_set_al_diff"] > 0

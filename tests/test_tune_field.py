@@ -164,3 +164,23 @@ def test_a_field_ranking_that_differs_is_one_line_in_the_report():
     text = markdown(context, {"ours": rec})
     assert text.count(note) == 1
     assert "| a | 10.0 | 8.0 | 1.300x | 1.100x | yes | 2.00 | 1.800 (1.000-3.000) | 1.170x |" in text
+
+
+def test_field_columns_in_bf16_against_fp32_answers_are_marked_everywhere(smoke_run, tmp_path, capsys):
+    """tune in bf16 replays bf16 hidden states against the stored fp32 answers: the field columns are kept (the
+    choice never rests on them) but every output says so: the record, report.md, NOTES.md and the printed line."""
+    export = _export(smoke_run, tmp_path)
+    refs = write_tiny_refs(tmp_path / "refs")
+    assert tune(["--draft", str(export), *FAST, "--field-refs", str(refs), "--field-prompts", "2", "dtype=bf16"]) == 0
+    mark = "bf16 draft and base against fp32 answers"
+    assert f"(MARKED: {mark})" in capsys.readouterr().out
+    rec = _ours(export)
+    assert rec["field"]["dtype_mark"] == mark
+    simulated = [p for p in rec["points"] if p.get("field_acceptance_length") is not None]
+    assert simulated and all(p["field_dtype_mark"] == mark for p in simulated)
+    assert f"MARKED: {mark}" in (export.parent / "tune" / "tune" / "report.md").read_text()
+    if rec["choice"].get("field_acceptance_length") is not None:
+        assert f"(MARKED: {mark})" in (export / "NOTES.md").read_text()
+    for p in simulated:
+        meta = json.loads((export.parent / "tune" / "tune" / p["field_report"] / "field.json").read_text())["meta"]
+        assert meta["dtype_mark"] == mark and meta["dtype"] == "bfloat16"

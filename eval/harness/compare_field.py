@@ -38,8 +38,9 @@ def judge_rows(cfg, settings: dict, entries: list, out_dir: Path) -> dict:
 
             row_cfg = dataclasses.replace(row_cfg, tree_choices=searched_tree(e.export, e.tree_nodes))
         row_dir = Path(out_dir) / "field" / e.label
+        # compare's greedy setting may decode in bf16 (dtype=fast): judged anyway, marked in its row
         report, _ = judge_export(Path(e.export), Path(cfg.field_refs), row_cfg, sets=cfg.field_sets or None,
-                                 num_prompts=cfg.field_prompts, out_dir=row_dir, label=e.label)
+                                 num_prompts=cfg.field_prompts, out_dir=row_dir, label=e.label, mixed_dtype=True)
         row = summarize(report)
         row["setting"] = setting
         if first is None:
@@ -55,8 +56,11 @@ def judge_rows(cfg, settings: dict, entries: list, out_dir: Path) -> dict:
 
 def summarize(report: dict) -> dict:
     """What the compare tables show of one field report."""
+    from eval.harness.field_report import path_label
+
     m = report["meta"]
-    return {"shape": m["shape"], "family": m["family"], "prompts": report["prompts"],
+    return {"shape": m["shape"], "family": m["family"], "prompts": report["prompts"], "path": path_label(m),
+            "dtype": m["dtype"], "dtype_mark": m.get("dtype_mark"),
             "mean_over_sets": report["mean_over_sets"], "mean_interval": report["mean_interval"],
             "sets": {t["set"]: t["acceptance_length"] for t in report["sets"]}, "seconds": m["seconds"],
             "simulated": True}

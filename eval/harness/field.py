@@ -1,10 +1,15 @@
-"""`specdraft field`: a draft's exact greedy acceptance on the stored base answers (eval/harness/field_refs.py), every
-family, hundreds of prompts, at the drafter's cost (docs/howto/evaluate.md, "The field benchmark").
+"""`specdraft field`: a draft's greedy acceptance simulated on the stored base answers (eval/harness/field_refs.py),
+every family, hundreds of prompts, at the drafter's cost (docs/howto/evaluate.md, "The field benchmark").
 
 Per prompt: the base's teacher-forced pass over prompt + stored answer (every hidden state, and the aux layers an
 EAGLE-3 draft reads) comes from the field cache, built once per base, dtype and aux layers and reused by every draft
 judged after; the unchanged decoder loop then runs the drafter against a ReplayBackend (eval/engine/backends/
 replay.py), whose verification is a lookup in the stored answer. The per-step accepted lengths are decoding's.
+
+Two paths, and every report names its own (`meta["path"]`, field_report.path_label): `exact`, one prompt at a time
+through that decoder loop; `batched`, an EAGLE-3 draft's prompts stepped together (eval/harness/field_lockstep.py),
+whose agreement with the exact path is measured on a sample of the run's own prompts re-decoded one at a time
+(`measure_agreement`, recorded in `meta["agreement"]`), not assumed.
 
 Acceptance length here = mean over decode steps of (accepted drafts + 1), counted before end-of-turn / length
 truncation (eval/engine/decoder.py): the drafter's measure. Speed still needs decoding (`specdraft eval`).
@@ -29,6 +34,18 @@ CACHE_FORMAT = 1
 # cached prompts, 1 thread (a box at load 3-4): chain-4 6.9 / 6.0 / 6.1 ms a step at widths 32 / 64 / 128, tree
 # 8.9 / 6.9 at 32 / 64; wider batches make the LM head's product more efficient until the tail of the queue dominates.
 LOCKSTEP_WIDTH = 64
+# Prompts of a batched (lockstep) run re-decoded one at a time to measure its agreement with the exact path (0 = none).
+AGREEMENT_SAMPLE = 8
+# The default run (no --full / --num-prompts): each set's first DEFAULT_PER_SET prompts; a set whose prompts +
+# answers average over twice the whole store's mean tokens a prompt (long-context) its first half as many. On the
+# SmolLM2 store: 305 of 1,088 prompts, 22 % of the base-pass tokens (the field cache) over all 11 sets.
+DEFAULT_PER_SET = 29
+# Seconds of judging per stored answer token, as recorded on a 2-core AMD EPYC (AVX512-BF16), 1 thread, fp32, the
+# shipped EAGLE-3, all 1,088 answers (215,866 tokens; drafts/smollm2-eagle3-store/field/*/field.json "seconds"):
+# batched chain of 4 401 s, batched 16-node tree 667 s. The exact path one prompt at a time: EXACT_SLOWDOWN x the
+# batched tree (measured beside the agreement sample; see docs/howto/evaluate.md, "The field benchmark").
+JUDGE_SECONDS_PER_TOKEN = {"chain": 401 / 215866, "tree": 667 / 215866}
+EXACT_SLOWDOWN = 4.0
 
 
 @dataclass
@@ -166,6 +183,158 @@ def uses_lockstep(drafter, lockstep: int) -> bool:
     return lockstep >= 1 and isinstance(drafter, Eagle3Drafter)
 
 
+def default_subset(refs: list, per_set: int = DEFAULT_PER_SET) -> list:
+    """The default run's prompts, in store order: each set's first `per_set`, and the first ceil(per_set / 2) of a
+    set whose prompts + stored answers average over twice the mean tokens a prompt of `refs` (its base pass costs
+    about that much more). Deterministic: the same store gives the same prompts on every machine."""
+    def tokens(r) -> int:
+        return len(r.prompt) + len(r.answer)
+
+    mean = sum(map(tokens, refs)) / max(1, len(refs))
+    sets: dict[str, list] = {}
+    for r in refs:
+        sets.setdefault(r.set, []).append(r)
+    quota = {s: per_set if sum(map(tokens, rs)) / len(rs) <= 2 * mean else -(-per_set // 2) for s, rs in sets.items()}
+    seen: dict[str, int] = {}
+    out = []
+    for r in refs:
+        seen[r.set] = seen.get(r.set, 0) + 1
+        if seen[r.set] <= quota[r.set]:
+            out.append(r)
+    return out
+
+
+def differing_steps(a: list[int], b: list[int]) -> int:
+    """Steps of run `a` (accepted lengths) with no twin in run `b`: a step is (where it starts in the answer, how
+    many tokens it accepted), so after a flip the two runs count as agreeing again once their steps line up."""
+    def steps(lengths):
+        out, at = set(), 0
+        for n in lengths:
+            out.add((at, n))
+            at += n
+        return out
+
+    return len(steps(a) - steps(b))
+
+
+ROW_FIELDS = ("accept_lengths", "accepted_per_depth", "proposed_per_depth", "tree_nodes", "new_tokens")
+
+
+def agreement_sample(refs: list, n: int) -> list:
+    """n of `refs` spread evenly over them (first and last included; all of them when n >= len(refs))."""
+    if n <= 0 or not refs:
+        return []
+    if n >= len(refs):
+        return list(refs)
+    picked = sorted({round(k * (len(refs) - 1) / (n - 1)) for k in range(n)}) if n > 1 else [0]
+    return [refs[i] for i in picked]
+
+
+def exact_rows(drafter, refs: list, base, *, backend_name: str, cache_root: Path | None = None,
+               max_new_tokens: int | None = None, progress: bool = False) -> dict[str, dict]:
+    """id -> row of each of `refs` simulated one prompt at a time through the decoder loop (the exact path), in
+    memory: what a batched run's rows are checked against."""
+    from data.self_distill import end_of_turn_ids
+
+    aux_layers = tuple(getattr(drafter, "aux_layers", None) or ())
+    directory = ensure_cache(refs, base, backend_name, aux_layers, root=cache_root, progress=progress)
+    eos = end_of_turn_ids(base)
+    vocab = int(base.model.config.vocab_size)
+    device = next(base.model.parameters()).device
+    out = {}
+    for r in refs:
+        n = min(r.n, max_new_tokens or r.n)
+        hidden, aux, differs = load_cached(directory, r, device)
+        with torch.inference_mode():
+            res = simulate(drafter, r.prompt, r.answer, n, hidden, aux, aux_layers, vocab, eos)
+        out[r.id] = {**sim_row(r, res).to_dict(), "tf_differs": [d for d in differs if d < n]}
+    return out
+
+
+def compare_rows(batched: dict[str, dict], exact: dict[str, dict]) -> dict:
+    """How far a batched run's rows agree with the exact path's on the same prompts: steps identical (of the exact
+    path's), rows identical in every field (ROW_FIELDS), and per set the largest |AL difference| over its sampled
+    prompts."""
+    from eval.harness.field_report import by_set
+
+    ids = [i for i in exact if i in batched]
+    steps = sum(len(exact[i]["accept_lengths"]) for i in ids)
+    differ = sum(differing_steps(exact[i]["accept_lengths"], batched[i]["accept_lengths"]) for i in ids)
+    same_rows = sum(all(batched[i][f] == exact[i][f] for f in ROW_FIELDS) for i in ids)
+
+    def al(rows: list[dict]) -> float:
+        n = sum(len(r["accept_lengths"]) for r in rows)
+        return sum(sum(r["accept_lengths"]) for r in rows) / n if n else 1.0
+
+    diffs = {s: abs(al([batched[r["id"]] for r in rs]) - al(rs)) for s, rs in by_set([exact[i] for i in ids]).items()}
+    worst = max(diffs, key=diffs.get) if diffs else None
+    return {"prompts": ids, "steps": steps, "identical_steps": steps - differ, "rows": len(ids),
+            "identical_rows": same_rows, "max_set_al_diff": diffs[worst] if worst else 0.0,
+            "max_set_al_diff_set": worst, "set_al_diff": diffs}
+
+
+def measure_agreement(drafter, rows: list[dict], refs: list, base, *, backend_name: str, sample: int,
+                      cache_root: Path | None = None, max_new_tokens: int | None = None) -> dict | None:
+    """A batched run's measured agreement: `sample` of its prompts (agreement_sample over `refs`, the run's own)
+    re-decoded one at a time and compared row for row with what the batched path wrote (compare_rows); None when
+    sample is 0."""
+    picked = agreement_sample(refs, sample)
+    if not picked:
+        return None
+    t0 = time.perf_counter()
+    exact = exact_rows(drafter, picked, base, backend_name=backend_name, cache_root=cache_root,
+                       max_new_tokens=max_new_tokens)
+    out = compare_rows({r["id"]: r for r in rows}, exact)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def cache_rate(base, backend_name: str, aux_layers: tuple[int, ...], tokens: int = 256) -> float:
+    """The base's teacher-forced pass in tokens per second on this machine, now: one pass of `tokens` after a
+    short warm-up (a second or two for SmolLM2 on 2 cores)."""
+    from eval.engine.backends.choice import make_backend
+
+    backend = make_backend(backend_name, base.model)
+    vocab = int(base.model.config.vocab_size)
+    seq = torch.arange(tokens, dtype=torch.long) % max(2, vocab - 1) + 1
+    with torch.inference_mode():
+        teacher_forced(backend, seq[:32], aux_layers)
+        t0 = time.perf_counter()
+        teacher_forced(backend, seq, aux_layers)
+        seconds = time.perf_counter() - t0
+    return tokens / max(seconds, 1e-6)
+
+
+def judge_rate(drafter, lockstep: int) -> float:
+    """Seconds of judging per stored answer token (JUDGE_SECONDS_PER_TOKEN, as recorded): chain or tree,
+    batched or exact."""
+    chain = getattr(drafter, "mode", None) == "chain" or getattr(drafter, "parallel", False)
+    rate = JUDGE_SECONDS_PER_TOKEN["chain" if chain else "tree"]
+    return rate if uses_lockstep(drafter, lockstep) else rate * EXACT_SLOWDOWN
+
+
+def estimate_cost(refs: list, done_ids: set, cached, tokens_per_s: float | None, judge_s_per_token: float,
+                  max_new_tokens: int | None = None) -> dict:
+    """What a run over `refs` costs: prompts to judge (no row yet), base passes to cache (those of them without a
+    cache file: cached(ref) -> bool), their tokens, and minutes (cache at `tokens_per_s`, judging at
+    `judge_s_per_token` per answer token)."""
+    todo = [r for r in refs if r.id not in done_ids]
+    build = [r for r in todo if not cached(r)]
+    tokens = sum(len(r.prompt) + len(r.answer) for r in build)
+    answer = sum(min(r.n, max_new_tokens or r.n) for r in todo)
+    cache_min = tokens / tokens_per_s / 60 if build and tokens_per_s else 0.0
+    judge_min = answer * judge_s_per_token / 60
+    return {"prompts": len(refs), "to_judge": len(todo), "to_cache": len(build), "cache_tokens": tokens,
+            "cache_minutes": cache_min, "judge_minutes": judge_min, "minutes": cache_min + judge_min}
+
+
+def describe_cost(name: str, c: dict) -> str:
+    cache = (f"the base's pass to cache for {c['to_cache']} ({c['cache_tokens']:,} tokens, ~{c['cache_minutes']:.1f} "
+             "min)" if c["to_cache"] else "cache ready")
+    return (f"{name}: {c['prompts']} prompts, {c['to_judge']} to judge (~{c['judge_minutes']:.1f} min), {cache}: "
+            f"~{c['minutes']:.1f} min")
+
+
 def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, rank: int = 0,
               world: int = 1, progress: bool = True, cache_root: Path | None = None,
               max_new_tokens: int | None = None, lockstep: int = LOCKSTEP_WIDTH) -> list[dict]:
@@ -181,14 +350,15 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
 
     aux_layers = tuple(getattr(drafter, "aux_layers", None) or ())
     mine = shard(refs, rank, world)
-    directory = ensure_cache(mine, base, backend_name, aux_layers, root=cache_root, progress=progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"rows-{rank}.jsonl"
     rows = {row["id"]: row for row in read_finished_rows(path)}
+    todo = [r for r in mine if r.id not in rows]
+    # the base's pass only where a row is still to simulate: a finished or resumed report needs no cache
+    directory = ensure_cache(todo, base, backend_name, aux_layers, root=cache_root, progress=progress)
     eos = end_of_turn_ids(base)
     vocab = int(base.model.config.vocab_size)
     device = next(base.model.parameters()).device
-    todo = [r for r in mine if r.id not in rows]
 
     def length(r) -> int:
         return min(r.n, max_new_tokens or r.n)  # a shorter length: the answer's first tokens, as decoding would
@@ -222,15 +392,19 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
 
 def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | None = None,
                  num_prompts: int | None = None, out_dir: Path | None = None, label: str = "",
-                 lockstep: int = LOCKSTEP_WIDTH) -> tuple[dict, Path]:
+                 lockstep: int = LOCKSTEP_WIDTH, subset: str = "all", agreement: int = AGREEMENT_SAMPLE,
+                 mixed_dtype: bool = False, announce=None) -> tuple[dict, Path]:
     """`specdraft field --draft EXPORT`: load the draft (cfg: an EvalConfig, its dtype, backend and the draft's
-    shape: tree, extra), simulate it on the stored answers (each set's first `num_prompts` when given), write
-    field.json / field.md / field.png. lockstep: run_field's (an EAGLE-3 draft's prompts stepped that many at a
-    time; 0 = the per-prompt path). Returns (report, out_dir)."""
+    shape: tree, extra), simulate it on the stored answers, write field.json / field.md / field.png. Prompts: each
+    set's first `num_prompts` when given, else `subset` ("all", or "default": default_subset). lockstep: run_field's
+    (an EAGLE-3 draft's prompts stepped that many at a time; 0 = the exact path); after a batched run, `agreement`
+    of its prompts are re-decoded one at a time and the agreement recorded (meta["agreement"]; 0 = not measured).
+    A dtype other than the stored answers' is refused unless `mixed_dtype` (then marked: meta["dtype_mark"]).
+    announce(line): told what the run will cost before it starts. Returns (report, out_dir)."""
     from core.hardware import resolve_device
     from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.registry import build_drafter
-    from eval.harness.field_refs import read_refs
+    from eval.harness.field_refs import dtype_mark, read_refs
     from eval.harness.field_report import field_report, read_rows, write_field_report
     from eval.tune.choice import tuned_eval_config
     from models.export.load import load_export
@@ -238,18 +412,29 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     t0 = time.perf_counter()
     loaded = load_export(export_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=resolve_device(cfg.device),
                          chat_template=cfg.chat_template)
-    card, refs = read_refs(refs_dir, loaded.base.fingerprint, sets)
+    dtype = str(next(loaded.base.model.parameters()).dtype).removeprefix("torch.")
+    card, stored = read_refs(refs_dir, loaded.base.fingerprint, sets, dtype=dtype, mixed_dtype=mixed_dtype)
     if num_prompts:
-        refs = first_per_set(refs, num_prompts)
+        refs, chosen = first_per_set(stored, num_prompts), f"each set's first {num_prompts}"
+    elif subset == "default":
+        refs = default_subset(stored)
+        chosen = (f"the default subset: each set's first {DEFAULT_PER_SET} (a set of prompts over twice the mean "
+                  f"length: {-(-DEFAULT_PER_SET // 2)}); --full judges all {len(stored)}")
+    else:
+        refs, chosen = stored, "all"
     cfg, tuned = tuned_eval_config(cfg, export_dir, loaded.family)
     drafter, info = build_drafter(loaded.draft, loaded.config, cfg)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    dtype = str(next(loaded.base.model.parameters()).dtype).removeprefix("torch.")
     shape = _shape_name(info, cfg)
     short = cfg.max_new_tokens < card["max_new_tokens"]
     out_dir = Path(out_dir or Path(export_dir).parent / "field" /
                    f"{dtype}-{shape}{f'-{cfg.max_new_tokens}tok' if short else ''}")
     backend_name, _ = choose_backend(cfg.backend, loaded.base.model)
+    batched = uses_lockstep(drafter, lockstep)
+    if announce is not None:
+        _announce_cost(announce, drafter, refs, stored, loaded.base, backend_name, out_dir, rank, world, lockstep,
+                       cfg.max_new_tokens, chosen)
+    before = {row["id"] for p in out_dir.glob("rows-*.jsonl") for row in read_finished_rows(p, repair=False)}
     rows = run_field(drafter, refs, loaded.base, backend_name=backend_name, out_dir=out_dir, rank=rank,
                      world=world, max_new_tokens=cfg.max_new_tokens, lockstep=lockstep)
     if world > 1:  # the last rank to finish writes the report from every rank's rows
@@ -257,15 +442,48 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
         rows = [r for r in read_rows(out_dir) if r["id"] in wanted]
         if len({r["id"] for r in rows}) < len(refs):
             return {"partial": True, "rank": rank}, out_dir
+    seconds = round(time.perf_counter() - t0, 1)
+    if all(r.id in before for r in refs) and (out_dir / "field.json").is_file():  # nothing simulated now: the
+        seconds = json.loads((out_dir / "field.json").read_text())["meta"].get("seconds", seconds)  # run that did
+    measured = (measure_agreement(drafter, rows, refs, loaded.base, backend_name=backend_name, sample=agreement,
+                                  max_new_tokens=cfg.max_new_tokens) if batched else None)
     meta = {"draft": label or str(export_dir), "family": loaded.family, "shape": shape, "dtype": dtype,
             "backend": backend_name, "refs": str(refs_dir), "refs_sha256": card["data_sha256"],
-            "base": card["base"], "tuning": tuned, "seconds": round(time.perf_counter() - t0, 1),
+            "refs_dtype": card.get("dtype", "float32"), "dtype_mark": dtype_mark(card, dtype),
+            "base": card["base"], "tuning": tuned, "seconds": seconds,
             "threads": torch.get_num_threads(), "simulated": True,
-            "lockstep": lockstep if uses_lockstep(drafter, lockstep) else 0,
+            "path": "batched" if batched else "exact", "lockstep": lockstep if batched else 0,
+            "agreement": measured, "prompts_chosen": chosen, "stored_prompts": len(stored),
             "max_new_tokens": min(cfg.max_new_tokens, card["max_new_tokens"]), **_drafter_info(info)}
     report = field_report(rows, meta)
     write_field_report(out_dir, report)
     return report, out_dir
+
+
+def _announce_cost(announce, drafter, refs, stored, base, backend_name, out_dir, rank, world, lockstep,
+                   max_new_tokens, chosen) -> None:
+    """Before a run: what it will cost (prompts, the base passes still to cache, estimated minutes) and what the
+    full run over every stored answer costs."""
+    aux_layers = tuple(getattr(drafter, "aux_layers", None) or ())
+    dtype = next(base.model.parameters()).dtype
+    directory = cache_dir(base, dtype, backend_name, aux_layers)
+    done = {row["id"] for p in Path(out_dir).glob("rows-*.jsonl") for row in read_finished_rows(p, repair=False)}
+
+    def cached(r) -> bool:
+        return cache_file(directory, r).is_file()
+
+    mine, every = shard(refs, rank, world), shard(stored, rank, world)
+    need_rate = any(r.id not in done and not cached(r) for r in every)
+    rate = cache_rate(base, backend_name, aux_layers) if need_rate else None
+    per_token = judge_rate(drafter, lockstep)
+    this = estimate_cost(mine, done, cached, rate, per_token, max_new_tokens)
+    full = estimate_cost(every, done, cached, rate, per_token, max_new_tokens)
+    how = (f"base pass measured now at {rate:,.0f} tokens/s; " if rate else "") + \
+        f"judging at the rate recorded for the {'batched' if uses_lockstep(drafter, lockstep) else 'exact'} path " \
+        f"on a 2-core AMD EPYC ({per_token * 1000:.1f} ms per answer token)"
+    announce(f"field: {chosen}")
+    announce(describe_cost("this run", this) + " (estimate)")
+    announce(describe_cost("the full run (--full)", full) + f" (estimate; {how})")
 
 
 def _drafter_info(info: dict) -> dict:

@@ -52,10 +52,29 @@ class RefPrompt:
     eos: bool
 
 
-def read_refs(store: str | Path, base_fingerprint: str | None = None, sets: list[str] | None = None
-              ) -> tuple[dict, list[RefPrompt]]:
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def short_dtype(name: str) -> str:
+    """A torch dtype's name as the eval config spells it: "float32" / "torch.float32" -> "fp32"."""
+    name = str(name).removeprefix("torch.")
+    return SHORT_DTYPES.get(name, name)
+
+
+def dtype_mark(card: dict, judge_dtype: str) -> str | None:
+    """None when the draft and base are judged in the dtype the stored answers were made in; else the mark every
+    output of such a judgement carries ("bf16 draft and base against fp32 answers"): the replayed hidden states then
+    come from another dtype than the greedy answers they are checked against, which matches neither decoding."""
+    ref, judged = short_dtype(card.get("dtype", "float32")), short_dtype(judge_dtype)
+    return None if ref == judged else f"{judged} draft and base against {ref} answers"
+
+
+def read_refs(store: str | Path, base_fingerprint: str | None = None, sets: list[str] | None = None,
+              dtype: str | None = None, mixed_dtype: bool = False) -> tuple[dict, list[RefPrompt]]:
     """(card, prompts) after checking the data file against its card (sha256) and, when given, the base: answers
-    made with another base or tokenizer are refused in one line naming the base they need."""
+    made with another base or tokenizer are refused in one line naming the base they need. dtype: the dtype the
+    draft and base will be judged in; one other than the answers' (the card's `dtype`, fp32 for every store built
+    so far) is refused with the fix, unless `mixed_dtype` (then the caller marks its outputs with `dtype_mark`)."""
     store = Path(store)
     if not (store / CARD).is_file():
         raise RefsError(f"{store} holds no stored answers ({CARD} missing); build them with "
@@ -68,6 +87,12 @@ def read_refs(store: str | Path, base_fingerprint: str | None = None, sets: list
                         f"{card['base_fingerprint']}), not with this draft's base (fingerprint {base_fingerprint}): "
                         f"judge a draft of {card['base']!r}, or build answers for this base with `specdraft "
                         f"field-refs --base <its base> --out <dir>`")
+    if dtype is not None and not mixed_dtype and dtype_mark(card, dtype):
+        ref, judged = short_dtype(card.get("dtype", "float32")), short_dtype(dtype)
+        raise RefsError(f"the stored answers in {store} are the base's {ref} greedy answers; judging in {judged} "
+                        f"replays {judged} hidden states against {ref} answers, which matches neither {judged} nor "
+                        f"{ref} decoding: judge with dtype={ref}, or pass --mixed-dtype to judge anyway, every output "
+                        f"then marked \"{judged} draft and base against {ref} answers\"")
     raw = (store / DATA).read_bytes()
     sha = hashlib.sha256(raw).hexdigest()
     if sha != card["data_sha256"]:

@@ -87,11 +87,44 @@ def paired(rows_a: list[dict], rows_b: list[dict], draws: int = BOOT) -> dict:
             "prompts": len(common)}
 
 
+EXACT = "exact (one prompt at a time through the decoder loop, --no-lockstep)"
+
+
+def path_label(meta: dict) -> str:
+    """The path a field report's figures took, in the words every output uses: `exact` (one prompt at a time
+    through the decoder loop) or `batched (lockstep B; measured agreement: ...)` with the agreement of a sample of
+    its own prompts re-decoded one at a time (eval/harness/field.py: measure_agreement), or that none was measured.
+    A report written before the path was recorded says what its lockstep width implies."""
+    width = meta.get("lockstep") or 0
+    if meta.get("path", "batched" if width else "exact") == "exact":
+        return EXACT
+    a = meta.get("agreement")
+    if not a:
+        return f"batched (lockstep {width}; agreement with the exact path not measured in this run)"
+    where = f" on {a['max_set_al_diff_set']}" if a.get("max_set_al_diff_set") else ""
+    return (f"batched (lockstep {width}; measured agreement: {a['identical_steps']:,} of {a['steps']:,} steps "
+            f"identical, {a['identical_rows']} of {a['rows']} prompts' rows identical, max per-set AL diff "
+            f"{a['max_set_al_diff']:.3f}{where}; on {a['rows']} of its prompts re-decoded one at a time: "
+            f"{', '.join(a['prompts'])})")
+
+
+def dtype_words(meta: dict) -> str:
+    """The judged dtype, with the mark of a judgement against stored answers of another dtype."""
+    mark = meta.get("dtype_mark")
+    return f"{meta['dtype']}; MARKED: {mark}" if mark else meta["dtype"]
+
+
+def headline(report: dict) -> str:
+    """One line: what was judged, how many prompts, on which path."""
+    m = report["meta"]
+    of = f" of {m['stored_prompts']:,} stored" if m.get("stored_prompts") else ""
+    return (f"Field benchmark (simulated greedy acceptance on stored base answers): {m['draft']} ({m['family']}, "
+            f"{m['shape']}, {dtype_words(m)}), {report['prompts']} prompts{of}; path: {path_label(m)}")
+
+
 def field_markdown(report: dict) -> str:
     m = report["meta"]
-    lines = [f"Field benchmark (simulated, exact greedy acceptance on stored base answers): {m['draft']} "
-             f"({m['family']}, {m['shape']}, {m['dtype']}), {report['prompts']} prompts, {m['seconds'] / 60:.1f} min "
-             f"with {m['threads']} threads", "",
+    lines = [f"{headline(report)}; {m['seconds'] / 60:.1f} min with {m['threads']} threads", "",
              "| set | prompts | AL | 95 % interval | accept rate by depth | tokens verified per step |",
              "|---|---:|---:|---|---|---:|"]
     for t in report["sets"]:
@@ -103,6 +136,9 @@ def field_markdown(report: dict) -> str:
         lo, hi = report["mean_interval"]
         lines.append(f"| **mean over sets** | {report['prompts']} | **{report['mean_over_sets']:.3f}** | "
                      f"{lo:.3f}-{hi:.3f} | | |")
+    if m.get("dtype_mark"):
+        lines += ["", f"MARKED: {m['dtype_mark']}: the replayed hidden states come from another dtype than the "
+                      "greedy answers they are checked against, so these figures match neither decoding."]
     differ = sum(t["tf_differs_prompts"] for t in report["sets"])
     if differ:
         lines += ["", f"{differ} prompts' stored answers differ from this machine's teacher-forced argmax somewhere "
@@ -134,7 +170,9 @@ def plot_field(report: dict, path: Path) -> None:
     ax.set_ylabel("acceptance length (tokens / step)")
     ax.set_ylim(1.0, max(max(v for _, v in ivs) * 1.05, 1.1))
     m = report["meta"]
-    ax.set_title(f"{m['family']} {m['shape']} ({m['dtype']}): {report['prompts']} prompts, 95 % intervals")
+    how = "exact" if path_label(m) == EXACT else f"batched (lockstep {m.get('lockstep')})"
+    ax.set_title(f"{m['family']} {m['shape']} ({dtype_words(m)}): {report['prompts']} prompts, {how}, 95 % "
+                 "intervals", fontsize=9)
     for t in sets:
         bx.plot(range(1, len(t["accept_rate_per_depth"]) + 1), t["accept_rate_per_depth"], marker="o", label=t["set"])
     bx.set_xlabel("depth")

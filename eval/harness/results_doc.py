@@ -511,7 +511,7 @@ def generated_section(summary: dict, md_path: Path, images: list[Path], compare_
     if targets and greedy_mtbench:
         lines += ["", "### Targets (the compare config's; greedy, MT-bench)", ""] + target_table(first, targets)
     if summary.get("field"):
-        lines += ["", "### Field benchmark (simulated: exact greedy acceptance on the base's stored answers)", "",
+        lines += ["", "### Field benchmark (simulated greedy acceptance on the base's stored answers)", "",
                   "Each row as it decodes in the first greedy setting, judged on the stored answers "
                   "(`field_refs` of the compare config; docs/howto/evaluate.md, \"The field benchmark\"): mean over "
                   "sets with a 95 % bootstrap interval over prompts, the paired difference to the first row on the "
@@ -542,7 +542,9 @@ def field_table(field: dict) -> list[str]:
         cells = [label, row["shape"], str(row["prompts"]), f"**{row['mean_over_sets']:.3f}** ({lo:.3f}-{hi:.3f})",
                  vs] + [f"{row['sets'][s]:.3f}" if s in row["sets"] else "—" for s in sets]
         lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    notes = [f"- {label}: path {row['path']}" + (f"; MARKED: {row['dtype_mark']}" if row.get("dtype_mark") else "")
+             for label, row in field.items() if row.get("path")]
+    return lines + ([""] + notes if notes else [])
 
 
 def _relative(path: Path, start: Path) -> str:

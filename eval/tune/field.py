@@ -2,9 +2,10 @@
 
 Why: tune times each setting against AR by decoding a few prompts (default 4 x 64 tokens), which is what a speed
 needs; but the acceptance length those passes count rests on those few prompts. The field benchmark computes the
-exact greedy acceptance length a shape reaches under our decoder from the base's stored greedy answers (hundreds of
+greedy acceptance length a shape reaches under our decoder from the base's stored greedy answers (hundreds of
 prompts over 11 sets), at the drafter's cost only, with a bootstrap interval. So tune keeps decoding for speed and
-reads the acceptance side from the field where that is exact:
+reads the acceptance side from the field (each report names its path: exact, or batched with its measured agreement;
+and a dtype other than the stored answers', bf16 against fp32, is marked in every output):
 
 - `plan_field`: the stored answers for the draft's base (`--field-refs`, default DEFAULT_REFS when present), each
   set's first `--field-prompts`; stored answers of another base are one note and tune goes on without them.
@@ -36,7 +37,9 @@ DEFAULT_REFS = REPO_ROOT / "datasets" / "smollm2-field-refs"
 DEFAULT_FIELD_PROMPTS = 10
 # The point keys this module adds (report.py and tuning.json carry them as they are).
 FIELD_KEYS = ("field_acceptance_length", "field_interval", "field_prompts", "field_sets",
-              "speedup_at_field_acceptance", "field_report")
+              "speedup_at_field_acceptance", "field_report", "field_path", "field_dtype_mark")
+# A batched setting's agreement with the exact path: this many of its stored answers re-decoded one at a time.
+AGREEMENT_SAMPLE = 4
 
 
 @dataclasses.dataclass
@@ -136,7 +139,8 @@ def simulate_setting(engine, label: str, knobs: dict, plan: FieldPlan, out_dir: 
     from core.atomic import write_json_atomic
     from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.registry import build_drafter
-    from eval.harness.field import LOCKSTEP_WIDTH, run_field, uses_lockstep
+    from eval.harness.field import LOCKSTEP_WIDTH, measure_agreement, run_field, uses_lockstep
+    from eval.harness.field_refs import dtype_mark
     from eval.harness.field_report import field_report, write_field_report
     from eval.tune.choice.apply import apply_knobs
 
@@ -156,10 +160,15 @@ def simulate_setting(engine, label: str, knobs: dict, plan: FieldPlan, out_dir: 
     rows = run_field(drafter, plan.refs, engine.base, backend_name=backend_name, out_dir=out_dir,
                      progress=progress, lockstep=lockstep)
     dtype = str(next(engine.base.model.parameters()).dtype).removeprefix("torch.")
+    seconds = round(time.perf_counter() - t0, 1)
+    # tune's dtype may differ from the stored answers' (bf16 against fp32): judged anyway, marked in every output
+    agreement = measure_agreement(drafter, rows, plan.refs, engine.base, backend_name=backend_name,
+                                  sample=AGREEMENT_SAMPLE) if lockstep else None
     meta = {"draft": f"specdraft tune: {label}", "family": engine.family, "shape": label, "knobs": knobs,
             "dtype": dtype, "backend": backend_name, "refs": plan.shown, "refs_sha256": plan.card["data_sha256"],
-            "base": plan.card["base"], "seconds": round(time.perf_counter() - t0, 1),
-            "threads": torch.get_num_threads(), "simulated": True, "lockstep": lockstep,
+            "refs_dtype": plan.card.get("dtype", "float32"), "dtype_mark": dtype_mark(plan.card, dtype),
+            "base": plan.card["base"], "seconds": seconds, "path": "batched" if lockstep else "exact",
+            "agreement": agreement, "threads": torch.get_num_threads(), "simulated": True, "lockstep": lockstep,
             "max_new_tokens": plan.card["max_new_tokens"], "tree": info.get("tree")}
     report = field_report(rows, meta)
     write_field_report(out_dir, report)
@@ -168,12 +177,16 @@ def simulate_setting(engine, label: str, knobs: dict, plan: FieldPlan, out_dir: 
 
 def field_point(point: dict, report: dict, report_dir: str) -> dict:
     """The FIELD_KEYS of one simulated point: the field's mean over sets and its interval, and the decoded
-    speedup rescaled from the decoded acceptance length to the field's (None when the passes counted no steps)."""
+    speedup rescaled from the decoded acceptance length to the field's (None when the passes counted no steps);
+    the path its figures took and the dtype mark, when judged against answers of another dtype."""
+    from eval.harness.field_report import path_label
+
     al, decoded = report["mean_over_sets"], point.get("acceptance_length")
     return {"field_acceptance_length": al, "field_interval": report["mean_interval"],
             "field_prompts": report["prompts"], "field_sets": [t["set"] for t in report["sets"]],
             "speedup_at_field_acceptance": point["speedup"] * al / decoded if decoded else None,
-            "field_report": report_dir}
+            "field_report": report_dir, "field_path": path_label(report["meta"]),
+            "field_dtype_mark": report["meta"].get("dtype_mark")}
 
 
 def ranking_note(points: list[dict]) -> str | None:
@@ -218,7 +231,9 @@ def field_columns(engine, record: dict, plan: FieldPlan, out_dir: Path, every: b
     rule = ("every measured setting (--field-all)" if every else
             "every setting that beats AR, the choice and the decoded fastest")
     note = ranking_note(chosen)
+    marks = {p.get("field_dtype_mark") for p in chosen} - {None}
     summary = {"refs": plan.shown, "refs_sha256": plan.card["data_sha256"], "base": plan.card["base"],
+               "dtype_mark": next(iter(marks), None), "paths": {p["label"]: p.get("field_path") for p in chosen},
                "per_set": plan.per_set, "prompts": len(plan.refs), "sets": plan.sets, "rule": rule,
                "simulated": list(done), "not_simulated": left, "max_new_tokens": plan.card["max_new_tokens"],
                "seconds": round(time.perf_counter() - t0, 1), "ranking": note}

@@ -142,10 +142,13 @@ def field_lines(rec: dict) -> list[str]:
     if not f:
         return []
     sets = ", ".join(f["sets"])
+    mark = f" MARKED: {f['dtype_mark']} (these field figures match neither decoding)." if f.get("dtype_mark") else ""
+    paths = "; ".join(f"{k}: {v}" for k, v in (f.get("paths") or {}).items() if v)
     lines = ["", f"Field (simulated): {f['prompts']} stored answers of {f['refs']} (base {f['base']}; the first "
              f"{f['per_set']} of each of {len(f['sets'])} sets: {sets}; up to {f['max_new_tokens']} tokens each), "
-             "the exact greedy acceptance length our decoder reaches, replayed on the base's stored answers in this "
-             f"dtype and backend ({f['seconds']:.0f} s); the mean over sets with its 95 % bootstrap interval. "
+             "the greedy acceptance length our decoder reaches, replayed on the base's stored answers in this "
+             f"dtype and backend ({f['seconds']:.0f} s); the mean over sets with its 95 % bootstrap interval.{mark} "
+             + (f"Paths: {paths}. " if paths else "") +
              "Decoded: every other column, from the timed passes over the prompts above. \"speedup at field AL\" = "
              "decoded speedup x field AL / decoded AL (the per-step cost from decoding, the acceptance from the "
              "stored answers): an estimate, never measured; the choice rests on the decoded paired passes only.",
@@ -162,7 +165,8 @@ def field_line(rec: dict) -> str:
     f = rec["field"]
     c = rec.get("choice") or {}
     line = (f"field acceptance simulated for {len(f['simulated'])} setting(s) on {f['prompts']} stored answers "
-            f"({len(f['sets'])} sets) in {f['seconds']:.0f} s")
+            f"({len(f['sets'])} sets) in {f['seconds']:.0f} s"
+            + (f" (MARKED: {f['dtype_mark']})" if f.get("dtype_mark") else ""))
     point = next((p for p in rec.get("points") or [] if p["label"] == c.get("label")), {})
     if c.get("field_acceptance_length") is not None:
         lo, hi = c["field_interval"] or (None, None)
@@ -286,7 +290,8 @@ def notes_section(engines: dict[str, dict]) -> str:
         if c.get("field_acceptance_length") is not None:  # eval/tune/field.py: simulated, not decoded
             lo, hi = c["field_interval"] or (None, None)
             field = (f"; field acceptance length {c['field_acceptance_length']:.2f} ({_f(lo)}-{_f(hi)}), simulated "
-                     f"on {c['field_prompts']} stored answers")
+                     f"on {c['field_prompts']} stored answers"
+                     + (f" (MARKED: {c['field_dtype_mark']})" if c.get("field_dtype_mark") else ""))
         lines.append(f"- **{TITLES.get(name, name)}** ({m}, {rec.get('dtype')}, threads {rec.get('threads')}): "
                      f"{what}, {c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']}{field}")
         if c.get("command"):
