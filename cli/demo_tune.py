@@ -12,7 +12,8 @@ The sweep decodes held-out ShareGPT conversations (those after the ones the draf
 prompts the demo reports), TUNE_PROMPTS x TUNE_TOKENS tokens, REPEATS paired passes against AR per shape, keeps
 the shape that beats AR and that no other one beats beyond the noise (eval/tune/choice/stats.py: choose; of trees
 the noise cannot separate, the faster measured one: TIE), and re-times it against AR before trusting it
-(eval/tune/sweep.py: confirm). The record goes to the export's tuning.json like any `specdraft tune` run.
+(eval/tune/sweep.py: confirm). The record goes to the export's tuning.json like any `specdraft tune` run, marked
+as a quick choice (2 repeats): applied as tuned only by the demo run that made it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ TUNE_PROMPT_TOKENS = 256  # longer conversations are skipped: each pass prefills
 # Fewer than `specdraft tune`'s default of 3: the demo's whole run is priced in minutes (cli/demo_plan.py) and the
 # sweep is one of its steps. 2 repeats of 3 shapes still pool 3 + 6 degrees of freedom into the noise, and the
 # confirmation re-times the winner; what the demo loses is power (a small gain is more often called a tie with AR,
-# and the demo then decodes with the top-1 and says so).
+# and the demo then decodes with the top-1 and says so). Under tune's MIN_REPEATS the record is a quick choice
+# (eval/tune/choice/record.py: repeats_mark): the demo's own eval applies it, a later `specdraft eval` of the export
+# says so in one line and decodes its untuned default.
 REPEATS = 2
 WARMUP_TOKENS = 4
 # Which of the trees that beat AR wins when the noise cannot separate them: the faster measured one. The demo

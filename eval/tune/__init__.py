@@ -24,7 +24,7 @@ from eval.tune.choice import __all__ as _CHOICE
 
 _PUBLIC = {
     "eval.tune.choice": tuple(_CHOICE),
-    "eval.tune.sweep": ("AR", "DEFAULT_REPEATS", "MIN_REPEATS", "BudgetTooSmall", "Clock", "Engine",
+    "eval.tune.sweep": ("AR", "DEFAULT_REPEATS", "BudgetTooSmall", "Clock", "Engine",
                         "EngineUnavailable", "Measurement", "PointFailed", "Session", "Setting", "check_budget",
                         "confirm", "judge_confirmation", "min_seconds", "sweep_engine"),
     "eval.tune.concurrency": ("SCHEDULE_KEY", "parse_concurrency", "run_sweeps", "speculation_schedule",

@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from core.load import LoadWatch
+from eval.tune.choice.record import MIN_REPEATS
 from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN
 from eval.tune.field import DEFAULT_FIELD_PROMPTS
-from eval.tune.sweep import DEFAULT_REPEATS, MIN_REPEATS, BudgetTooSmall, EngineUnavailable, check_budget
+from eval.tune.sweep import DEFAULT_REPEATS, BudgetTooSmall, EngineUnavailable, check_budget
 
 ENGINE_CHOICES = ("ours", "vllm", "llamacpp", "all")
 

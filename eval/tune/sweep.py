@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from eval.tune.choice.record import repeats_mark
 from eval.tune.choice.stats import (
     AR_LABEL,
     CONFIDENCE,
@@ -49,9 +50,8 @@ from eval.tune.choice.stats import (
 )
 
 DEFAULT_REPEATS = 3  # paired passes per setting
-# The fewest --repeats tune accepts: 2 pairs leave each setting one degree of freedom for its noise, so one odd pass
-# decides its spread, and the confirmation's interval would rest on two fresh pairs.
-MIN_REPEATS = 3
+# MIN_REPEATS: the fewest --repeats tune accepts, the one rule of every chooser (eval/tune/choice/record.py); a sweep
+# with fewer marks its record quick (repeats_mark), and a quick choice applies only in the run that made it.
 
 
 class EngineUnavailable(RuntimeError):
@@ -290,7 +290,7 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
         for s in settings:
             progress(s.label, None)
         return {**described, "status": "failed", "error": f"AR failed: {exc}",
-                "log_tail": exc.log_tail[-20:], "points": [], "ar": None, "choice": None}
+                "log_tail": exc.log_tail[-20:], "points": [], "ar": None, "choice": None, **repeats_mark(repeats)}
     ar_runs: list[float] = []
     error = None
     try:
@@ -332,7 +332,7 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
     return {**described, "status": "ok" if error is None else "partial", "error": error, "points": points,
             "ar": {"tokens_per_second_runs": ar_runs,
                    "tokens_per_second": statistics.median(ar_runs) if ar_runs else None},
-            "choice": choice}
+            "choice": choice, **repeats_mark(repeats)}
 
 
 def confirm(engine: Engine, choice: dict, points: Sequence[dict], repeats: int, clock: Clock,

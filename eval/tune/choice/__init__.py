@@ -20,6 +20,8 @@ from eval.tune.choice.apply import (
 )
 from eval.tune.choice.record import (
     CHAIN_KNOBS,
+    MIN_REPEATS,
+    RUN_ID,
     TUNING_FILE,
     TUNING_FORMAT,
     WHERE_FIELDS,
@@ -27,7 +29,9 @@ from eval.tune.choice.record import (
     describe_choice,
     engine_device,
     machine_info,
+    quick_elsewhere,
     read_tuning,
+    repeats_mark,
     retune_command,
     tuned_chain_length,
     tuned_choice,
@@ -52,10 +56,12 @@ from eval.tune.choice.stats import (
 )
 
 __all__ = [
-    "AR_LABEL", "CHAIN_KNOBS", "CONFIDENCE", "DEFAULT_ALPHA", "DEFAULT_MIN_GAIN", "EXACT_DTYPES", "TUNING_FILE",
+    "AR_LABEL", "CHAIN_KNOBS", "CONFIDENCE", "DEFAULT_ALPHA", "DEFAULT_MIN_GAIN", "EXACT_DTYPES",
+    "MIN_REPEATS", "RUN_ID", "TUNING_FILE",
     "TUNING_FORMAT", "WHERE_FIELDS", "Decision", "applicable", "apply_knobs", "bonferroni_quantile", "choose",
     "confirmation_interval", "decide", "describe_choice", "engine_device", "geomean", "is_exact", "log_mean",
-    "machine_info", "ours_here", "pooled_noise", "read_tuning", "retune_command", "serving_here", "shape_keys_set",
+    "machine_info", "ours_here", "pooled_noise", "quick_elsewhere", "read_tuning",
+    "repeats_mark", "retune_command", "serving_here", "shape_keys_set",
     "t_cdf", "t_quantile", "tuned_chain_length", "tuned_choice", "tuned_eval_config", "tuned_serving_chain",
     "untuned_speed", "vllm_export_config", "where_measured", "write_tuning",
 ]

@@ -5,6 +5,11 @@ or GPU name, dtype, threads, engine version), the prompts, every point (paired r
 engine's last log lines) and the choice with its confirmation (eval/tune/sweep.py); `tuned_choice` reads a choice
 back and `applicable` says whether it holds for the run at hand (eval/tune/choice/apply.py: `specdraft eval`,
 `serve-check`, `export --format vllm`).
+
+One rule for every chooser (`specdraft tune`, the demo's tree sweep, eval's untuned-shape probe): a choice made from
+at least MIN_REPEATS paired passes per setting is a tuned choice; one made from fewer is a quick choice, marked so in
+what it writes (`repeats_mark`: "quick": true, its repeats and the run that made it), and applied as tuned only in
+the run that made it (`applicable`); elsewhere it is named and left unused, and the run decodes its untuned default.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import uuid
 from pathlib import Path
 
 from core.atomic import write_text_atomic
@@ -25,6 +31,31 @@ TUNING_FORMAT = 2  # 1: one noise per setting (half the range of its ratios, at 
 # What a choice depends on besides the draft: tuning.json records them per engine, and a choice applies only where
 # each one matches (`applicable`). cpu / avx512_bf16 / amx_bf16 / gpu come from `machine_info`.
 WHERE_FIELDS = ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu", "dtype", "threads", "version")
+# The fewest paired passes per setting a choice needs to count as tuned: 2 pairs leave each setting one degree of
+# freedom for its noise, so one odd pass decides its spread, and a confirmation's interval would rest on two fresh
+# pairs. `specdraft tune` refuses fewer; the demo's tree sweep and eval's shape probe take fewer and mark their choice
+# quick (`repeats_mark`).
+MIN_REPEATS = 3
+# This process's run: a quick choice holds only in the run that made it (the demo's sweep and its eval share one).
+RUN_ID = uuid.uuid4().hex[:16]
+
+
+def repeats_mark(repeats: int) -> dict:
+    """What a chooser writes beside its choice about the rule: {"repeats": n, "quick": n < MIN_REPEATS} and, for a
+    quick choice, "run": this run's id."""
+    quick = int(repeats) < MIN_REPEATS
+    return {"repeats": int(repeats), "quick": quick, **({"run": RUN_ID} if quick else {})}
+
+
+def quick_elsewhere(mark: dict) -> str | None:
+    """Why a quick choice (`repeats_mark`) does not apply in this run; None for a tuned one, or a quick one made by
+    this very run."""
+    if not mark.get("quick") or mark.get("run") == RUN_ID:
+        return None
+    return (f"a quick choice ({mark.get('repeats')} repeats, fewer than the {MIN_REPEATS} a tuned choice needs) made "
+            "by another run; quick choices apply only in the run that made them")
+
+
 # The chain length a serving engine's tuned setting holds, under the engine's own flag name (the one knob of the
 # drafter option chain_length that tune stores by another name: each engine's setting is what that engine is given).
 CHAIN_KNOBS = {"vllm": "num_speculative_tokens", "llamacpp": "n_max"}
@@ -70,9 +101,13 @@ def where_measured(record: dict) -> dict:
 def applicable(choice: dict, here: dict) -> tuple[bool, str]:
     """Whether a tuned choice (`tuned_choice`) holds for the run described by `here` (any of WHERE_FIELDS; a field
     the run cannot know, absent or None, is not compared). (False, why) names the first field that differs:
-    "threads: measured 1, here 2"; a tuning.json of an older format never applies."""
+    "threads: measured 1, here 2"; a tuning.json of an older format never applies, nor a quick choice (fewer than
+    MIN_REPEATS repeats) made by another run."""
     if choice.get("outdated"):
         return False, choice["outdated"]
+    quick = quick_elsewhere(choice)
+    if quick:
+        return False, quick
     measured = choice.get("where") or {}
     for field in WHERE_FIELDS:
         now = here.get(field)
@@ -145,7 +180,8 @@ def tuned_choice(export_dir: Path | None, engine: str) -> dict | None:
         return None
     where = where_measured(rec)
     return {**rec["choice"], "where": where, "machine": where["gpu"] or where["cpu"], "dtype": rec.get("dtype"),
-            "threads": rec.get("threads"), "tuned": rec.get("tuned"), "outdated": data.get("outdated")}
+            "threads": rec.get("threads"), "tuned": rec.get("tuned"), "outdated": data.get("outdated"),
+            **{k: rec[k] for k in ("repeats", "quick", "run") if k in rec}}
 
 
 def describe_choice(engine: str, choice: dict) -> str:
@@ -155,7 +191,8 @@ def describe_choice(engine: str, choice: dict) -> str:
         return f"tuning.json: do not speculate on {engine} ({where}; {choice.get('reason', '')})"
     interval = choice.get("interval")
     ci = f", {CONFIDENCE:.0%} interval {interval[0]:.2f}-{interval[1]:.2f}x" if interval else ""
-    return (f"tuning.json: {engine} {choice['label']} ({choice['speedup_vs_ar']:.2f}x its AR{ci} on {where}, tuned "
+    how = f"quick choice, {choice.get('repeats')} repeats" if choice.get("quick") else "tuned"
+    return (f"tuning.json: {engine} {choice['label']} ({choice['speedup_vs_ar']:.2f}x its AR{ci} on {where}, {how} "
             f"{choice.get('tuned') or '?'})")
 
 
