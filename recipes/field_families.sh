@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# Every learned family at ONE budget on ONE data set, judged on the field benchmark: docs/lab/field_families.md.
+#
+# Data: the on-policy store kept in the repository (datasets/smollm2-sharegpt-onpolicy: SmolLM2's own answers), all
+# of its records (N), each conversation's first LENGTH = 256 tokens (the shipped draft's cut), read by every family
+# from ONE hidden-state cache built with EAGLE-3's aux layers (the families that read only h take it from that cache:
+# data/hidden_cache.py find_superset_cache). The cache lives in the work tree, CACHE_ROOT (git-ignored), so a machine
+# swap that wipes ~/.cache keeps it; a missing one is rebuilt here (~15-40 min on 2 cores).
+#
+# Budget: every family trains the same STEPS optimizer steps of 8 conversations (configs/cpu_budget.yaml's batch)
+# over the same records in the same order (the data order is a function of seed and step), so every family sees the
+# same training tokens. STEPS = 1,880 = the tokens EAGLE-3 trains on in 60 minutes at one thread on the
+# AMX Xeon this was set on (bench/eagle3_train_step.py --threads 1 --arms bf16: 1,016 tok/s; 60 min = 3.66M tokens
+# = 1,880 steps of 8 conversations of ~243 tokens). Families differ in cost per token, so each run's CPU-minutes
+# (user + system time of its training process, every restart summed) and the machine kind are recorded beside it.
+# Each family gets its best recipe from its paper and the repository's sweeps (recipes/best.sh's learning rates
+# and heads; EAGLE-3 the store recipe: own LM head, lr 2e-3, TTT 3; the block drafters their recipes' lr 6e-4, 128
+# anchors a conversation, block size 8):
+#   medusa     configs/medusa.yaml     4 heads, weighted CE (decay 0.8), frozen base LM head, lr 5e-3
+#   hydra      configs/hydra.yaml      4 sequentially dependent heads, frozen base LM head, lr 5e-3
+#   hydra_pp   configs/hydra_pp.yaml   4 blocks a head, prefix attention, teacher loss, dropout 0.2, lr 2e-3
+#   redrafter  configs/redrafter.yaml  RNN draft head, 2 ResBlocks, 5 depths, lr 5e-3
+#   ctc        configs/ctc.yaml        attention module + 6 frames, CTC loss on distilled labels + 0.1 token CE, lr 2e-3
+#   eagle3     configs/eagle3.yaml     the store recipe (draft.share_lm_head=false, lr 2e-3)
+#   peagle     P-EAGLE, an EAGLE-3 option (4 tokens from one forward); not in the default list
+#   dflash     configs/dflash.yaml     block 8 (7 drafted slots), lr 6e-4, 128 anchors
+#   dspark     configs/dspark.yaml     block 8, lr 6e-4, 128 anchors
+#   domino     configs/domino.yaml     block 8, lr 6e-4, 128 anchors
+# At most JOBS = 2 families at once, each at one thread (train.num_threads=1, OMP/MKL threads 1), under
+# nice -n NICE; a family's slot trains it, then judges it. The cache build runs alone first (2 threads).
+#
+# Judging (FIELD=1): `specdraft field --full` (all 1,088 stored answers, fp32, 256 tokens) per shape:
+#   medusa, hydra, hydra_pp  chain4 (tree=chain4) and tree16 (the static 16-node tree, tree=tree16)
+#   redrafter                chain (1 beam x 5: 4 drafts) and beam8x3 (8 beams of length 3, the best-per-family row)
+#   ctc                      chain (1 collapsed path) and paths8 (8 collapsed paths)
+#   eagle3 / peagle          chain4 and tree16 (the 16-node dynamic tree), batched (lockstep) with measured agreement
+#   dflash, dspark, domino   chain (the default: block - 1 drafts)
+# each paired (`--against`) with the equal-budget EAGLE-3's report of the same kind (chains against its chain4, trees
+# against its tree16) once that exists; a last pass adds the pairs the order missed. A shape whose exact path (one
+# prompt at a time) would take over FIELD_MAX_MIN minutes is first timed on one prompt of every set (11 prompts,
+# field-<shape>/probe.json) and, over the limit, not judged (said loudly in the log; FIELD_MAX_MIN=0 judges it
+# anyway). Each report's small files (field.json, field.md, paired.*, the rows xz-compressed) and the run's
+# train.json go to REPORTS/<run>/, which recipes/field_families_table.py turns into docs/lab/field_families.md.
+#
+#   setsid nohup recipes/field_families.sh > runs/logs/field-families.log 2>&1 &   # everything, resumable
+#   FAMILIES="medusa ctc" recipes/field_families.sh            # some families (the order is the queue's)
+#   FIELD=0 recipes/field_families.sh                          # train only
+#   .venv/bin/python recipes/field_families_table.py           # the table, from REPORTS only (no run needed)
+#
+# Resumable: the cache build skips finished shards; a trained family (runs/<run>/export) is skipped and an
+# unfinished one continues from its last checkpoint (resume=auto, save_every 40 steps); a judged shape is skipped and a
+# half-judged one keeps its rows. Memory: the cache (~11 GB at N = 10,778, LENGTH = 256) is memory-mapped and shared by
+# the two runs reading it.
+set -uo pipefail
+set -f  # no globbing in the override lists
+cd "$(dirname "$0")/.."
+S=${SPECDRAFT:-.venv/bin/specdraft}
+PY=${PYTHON:-.venv/bin/python}
+STORE=${STORE:-datasets/smollm2-sharegpt-onpolicy}
+REFS=${REFS:-datasets/smollm2-field-refs}
+LENGTH=${LENGTH:-256}
+STEPS=${STEPS:-1880}
+JOBS=${JOBS:-2}
+NICE=${NICE:-10}
+FIELD=${FIELD:-1}
+FIELD_MAX_MIN=${FIELD_MAX_MIN:-60}
+PREFIX=${RUN_PREFIX:-ff}
+REPORTS=${REPORTS:-docs/lab/field_families}
+FAMILIES=${FAMILIES:-medusa ctc redrafter hydra_pp eagle3 hydra dflash dspark domino}
+HAVE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/card.json'))['records'])" "$STORE")
+N=${N:-$HAVE}
+CACHE_ROOT=${CACHE_ROOT:-runs/cache/field-families-$LENGTH}
+TABLE="$PY recipes/field_families_table.py"
+# Every stored answer, asked for explicitly: `--full` where `specdraft field` has it (its default may be a subset),
+# else more prompts a set than any set holds.
+if "$S" field --help 2>/dev/null | grep -q -- "--full"; then ALL=(--full); else ALL=(--num-prompts 100000); fi
+mkdir -p runs/logs "$REPORTS"
+
+# What every family shares: data, length, cache, steps, batch (cpu_budget.yaml: 8 conversations), one thread.
+# shellcheck disable=SC2206
+B=(--config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" data.max_length="$LENGTH"
+   data.cache_dir="$CACHE_ROOT" data.hidden_cache=auto data.onpolicy_heldout=0 train.epochs=50
+   train.max_steps="$STEPS" train.max_minutes=0 train.save_every=40 train.num_threads=1 train.decode_eval_prompts=0
+   resume=auto ${EXTRA:-})
+
+family_args() {  # the family's config and its recipe's overrides (after the shared ones: they win)
+  case $1 in
+    medusa) echo "configs/medusa.yaml train.lr=5e-3" ;;
+    hydra) echo "configs/hydra.yaml train.lr=5e-3" ;;
+    hydra_pp) echo "configs/hydra_pp.yaml train.lr=2e-3" ;;
+    redrafter) echo "configs/redrafter.yaml train.lr=5e-3" ;;
+    ctc) echo "configs/ctc.yaml train.lr=2e-3" ;;
+    eagle3) echo "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3" ;;
+    peagle) echo "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3 draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4" ;;
+    dflash) echo "configs/dflash.yaml draft.share_lm_head=false train.lr=6e-4 draft.dflash.num_anchors=128 draft.dflash.block_size=8 draft.num_heads=7" ;;
+    dspark | domino) echo "configs/$1.yaml draft.share_lm_head=false train.lr=6e-4 draft.$1.num_anchors=128" ;;
+    *) echo "field_families: unknown family $1 (medusa hydra hydra_pp redrafter ctc eagle3 peagle dflash dspark domino)" >&2
+       return 2 ;;
+  esac
+}
+
+label_of() {  # the row's name in the table
+  case $1 in
+    medusa) echo Medusa ;; hydra) echo Hydra ;; hydra_pp) echo Hydra++ ;; redrafter) echo ReDrafter ;; ctc) echo CTC ;;
+    eagle3) echo EAGLE-3 ;; peagle) echo P-EAGLE ;; dflash) echo DFlash ;; dspark) echo DSpark ;; domino) echo Domino ;;
+  esac
+}
+
+shapes() {  # shape name and its eval overrides, one per line: chains first
+  case $1 in
+    medusa | hydra | hydra_pp) printf '%s\n' "chain4 tree=chain4" "tree16 tree=tree16" ;;
+    redrafter) printf '%s\n' "chain extra.beam_width=1 extra.beam_length=5" "beam8x3 extra.beam_width=8 extra.beam_length=3" ;;
+    ctc) printf '%s\n' "chain extra.ctc_num_paths=1" "paths8 extra.ctc_num_paths=8" ;;
+    eagle3 | peagle) printf '%s\n' "chain4 extra.eagle3_mode=chain extra.chain_length=4" "tree16 extra.eagle3_mode=tree extra.tree_nodes=16" ;;
+    dflash | dspark | domino) printf '%s\n' "chain" ;;
+  esac
+}
+
+stamp() { echo "$(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg)"; }
+
+build_cache() {  # the one hidden-state cache, EAGLE-3's aux layers, alone on the machine (2 threads)
+  echo "=== cache start $(stamp)"
+  OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 nice -n "$NICE" "$S" cache --config configs/eagle3.yaml "${B[@]}" \
+    train.num_threads=2 run_name="$PREFIX-cache" >> runs/logs/$PREFIX-cache.log 2>&1 ||
+    { echo "!!! cache build failed (runs/logs/$PREFIX-cache.log)"; return 1; }
+  echo "=== cache end $(stamp)"
+}
+
+train_family() {  # train_family <fam>: one training run, timed (CPU seconds appended to runs/logs/<run>.cpu.tsv)
+  local fam=$1 run="$PREFIX-$1" args cfg t rc start
+  [ -f "runs/$run/export/config.json" ] && { echo "skip train $run"; return 0; }
+  args=$(family_args "$fam") || return 2
+  cfg=${args%% *}
+  start=$(date -u +%FT%TZ)
+  echo "=== train $run start $(stamp)" | tee -a "runs/logs/$run.log"
+  t=$(mktemp)
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 /usr/bin/time -f "%e %U %S %M" -o "$t" nice -n "$NICE" \
+    "$S" train --config "$cfg" "${B[@]}" ${args#* } run_name="$run" >> "runs/logs/$run.log" 2>&1
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$start" "$(date -u +%FT%TZ)" "$(tail -n1 "$t" | tr ' ' '\t')" "$rc" >> "runs/logs/$run.cpu.tsv"
+  rm -f "$t"
+  echo "=== train $run end rc=$rc $(stamp)" | tee -a "runs/logs/$run.log"
+  [ "$rc" = 0 ] || { echo "!!! train $run failed (runs/logs/$run.log)"; return 1; }
+  $TABLE collect --run "$run" --family "$fam" --label "$(label_of "$fam")" --reports "$REPORTS" \
+    --command "FAMILIES=$fam recipes/field_families.sh" >> "runs/logs/$run.log" 2>&1
+}
+
+against_of() {  # the equal-budget EAGLE-3 report a shape is paired with (empty: none yet, or EAGLE-3 itself)
+  local fam=$1 shape=$2 kind=chain4
+  [ "$fam" = eagle3 ] && return
+  case $shape in tree16 | beam8x3 | paths8) kind=tree16 ;; esac
+  [ -f "runs/$PREFIX-eagle3/field-$kind/field.json" ] && echo "runs/$PREFIX-eagle3/field-$kind"
+}
+
+probe() {  # probe <run> <out> <log> <overrides...>: one prompt of every set, timed (<out>/probe.json)
+  local run=$1 out=$2 log=$3
+  shift 3
+  echo "=== field probe $run ${out##*/} $(stamp)" | tee -a "$log"
+  OMP_NUM_THREADS=1 nice -n "$NICE" "$S" field --draft "runs/$run/export" --refs "$REFS" --num-prompts 1 \
+    --out "$out-probe" "$@" use_tuning=false num_threads=1 >> "$log" 2>&1 &&
+    $TABLE probe --report "$out-probe" --refs "$REFS" --out "$out/probe.json" >> "$log" 2>&1
+}
+
+judge_shape() {  # judge_shape <fam> <shape> <overrides...>
+  local fam=$1 shape=$2 run="$PREFIX-$1" out against pair=() log est
+  shift 2
+  out="runs/$run/field-$shape"
+  log="runs/logs/field-$run-$shape.log"
+  against=$(against_of "$fam" "$shape")
+  [ -n "$against" ] && pair=(--against "$against")
+  if $TABLE done --report "$out" --refs "$REFS" ${against:+--paired}; then
+    echo "skip field $run $shape"
+  else
+    if [ "$FIELD_MAX_MIN" -gt 0 ] && [ "$fam" != eagle3 ] && [ "$fam" != peagle ] && ! $TABLE done --report "$out" --refs "$REFS"; then
+      # the exact path, one prompt at a time: time one prompt of every set first
+      if [ ! -f "$out/probe.json" ]; then
+        probe "$run" "$out" "$log" "$@"
+        est=$($TABLE probe-minutes --probe "$out/probe.json" 2>/dev/null || echo 0)
+        if [ "${est%.*}" -gt "$FIELD_MAX_MIN" ]; then  # again, the field cache of these prompts now built
+          rm -rf "$out-probe" "$out/probe.json"
+          probe "$run" "$out" "$log" "$@"
+        fi
+      fi
+      est=$($TABLE probe-minutes --probe "$out/probe.json" 2>/dev/null || echo 0)
+      if [ "${est%.*}" -gt "$FIELD_MAX_MIN" ]; then
+        echo "!!! field $run $shape: ~$est min on all prompts ($out/probe.json) > FIELD_MAX_MIN=$FIELD_MAX_MIN: not judged"
+        mkdir -p "$REPORTS/$run/field-$shape" && cp "$out/probe.json" "$REPORTS/$run/field-$shape/"
+        return
+      fi
+    fi
+    echo "=== field $run $shape start $(stamp)" | tee -a "$log"
+    OMP_NUM_THREADS=1 nice -n "$NICE" "$S" field --draft "runs/$run/export" --refs "$REFS" "${ALL[@]}" --out "$out" \
+      "${pair[@]}" "$@" use_tuning=false num_threads=1 >> "$log" 2>&1 ||
+      { echo "!!! field $run $shape failed ($log)"; return; }
+    echo "=== field $run $shape end $(stamp)" | tee -a "$log"
+    $TABLE done --report "$out" --refs "$REFS" || echo "!!! field $run $shape: the report does not cover every stored answer"
+  fi
+  $TABLE keep --report "$out" --dest "$REPORTS/$run/field-$shape" >> "$log" 2>&1 ||
+    echo "!!! keeping $out failed ($log)"
+}
+
+judge_family() {
+  local fam=$1 line
+  [ "$FIELD" = 1 ] || return 0
+  [ -f "runs/$PREFIX-$fam/export/config.json" ] || return 0
+  while read -r line; do
+    # shellcheck disable=SC2086
+    [ -n "$line" ] && judge_shape "$fam" $line
+  done < <(shapes "$fam")
+}
+
+one() { train_family "$1" && judge_family "$1"; }
+
+echo "=== field_families: N=$N LENGTH=$LENGTH STEPS=$STEPS JOBS=$JOBS FAMILIES=$FAMILIES $(stamp)"
+build_cache || exit 1
+running=0
+for fam in $FAMILIES; do
+  family_args "$fam" > /dev/null || exit 2
+  one "$fam" &
+  running=$((running + 1))
+  if [ "$running" -ge "$JOBS" ]; then wait -n; running=$((running - 1)); fi
+done
+wait
+for fam in $FAMILIES; do judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
+TABLE_OUT=${TABLE_OUT:-$([ "$REPORTS" = docs/lab/field_families ] && echo docs/lab/field_families.md || echo "$REPORTS/table.md")}
+[ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT"
+echo "=== field_families done $(stamp)"

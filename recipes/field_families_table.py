@@ -1,0 +1,405 @@
+"""The families table of docs/lab/field_families.md, and the small steps recipes/field_families.sh takes per run.
+
+Every figure comes from the files kept in the repository (REPORTS = docs/lab/field_families/<run>/): each run's
+train.json (steps, tokens, CPU-minutes, machine kind) and its field reports (field.json, and the rows, xz-compressed,
+from which the paired differences against the equal-budget EAGLE-3 are computed: the same seeded paired bootstrap
+as `specdraft field --against`), so the table regenerates without retraining or re-judging:
+
+    .venv/bin/python recipes/field_families_table.py                      # writes docs/lab/field_families.md
+    .venv/bin/python recipes/field_families_table.py table --out -        # to stdout
+
+Subcommands the recipe uses: collect (a finished run's train.json), done (is a field report complete), probe /
+probe-minutes (the per-prompt cost of a shape on one prompt of every set), keep (copy a report's small files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+REPORTS = Path("docs/lab/field_families")
+OUT = Path("docs/lab/field_families.md")
+REFS = Path("datasets/smollm2-field-refs")
+PLOT_LIMIT = 200_000  # bytes: a field.png over this is not kept
+# The seed families' figures before this budget (decoded MT-bench tree / beam / paths AL), by label: a data file.
+OFF_POLICY = "off_policy.json"
+REFERENCE = "ff-eagle3"  # the equal-budget EAGLE-3 run every other family is paired with
+TREE_SHAPES = ("tree16", "beam8x3", "paths8")
+SHAPE_WORDS = {"chain4": "chain of 4", "chain": "chain", "tree16": "16-node tree", "beam8x3": "8 beams x 3",
+               "paths8": "8 collapsed paths"}
+
+
+# -- the recipe's steps ------------------------------------------------------------------------------------------
+
+def machine_kind() -> dict:
+    """The CPU kind a run trained on: lscpu's model name, cores, and the instruction sets that set its speed."""
+    model, cores, flags = platform.processor() or "unknown", 0, set()
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        model = fields.get("Model name", model)
+        cores = int(fields.get("CPU(s)", 0))
+        flags = set(fields.get("Flags", "").split())
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        pass
+    isa = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    kind = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else \
+        "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "other"
+    return {"model": model, "cpus": cores, "isa": isa, "kind": f"{cores}-core {model} ({kind})"}
+
+
+def _loads(log: Path, run: str) -> list[dict]:
+    """The recipe's start / end lines of a run's log: time and load average."""
+    out = []
+    if log.is_file():
+        pattern = rf"=== train {re.escape(run)} (start|end)(?: rc=(\d+))? (\S+) load ([\d.]+) ([\d.]+) ([\d.]+)"
+        for m in re.finditer(pattern, log.read_text(errors="replace")):
+            out.append({"event": m.group(1), "rc": int(m.group(2)) if m.group(2) else None, "utc": m.group(3),
+                        "load": [float(m.group(i)) for i in (4, 5, 6)]})
+    return out
+
+
+def cmd_collect(a) -> int:
+    run_dir = Path("runs") / a.run
+    export = json.loads((run_dir / "export" / "config.json").read_text())
+    cfg_text = (run_dir / "config.yaml").read_text() if (run_dir / "config.yaml").is_file() else ""
+    import yaml
+
+    cfg = yaml.safe_load(cfg_text) if cfg_text else {}
+    tps = [json.loads(line)["tokens_per_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+           if '"tokens_per_s"' in line]
+    cpu = []
+    tsv = Path("runs/logs") / f"{a.run}.cpu.tsv"
+    if tsv.is_file():
+        for line in tsv.read_text().splitlines():
+            p = line.split("\t")
+            if len(p) >= 7:
+                cpu.append({"start": p[0], "end": p[1], "wall_s": float(p[2]), "user_s": float(p[3]),
+                            "sys_s": float(p[4]), "maxrss_kb": int(p[5]), "rc": int(p[6])})
+    steps = int(export.get("trained_steps", 0))
+    batch = int(cfg.get("train", {}).get("global_batch_size", 8))
+    rows = _train_rows(cfg)
+    epoch_tokens = export.get("train_data", {}).get("epoch_tokens")
+    tokens = round(steps * batch * epoch_tokens / rows) if rows and epoch_tokens else None
+    heldout = {}
+    if (run_dir / "heldout.json").is_file():
+        h = json.loads((run_dir / "heldout.json").read_text())
+        heldout = {"top1_by_depth": [d["top1"] for d in h.get("depths", [])], "est_accept_len": h.get("est_accept_len")}
+    out = {"run": a.run, "family": a.family, "label": a.label or _title(export.get("family", a.family)),
+           "export_family": export.get("family"), "steps": steps, "global_batch": batch, "train_rows": rows,
+           "epoch_tokens": epoch_tokens, "tokens_seen": tokens,
+           "epochs": round(steps * batch / rows, 3) if rows else None,
+           "train_minutes": round(export.get("train_seconds", 0) / 60, 1),
+           "cpu_minutes": round(sum(c["user_s"] + c["sys_s"] for c in cpu) / 60, 1) if cpu else None,
+           "wall_minutes": round(sum(c["wall_s"] for c in cpu) / 60, 1) if cpu else None,
+           "invocations": cpu, "log": _loads(Path("runs/logs") / f"{a.run}.log", a.run),
+           "tokens_per_s": {"median": round(statistics.median(tps), 1), "p10": round(_q(tps, 0.1), 1),
+                            "p90": round(_q(tps, 0.9), 1)} if tps else None,
+           "trainable_params": export.get("trainable_params"), "train_dtype": export.get("train_dtype"),
+           "lr": cfg.get("train", {}).get("lr"), "threads": cfg.get("train", {}).get("num_threads"),
+           "data": {k: cfg.get("data", {}).get(k) for k in ("source", "max_records", "max_length")},
+           "draft": cfg.get("draft", {}), "loss": cfg.get("loss", {}),
+           "heldout": heldout, "machine": machine_kind(), "command": a.command}
+    dest = Path(a.reports) / a.run
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "train.json").write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {dest / 'train.json'}: {steps} steps, {tokens} tokens, {out['cpu_minutes']} CPU-min")
+    return 0
+
+
+def _title(family: str) -> str:
+    from models.registry import FAMILIES
+
+    return FAMILIES[family].title if family in FAMILIES else family
+
+
+def _q(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _train_rows(cfg: dict) -> int | None:
+    """Train conversations: the rows of the hidden-state cache the run read (its manifest)."""
+    root = Path(cfg.get("data", {}).get("cache_dir") or "") / "hidden"
+    best = None
+    for m in sorted(root.glob("*/manifest.json")) if root.parts else []:
+        man = json.loads(m.read_text())
+        if man.get("aux_layers"):
+            best = int(man["rows"])
+    return best
+
+
+def _stored_prompts(refs: Path) -> int:
+    return int(json.loads((refs / "card.json").read_text())["prompts"])
+
+
+def cmd_done(a) -> int:
+    """Exit 0 when the report covers every stored answer (and holds paired.json with --paired)."""
+    f = Path(a.report) / "field.json"
+    if not f.is_file():
+        return 1
+    rep = json.loads(f.read_text())
+    if rep.get("prompts", 0) < _stored_prompts(Path(a.refs)):
+        return 1
+    if a.paired and not (Path(a.report) / "paired.json").is_file():
+        return 1
+    return 0
+
+
+def cmd_probe(a) -> int:
+    rep = json.loads((Path(a.report) / "field.json").read_text())
+    n, secs, total = rep["prompts"], rep["meta"]["seconds"], _stored_prompts(Path(a.refs))
+    out = {"probe_prompts": n, "seconds": secs, "seconds_per_prompt": round(secs / n, 2),
+           "estimated_minutes_all": round(secs / n * total / 60, 1), "stored_prompts": total,
+           "path": rep["meta"].get("path"), "shape": rep["meta"].get("shape"),
+           "note": "seconds include loading the draft and the base and any field-cache build for these prompts: "
+                   "an upper bound", "machine": machine_kind()}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_probe_minutes(a) -> int:
+    print(int(json.loads(Path(a.probe).read_text())["estimated_minutes_all"]))
+    return 0
+
+
+def cmd_keep(a) -> int:
+    src, dest = Path(a.report), Path(a.dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("field.json", "field.md", "paired.json", "paired.md", "probe.json"):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+    png = src / "field.png"
+    if png.is_file() and png.stat().st_size <= PLOT_LIMIT:
+        shutil.copy2(png, dest / "field.png")
+    for rows in sorted(src.glob("rows-*.jsonl")):
+        with open(rows, "rb") as fin, lzma.open(dest / (rows.name + ".xz"), "wb", preset=9) as fout:
+            shutil.copyfileobj(fin, fout)
+    size = sum(p.stat().st_size for p in dest.iterdir())
+    print(f"kept {src} in {dest}: {size / 1e3:.0f} kB")
+    return 0
+
+
+# -- the table ----------------------------------------------------------------------------------------------------
+
+def read_kept_rows(d: Path) -> list[dict]:
+    rows = {}
+    for p in sorted(d.glob("rows-*.jsonl.xz")):
+        with lzma.open(p, "rt") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    rows[r["id"]] = r
+    return list(rows.values())
+
+
+def load_runs(reports: Path) -> dict[str, dict]:
+    runs = {}
+    for d in sorted(p for p in reports.iterdir() if p.is_dir()) if reports.is_dir() else []:
+        t = json.loads((d / "train.json").read_text()) if (d / "train.json").is_file() else None
+        fields = {}
+        for f in sorted(d.glob("field-*")):
+            shape = f.name.removeprefix("field-")
+            entry = {"dir": f}
+            if (f / "field.json").is_file():
+                entry["report"] = json.loads((f / "field.json").read_text())
+            if (f / "probe.json").is_file():
+                entry["probe"] = json.loads((f / "probe.json").read_text())
+            fields[shape] = entry
+        fam = (t or {}).get("family") or d.name.split("-", 1)[-1]
+        runs[d.name] = {"family": fam, "train": t, "fields": fields}
+    return runs
+
+
+def _fmt_iv(v: float, iv) -> str:
+    return f"{v:.3f} [{iv[0]:.3f}, {iv[1]:.3f}]" if iv else f"{v:.3f}"
+
+
+def _set_al(rep: dict, name: str):
+    for s in rep["sets"]:
+        if s["set"] == name:
+            return s
+    return None
+
+
+def _label(r: dict) -> str:
+    return (r["train"] or {}).get("label") or r["family"]
+
+
+def _rank(r: dict) -> int:
+    from models.registry import FAMILIES
+
+    fam = (r["train"] or {}).get("export_family") or r["family"]
+    return list(FAMILIES).index(fam) if fam in FAMILIES else len(FAMILIES)
+
+
+def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
+    from eval.harness.field_report import paired
+
+    runs = load_runs(reports)
+    ref = runs.get(reference)
+    off = json.loads((reports / OFF_POLICY).read_text()) if (reports / OFF_POLICY).is_file() else {}
+    lines = ["# Every family on the field benchmark at one budget", "",
+             f"Generated by `{command}` from the reports kept in `{reports}/` (each run's `train.json` and its field "
+             "reports: `field.json` and the rows, xz-compressed); do not edit by hand. The recipe that trains and "
+             "judges them: `recipes/field_families.sh` (its header gives the budget, the data and every family's "
+             "recipe). Field: simulated greedy acceptance length (AL, the bonus token counted) on the base's stored "
+             "fp32 answers (`datasets/smollm2-field-refs`, 11 sets), 95 % bootstrap intervals; paired: this "
+             f"family minus the equal-budget EAGLE-3 (`{reference}`) on the same prompts (chains against its chain "
+             "of 4, trees, beams and paths against its 16-node tree), 95 % paired bootstrap.", ""]
+    lines += ["## Training", "",
+              "| family | run | steps x batch | tokens seen | epochs | trainable params | lr | train min | CPU-min | "
+              "median tok/s | machine | held-out top-1 by depth |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    ordered = sorted(runs.items(), key=lambda kv: (_rank(kv[1]), _label(kv[1])))
+    for name, r in ordered:
+        t = r["train"]
+        if not t:
+            lines.append(f"| {_label(r)} | `{name}` | not finished | | | | | | | | | |")
+            continue
+        top1 = " / ".join(f"{x:.3f}" for x in t.get("heldout", {}).get("top1_by_depth", [])[:5]) or "-"
+        tps = t.get("tokens_per_s") or {}
+        lines.append(f"| {_label(r)} | `{name}` | {t['steps']} x {t['global_batch']} | "
+                     f"{(t.get('tokens_seen') or 0) / 1e6:.2f}M | {t.get('epochs')} | "
+                     f"{(t.get('trainable_params') or 0) / 1e6:.2f}M | {t.get('lr')} | {t.get('train_minutes')} | "
+                     f"{t.get('cpu_minutes')} | {tps.get('median', '-')} | {t['machine']['kind']} | {top1} |")
+    lines += ["", "CPU-min: user + system time of the training process (all restarts summed, model loading "
+              "included), one thread; train min: the training loop's own clock. Both depend on what else ran on "
+              "the machine (the load averages at each start and end are in each `train.json`).", ""]
+    all_sets: list[str] = []
+    for r in runs.values():
+        for e in r["fields"].values():
+            for s in e.get("report", {}).get("sets", []):
+                if s["set"] not in all_sets:
+                    all_sets.append(s["set"])
+    lines += ["## Field acceptance length per set", "",
+              "| family | shape | path | prompts | " + " | ".join(all_sets) + " | mean over sets [95 %] | "
+              "minus EAGLE-3, paired [95 %] |",
+              "|---|---|---|---:|" + "---:|" * len(all_sets) + "---|---|"]
+    notes = []
+    for name, r in ordered:
+        for shape, e in r["fields"].items():
+            if "report" not in e:
+                if "probe" in e:
+                    p = e["probe"]
+                    notes.append(f"- {_label(r)} {SHAPE_WORDS.get(shape, shape)}: not judged on every prompt: "
+                                 f"{p['seconds_per_prompt']} s a prompt on {p['probe_prompts']} prompts, "
+                                 f"~{p['estimated_minutes_all']:.0f} min for all {p['stored_prompts']} "
+                                 "(over the recipe's FIELD_MAX_MIN).")
+                continue
+            rep = e["report"]
+            m = rep["meta"]
+            cells = []
+            for s in all_sets:
+                st = _set_al(rep, s)
+                cells.append(f"{st['acceptance_length']:.3f} [{st['interval'][0]:.2f}, {st['interval'][1]:.2f}]"
+                             if st else "-")
+            diff = "-"
+            if ref and name != reference:
+                kind = "tree16" if shape in TREE_SHAPES else "chain4"
+                other = ref["fields"].get(kind, {})
+                if other.get("report"):
+                    pr = paired(read_kept_rows(e["dir"]), read_kept_rows(other["dir"]))
+                    if pr["prompts"]:
+                        lo, hi = pr["mean_interval"]
+                        diff = f"{pr['mean_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] ({pr['prompts']} prompts, vs {kind})"
+            path = m.get("path", "batched" if m.get("lockstep") else "exact")
+            if path == "batched" and m.get("agreement"):
+                ag = m["agreement"]
+                path += f" (agreement: {ag['identical_rows']}/{ag['rows']} prompts' rows identical)"
+            lines.append(f"| {_label(r)} | {SHAPE_WORDS.get(shape, shape)} | {path} | {rep['prompts']} | "
+                         + " | ".join(cells) + f" | **{_fmt_iv(rep['mean_over_sets'], rep['mean_interval'])}** | "
+                         f"{diff} |")
+    lines += ["", "N-gram baseline: `specdraft field` judges exports only (it has no `--method ngram`), so the "
+              "learning-free N-gram draft has no field report yet; its decoded rows are in `results.md`.", ""]
+    if notes:
+        lines += ["Not judged:", ""] + notes + [""]
+    seed = []
+    for _name, r in ordered:
+        before = off.get("mtbench_tree", {}).get(_label(r))
+        tree = next((e for s, e in r["fields"].items() if s in TREE_SHAPES and e.get("report")), None)
+        if before is None or tree is None:
+            continue
+        mt = _set_al(tree["report"], "mtbench")
+        al = mt["acceptance_length"]
+        seed.append(f"| {_label(r)} | {before:.2f} | {al:.3f} [{mt['interval'][0]:.3f}, {mt['interval'][1]:.3f}] | "
+                    f"{al - before:+.2f} | {'met' if al >= before + 0.2 else 'missed'} |")
+    if seed:
+        lines += ["## MT-bench tree / beam / paths AL against the off-policy 32-prompt figure", "",
+                  f"Off-policy: {off.get('source', '')}; field: MT-bench's 80 first turns, whole stored answers (up "
+                  "to 256 tokens), simulated. Target: field ≥ off-policy + 0.2.", "",
+                  "| family | off-policy (32 prompts) | field MT-bench [95 %] | difference | target +0.2 |",
+                  "|---|---:|---|---:|---|"] + seed + [""]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_table(a) -> int:
+    command = "python recipes/field_families_table.py"
+    if a.reports != str(REPORTS):
+        command += f" --reports {a.reports}"
+    text = build_table(Path(a.reports), command, a.reference)
+    if a.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(a.out).write_text(text)
+        print(f"wrote {a.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    p = sub.add_parser("table", help="write the families table (the default)")
+    p.add_argument("--reports", default=str(REPORTS))
+    p.add_argument("--out", default=str(OUT))
+    p.add_argument("--reference", default=REFERENCE, help="the EAGLE-3 run the others are paired with")
+    p = sub.add_parser("collect", help="a finished run's train.json")
+    p.add_argument("--run", required=True)
+    p.add_argument("--family", required=True)
+    p.add_argument("--reports", default=str(REPORTS))
+    p.add_argument("--command", default="")
+    p.add_argument("--label", default="", help="the row's name (default: the family's title)")
+    p = sub.add_parser("done", help="exit 0 when a field report covers every stored answer")
+    p.add_argument("--report", required=True)
+    p.add_argument("--refs", default=str(REFS))
+    p.add_argument("--paired", action="store_true")
+    p = sub.add_parser("probe", help="per-prompt cost of a probe report")
+    p.add_argument("--report", required=True)
+    p.add_argument("--refs", default=str(REFS))
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("probe-minutes", help="the estimated minutes of a probe over every stored answer")
+    p.add_argument("--probe", required=True)
+    p = sub.add_parser("keep", help="copy a field report's small files into the repository")
+    p.add_argument("--report", required=True)
+    p.add_argument("--dest", required=True)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in sub.choices:
+        argv = ["table", *argv]
+    a = ap.parse_args(argv)
+    import os
+
+    os.chdir(ROOT)
+    return {"table": cmd_table, "collect": cmd_collect, "done": cmd_done, "probe": cmd_probe,
+            "probe-minutes": cmd_probe_minutes, "keep": cmd_keep}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
