@@ -73,6 +73,7 @@ def run_demo(overrides: list[str]) -> int:
           "training)", flush=True)
     run_dir = train(cfg, decode_eval=make_decode_eval(cfg))  # train.decode_eval_prompts=N decodes snapshots
     t_train = time.perf_counter() - t0
+    t_tune = 0.0
     # Decoding: where the training's dtype came from `fast`, `fast` again, which for decoding is the probe's faster
     # dtype on this CPU (core/dtype_phases.py; the tree sweep and the eval resolve it alike, from one cached probe);
     # a dtype the user forced (train.precision=fp32, base.dtype=bf16) is kept for every phase.
@@ -85,7 +86,9 @@ def run_demo(overrides: list[str]) -> int:
 
         print(f"[demo 2/5] choosing the tree on this machine: the head's top-1 / top-2 / top-3 against own AR, "
               f"{TUNE_PROMPTS} held-out conversations x {TUNE_TOKENS} tokens", flush=True)
+        t = time.perf_counter()
         choice = tune_demo_tree(run_dir / "export", [*eval_args, *eval_overrides])
+        t_tune = time.perf_counter() - t
         print(f"[demo 2/5] {describe(choice)}", flush=True)
         # A chosen tree reaches the eval through tuning.json (configs/eval/demo.yaml's own tree set aside, so the
         # eval says which tuning it applies); with no tree beating AR the demo still decodes with the top-1.
@@ -94,10 +97,77 @@ def run_demo(overrides: list[str]) -> int:
         # the fp32 check decodes the same tree: tuning.json's choice was measured in the run's dtype, so an fp32 eval
         # would not apply it and would fall back to another tree
         check_tree = [f"tree_choices={tree}", "use_tuning=false"]
-    evaluate_demo_run(run_dir, [*eval_args, *eval_overrides], check_overrides=check_tree)
-    print(f"demo finished in {(time.perf_counter() - t0) / 60:.1f} min (probe, training incl. set-up "
-          f"{t_train / 60:.1f} min; planned {plan.total_s / 60:.1f}); run directory {run_dir}")
+    t = time.perf_counter()
+    out_dir = evaluate_demo_run(run_dir, [*eval_args, *eval_overrides], check_overrides=check_tree)
+    t_eval = time.perf_counter() - t
+    total = time.perf_counter() - t0
+    table = phase_table(plan, actual_phases(run_dir, total, t_tune, t_eval))
+    print(format_phase_table(table, plan.total_s, total))
+    if out_dir is not None:
+        _save_phases(out_dir / "report.json", table, plan, total)
+    print(f"demo finished in {total / 60:.1f} min (probe, training incl. set-up {t_train / 60:.1f} min; planned "
+          f"{plan.total_s / 60:.1f}); run directory {run_dir}")
     return 0
+
+
+def actual_phases(run_dir: Path, total_s: float, tune_s: float, eval_s: float) -> dict[str, float | None]:
+    """Seconds each of the plan's phases (cli/demo_plan.py: PHASES) took: the cache build and training from the
+    run's phase_seconds.json (train/loop.py; training = the loop, the export and the held-out table), the tree sweep
+    and the decoding as the demo timed them, set-up = the rest (probes, loading, tokenizing, DeepSpeed's start). A
+    phase the run did not time is None (an older run directory)."""
+    try:
+        ran = json.loads((run_dir / "phase_seconds.json").read_text())
+    except (OSError, ValueError):
+        ran = {}
+    cache = ran.get("cache")
+    training = ran["loop"] + ran["finish"] if "loop" in ran and "finish" in ran else None
+    timed = [x for x in (cache, training) if x is not None]
+    setup = total_s - sum(timed) - tune_s - eval_s if len(timed) == 2 else None
+    return {"set-up": setup, "cache": cache, "training": training, "tree sweep": tune_s, "decoding": eval_s}
+
+
+def phase_table(plan, actual: dict[str, float | None]) -> list[dict]:
+    """Per phase: planned and actual minutes and the plan's error in % of the plan ((actual - planned) / planned)."""
+    from cli.demo_plan import PHASES
+
+    planned = plan.phases()
+    rows = []
+    for name in PHASES:
+        p, a = planned[name], actual.get(name)
+        err = None if a is None or p <= 0 else round(100 * (a - p) / p, 1)
+        rows.append({"phase": name, "planned_min": round(p / 60, 2), "actual_min": None if a is None else
+                     round(a / 60, 2), "error_pct": err})
+    return rows
+
+
+def format_phase_table(rows: list[dict], planned_total_s: float, total_s: float) -> str:
+    """The demo's closing lines: each phase's planned and actual minutes and the error, then the total."""
+    lines = ["[demo plan vs actual] minutes per phase (error = actual against plan):"]
+    for r in rows:
+        if r["actual_min"] is None:
+            lines.append(f"  {r['phase']:<11} planned {r['planned_min']:5.1f}  actual     ?")
+            continue
+        err = "" if r["error_pct"] is None else f"  {r['error_pct']:+6.1f} %"
+        lines.append(f"  {r['phase']:<11} planned {r['planned_min']:5.1f}  actual {r['actual_min']:5.1f}{err}")
+    err = 100 * (total_s - planned_total_s) / planned_total_s
+    lines.append(f"  {'total':<11} planned {planned_total_s / 60:5.1f}  actual {total_s / 60:5.1f}  {err:+6.1f} %")
+    return "\n".join(lines)
+
+
+def _save_phases(report_path: Path, rows: list[dict], plan, total_s: float) -> None:
+    """The plan against what it took, into the demo's report.json ("demo_plan": the plan's line, speed, phases)."""
+    from core.atomic import write_json_atomic
+    from core.load import load_average
+
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, ValueError):
+        return
+    report["demo_plan"] = {"line": plan.line(), "kind": plan.dtype, "probe_tok_s": plan.tok_s,
+                           "decode_tok_s": plan.decode_tok_s, "phases": rows,
+                           "planned_total_min": round(plan.total_s / 60, 2), "actual_total_min": round(total_s / 60, 2),
+                           "load_at_end": load_average()}
+    write_json_atomic(report_path, report)
 
 
 def eval_dtype(cfg, dtype: str) -> str:
@@ -127,7 +197,7 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True, ev
     (plan, the dtype name the run uses: "bf16" | "fp32" | ...)."""
     import gc
 
-    from cli.demo_plan import class_speed, cost_dtype, make_plan, speed_class
+    from cli.demo_plan import class_speed, cost_dtype, cost_kind, make_plan, speed_class
     from cli.demo_probe import decode_speed, machine_key, probe_forward_speed, remember_class, remembered_class
     from core.hardware import resolve_device
     from models.base import load_base
@@ -155,7 +225,7 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True, ev
         decode_class = speed_class(decoding, remembered_class(decode_key))
         remember_class(decode_key, decode_class)
         decode_note = f"one-token decoding {decoding:.1f} tok/s in {decode_dtype}, from {source}"
-    plan = make_plan(class_speed(k), cost_dtype(dtype), user=user, soft_loss=cfg.loss.teacher_weight > 0,
+    plan = make_plan(class_speed(k), cost_kind(dtype, device.type), user=user, soft_loss=cfg.loss.teacher_weight > 0,
                      tree_sweep=tree_sweep, decode_tok_s=None if decode_class is None else class_speed(decode_class),
                      decode_dtype=cost_dtype(decode_dtype))
     print(f"[demo plan] {plan.line()} (measured {measured:.0f} tok/s; {decode_note})", flush=True)
@@ -163,8 +233,9 @@ def plan_for_this_machine(cfg, user: dict[str, str], tree_sweep: bool = True, ev
 
 
 def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None,
-                      check_overrides: list[str] | None = None) -> None:
-    """Steps 3-5 of the demo on a finished run: held-out table, MT-bench decoding, exact check, summary.
+                      check_overrides: list[str] | None = None) -> Path:
+    """Steps 3-5 of the demo on a finished run: held-out table, MT-bench decoding, exact check, summary; returns the
+    MT-bench report's directory.
     overrides: for configs/eval/demo.yaml (the plan's dtype and prompt count, the user's eval.* keys);
     check_overrides: what the fp32 check adds so that it decodes the run's own tree (the tuned one, fixed)."""
     from core.hardware import resolve_device, resolve_dtype
@@ -207,3 +278,4 @@ def evaluate_demo_run(run_dir: Path, overrides: list[str] | None = None,
     print(format_summary(report, out_dir))
     if exact is not None:
         print(f"  fp32 check: {format_verdict(exact)}")
+    return out_dir

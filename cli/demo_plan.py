@@ -46,7 +46,6 @@ SHAREGPT_ROWS = {128: (0.734, 127), 192: (0.804, 189), 256: (0.826, 249), 320: (
 VAL_FRACTION = 0.05  # configs/demo.yaml keeps the default data.val_fraction
 HELDOUT_ROWS = 24  # train.val_batches (6) x micro_batch_size (4): the held-out table's base forwards
 PROBE_LENGTH = 256  # the probe's row length (cli/demo_probe.py)
-PAD_EFFICIENCY = 0.95  # the cache build right-pads micro-batches of 4 rows; most rows reach max_length
 
 # Per dtype, measured on the 2-core AMD EPYCs (bench/demo_plan_costs.py; docs/lab/benchmarks.md, "The demo"):
 #  - attn_len: a token's forward cost grows with the row length through attention, as (1 + mean position /
@@ -70,13 +69,25 @@ PAD_EFFICIENCY = 0.95  # the cache build right-pads micro-batches of 4 rows; mos
 #    (a plan made from the bulk probe alone): decoding scaled like the bulk forward, which holds on the EPYCs but
 #    not on AMX, whose bulk forwards run several times faster while one-token decoding does not;
 #  - fixed_s: base conversion, tokenizing, DeepSpeed start, draft vocabulary, export, loading the base for eval
-#    and the tie tolerance (in bf16 also the short fp32 exact check).
+#    and the tie tolerance (in bf16 also the short fp32 exact check);
+#  - cache_eff: the cache build's tokens/s against the probe's (scaled to the row length): padding, the shards'
+#    writes and the batches' collation. Timed demos: bf16 0.84 and 0.80 (AVX512-BF16 EPYC), 0.84 (AMX Xeon); fp32
+#    0.86 and 0.87 (the EPYC forced to fp32).
+# bf16 on a CPU with AMX ("bf16-amx", `cost_kind`): AMX tiles run the base's large bf16 matmuls (the probe, the
+# cache build) far faster than AVX512-BF16, but not the rest of a training step (AdamW, the fused loss's chunk loop,
+# DeepSpeed's bookkeeping), so the head trains at a smaller multiple of the probe: the timed AMX demo trained 2,220
+# steps (2.23M tokens) in 4.5 min against a 3,158 tok/s probe class, 2.62x with the soft loss (3.1 hard), where the
+# EPYC's bf16 demos trained at 4.84-4.97x (5.7 hard). One thread, CPU time (bench/demo_plan_costs.py --lengths 256
+# --dtypes bf16): head training / forward 1.81 on the AMX Xeon against ~2.9 on the EPYC: the same ratio (0.62).
+# Its fixed_s adds the rest of that run's overrun: set-up and decoding took 3.8 min against 3.0 priced (which of the
+# two is not known from that run; the demo's closing table now times them apart).
 COSTS = {
     "fp32": {"attn_len": 700.0, "train_ratio": 6.0, "decode_steps": 3.5, "decode_s": 0.149, "ref": 570.0,
-             "fixed_s": 75.0},
-    "bf16": {"attn_len": 700.0, "train_ratio": 5.0, "decode_steps": 2.9, "decode_s": 0.117, "ref": 1200.0,
-             "fixed_s": 90.0},
+             "fixed_s": 75.0, "cache_eff": 0.87},
+    "bf16": {"attn_len": 700.0, "train_ratio": 5.7, "decode_steps": 2.9, "decode_s": 0.117, "ref": 1200.0,
+             "fixed_s": 90.0, "cache_eff": 0.84},
 }
+COSTS["bf16-amx"] = {**COSTS["bf16"], "train_ratio": 3.1, "fixed_s": 138.0}
 MAX_NEW_TOKENS = 96  # configs/eval/demo.yaml
 # Head training with the soft loss (loss.teacher_weight > 0) against hard labels, tokens/s. The head's step alone is
 # 0.65x in both dtypes (2,052 / 3,188 and 1,915 / 2,895 in bf16, 1,178 / 1,808 twice in fp32; one thread, CPU time,
@@ -170,10 +181,16 @@ class Plan:
     tree_sweep: bool = True  # eval_s includes the demo's tree sweep (cli/demo_tune.py)
     decode_tok_s: float | None = None  # one-token AR decoding (a speed class's speed); None: priced from tok_s
     decode_dtype: str | None = None  # the dtype the demo decodes in, when not the bulk dtype
+    tune_s: float = 0.0  # the tree sweep's part of eval_s
 
     @property
     def total_s(self) -> float:
         return self.fixed_s + self.cache_s + self.train_s + self.eval_s
+
+    def phases(self) -> dict[str, float]:
+        """Planned seconds per phase, as the demo times them at its end (PHASES)."""
+        return {"set-up": self.fixed_s, "cache": self.cache_s, "training": self.train_s, "tree sweep": self.tune_s,
+                "decoding": self.eval_s - self.tune_s}
 
     @property
     def fits(self) -> bool:
@@ -192,7 +209,8 @@ class Plan:
         epochs = f"{s.epochs:g} epoch{'' if s.epochs == 1 else 's'}"
         in_dtype = f" in {self.decode_dtype}" if self.decode_dtype else ""
         decoding = f", decoding ~{self.decode_tok_s:.0f} tok/s{in_dtype}" if self.decode_tok_s else ""
-        text = (f"this CPU: {self.dtype}, ~{self.tok_s:.0f} tok/s{decoding} -> {s.max_records} conversations cut at "
+        kind = self.dtype.replace("bf16-amx", "bf16 (AMX)")
+        text = (f"this CPU: {kind}, ~{self.tok_s:.0f} tok/s{decoding} -> {s.max_records} conversations cut at "
                 f"{s.max_length} tokens, ~{self.train_tokens / 1000:.0f}k tokens cached in ~{self.cache_s / 60:.1f} "
                 f"min, {epochs} in ~{self.train_s / 60:.1f} min (cap {self.max_minutes:g}), "
                 f"{'the tree sweep and ' if self.tree_sweep else ''}{s.num_prompts} MT-bench prompts in "
@@ -210,6 +228,18 @@ def cost_dtype(dtype: str) -> str:
     """The COSTS entry a run's dtype is priced with: fp16 like bf16 (both half-width matmuls), else fp32."""
     return "bf16" if dtype in ("bf16", "fp16") else "fp32"
 
+
+def cost_kind(dtype: str, device_type: str = "cpu", cpuinfo: str | None = None) -> str:
+    """The COSTS entry of the demo's bulk phases: cost_dtype, and "bf16-amx" for bf16 on a CPU with AMX-BF16 (its
+    head trains at a smaller multiple of the probe, see COSTS)."""
+    kind = cost_dtype(dtype)
+    if kind != "bf16" or device_type != "cpu":
+        return kind
+    if cpuinfo is None:
+        from core.hardware import cpuinfo_text
+
+        cpuinfo = cpuinfo_text()
+    return "bf16-amx" if "amx_bf16" in cpuinfo.split() else kind
 
 def decode_token_seconds(tok_s: float, dtype: str, decode_tok_s: float | None,
                          decode_dtype: str | None = None) -> float:
@@ -236,13 +266,13 @@ def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_
     c = COSTS[dtype]
     rows, tokens = train_rows_and_tokens(shape.max_records, shape.max_length)
     forward_tok_s = tok_s / _cost_per_token(shape.max_length, c["attn_len"])
-    cache_s = tokens / (forward_tok_s * PAD_EFFICIENCY)
+    cache_s = tokens / (forward_tok_s * c["cache_eff"])
     heldout_s = HELDOUT_ROWS * tokens / rows / forward_tok_s
     train_tok_s = tok_s * c["train_ratio"] * (SOFT_LOSS_SPEED if soft_loss else 1.0)
     train_s = shape.epochs * tokens / train_tok_s + heldout_s
     eval_s = shape.num_prompts * MAX_NEW_TOKENS * decode_token_seconds(tok_s, dtype, decode_tok_s, decode_dtype)
-    if tree_sweep:
-        eval_s += tune_seconds(tok_s, dtype, decode_tok_s, decode_dtype)
+    tune_s = tune_seconds(tok_s, dtype, decode_tok_s, decode_dtype) if tree_sweep else 0.0
+    eval_s += tune_s
     if max_minutes is None:
         # A cap, not a target: the estimate plus a quarter and half a minute, plus half of the budget the plan
         # leaves unused, so a machine slower than its probe loses epochs only when the budget is really at stake.
@@ -250,7 +280,13 @@ def estimate(shape: Shape, tok_s: float, dtype: str, budget_minutes: float, max_
         max_minutes = math.ceil(2 * (1.25 * train_s / 60 + 0.5 + spare / 2)) / 2
     return Plan(dtype, tok_s, shape, rows, tokens, cache_s, train_s, max_minutes, eval_s, c["fixed_s"],
                 budget_minutes, tree_sweep=tree_sweep, decode_tok_s=decode_tok_s,
-                decode_dtype=decode_dtype if decode_dtype != dtype else None)
+                decode_dtype=decode_dtype if decode_dtype != cost_dtype(dtype) else None, tune_s=tune_s)
+
+
+# The demo's phases as it times them (cli/demo.py: phase_table): set-up = probes, loading, tokenizing, DeepSpeed's
+# start and the export (fixed_s); cache = the hidden-state cache build; training = the loop and the held-out table;
+# tree sweep = cli/demo_tune.py; decoding = the MT-bench decoding with both baselines and the fp32 check.
+PHASES = ("set-up", "cache", "training", "tree sweep", "decoding")
 
 
 # The tree sweep before the MT-bench decoding (cli/demo_tune.py): its decoded tokens are AR and speculative passes,

@@ -134,7 +134,9 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
     # The base's own answers to the prompts after the training ones (rank 0 alone scores held-out sets).
     onpolicy_ds = onpolicy_heldout_rows(cfg.data, base, source, max_records) if info.is_main else None
     # Every rank builds its share of the cache's shards (collective; a ready cache is only opened).
+    t_cache = time.perf_counter()
     hidden_cache = _hidden_cache(cfg, base, train_ds, info, partitioned) if cfg.data.hidden_cache else None
+    cache_seconds = time.perf_counter() - t_cache
     view = partitioned.view() if partitioned else BaseView.from_model(base.model)
     for turn in (0, 1):  # rank 0 builds and caches the draft vocabulary; the others read the cache
         if (turn == 0) == info.is_main:
@@ -285,6 +287,7 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
         pbar.close()
         stop.restore()
 
+    loop_end = time.perf_counter()
     if not sigterm:  # finished, or out of its time budget: export what we have
         # Decoding at snapshots: the final state goes to export_last/, and export/ becomes the best decoded one.
         _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker, run_dir,
@@ -292,6 +295,10 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
                 vocab_info, bool(partitioned), out=run_dir / LAST_DIR if decode else None, decode_eval=decode)
         if decode and info.is_main:
             _select_export(run_dir)
+        if info.is_main:  # what each part of this run took (`specdraft demo` compares them with its plan)
+            write_text_atomic(run_dir / "phase_seconds.json", json.dumps(
+                {"cache": round(cache_seconds, 1), "loop": round(loop_end - train_t0, 1),
+                 "finish": round(time.perf_counter() - loop_end, 1)}) + "\n")
     tracker.close()
     barrier()
     if sigterm:
