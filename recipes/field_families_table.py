@@ -332,6 +332,7 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
               "learning-free N-gram draft has no field report yet; its decoded rows are in `results.md`.", ""]
     if notes:
         lines += ["Not judged:", ""] + notes + [""]
+    lines += depth_section(ordered)
     seed = []
     for _name, r in ordered:
         before = off.get("mtbench_tree", {}).get(_label(r))
@@ -349,6 +350,46 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
                   "| family | off-policy (32 prompts) | field MT-bench [95 %] | difference | target +0.2 |",
                   "|---|---:|---|---:|---|"] + seed + [""]
     return "\n".join(lines) + "\n"
+
+
+def depth_stats(rows: list[dict], depths: int = 4) -> dict:
+    """Over every decode step of these rows: drafted tokens a step (the chain's or collapsed path's length, from
+    proposed_per_depth), the share of steps accepting >= k drafts, and that share among the steps that proposed
+    depth k (the draft's accuracy where it drafted at all)."""
+    steps = sum(len(r["accept_lengths"]) for r in rows)
+    acc = [sum(r["accepted_per_depth"][k] for r in rows if len(r["accepted_per_depth"]) > k) for k in range(depths)]
+    prop = [sum(r["proposed_per_depth"][k] for r in rows if len(r["proposed_per_depth"]) > k) for k in range(depths)]
+    drafted = sum(sum(r["proposed_per_depth"]) for r in rows)
+    return {"steps": steps, "drafted_per_step": drafted / max(steps, 1),
+            "accept": [a / max(steps, 1) for a in acc],
+            "accept_given_proposed": [a / p if p else float("nan") for a, p in zip(acc, prop)],
+            "proposed": [p / max(steps, 1) for p in prop]}
+
+
+def depth_section(ordered) -> list[str]:
+    """Each chain depth by depth on MT-bench (first turns) and over every prompt: where a chain loses its tokens."""
+    out = []
+    for _name, r in ordered:
+        for shape, e in r["fields"].items():
+            if shape in TREE_SHAPES or "report" not in e:
+                continue
+            rows = read_kept_rows(e["dir"])
+            for where, sel in (("MT-bench", [x for x in rows if x["set"] == "mtbench"]), ("all", rows)):
+                if not sel:
+                    continue
+                d = depth_stats(sel)
+                out.append(f"| {_label(r)} | {SHAPE_WORDS.get(shape, shape)} | {where} | {d['steps']:,} | "
+                           f"{d['drafted_per_step']:.2f} | " + " / ".join(f"{x:.2f}" for x in d["proposed"]) + " | "
+                           + " / ".join(f"{x:.3f}" for x in d["accept"]) + " | "
+                           + " / ".join(f"{x:.3f}" for x in d["accept_given_proposed"]) + " |")
+    if not out:
+        return []
+    return ["## Chains depth by depth (from the field rows)", "",
+            "Drafted: tokens the chain (for CTC: the collapsed path) put up per step; reached: share of steps whose "
+            "chain reached depth k; accepted: share of steps accepting ≥ k drafts; given reached: accepted / reached "
+            "(how often the draft is right at depth k where it drafted at all, after k-1 right).", "",
+            "| family | shape | prompts | steps | drafted a step | reached k = 1..4 | accepted k = 1..4 | "
+            "given reached k = 1..4 |", "|---|---|---|---:|---:|---|---|---|"] + out + [""]
 
 
 def cmd_table(a) -> int:
