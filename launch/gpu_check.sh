@@ -26,8 +26,8 @@
 #   fulldata   hidden-state cache over the whole pack + Hydra++ (FULLDATA_EPOCHS, FULLDATA_MINUTES budget,
 #              resume=auto: a second call continues), export split into <= 16 MiB parts under OUT_DIR
 #   evaldraft  specdraft eval (MT-bench, bf16, fast backend) of the fulldata export and .gpudata/exports/*
-# The payoff (docs/howto/gpu_kit.md "The payoff: one strong draft in two calls"): on-policy data, an EAGLE-3 draft
-# trained on it and its GPU eval, all in the second call of a window:
+# The payoff (docs/howto/gpu_kit.md "The payoff: one strong draft in three calls"): an EAGLE-3 draft trained on the
+# on-policy store in the second call of a window, its GPU eval in the third:
 #   regenbench bench/regenerate.py on the GPU over .gpudata/benchprompts, fastest engine first: our batched fast
 #              engine, transformers' static cache, `generate`; generated tok/s side by side, the JSON written after
 #              every engine (random-init SmolLM2 config until the gguf stage converted the real one)
@@ -83,7 +83,9 @@ run() {  # run NAME CMD...: output to OUT_DIR/NAME.txt and the console; status r
       echo "$name 124 0" >> "$OUT_DIR/status.txt"
       return 124
     fi
-    limit=(timeout "$left")
+    # -k: a command that ignores SIGTERM (or leaves children holding the log pipe) is killed 10 s later, so the
+    # collect step still runs inside the call's limit
+    limit=(timeout -k 10 "$left")
   fi
   log "$name: $*"
   local t0=$SECONDS
@@ -421,10 +423,11 @@ stage_evalpayoff() {
   [ -f "$e/config.json" ] || { log "evalpayoff: no export at $e: run the eagle3 stage first"; return 1; }
   local prompts=$DATA/meta/mtbench_question.jsonl
   [ -f "$prompts" ] || prompts=tests/fixtures/eval_prompts.jsonl
-  # Each run stopped within the stage's budget (launch/gpu_calls.json: 135 s): chain 70 s (with `generate`, ~5-12 s a
-  # prompt on the H100 with the first compiles), tree 35 s, fp32 30 s.
+  # Each run stopped within the stage's budget (launch/gpu_calls.json: 235 s, a call of its own): chain 120 s (with
+  # `generate`; on the H200 70 s did not finish 6 prompts with the first compiles), tree 65 s, fp32 50 s (35 and 30 s
+  # were cut there too).
   local size=(num_prompts=6 max_new_tokens=128) where=(dtype=bf16 device=cuda backend=fast)
-  local t1=(timeout 70) t2=(timeout 35) t3=(timeout 30)
+  local t1=(timeout 120) t2=(timeout 65) t3=(timeout 50)
   if [ "$DRY" = 1 ]; then size=(num_prompts=2 max_new_tokens=8); where=(dtype=fp32 device=cpu); t1=(); t2=(); t3=(); fi
   local rc=0
   run eval_payoff_chain "${t1[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
