@@ -35,6 +35,8 @@
 #   ctc                      chain (1 collapsed path) and paths8 (8 collapsed paths)
 #   eagle3 / peagle          chain4 and tree16 (the 16-node dynamic tree), batched (lockstep) with measured agreement
 #   dflash, dspark, domino   chain (the default: block - 1 drafts)
+#   ngram (learning-free, no training; recipes/field_ngram.py): lookup4 (one prompt-lookup row of 4, what serving
+#                            engines draft) and mixed10x10 (10 rows x 10 tokens, context + the model's bigram table)
 # each paired (`--against`) with the equal-budget EAGLE-3's report of the same kind (chains against its chain4, trees
 # against its tree16) once that exists; a last pass adds the pairs the order missed. A shape whose exact path (one
 # prompt at a time) would take over FIELD_MAX_MIN minutes is first timed on one prompt of every set (11 prompts,
@@ -53,6 +55,7 @@
 # the two runs reading it.
 set -uo pipefail
 set -f  # no globbing in the override lists
+{  # the whole script is read before it runs: editing the file meanwhile cannot derail a running copy
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 PY=${PYTHON:-.venv/bin/python}
@@ -66,7 +69,7 @@ FIELD=${FIELD:-1}
 FIELD_MAX_MIN=${FIELD_MAX_MIN:-60}
 PREFIX=${RUN_PREFIX:-ff}
 REPORTS=${REPORTS:-docs/lab/field_families}
-FAMILIES=${FAMILIES:-medusa ctc redrafter hydra_pp eagle3 hydra dflash dspark domino}
+FAMILIES=${FAMILIES:-medusa ctc redrafter hydra_pp eagle3 hydra dflash dspark domino ngram}
 HAVE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/card.json'))['records'])" "$STORE")
 N=${N:-$HAVE}
 CACHE_ROOT=${CACHE_ROOT:-runs/cache/field-families-$LENGTH}
@@ -210,19 +213,41 @@ judge_family() {
   done < <(shapes "$fam")
 }
 
-one() { train_family "$1" && judge_family "$1"; }
+judge_ngram() {  # the learning-free N-gram baseline: no training, the field benchmark's exact path (recipes/field_ngram.py)
+  local shape arg out
+  [ "$FIELD" = 1 ] || return 0
+  for shape in lookup4:chain4 mixed10x10:tree; do
+    arg=${shape#*:} shape=${shape%%:*} out="runs/$PREFIX-ngram/field-$shape"
+    if $TABLE done --report "$out" --refs "$REFS"; then
+      echo "skip field $PREFIX-ngram $shape"
+    else
+      echo "=== field $PREFIX-ngram $shape start $(stamp)"
+      OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" recipes/field_ngram.py --refs "$REFS" --shape "$arg" --out "$out" \
+        >> "runs/logs/field-$PREFIX-ngram-$shape.log" 2>&1 || { echo "!!! field $PREFIX-ngram $shape failed"; continue; }
+      echo "=== field $PREFIX-ngram $shape end $(stamp)"
+    fi
+    $TABLE keep --report "$out" --dest "$REPORTS/$PREFIX-ngram/field-$shape" > /dev/null
+  done
+}
+
+one() {
+  if [ "$1" = ngram ]; then judge_ngram; return; fi
+  train_family "$1" && judge_family "$1"
+}
 
 echo "=== field_families: N=$N LENGTH=$LENGTH STEPS=$STEPS JOBS=$JOBS FAMILIES=$FAMILIES $(stamp)"
 build_cache || exit 1
 running=0
 for fam in $FAMILIES; do
-  family_args "$fam" > /dev/null || exit 2
+  [ "$fam" = ngram ] || family_args "$fam" > /dev/null || exit 2
   one "$fam" &
   running=$((running + 1))
   if [ "$running" -ge "$JOBS" ]; then wait -n; running=$((running - 1)); fi
 done
 wait
-for fam in $FAMILIES; do judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
+for fam in $FAMILIES; do [ "$fam" = ngram ] || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
 TABLE_OUT=${TABLE_OUT:-$([ "$REPORTS" = docs/lab/field_families ] && echo docs/lab/field_families.md || echo "$REPORTS/table.md")}
 [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT"
 echo "=== field_families done $(stamp)"
+exit 0
+}

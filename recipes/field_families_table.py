@@ -35,9 +35,10 @@ PLOT_LIMIT = 200_000  # bytes: a field.png over this is not kept
 # The seed families' figures before this budget (decoded MT-bench tree / beam / paths AL), by label: a data file.
 OFF_POLICY = "off_policy.json"
 REFERENCE = "ff-eagle3"  # the equal-budget EAGLE-3 run every other family is paired with
-TREE_SHAPES = ("tree16", "beam8x3", "paths8")
+TREE_SHAPES = ("tree16", "beam8x3", "paths8", "mixed10x10")
 SHAPE_WORDS = {"chain4": "chain of 4", "chain": "chain", "tree16": "16-node tree", "beam8x3": "8 beams x 3",
-               "paths8": "8 collapsed paths"}
+               "paths8": "8 collapsed paths", "mixed10x10": "10 rows x 10 (context + bigram)",
+               "lookup4": "prompt lookup, 4"}
 
 
 # -- the recipe's steps ------------------------------------------------------------------------------------------
@@ -241,7 +242,13 @@ def _set_al(rep: dict, name: str):
 
 
 def _label(r: dict) -> str:
-    return (r["train"] or {}).get("label") or r["family"]
+    return (r["train"] or {}).get("label") or _title(r["family"])
+
+
+def _trainable(family: str) -> bool:
+    from models.registry import FAMILIES
+
+    return FAMILIES[family].trainable if family in FAMILIES else True
 
 
 def _rank(r: dict) -> int:
@@ -273,7 +280,8 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
     for name, r in ordered:
         t = r["train"]
         if not t:
-            lines.append(f"| {_label(r)} | `{name}` | not finished | | | | | | | | | |")
+            what = "learning-free: no training" if not _trainable(r["family"]) else "not finished"
+            lines.append(f"| {_label(r)} | `{name}` | {what} | | | | | | | | | |")
             continue
         top1 = " / ".join(f"{x:.3f}" for x in t.get("heldout", {}).get("top1_by_depth", [])[:5]) or "-"
         tps = t.get("tokens_per_s") or {}
@@ -328,8 +336,9 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
             lines.append(f"| {_label(r)} | {SHAPE_WORDS.get(shape, shape)} | {path} | {rep['prompts']} | "
                          + " | ".join(cells) + f" | **{_fmt_iv(rep['mean_over_sets'], rep['mean_interval'])}** | "
                          f"{diff} |")
-    lines += ["", "N-gram baseline: `specdraft field` judges exports only (it has no `--method ngram`), so the "
-              "learning-free N-gram draft has no field report yet; its decoded rows are in `results.md`.", ""]
+    lines += ["", "N-gram: the learning-free baseline, judged by `recipes/field_ngram.py` (the field benchmark's exact "
+              "path with the N-gram drafter: `specdraft field` judges exports only); its prompt-lookup chain of 4 "
+              "is paired with EAGLE-3's chain of 4, its 10 x 10 rows with EAGLE-3's 16-node tree.", ""]
     if notes:
         lines += ["Not judged:", ""] + notes + [""]
     lines += depth_section(ordered)
