@@ -34,6 +34,7 @@ REFS = Path("datasets/smollm2-field-refs")
 PLOT_LIMIT = 200_000  # bytes: a field.png over this is not kept
 # The seed families' figures before this budget (decoded MT-bench tree / beam / paths AL), by label: a data file.
 OFF_POLICY = "off_policy.json"
+NOTES = "notes.md"  # hand-written, appended to the generated page as it stands
 REFERENCE = "ff-eagle3"  # the equal-budget EAGLE-3 run every other family is paired with
 TREE_SHAPES = ("tree16", "beam8x3", "paths8", "mixed10x10")
 SHAPE_WORDS = {"chain4": "chain of 4", "chain": "chain", "tree16": "16-node tree", "beam8x3": "8 beams x 3",
@@ -358,6 +359,9 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
                   "to 256 tokens), simulated. Target: field ≥ off-policy + 0.2.", "",
                   "| family | off-policy (32 prompts) | field MT-bench [95 %] | difference | target +0.2 |",
                   "|---|---:|---|---:|---|"] + seed + [""]
+    notes_file = reports / NOTES
+    if notes_file.is_file():  # the hand-written part: set-up, budget, what the rows say
+        lines += [notes_file.read_text().rstrip(), ""]
     return "\n".join(lines) + "\n"
 
 
