@@ -42,7 +42,9 @@
 # prompt at a time) would take over FIELD_MAX_MIN minutes is first timed on one prompt of every set (11 prompts,
 # field-<shape>/probe.json) and, over the limit, not judged (said loudly in the log; FIELD_MAX_MIN=0 judges it
 # anyway). Each report's small files (field.json, field.md, paired.*, the rows xz-compressed) and the run's
-# train.json go to REPORTS/<run>/, which recipes/field_families_table.py turns into docs/lab/field_families.md.
+# train.json go to REPORTS/<run>/, which recipes/field_families_table.py turns into docs/lab/field_families.md
+# (rewritten after every family); the CTC drafter also gets recipes/ctc_diagnostics.py on 10 prompts a set (blank
+# rate, collapsed path length, depth-k accuracy: ctc_diagnostics.json).
 #
 #   setsid nohup recipes/field_families.sh > runs/logs/field-families.log 2>&1 &   # everything, resumable
 #   FAMILIES="medusa ctc" recipes/field_families.sh            # some families (the order is the queue's)
@@ -74,6 +76,7 @@ HAVE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/card.jso
 N=${N:-$HAVE}
 CACHE_ROOT=${CACHE_ROOT:-runs/cache/field-families-$LENGTH}
 TABLE="$PY recipes/field_families_table.py"
+TABLE_OUT=${TABLE_OUT:-$([ "$REPORTS" = docs/lab/field_families ] && echo docs/lab/field_families.md || echo "$REPORTS/table.md")}
 # Every stored answer, asked for explicitly: `--full` where `specdraft field` has it (its default may be a subset),
 # else more prompts a set than any set holds.
 if "$S" field --help 2>/dev/null | grep -q -- "--full"; then ALL=(--full); else ALL=(--num-prompts 100000); fi
@@ -204,13 +207,18 @@ judge_shape() {  # judge_shape <fam> <shape> <overrides...>
 }
 
 judge_family() {
-  local fam=$1 line
+  local fam=$1 line run="$PREFIX-$1"
   [ "$FIELD" = 1 ] || return 0
-  [ -f "runs/$PREFIX-$fam/export/config.json" ] || return 0
+  [ -f "runs/$run/export/config.json" ] || return 0
   while read -r line; do
     # shellcheck disable=SC2086
     [ -n "$line" ] && judge_shape "$fam" $line
   done < <(shapes "$fam")
+  if [ "$fam" = ctc ] && [ ! -f "$REPORTS/$run/ctc_diagnostics.json" ]; then  # blanks, collapse, depth by depth
+    OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" recipes/ctc_diagnostics.py --draft "runs/$run/export" --refs "$REFS" \
+      --num-prompts 10 --out "$REPORTS/$run/ctc_diagnostics.json" > "runs/logs/ctc-diagnostics-$run.log" 2>&1 ||
+      echo "!!! ctc diagnostics failed (runs/logs/ctc-diagnostics-$run.log)"
+  fi
 }
 
 judge_ngram() {  # the learning-free N-gram baseline: no training, the field benchmark's exact path (recipes/field_ngram.py)
@@ -230,9 +238,9 @@ judge_ngram() {  # the learning-free N-gram baseline: no training, the field ben
   done
 }
 
-one() {
-  if [ "$1" = ngram ]; then judge_ngram; return; fi
-  train_family "$1" && judge_family "$1"
+one() {  # one family in one slot: train, judge, then the table as it stands
+  if [ "$1" = ngram ]; then judge_ngram; else train_family "$1" && judge_family "$1"; fi
+  [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT" > /dev/null
 }
 
 echo "=== field_families: N=$N LENGTH=$LENGTH STEPS=$STEPS JOBS=$JOBS FAMILIES=$FAMILIES $(stamp)"
@@ -246,7 +254,6 @@ for fam in $FAMILIES; do
 done
 wait
 for fam in $FAMILIES; do [ "$fam" = ngram ] || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
-TABLE_OUT=${TABLE_OUT:-$([ "$REPORTS" = docs/lab/field_families ] && echo docs/lab/field_families.md || echo "$REPORTS/table.md")}
 [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT"
 echo "=== field_families done $(stamp)"
 exit 0

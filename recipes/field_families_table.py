@@ -117,7 +117,9 @@ def cmd_collect(a) -> int:
     dest = Path(a.reports) / a.run
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "train.json").write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {dest / 'train.json'}: {steps} steps, {tokens} tokens, {out['cpu_minutes']} CPU-min")
+    print(f"wrote {dest / 'train.json'}: {steps} steps, {tokens} tokens, {out['cpu_minutes']} CPU-min, "
+          f"{out['train_minutes']} train min, median {out['tokens_per_s'] and out['tokens_per_s']['median']} tok/s, "
+          f"{out['machine']['kind']}")
     return 0
 
 
@@ -227,7 +229,8 @@ def load_runs(reports: Path) -> dict[str, dict]:
                 entry["probe"] = json.loads((f / "probe.json").read_text())
             fields[shape] = entry
         fam = (t or {}).get("family") or d.name.split("-", 1)[-1]
-        runs[d.name] = {"family": fam, "train": t, "fields": fields}
+        diag = json.loads((d / "ctc_diagnostics.json").read_text()) if (d / "ctc_diagnostics.json").is_file() else None
+        runs[d.name] = {"family": fam, "train": t, "fields": fields, "ctc": diag}
     return runs
 
 
@@ -343,6 +346,22 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
     if notes:
         lines += ["Not judged:", ""] + notes + [""]
     lines += depth_section(ordered)
+    for _name, r in ordered:
+        c = r.get("ctc")
+        if not c:
+            continue
+        fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+        lines += [f"### {_label(r)}: its greedy frames on the stored answers (teacher forced)", "",
+                  f"`{c['command']}`: {c['prompts']} prompts, {c['positions']:,} answer positions, {c['frames']} "
+                  "frames; the chain's path is the CTC collapse of each frame's top-1 class.", "",
+                  "| measure | by frame / depth 1..M |", "|---|---|",
+                  f"| blank rate per frame | {fmt(c['blank_rate_per_frame'])} |",
+                  f"| repeats merged (frame pairs) | {fmt(c['repeat_merged_per_frame_pair'])} |",
+                  f"| collapsed path length 0..M (share) | {fmt(c['path_length_share'])} (mean "
+                  f"{c['path_length_mean']:.2f}) |",
+                  f"| path right at depths 1..k | {fmt(c['depth_accuracy'])} |",
+                  f"| the same, given the path reaches depth k | {fmt(c['depth_accuracy_given_long_enough'])} |",
+                  f"| frame k's top real token = its aligned target | {fmt(c['frame_top_real_accuracy'])} |", ""]
     seed = []
     for _name, r in ordered:
         before = off.get("mtbench_tree", {}).get(_label(r))
