@@ -230,7 +230,7 @@ def load_runs(reports: Path) -> dict[str, dict]:
             fields[shape] = entry
         fam = (t or {}).get("family") or d.name.split("-", 1)[-1]
         diag = json.loads((d / "ctc_diagnostics.json").read_text()) if (d / "ctc_diagnostics.json").is_file() else None
-        runs[d.name] = {"family": fam, "train": t, "fields": fields, "ctc": diag}
+        runs[d.name] = {"family": fam, "train": t, "fields": fields, "diagnostics": diag}
     return runs
 
 
@@ -347,7 +347,7 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
         lines += ["Not judged:", ""] + notes + [""]
     lines += depth_section(ordered)
     for _name, r in ordered:
-        c = r.get("ctc")
+        c = r.get("diagnostics")
         if not c:
             continue
         fmt = lambda xs: " / ".join(f"{x:.3f}" for x in xs)  # noqa: E731
