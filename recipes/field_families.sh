@@ -27,7 +27,7 @@
 #   dspark     configs/dspark.yaml     block 8, lr 6e-4, 128 anchors
 #   domino     configs/domino.yaml     block 8, lr 6e-4, 128 anchors
 # At most JOBS = 2 families at once, each at one thread (train.num_threads=1, OMP/MKL threads 1), under
-# nice -n NICE; a family's slot trains it, then judges it. The cache build runs alone first (2 threads).
+# nice -n NICE; a family's slot trains it, then judges it. The cache build runs alone first (CACHE_THREADS).
 #
 # Judging (FIELD=1): `specdraft field --full` (all 1,088 stored answers, fp32, 256 tokens) per shape:
 #   medusa, hydra, hydra_pp  chain4 (tree=chain4) and tree16 (the static 16-node tree, tree=tree16)
@@ -67,6 +67,10 @@ LENGTH=${LENGTH:-256}
 STEPS=${STEPS:-1880}
 JOBS=${JOBS:-2}
 NICE=${NICE:-10}
+# The cache build's threads. 1 by default: on a box shared with other jobs at a higher priority, two threads at nice
+# 10 stalled (a shard of ~62k tokens took over 15 min, the CPU spent spinning at the threads' barriers while one
+# was descheduled); 2 on a quiet machine (~3k tok/s on the 2-core AMX Xeon).
+CACHE_THREADS=${CACHE_THREADS:-1}
 FIELD=${FIELD:-1}
 FIELD_MAX_MIN=${FIELD_MAX_MIN:-60}
 PREFIX=${RUN_PREFIX:-ff}
@@ -124,10 +128,11 @@ shapes() {  # shape name and its eval overrides, one per line: chains first
 
 stamp() { echo "$(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg)"; }
 
-build_cache() {  # the one hidden-state cache, EAGLE-3's aux layers, alone on the machine (2 threads)
+build_cache() {  # the one hidden-state cache, EAGLE-3's aux layers, alone on the machine (CACHE_THREADS threads)
   echo "=== cache start $(stamp)"
-  OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 nice -n "$NICE" "$S" cache --config configs/eagle3.yaml "${B[@]}" \
-    train.num_threads=2 run_name="$PREFIX-cache" >> runs/logs/$PREFIX-cache.log 2>&1 ||
+  OMP_NUM_THREADS=$CACHE_THREADS MKL_NUM_THREADS=$CACHE_THREADS nice -n "$NICE" "$S" cache \
+    --config configs/eagle3.yaml "${B[@]}" train.num_threads="$CACHE_THREADS" run_name="$PREFIX-cache" \
+    >> runs/logs/$PREFIX-cache.log 2>&1 ||
     { echo "!!! cache build failed (runs/logs/$PREFIX-cache.log)"; return 1; }
   echo "=== cache end $(stamp)"
 }
