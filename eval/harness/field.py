@@ -365,8 +365,10 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
 
     with path.open("a") as f, tqdm(total=len(todo), desc="field: simulated decoding", unit="prompt",
                                    dynamic_ncols=True, disable=not progress) as bar:
-        def finished(r, res, differs) -> None:
+        def finished(r, res, differs, redone: bool = False) -> None:
             row = {**sim_row(r, res).to_dict(), "tf_differs": [d for d in differs if d < length(r)]}
+            if redone:  # a batched prompt that met a near tie, simulated on the exact path instead
+                row["exact_redo"] = True
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows[r.id] = row
@@ -379,8 +381,14 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
                 _, aux, differs = load_cached(directory, r, device)
                 return aux, differs
 
+            def redo(r):
+                hidden, aux, differs = load_cached(directory, r, device)
+                with torch.inference_mode():
+                    res = simulate(drafter, r.prompt, r.answer, length(r), hidden, aux, aux_layers, vocab, eos)
+                finished(r, res, differs, redone=True)
+
             run_lockstep(drafter, todo, load, length, eos, lambda r, slot: finished(r, slot, slot.differs),
-                         width=lockstep)
+                         width=lockstep, redo=redo)
         else:
             for r in todo:
                 hidden, aux, differs = load_cached(directory, r, device)
@@ -453,6 +461,7 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
             "base": card["base"], "tuning": tuned, "seconds": seconds,
             "threads": torch.get_num_threads(), "simulated": True,
             "path": "batched" if batched else "exact", "lockstep": lockstep if batched else 0,
+            "near_tie_redone": sum(bool(r.get("exact_redo")) for r in rows) if batched else 0,
             "agreement": measured, "prompts_chosen": chosen, "stored_prompts": len(stored),
             "max_new_tokens": min(cfg.max_new_tokens, card["max_new_tokens"]), **_drafter_info(info)}
     report = field_report(rows, meta)

@@ -25,9 +25,14 @@ speculative_generate with eval/engine/drafters/eagle3.py's Eagle3Drafter.propose
 Python floats and the same sort keys carry the tree's scores, as in the drafter, so ties resolve identically.
 
 Not bitwise by construction: a row of a batched matrix product and the same row's matrix-vector product may differ
-in the last bits (MKL's kernels sum in different orders), so a near-exact tie between two draft tokens can flip. The
-agreement with the per-prompt path is a measured property (tests/test_field_lockstep.py: exact on the tiny base;
-a slow test counts the differing steps on the shipped draft).
+in the last bits (MKL's kernels sum in different orders), so a near-exact tie between two draft tokens can flip (on
+the shipped draft: one depth-3 draft of 2,536 chain steps, at a log-prob gap of 1.4e-6). So every comparison whose
+outcome decides the drafted tree is guarded: a slot meets a near tie when two log-probs (or tree scores) that decide
+it lie within TIE_EPS (the argmax's top two, a top-k's boundary, the expansion's and the final ranking's cut: the
+comparisons that decide which nodes a tree holds; an order among kept nodes only lays it out), and run_lockstep then
+hands that prompt to the exact path (`redo`: one prompt at a time through the decoder
+loop) from the start. The agreement with the exact path stays a measured property (tests/test_field_lockstep.py on
+the tiny base, tests/test_field_real.py on the shipped draft, and every batched run's own sample).
 
 Shapes: d = hidden size, k·d = the aux layers side by side, H / H_kv / hd = query heads / key-value heads / head
 size, N = draft vocabulary, R = rows of all active prompts in one op.
@@ -43,6 +48,10 @@ from torch.nn import functional as F
 
 from eval.engine.backends.replay import ReplayError
 from models.eagle3 import Eagle3Cache
+
+# Two log-probs (or cumulative tree scores) closer than this are a near tie: the batched path's last bits could order
+# them otherwise than the one-row path, so the prompt is redone on the exact path. 70x the largest flip seen.
+TIE_EPS = 1e-4
 
 
 @dataclass
@@ -68,6 +77,7 @@ class Slot:
     proposed_counts: list[int] = field(default_factory=list)
     tree_nodes: int = 0
     stopped: bool = False
+    near_tie: bool = False  # a decision of this prompt's drafts met a near tie (TIE_EPS): redo it exactly
 
     @property
     def root(self) -> int:
@@ -214,12 +224,16 @@ class LockstepEagle3:
             drafted[i] += hi - lo
         return out
 
-    def _top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eagle3Drafter._top over all rows at once: outputs [R, d] -> (top-k log-probs [R, k], base ids [R, k]).
+    def _top(self, out: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """Eagle3Drafter._top over all rows at once: outputs [R, d] -> (top-k log-probs [R, k], base ids [R, k],
+        per row whether its k-th and (k+1)-th log-probs lie within TIE_EPS: which k it keeps could then differ from
+        the one-row product's; their order inside the k only orders the tree's nodes, never which nodes it holds).
         The LM head is the one big product: N x d read once for all R rows."""
         logp = torch.log_softmax(self.draft.logits(out).float(), dim=-1)
-        vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        return vals, self.draft.to_base(idx)
+        vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)  # as the drafter asks (topk orders exact ties by k)
+        wide = logp.topk(min(k + 1, logp.shape[-1]), dim=-1).values  # k + 1: the boundary's neighbour too
+        near = ((wide[:, k - 1] - wide[:, k]) < TIE_EPS).tolist() if wide.shape[1] > k else [False] * wide.shape[0]
+        return vals, self.draft.to_base(idx), near
 
     # -- the three drafting shapes ----------------------------------------------------------------------------
 
@@ -233,7 +247,10 @@ class LockstepEagle3:
         drafted = [0] * b
         pos0 = torch.tensor([s.cache.length - 1 for s in slots])  # [B] each root row's position
         for k in range(1, big_k + 1):
-            tok = self._top(out, 1)[1][:, 0]  # [B] base ids of d_k
+            _, top, near = self._top(out, 1)
+            tok = top[:, 0]  # [B] base ids of d_k
+            for s, flag in zip(slots, near):
+                s.near_tie |= flag
             for i, t in enumerate(tok.tolist()):
                 drafts[i].append(t)
             if k == big_k:
@@ -266,7 +283,10 @@ class LockstepEagle3:
         if big_k == 0:
             return [Proposal([s.root], [-1], [0]) for s in slots]
         rows = torch.cat([torch.arange(b - extra - 1, b) for _, b in spans])  # [B·K]: root row, then the slots
-        toks = self._top(out[rows.to(out.device)], 1)[1][:, 0].view(len(slots), big_k).tolist()
+        _, top, near = self._top(out[rows.to(out.device)], 1)
+        toks = top[:, 0].view(len(slots), big_k).tolist()
+        for i, s in enumerate(slots):
+            s.near_tie |= any(near[i * big_k:(i + 1) * big_k])
         return [Proposal([s.root, *t], list(range(-1, big_k)), list(range(big_k + 1))) for s, t in zip(slots, toks)]
 
     def _tree(self, slots: list[Slot], o_root: torch.Tensor) -> list[Proposal]:
@@ -277,7 +297,9 @@ class LockstepEagle3:
         k, b = d.tree_topk, len(slots)
         # Per slot node tables (index 0 = root): token, parent, depth, cumulative log-prob, scratch-KV row.
         tables = [([s.root], [-1], [0], [0.0], [-1]) for s in slots]
-        vals, toks = self._top(o_root, k)  # [B, k]
+        vals, toks, near = self._top(o_root, k)  # [B, k]
+        for s, flag in zip(slots, near):
+            s.near_tie |= flag
         levels = []
         for (tokens, parents, depths, scores, kv_row), vr, tr in zip(tables, vals.tolist(), toks.tolist()):
             level = []
@@ -290,7 +312,9 @@ class LockstepEagle3:
         for depth in range(2, d.tree_depth + 1):
             expands, hidden, tok, pos, spans, visible, r = [], [], [], [], [], [], 0
             for i, (s, (tokens, parents, _, scores, kv_row)) in enumerate(zip(slots, tables)):
-                expand = sorted(levels[i], key=lambda j: -scores[j])[:k]  # best nodes of the newest level
+                ordered = sorted(levels[i], key=lambda j: -scores[j])
+                expand = ordered[:k]  # best nodes of the newest level
+                s.near_tie |= _close_at(ordered, scores, k)
                 expands.append(expand)
                 hidden += [out_of[i][parents[j]] for j in expand]
                 tok += [tokens[j] for j in expand]
@@ -306,7 +330,9 @@ class LockstepEagle3:
                 r += len(expand)
             outs = self._draft_rows(slots, torch.stack(hidden), torch.tensor(tok, device=self.device),
                                     torch.tensor(pos), spans, list(n_kv), visible)  # [R, d], R = sum of expansions
-            vals, toks = self._top(outs, k)  # [R, k]: one LM head over every slot's expanded nodes
+            vals, toks, near = self._top(outs, k)  # [R, k]: one LM head over every slot's expanded nodes
+            for s, (lo, hi) in zip(slots, spans):
+                s.near_tie |= any(near[lo:hi])
             vals, toks = vals.tolist(), toks.tolist()
             for i, ((tokens, parents, depths, scores, kv_row), expand, (lo, _)) in enumerate(
                     zip(tables, expands, spans)):
@@ -322,9 +348,11 @@ class LockstepEagle3:
                         scores.append(scores[j] + v), kv_row.append(-1)
                 levels[i] = level
         proposals = []
-        for tokens, parents, depths, scores, _ in tables:
+        for s, (tokens, parents, depths, scores, _) in zip(slots, tables):
             # Keep the best nodes (score desc, then shallower, then older), then lay them out topologically.
-            ranked = sorted(range(1, len(tokens)), key=lambda j: (-scores[j], depths[j], j))[: d.tree_nodes - 1]
+            order = sorted(range(1, len(tokens)), key=lambda j: (-scores[j], depths[j], j))
+            ranked = order[: d.tree_nodes - 1]
+            s.near_tie |= _close_at(order, scores, d.tree_nodes - 1)
             kept = [0] + sorted(ranked, key=lambda j: (depths[j], j))
             new_index = {old: new for new, old in enumerate(kept)}
             proposals.append(Proposal([tokens[j] for j in kept], [-1] + [new_index[parents[j]] for j in kept[1:]],
@@ -369,22 +397,31 @@ class LockstepEagle3:
         s.length = base + n_acc + 1
 
 
+def _close_at(ordered: list[int], scores: list[float], cut: int) -> bool:
+    """Whether the last node kept and the first cut of `ordered` (nodes by descending score, `cut` kept) lie within
+    TIE_EPS: which nodes are kept could then flip. The order among the kept ones only lays the tree out."""
+    return 0 < cut < len(ordered) and scores[ordered[cut - 1]] - scores[ordered[cut]] < TIE_EPS
+
+
 def _grow(counts: list[int], n: int) -> None:
     counts.extend([0] * (n - len(counts)))
 
 
 def run_lockstep(drafter, todo: list, load: Callable, n_of: Callable, eos: Iterable[int], done: Callable, *,
-                 width: int = 32) -> None:
+                 width: int = 32, redo: Callable | None = None) -> int:
     """Simulate `drafter` (an Eagle3Drafter) on the prompts `todo`, `width` at a time: load(ref) -> (aux [S, k·d],
     differs), n_of(ref) -> its max_new_tokens, done(ref, slot) is called as each prompt ends (in finish order),
     and a finished slot is refilled with the next prompt, so the batch stays full until the queue runs dry. The
-    longest answers go first: the batch then drains on short ones at the end (the results do not depend on order)."""
+    longest answers go first: the batch then drains on short ones at the end (the results do not depend on order).
+    redo(ref): a prompt that met a near tie (TIE_EPS) leaves the batch and is handed to it (the caller simulates
+    it on the exact path and records it); without redo the batched result stands. Returns the prompts redone."""
     if width < 1:
         raise ValueError(f"lockstep width must be >= 1, got {width}")
     sim = LockstepEagle3(drafter)
     eos = frozenset(eos)
     queue = iter(sorted(todo, key=lambda r: -n_of(r)))
     active: list[Slot] = []
+    redone = 0
     with torch.inference_mode():
         while True:
             for ref in queue if len(active) < width else ():
@@ -397,9 +434,12 @@ def run_lockstep(drafter, todo: list, load: Callable, n_of: Callable, eos: Itera
                 if len(active) >= width:
                     break
             if not active:
-                return
+                return redone
             sim.step(active)
             for s in active:
-                if s.stopped:
+                if s.near_tie and redo is not None:
+                    redone += 1
+                    redo(s.ref)
+                elif s.stopped:
                     done(s.ref, s)
-            active = [s for s in active if not s.stopped]
+            active = [s for s in active if not s.stopped and not (s.near_tie and redo is not None)]

@@ -99,6 +99,8 @@ def path_label(meta: dict) -> str:
     if meta.get("path", "batched" if width else "exact") == "exact":
         return EXACT
     a = meta.get("agreement")
+    redone = meta.get("near_tie_redone")
+    width = f"{width}, {redone} prompts with a near tie redone exactly" if redone else width
     if not a:
         return f"batched (lockstep {width}; agreement with the exact path not measured in this run)"
     where = f" on {a['max_set_al_diff_set']}" if a.get("max_set_al_diff_set") else ""

@@ -168,7 +168,8 @@ def simulate_setting(engine, label: str, knobs: dict, plan: FieldPlan, out_dir: 
             "dtype": dtype, "backend": backend_name, "refs": plan.shown, "refs_sha256": plan.card["data_sha256"],
             "refs_dtype": plan.card.get("dtype", "float32"), "dtype_mark": dtype_mark(plan.card, dtype),
             "base": plan.card["base"], "seconds": seconds, "path": "batched" if lockstep else "exact",
-            "agreement": agreement, "threads": torch.get_num_threads(), "simulated": True, "lockstep": lockstep,
+            "agreement": agreement, "near_tie_redone": sum(bool(r.get("exact_redo")) for r in rows),
+            "threads": torch.get_num_threads(), "simulated": True, "lockstep": lockstep,
             "max_new_tokens": plan.card["max_new_tokens"], "tree": info.get("tree")}
     report = field_report(rows, meta)
     write_field_report(out_dir, report)
