@@ -2,12 +2,17 @@
 was measured, so the card and its files cannot disagree:
 
 - Results: the field reports shipped beside the draft (`drafts/<name>/field/<dtype>-<shape>/field.json`, written by
-  `specdraft field --out drafts/<name>/field/...`): simulated acceptance per set with intervals, no speed;
-- Serving settings: `export/tuning.json` (`specdraft tune`): each engine's choice and, where the tune recorded its
-  load and it was not above the core count, the speed ratio with its interval. A record without a load average
-  (made before loads were recorded) or a loaded one gives its choice and no ratio, and the command says which.
+  `specdraft field --full --out drafts/<name>/field/...`): simulated acceptance per set with intervals and the path
+  each took (exact, or batched with its measured agreement), no speed; and each report's `paired.json`
+  (`specdraft field-paired`, or `field --against`) in words: the only source of a comparison line;
+- Serving settings: `export/tuning.json` (`specdraft tune`), engine by engine from each engine's own record: its
+  choice, its prompts and tokens, repeats, dtype and threads, machine kind and date, its tune command and, where the
+  tune recorded its load and it was not above the core count, the speed ratio with its interval. A record without a
+  load average (made before loads were recorded) or a loaded one gives its choice and no ratio, and the command says
+  which. `export/NOTES.md` (tune's section) is regenerated from the same file, each loaded ratio marked.
 
-The sections sit between GENERATED markers in the card's README.md; the rest of the card is kept as written.
+The sections sit between GENERATED markers in the card's README.md; the rest of the card is kept as written, and
+`tests/test_card.py` fails on a figure in that prose which no file of the draft holds.
 """
 
 from __future__ import annotations
@@ -28,69 +33,114 @@ def add_card_parser(sub) -> None:
 
 
 def results_section(draft: Path) -> tuple[str, list[str]]:
+    from eval.harness.field_report import path_label
+
     notes, parts = [], []
     reports = sorted((draft / "field").glob("*/field.json"))
     if not reports:
         notes.append(f"{draft}/field/ holds no field report: the Results section lists none "
-                     f"(`specdraft field --draft {draft}/export --out {draft}/field/<dtype>-<shape>`)")
+                     f"(`specdraft field --draft {draft}/export --full --out {draft}/field/<dtype>-<shape>`)")
     for path in reports:
         r = json.loads(path.read_text())
         m = r["meta"]
-        parts.append(f"**{m['shape']}** ({m['dtype']}; `{path.parent.relative_to(draft)}/field.md`): "
+        mark = f"; MARKED: {m['dtype_mark']}" if m.get("dtype_mark") else ""
+        parts.append(f"**{m['shape']}** ({m['dtype']}{mark}; `{path.parent.relative_to(draft)}/field.md`): "
                      f"{r['prompts']} prompts, mean over sets **{r['mean_over_sets']:.3f}**"
                      + (f" ({r['mean_interval'][0]:.3f}-{r['mean_interval'][1]:.3f})" if r.get("mean_interval") else "")
+                     + f". Path: {path_label(m)}."
                      + "\n\n| set | prompts | AL | 95 % interval | accept rate by depth |\n|---|---:|---:|---|---|\n"
                      + "".join(f"| {t['set']} | {t['prompts']} | {t['acceptance_length']:.3f} | "
                                f"{t['interval'][0]:.3f}-{t['interval'][1]:.3f} | "
                                f"{' / '.join(f'{x:.2f}' for x in t['accept_rate_per_depth'][:5])} |\n"
                                for t in r["sets"]))
-    head = ("## Results\n\nExact greedy acceptance simulated on the stored base answers (`specdraft field`; "
-            "docs/howto/evaluate.md, \"The field benchmark\"): acceptance only. Speed ratios come from "
+        pair_path = path.parent / "paired.json"
+        if pair_path.is_file():
+            parts.append(paired_line(json.loads(pair_path.read_text()), path.parent.relative_to(draft)) + "\n")
+    head = ("## Results\n\nGreedy acceptance simulated on the stored base answers (`specdraft field`; "
+            "docs/howto/evaluate.md, \"The field benchmark\"): acceptance only, each report with the path it took "
+            "(`exact`: one prompt at a time through the decoder loop; `batched`: prompts stepped together, with its "
+            "agreement with the exact path measured on a sample of its prompts). Speed ratios come from "
             "`export/tuning.json` below; decoded comparisons (vLLM and llama.cpp agreeing with our decoder) are in "
             "`docs/lab/results.md` and `docs/lab/serving.md`.\n\n")
     return head + "\n".join(parts), notes
 
 
-def serving_section(draft: Path) -> tuple[str, list[str]]:
+def paired_line(pair: dict, where) -> str:
+    """One report's paired.json in words: the difference of the mean over sets with its interval, and on how many
+    sets it is above / below zero beyond the interval."""
+    sets = pair["sets"].values()
+    above = sum(v["interval"][0] > 0 for v in sets)
+    below = sum(v["interval"][1] < 0 for v in sets)
+    lo, hi = pair["mean_interval"] or (float("nan"), float("nan"))
+    return (f"Against {pair['against']} (`{where}/paired.json`, paired on {pair['prompts']} common stored answers): "
+            f"mean over sets {pair['mean_diff']:+.3f} ({lo:+.3f}..{hi:+.3f}), above it beyond the interval on "
+            f"{above} of {len(pair['sets'])} sets, below on {below}"
+            + (f"; made with `{pair['command']}`" if pair.get("command") else "") + ".")
+
+
+def machine_kind(where: dict) -> str:
+    kind = "AMX" if where.get("amx_bf16") else "AVX512-BF16" if where.get("avx512_bf16") else "no bf16 instructions"
+    cores = f"{where['cores']} cores, " if where.get("cores") else ""
+    return f"{where.get('cpu', '?')} ({cores}{kind})"
+
+
+def ratio_words(c: dict, load: dict | None) -> tuple[str, str | None]:
+    """(the ratio as the card shows it, why none is shown or None): a ratio only from a quiet recorded load."""
     from core.load import describe, is_loaded
+
+    loaded = is_loaded(load)
+    if loaded is None:
+        return "not shown: no load average recorded", "records no load average (made before loads were recorded)"
+    if loaded:
+        return f"not shown: measured loaded ({describe(load)})", f"was tuned loaded ({describe(load)})"
+    if c.get("interval"):
+        return f"{c['speedup_vs_ar']:.2f}x ({c['interval'][0]:.2f}-{c['interval'][1]:.2f}), {describe(load)}", None
+    return f"{c.get('speedup_vs_ar', 1.0):.2f}x, {describe(load)}", None
+
+
+def serving_section(draft: Path) -> tuple[str, list[str]]:
+    from eval.tune.report import TITLES
 
     path = draft / "export" / "tuning.json"
     notes = []
     if not path.is_file():
         return "## Serving settings\n\nNo `export/tuning.json`: run `specdraft tune`.\n", notes
     t = json.loads(path.read_text())
-    rows = []
+    blocks = []
     for name, rec in t.get("engines", {}).items():
         c = rec.get("choice") or {}
         what = c.get("label", rec.get("status", "?")) if c.get("speculate", False) else "do not speculate"
         load = rec.get("load") or t.get("load")
-        loaded = is_loaded(load)
-        if loaded is None:
-            ratio = "not shown: no load average recorded"
-            notes.append(f"{path}: engine {name!r} records no load average (made before loads were recorded): no "
-                         "speed ratio is taken from it; re-tune with `specdraft tune` to show one")
-        elif loaded:
-            ratio = f"not shown: measured loaded ({describe(load)})"
-            notes.append(f"{path}: engine {name!r} was tuned loaded ({describe(load)}): no speed ratio from it")
-        elif c.get("interval"):
-            ratio = f"{c['speedup_vs_ar']:.2f}x ({c['interval'][0]:.2f}-{c['interval'][1]:.2f}), {describe(load)}"
-        else:
-            ratio = f"{c.get('speedup_vs_ar', 1.0):.2f}x, {describe(load)}"
-        where = rec.get("machine") or {}
-        kind = "AMX" if where.get("amx_bf16") else "AVX512-BF16" if where.get("avx512_bf16") else "no bf16"
-        rows.append(f"| {name} | {rec.get('dtype', '')}, {rec.get('threads', '')} thread(s) | {what} | {ratio} | "
-                    f"{where.get('cpu', '')} ({kind}), {rec.get('tuned', '')} |")
-    command = str(t.get("command", "")).removeprefix(".venv/bin/")
-    body = ("## Serving settings (`export/tuning.json`)\n\n`specdraft tune` on "
-            f"{t.get('num_prompts')} {t.get('dataset')} prompts x {t.get('max_new_tokens')} new tokens, "
-            f"{t.get('repeats')} paired repeats; `{command}`. A choice applies only on a machine like "
+        ratio, why = ratio_words(c, load)
+        if why:
+            notes.append(f"{path}: engine {name!r} {why}: no speed ratio from it")
+        tune = rec.get("tune") or {}
+        prompts = rec.get("prompts") or []
+        command = str(tune.get("command") or "").removeprefix(".venv/bin/")
+        source = f" ({tune['source']})" if tune.get("source") else ""
+        lines = [f"### {TITLES.get(name, name)}", "",
+                 f"- **choice**: {what}; vs its AR (95 % interval), load: {ratio}",
+                 f"- **measured on**: {len(prompts)} {rec.get('dataset', '?')} prompts x {rec.get('max_new_tokens')} "
+                 f"new tokens, {tune.get('repeats', '?')} paired repeats; {rec.get('dtype', '')}, "
+                 f"{rec.get('threads', '')} thread(s); engine {rec.get('version', '?')}",
+                 f"- **machine, date**: {machine_kind(rec.get('machine') or {})}, {rec.get('tuned', '?')}",
+                 f"- **command**: `{command}`{source}" if command else
+                 "- **command**: not recorded in this engine's record (tuned before tune kept one per engine)"]
+        if c.get("command") and c.get("speculate"):
+            lines.append(f"- **serving line**: `{c['command']}`")
+        blocks.append("\n".join(lines))
+    body = ("## Serving settings (`export/tuning.json`)\n\nEach engine tuned on its own by `specdraft tune` (its own "
+            "prompts, length and command, from its record in tuning.json). A choice applies only on a machine like "
             "the one measured; elsewhere `eval`, `serve-check` and the exports say why not and print the `tune` "
-            "command for that machine.\n\n| engine | dtype, threads | choice | vs its AR (95 % interval), load | "
-            "machine, tuned |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            "command for that machine. A ratio is shown only where its tune recorded its load and the load stayed "
+            "within the core count; the serving lines' placeholders are explained in `export/NOTES.md`.\n\n"
+            + "\n\n".join(blocks) + "\n")
     return body, notes
 
 
 def render_card(draft: Path) -> tuple[str, list[str]]:
+    from eval.tune.report import NOTES_BEGIN, NOTES_END
+
     readme = (draft / "README.md").read_text()
     res, n1 = results_section(draft)
     srv, n2 = serving_section(draft)
@@ -100,7 +150,28 @@ def render_card(draft: Path) -> tuple[str, list[str]]:
         tail = rest.split(END, 1)[1].lstrip("\n") if END in rest else ""
     else:  # the first generation replaces everything from "## Results" on
         head, tail = readme.split("## Results", 1)[0], ""
+    if NOTES_BEGIN in tail and NOTES_END in tail:  # a copy of export/NOTES.md: the section above says it per engine
+        before, rest = tail.split(NOTES_BEGIN, 1)
+        tail = (before + rest.split(NOTES_END, 1)[1]).strip("\n")
+        tail = tail + "\n" if tail else ""
     return head.rstrip("\n") + "\n\n" + generated + (("\n" + tail) if tail else ""), n1 + n2
+
+
+def render_notes(draft: Path) -> str | None:
+    """export/NOTES.md as tune writes it from the export's tuning.json (eval/tune/report.py: notes_section, each
+    loaded ratio marked), anything outside its markers kept; None without a tuning.json."""
+    from eval.tune.report import NOTES_BEGIN, NOTES_END, notes_section
+
+    path = draft / "export" / "tuning.json"
+    if not path.is_file():
+        return None
+    section = notes_section(json.loads(path.read_text())["engines"])
+    notes = draft / "export" / "NOTES.md"
+    text = notes.read_text() if notes.is_file() else ""
+    if NOTES_BEGIN in text and NOTES_END in text:
+        head, rest = text.split(NOTES_BEGIN, 1)
+        return head + section + rest.split(NOTES_END, 1)[1].lstrip("\n")
+    return (text.rstrip("\n") + "\n\n" if text.strip() else "") + section
 
 
 def cmd_card(args) -> int:
@@ -108,10 +179,16 @@ def cmd_card(args) -> int:
     text, notes = render_card(draft)
     for n in notes:
         print(f"card: {n}", file=sys.stderr)
+    notes = render_notes(draft)
+    notes_path = draft / "export" / "NOTES.md"
     if args.check:
-        ok = (draft / "README.md").read_text() == text
-        print(f"{draft}/README.md is {'up to date' if ok else 'out of date: run specdraft card --draft ' + str(draft)}")
+        ok = (draft / "README.md").read_text() == text and (notes is None or (notes_path.is_file()
+                                                                              and notes_path.read_text() == notes))
+        print(f"{draft}/README.md and export/NOTES.md are "
+              f"{'up to date' if ok else 'out of date: run specdraft card --draft ' + str(draft)}")
         return 0 if ok else 1
     (draft / "README.md").write_text(text)
-    print(f"wrote {draft}/README.md")
+    if notes is not None:
+        notes_path.write_text(notes)
+    print(f"wrote {draft}/README.md" + (", export/NOTES.md" if notes is not None else ""))
     return 0

@@ -404,3 +404,6 @@ def test_compare_judges_every_row_on_stored_answers_when_asked(smoke_run, tmp_pa
     assert abs(pair["mean_diff"] - (field["Medusa-chain"]["mean_over_sets"] - field["Medusa"]["mean_over_sets"])) < 1e-9
     md = write_results(tmp_path / "cmp", tmp_path / "r.md", tmp_path / "img" / "r")
     assert "### Field benchmark (simulated" in md.read_text() and "| Medusa-chain | chain4 | 4 |" in md.read_text()
+    from eval.harness.field_report import EXACT
+
+    assert f"- Medusa-chain: path {EXACT}" in md.read_text()  # each row names the path its figures took

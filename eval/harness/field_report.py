@@ -103,7 +103,7 @@ def path_label(meta: dict) -> str:
     width = f"{width}, {redone} prompts with a near tie redone exactly" if redone else width
     if not a:
         return f"batched (lockstep {width}; agreement with the exact path not measured in this run)"
-    where = f" on {a['max_set_al_diff_set']}" if a.get("max_set_al_diff_set") else ""
+    where = f" on {a['max_set_al_diff_set']}" if a.get("max_set_al_diff_set") and a["max_set_al_diff"] else ""
     return (f"batched (lockstep {width}; measured agreement: {a['identical_steps']:,} of {a['steps']:,} steps "
             f"identical, {a['identical_rows']} of {a['rows']} prompts' rows identical, max per-set AL diff "
             f"{a['max_set_al_diff']:.3f}{where}; on {a['rows']} of its prompts re-decoded one at a time: "

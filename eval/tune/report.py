@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from core.atomic import atomic_open, write_text_atomic
+from core.load import describe, is_loaded
 from eval.tune.choice.record import tuned_chain_length, write_tuning
 from models.export.vllm import SCHEDULE_METHODS, TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 
@@ -17,6 +18,8 @@ NOTES_FILE = "NOTES.md"
 NOTES_BEGIN = "<!-- specdraft tune: begin (rewritten by every tune) -->"
 NOTES_END = "<!-- specdraft tune: end -->"
 TITLES = {"ours": "our decoder", "vllm": "vLLM", "llamacpp": "llama.cpp"}
+# What of a tune's context each engine record keeps (tuning.json merges engines tuned by different commands).
+TUNE_CONTEXT = ("command", "repeats", "num_prompts", "max_new_tokens", "budget_minutes", "dataset")
 
 
 def _f(x, spec=".2f") -> str:
@@ -292,12 +295,14 @@ def notes_section(engines: dict[str, dict]) -> str:
             field = (f"; field acceptance length {c['field_acceptance_length']:.2f} ({_f(lo)}-{_f(hi)}), simulated "
                      f"on {c['field_prompts']} stored answers"
                      + (f" (MARKED: {c['field_dtype_mark']})" if c.get("field_dtype_mark") else ""))
-        lines.append(f"- **{TITLES.get(name, name)}** ({m}, {rec.get('dtype')}, threads {rec.get('threads')}): "
+        # ratios taken above the core count: every one of this engine's lines says so
+        loaded = f"; {describe(rec['load'])}: every ratio here measured loaded" if is_loaded(rec.get("load")) else ""
+        lines.append(f"- **{TITLES.get(name, name)}** ({m}, {rec.get('dtype')}, threads {rec.get('threads')}{loaded}): "
                      f"{what}, {c['speedup_vs_ar']:.2f}x its AR{ci}; {c['reason']}{field}")
         if c.get("command"):
             lines += ["", "  ```bash", f"  {c['command']}", "  ```"]
         if rec.get("schedule"):
-            lines.append(f"  Under concurrency: {schedule_line(rec)}")
+            lines.append(f"  Under concurrency{' (LOADED)' if loaded else ''}: {schedule_line(rec)}")
     shown = placeholder_lines(engines)
     if shown:
         lines += ["", *shown[:-1]]  # without the trailing blank line: the end marker follows
@@ -378,6 +383,8 @@ def schedule_line(record: dict) -> str:
 def write_export(export_dir: Path, context: dict, engines: dict[str, dict]) -> Path:
     """Everything tune leaves in the export; returns tuning.json's path. The notes cover every engine tuned so
     far (tuning.json merges this run into earlier ones)."""
+    for rec in engines.values():  # each engine keeps how it was tuned: the file's top level is the last tune's
+        rec["tune"] = {k: context.get(k) for k in TUNE_CONTEXT}
     path = write_tuning(export_dir, context, engines)
     merged = json.loads(path.read_text())["engines"]
     if "vllm" in engines:
