@@ -36,6 +36,30 @@ class BaseView:
 
 
 @dataclass
+class SequenceShard:
+    """Sequence parallelism (`train.sequence_parallel` = N > 1): this rank's part of every sequence of the batch.
+
+    The N ranks of a group hold the same conversations; rank r drafts rows [start, stop) of each (stop - start
+    the same on every rank, the sequence right-padded to N times that). The batch's input_ids / loss_mask stay
+    whole (integers, cheap); hidden holds the base's h at positions [start, stop + halo) (the teacher rows past
+    the slice, zeros past the end) and aux_hidden at [start, stop). Built by the training loop
+    (train/sequence_parallel.py, DeepSpeed's Ulysses all-to-all); model code only calls these two functions:
+
+    attend(local, q, k, v): q / k / v [B, H, n, hd] of this rank's rows (n = stop - start, RoPE at the rows' true
+        positions, GQA keys already expanded) -> [B, H, n, hd]. Inside, the group trades rows for heads, calls
+        local(q', k', v') on the whole sequence and H/N heads ([B, H/N, N·n, hd] -> the same shape) and trades back.
+    total(t): t summed over the group, no gradient (a loss's target counts, so every rank divides by the same
+        number and the group's gradients add up to one rank's).
+    """
+
+    start: int
+    stop: int
+    halo: int
+    attend: Callable[[Callable, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    total: Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
 class DraftBatch:
     hidden: torch.Tensor  # [B, T, d] base last hidden state after the final norm (h_t), no grad
     input_ids: torch.Tensor  # [B, T]
@@ -43,6 +67,8 @@ class DraftBatch:
     # [B, T, k*d] the base's residual stream after the layers a family asks for (EAGLE-3's draft.aux_layers,
     # HF output_hidden_states[l]), side by side in that order; None for families that read h alone.
     aux_hidden: torch.Tensor | None = None
+    # Sequence parallelism: this rank's rows (hidden / aux_hidden then hold only those); None = the whole sequence
+    shard: SequenceShard | None = None
 
 
 @dataclass
@@ -115,6 +141,9 @@ class DraftModel(nn.Module):
     # True when DepthStats.top1 of depth k counts "depths 1..k all right" (CTC's collapsed draft), not
     # depth k alone: the acceptance estimate then sums them instead of multiplying.
     prefix_accuracy: bool = False
+    # True when `loss` takes a DraftBatch with a SequenceShard (train.sequence_parallel > 1): its loss over this rank's
+    # rows, divided by the group's target counts, so the group's gradients add up to the whole sequence's.
+    sequence_parallel: bool = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

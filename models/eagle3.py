@@ -83,7 +83,7 @@ from models.components import (
     expand_kv,
     rope_cos_sin,
 )
-from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
+from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel, SequenceShard
 from models.eagle3_layers import Eagle3Cache, Eagle3DecoderLayer, Eagle3Layer, init_deep_layer, init_first_layer
 from models.eagle3_ttt import cod_keep, ttt_attention, ttt_attention_reference
 from models.family import FamilyFacts
@@ -144,6 +144,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                         "EAGLE-2 tree; what vLLM serves; P-EAGLE option (`draft.eagle3.parallel_drafting`): K drafts "
                         "from one forward",
                         also_files=("models/eagle3_ttt.py", "losses/ttt.py"))
+    sequence_parallel = True  # train.sequence_parallel: the TTT attention over DeepSpeed's Ulysses all-to-all
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
@@ -164,6 +165,9 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         if cfg.deepspeed.zero_stage == 3:
             fail("deepspeed.zero_stage", 3, "EAGLE-3's loss reads its LM-head weight directly; use stage 0-2")
         o = cls.options(cfg.draft)
+        if cfg.train.sequence_parallel > 1 and o.parallel_drafting:
+            fail("train.sequence_parallel", cfg.train.sequence_parallel, "P-EAGLE's COD sampling draws anchors over "
+                 "the whole sequence; train parallel drafting with train.sequence_parallel=1")
         if o.mask_token_id < -1:
             fail("draft.eagle3.mask_token_id", o.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
         for key in ("cod_ratio", "cod_ratio_min"):
@@ -398,33 +402,52 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
     # -- training ----------------------------------------------------------------------------------------
 
     def ttt_unroll(self, aux: torch.Tensor, ids: torch.Tensor, steps: int, reference: bool = False,
-                   parallel: bool | None = None) -> list[torch.Tensor]:
+                   parallel: bool | None = None, shard: SequenceShard | None = None) -> list[torch.Tensor]:
         """The TTT unroll. aux [B, T, k·d], ids [B, T] -> `steps` layer outputs [B, S, d], S = T-1.
 
         Row t of step j: token ids[t+1+j] (0 past the end: such rows have no target), hidden = the row's
         own step j-1 output (g_t at j = 0), position t+j. reference=True uses the dense-mask attention.
         parallel (default: the draft's parallel_drafting): steps j >= 1 are P-EAGLE's mask slots instead, token
         mask_token_id and hidden fc(mask_hidden) for every row, with the same positions and attention.
+        shard (sequence parallelism): only rows [shard.start, shard.stop) of the whole ids' rows, aux holding just
+        those rows [B, n, k·d]; outputs [B, n, d]. The attention sees every row of the sequence through
+        shard.attend (the step's keys are kept head-sharded, whole-sequence, as the local attention got them).
         """
         parallel = self.parallel_drafting if parallel is None else parallel
         layer = self.layers[0]
         b, t = ids.shape
-        s = t - 1
-        hidden = self.fuse(aux[:, :s])  # [B, S, d]
-        pos = torch.arange(s, device=ids.device)[None]  # [1, S]
+        if shard is None:
+            s = t - 1
+            hidden = self.fuse(aux[:, :s])  # [B, S, d]
+            pos = torch.arange(s, device=ids.device)[None]  # [1, S]
+        else:  # this rank's rows: the last row of the sequence (no target, seen by no other row) is drafted too
+            s = shard.stop - shard.start
+            hidden = self.fuse(aux[:, :s])  # [B, n, d]
+            pos = torch.arange(shard.start, shard.stop, device=ids.device)[None]  # [1, n]
         keys, values, outs = [[] for _ in self.layers], [[] for _ in self.layers], []  # per layer, per step
         attention = ttt_attention_reference if reference else ttt_attention
 
         def attend(i, q, k, v):  # layer i: this step's keys beside its earlier steps'
+            if shard is not None:
+                return shard.attend(lambda qh, kh, vh: whole(i, qh, kh, vh), q, expand_kv(k, self.groups),
+                                    expand_kv(v, self.groups))
             keys[i].append(expand_kv(k, self.groups))
             values[i].append(expand_kv(v, self.groups))
+            return attention(q, keys[i], values[i])
+
+        def whole(i, q, k, v):  # sequence parallelism: every row, this rank's heads
+            keys[i].append(k)
+            values[i].append(v)
             return attention(q, keys[i], values[i])
 
         for j in range(steps):
             if parallel and j > 0:
                 x, residual = (m.expand(b, s, -1) for m in self.mask_inputs(1, hidden.dtype))
             else:
-                tok = F.pad(ids[:, 1 + j:], (0, j))[:, :s]  # [B, S]: x_{t+1+j}
+                if shard is None:
+                    tok = F.pad(ids[:, 1 + j:], (0, j))[:, :s]  # [B, S]: x_{t+1+j}
+                else:
+                    tok = F.pad(ids[:, 1 + j:], (0, 1 + j))[:, shard.start:shard.stop]  # [B, n]: x_{t+1+j}
                 x, residual = layer.pre(self.embed_tokens(tok).to(hidden.dtype), hidden)
             cos, sin = self.rope(pos + j, x.dtype)
             hidden = self.run_layers(x, residual, cos, sin, attend)  # [B, S, d]
@@ -453,7 +476,11 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
             # [B, T, k·d] + N(0, std²) from torch's global RNG (the loop seeds it per step): on fc's input, where
             # speculators adds it, so fc_norm / norm_before_fc see the noisy states too
             aux = aux + torch.randn_like(aux) * self.aux_noise_std
-        outs = self.ttt_unroll(aux, ids, self.ttt_steps, reference=not loss_cfg.chunked)
+        shard = batch.shard  # sequence parallelism: this rank's rows (hidden: [start, stop + halo), aux: the rows)
+        if shard is not None and shard.halo < self.ttt_steps:
+            raise ValueError(f"EAGLE-3's teacher at step j reads h at t+1+j: the shard needs a halo of "
+                             f"{self.ttt_steps} rows (draft.eagle3.ttt_steps), got {shard.halo}")
+        outs = self.ttt_unroll(aux, ids, self.ttt_steps, reference=not loss_cfg.chunked, shard=shard)
         keep, n0 = None, 0  # parallel drafting in training: COD sampling of the anchors per depth (None: every row)
         alpha = float(loss_cfg.teacher_weight)
         opts = self.options(loss_cfg)
@@ -472,7 +499,10 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         s = ids.shape[1] - 1
         sums, counts, per_depth = [], [], []
         for j, out in enumerate(outs):
-            base_labels = offset_labels(ids, mask, 2 + j)[:, :s]  # [B, S]: x_{t+2+j} or -100
+            if shard is None:
+                base_labels = offset_labels(ids, mask, 2 + j)[:, :s]  # [B, S]: x_{t+2+j} or -100
+            else:  # this rank's rows; hidden[:, c] is h at shard.start + c, so the teacher's index below holds
+                base_labels = offset_labels(ids, mask, 2 + j)[:, shard.start:shard.stop]
             if self.parallel_drafting and self.training:
                 keep = cod_keep(base_labels != -100, keep, j, n0, self.cod_ratio, self.cod_ratio_min)
                 n0 = int(keep.sum()) if j == 0 else n0
@@ -495,7 +525,10 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
             counts.append(stats.count)
             per_depth.append(DepthStats(float(loss_sum.detach()), int(stats.count) + int(outside.sum()),
                                         int(stats.top1), int(stats.topk)))
-        return DraftLossOutput(ttt_weighted_loss(torch.stack(sums), torch.stack(counts), weights), per_depth)
+        counts = torch.stack(counts)
+        if shard is not None:  # every rank divides its rows' sums by the whole sequence's counts
+            counts = shard.total(counts)
+        return DraftLossOutput(ttt_weighted_loss(torch.stack(sums), counts, weights), per_depth)
 
     # -- inference ---------------------------------------------------------------------------------------
 

@@ -146,7 +146,7 @@ def load(engine, ckpt_dir: Path) -> dict:
 RESUME_FIXED = ("base.", "data.source", "data.max_records", "data.max_length", "data.val_fraction",
                 "data.min_assistant_tokens", "data.seed", "data.self_distill", "data.chat_template",
                 "data.hidden_cache_dtype", "draft.", "loss.", "train.seed", "train.global_batch_size",
-                "train.optimizer", "deepspeed.zero_stage")
+                "train.optimizer", "train.sequence_parallel", "deepspeed.zero_stage")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -162,6 +162,10 @@ class TrainSection:
     # (fresh optimizer and LR schedule) instead of the family's initialisation; "" = off (train/init_from.py)
     init_from: str = ""
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default
+    # Sequence parallelism (DeepSpeed Ulysses): each conversation is split over this many ranks, which share it; the
+    # base's forward (online training) and the draft's attention over the sequence run sharded, the loss over each
+    # rank's rows. Must divide the number of ranks; the families whose loss takes a shard (EAGLE-3). 1 = off
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -293,6 +297,21 @@ def saved_config_tree(saved: dict) -> dict:
     return fill(to_dict(TrainConfig()), tree)
 
 
+def _check_sequence_parallel(cfg: TrainConfig) -> None:
+    """The rules of train.sequence_parallel > 1 that do not depend on the number of ranks (the loop checks that)."""
+    family = DRAFT_MODELS.get(cfg.draft.family)
+    if family is not None and not family.sequence_parallel:
+        able = sorted(name for name, cls in DRAFT_MODELS.items() if cls.sequence_parallel)
+        _fail("train.sequence_parallel", cfg.train.sequence_parallel, f"the {family.facts.title} loss does not take "
+              f"a sequence shard yet (families that do: {', '.join(able)}); use 1")
+    if cfg.base.partition == "zero3":
+        _fail("train.sequence_parallel", cfg.train.sequence_parallel, "a ZeRO-3-partitioned base runs its forward "
+              "collectively over whole sequences; use base.partition=none with sequence parallelism")
+    if cfg.data.self_distill:
+        _fail("train.sequence_parallel", cfg.train.sequence_parallel, "build the self-distilled file first "
+              "(`specdraft self-distill`) and train on it with data.source=<file>")
+
+
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Check values that types alone cannot; raise ConfigError naming the key and the fix."""
     t, d = cfg.train, cfg.draft
@@ -338,6 +357,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("train.min_lr_ratio", t.min_lr_ratio, "use a fraction in [0, 1]")
     if t.grad_clip < 0:
         _fail("train.grad_clip", t.grad_clip, "use 0 (off) or a positive norm")
+    if t.sequence_parallel < 1:
+        _fail("train.sequence_parallel", t.sequence_parallel, "use 1 (off) or the number of ranks that share a "
+              "sequence (2, 4, 8, ...)")
+    if t.sequence_parallel > 1:
+        _check_sequence_parallel(cfg)
     if t.optimizer not in OPTIMIZERS:
         _fail("train.optimizer", t.optimizer, f"use one of {', '.join(OPTIMIZERS)}")
     if t.optimizer == "muon" and not has_muon():

@@ -58,6 +58,7 @@ from train.init_from import initial_vocab, load_initial_weights
 from train.onpolicy import onpolicy_heldout_rows
 from train.optimizer import build_optimizer
 from train.schedule import TimeBudgetedSchedule
+from train.sequence_parallel import SequenceParallel
 from train.tracking import Tracker
 
 log = logging.getLogger("specdraft.train")
@@ -75,8 +76,25 @@ class LossStep(nn.Module):
         self.draft = draft
         self.view, self.loss_cfg = view, loss_cfg
 
-    def forward(self, hidden, input_ids, loss_mask, aux_hidden=None):
+    def forward(self, hidden, input_ids, loss_mask, aux_hidden=None, shard=None):
+        if shard is not None:  # sequence parallelism: this rank's rows (train/sequence_parallel.py)
+            return self.draft.loss(DraftBatch(hidden, input_ids, loss_mask, aux_hidden, shard), self.view,
+                                   self.loss_cfg)
         return self.draft.loss(DraftBatch(hidden, input_ids, loss_mask, aux_hidden), self.view, self.loss_cfg)
+
+
+def _sequence_parallel_step(engine, sp: SequenceParallel, batch: dict, cached: bool, base, aux_layers: list[int],
+                            pad_id: int, halo: int, compute_dtype, device):
+    """One micro-batch's forward under sequence parallelism: this rank's rows (sliced from the cached h, or the base
+    forward run sequence-parallel), the draft's loss over them (train/sequence_parallel.py)."""
+    ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    mask = batch["loss_mask"].to(device)
+    if cached:
+        aux = batch["aux"].to(device) if aux_layers else None
+        part = sp.split(ids, attn, mask, pad_id, halo, hidden=batch["hidden"].to(device), aux=aux)
+    else:
+        part = sp.split(ids, attn, mask, pad_id, halo, base=base.model, aux_layers=aux_layers, dtype=compute_dtype)
+    return engine(part.hidden, part.input_ids, part.loss_mask, part.aux, shard=part.shard)
 
 
 def _setup_logging(info: DistInfo) -> None:
@@ -161,8 +179,16 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
         log.info("draft initialised from %s", cfg.train.init_from)
     aux_layers = list(getattr(draft, "aux_layers", None) or [])  # base layers the draft reads besides h
     n_params = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+    # train.sequence_parallel > 1: groups of ranks share each conversation; the data order and DeepSpeed's batch
+    # are per group (data-parallel rank / size)
+    sp = SequenceParallel(cfg.train.sequence_parallel, info.rank, info.world_size) \
+        if cfg.train.sequence_parallel > 1 else None
+    dp_rank, dp_size = (sp.dp_rank, sp.dp_size) if sp else (info.rank, info.world_size)
+    if sp is not None:
+        log.info("sequence parallelism: each conversation split over %d ranks (DeepSpeed Ulysses), %d group(s) of "
+                 "them reading different conversations", sp.size, sp.dp_size)
     order = DataOrder(len(train_ds), cfg.train.global_batch_size, cfg.train.micro_batch_size,
-                      info.rank, info.world_size, cfg.train.seed)
+                      dp_rank, dp_size, cfg.train.seed)
     epoch_tokens = epoch_tokens_of(train_ds)  # what one pass over the train rows sees
     total_steps = cfg.train.max_steps or _steps_for(cfg.train, epoch_tokens, len(train_ds), order.steps_per_epoch)
     warmup = int(cfg.train.warmup_ratio * total_steps)
@@ -184,9 +210,9 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
     base_lrs = [group["lr"] for group in optimizer.param_groups]  # each group's peak LR, before the schedule
     lr_multiplier = TimeBudgetedSchedule(total_steps, warmup, cfg.train.min_lr_ratio, 60 * cfg.train.max_minutes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier)
-    ds_config = build_deepspeed_config(cfg, info.world_size, precision)
+    ds_config = build_deepspeed_config(cfg, dp_size, precision)
     engine, _, _, scheduler = deepspeed.initialize(model=step_module, optimizer=optimizer, lr_scheduler=scheduler,
-                                                   config=ds_config)
+                                                   config=ds_config, **({"mpu": sp.mpu} if sp else {}))
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     start_step, seconds_before = 0, 0.0
@@ -230,7 +256,10 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
                 attn = batch["attention_mask"].to(info.device)
                 mask = batch["loss_mask"].to(info.device)
                 aux = None  # EAGLE-3: the base's aux layers [B, T, k*d] (draft.aux_layers)
-                if hidden_cache is not None:
+                if sp is not None:  # this rank's rows of the group's micro-batch (the base forward sharded too)
+                    out = _sequence_parallel_step(engine, sp, batch, hidden_cache is not None, base, aux_layers,
+                                                  pad_id, cfg.draft.num_heads + 1, compute_dtype, info.device)
+                elif hidden_cache is not None:
                     hidden = batch["hidden"].to(info.device)
                     if aux_layers:
                         aux = batch["aux"].to(info.device)
@@ -240,16 +269,18 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
                     hidden, aux = draft_inputs(base.model, ids, attn, aux_layers)
                     hidden = hidden.to(compute_dtype)
                     aux = aux.to(compute_dtype) if aux is not None else None
-                out = engine(hidden, ids, mask, aux) if aux is not None else engine(hidden, ids, mask)
+                if sp is None:
+                    out = engine(hidden, ids, mask, aux) if aux is not None else engine(hidden, ids, mask)
                 engine.backward(out.loss)
                 if engine.is_gradient_accumulation_boundary():
                     grad_norm = _grad_norm(engine, draft)
                 engine.step()
                 for acc, s in zip(window, out.per_depth):
                     acc.add(s)
-                window_loss += float(out.loss.detach())
-                window_micro += 1
-                window_tokens += int(attn.sum())
+                window_loss += float(out.loss.detach())  # sequence parallelism: the rank's share of the loss
+                if sp is None or sp.rank == 0:  # a group's micro-batch and tokens count once
+                    window_micro += 1
+                    window_tokens += int(attn.sum())
             step += 1
             pbar.update(1)
             out_of_time = cfg.train.max_minutes > 0 and time.perf_counter() - train_t0 > 60 * cfg.train.max_minutes

@@ -1,0 +1,108 @@
+"""One rank of the sequence-parallelism parity check (tests/test_sequence_parallel.py starts N of them, gloo).
+
+Every rank builds the same tiny base and EAGLE-3 draft (fp32, one thread) and the same batch (two conversations of
+different lengths, right-padded, a length N does not divide). It computes the whole sequence's loss and gradients
+on its own, as one rank would, then the sequence-parallel loss of its rows through train/sequence_parallel.py,
+twice: with hidden states given whole (the hidden-state cache's path: each rank slices its rows) and with the base's
+forward itself run sequence-parallel (online training). The group's gradients are summed (what DeepSpeed's
+gradient all-reduce adds up within a group) and compared with the whole sequence's. Rank 0 writes the numbers.
+
+    python tests/helpers/seq_parallel_ranks.py OUT.json [--steps 3] [--layers 1]   (RANK / WORLD_SIZE / ... set)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from models.base import draft_inputs
+from models.draft import BaseView, DraftBatch
+from models.eagle3 import Eagle3Draft, Eagle3LossOptions
+from models.tiny import diverse_tiny_llama
+from train.distributed import init_distributed
+from train.sequence_parallel import SequenceParallel
+
+
+def _loss_cfg(chunked: bool) -> SimpleNamespace:
+    return SimpleNamespace(chunked=chunked, chunk_size=8, teacher_weight=0.5, lambda0=1.0, decay=0.8,
+                           eagle3=Eagle3LossOptions())
+
+
+def _grads(draft) -> dict[str, torch.Tensor]:
+    out = {name: p.grad.detach().clone() for name, p in draft.named_parameters() if p.grad is not None}
+    draft.zero_grad(set_to_none=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    info = init_distributed()
+    sp = SequenceParallel(info.world_size, info.rank, info.world_size)
+
+    base = diverse_tiny_llama(seed=0).float().eval()
+    view = BaseView.from_model(base)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(view, aux_layers=[0, 1], ttt_steps=args.steps, num_layers=args.layers).float()
+    with torch.no_grad():  # a trained-looking draft: o_proj / down_proj start at zero, which would hide attention
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    draft.train()
+
+    g = torch.Generator().manual_seed(1)
+    lengths, width, pad_id = [13, 9], 13, 0
+    ids = torch.full((2, width), pad_id, dtype=torch.long)
+    attn = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.randint(1, view.vocab_size, (n,), generator=g)
+        attn[b, :n] = 1
+        mask[b, 2:n] = 1  # the first tokens play the prompt
+    hidden, aux = draft_inputs(base, ids, attn, draft.aux_layers)
+
+    result = {"world_size": info.world_size}
+    halo = args.steps + 1
+    for chunked in (True, False):
+        cfg = _loss_cfg(chunked)
+        ref = draft.loss(DraftBatch(hidden, ids, mask, aux), view, cfg)
+        ref.loss.backward()
+        ref_grads = _grads(draft)
+        for mode in ("cached", "online"):
+            if mode == "cached":
+                part = sp.split(ids, attn, mask, pad_id, halo, hidden=hidden, aux=aux)
+            else:
+                part = sp.split(ids, attn, mask, pad_id, halo, base=base, aux_layers=draft.aux_layers,
+                                dtype=torch.float32)
+            out = draft.loss(DraftBatch(part.hidden, part.input_ids, part.loss_mask, part.aux, part.shard), view,
+                             cfg)
+            out.loss.backward()
+            grads = _grads(draft)
+            loss = sp.total(out.loss)  # the group's shares add up to the whole sequence's loss
+            diff = 0.0
+            for name, want in ref_grads.items():
+                got = grads[name].clone()
+                dist.all_reduce(got, group=sp.group)
+                diff = max(diff, float((got - want).abs().max()))
+            counts = sp.total(torch.tensor([s.count for s in out.per_depth])).tolist()
+            key = f"{mode}_{'chunked' if chunked else 'reference'}"
+            result[key] = {"loss": float(loss), "ref_loss": float(ref.loss.detach()), "max_grad_diff": diff,
+                           "max_grad": max(float(t.abs().max()) for t in ref_grads.values()),
+                           "counts": counts, "ref_counts": [s.count for s in ref.per_depth]}
+    if info.is_main:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

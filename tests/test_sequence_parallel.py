@@ -1,0 +1,115 @@
+"""Sequence parallelism (train.sequence_parallel, train/sequence_parallel.py: DeepSpeed's Ulysses all-to-all) on 2 CPU
+ranks (gloo) with the tiny base in fp32: the group's gradients equal one rank's on the whole sequence, for EAGLE-3's
+training-time test with the hidden states given whole (the cache's path) and with the base's forward itself run
+sequence-parallel; a 2-rank training run logs the losses and gradient norms of a 1-rank run; the config rules."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SMOKE_RECIPE, child_env
+
+from core.config_loader import ConfigError, to_dict
+from core.net import free_port
+from train.checkpoint import resume_config_changes
+from train.config import load_train_config
+
+DEEPSPEED = Path(sys.executable).parent / "deepspeed"
+RANKS = Path(__file__).parent / "helpers" / "seq_parallel_ranks.py"
+EAGLE3 = ["configs/eagle3.yaml", SMOKE_RECIPE[1]]
+
+
+def _run_ranks(out: Path, args: list[str], world: int = 2) -> dict:
+    """`world` processes of tests/helpers/seq_parallel_ranks.py in one gloo group; rank 0's JSON."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(RANKS), str(out), *args],
+                              env=child_env({"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+def test_eagle3_gradients_over_two_ranks_equal_one_ranks(tmp_path):
+    """Two decoder layers, 3 TTT steps, two conversations of 13 and 9 tokens (13 is not a multiple of 2: the
+    sequence is padded), the fused chunked loss and the dense-mask reference attention."""
+    r = _run_ranks(tmp_path / "sp.json", ["--steps", "3", "--layers", "2"])
+    assert r["world_size"] == 2
+    for key in ("cached_chunked", "online_chunked", "cached_reference", "online_reference"):
+        got = r[key]
+        # every target scored once over the two ranks' rows
+        assert got["counts"] == got["ref_counts"] and min(got["counts"]) > 0, (key, got)
+        assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6), (key, got)
+        # fp32, the same kernels on other row blocks: measured <= 1e-7 on gradients of size ~0.4
+        assert got["max_grad"] > 1e-2, (key, got)  # gradients that could differ
+        assert got["max_grad_diff"] <= 1e-6, (key, got)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return [r for r in rows if "loss" in r]
+
+
+@pytest.mark.distributed
+def test_a_two_rank_sequence_parallel_run_logs_what_one_rank_logs(tmp_path):
+    """The loop end to end, online (the base's forward sharded): DeepSpeed's batch and gradient averaging per group,
+    the loss's shares, the per-depth counts summed over the ranks, the held-out table rank 0 writes."""
+    from train.loop import train
+
+    overrides = ["train.max_steps=3", "train.log_every=1", "train.val_batches=1", "train.global_batch_size=4",
+                 "train.micro_batch_size=2", "train.num_threads=1", "train.precision=fp32", "base.dtype=fp32"]
+    one = tmp_path / "one"
+    train(load_train_config(EAGLE3, [f"run_dir={one}", *overrides]))
+    two = tmp_path / "two"
+    proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
+                           "launch/train_draft.py", "--config", EAGLE3[0], "--config", EAGLE3[1], f"run_dir={two}",
+                           *overrides, "train.sequence_parallel=2"],
+                          env=child_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "each conversation split over 2 ranks" in proc.stdout + proc.stderr
+    m1, m2 = _metrics(one), _metrics(two)
+    assert len(m1) == len(m2) == 3
+    for a, b in zip(m1, m2):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        for k in range(1, 4):
+            assert b[f"top1/head{k}"] == a[f"top1/head{k}"]
+    h1 = json.loads((one / "heldout.json").read_text())["depths"]
+    h2 = json.loads((two / "heldout.json").read_text())["depths"]
+    assert [d["tokens"] for d in h1] == [d["tokens"] for d in h2]
+    assert [d["loss"] for d in h2] == pytest.approx([d["loss"] for d in h1], rel=1e-5)
+
+
+def test_the_key_is_off_by_default_and_checked():
+    cfg = load_train_config(EAGLE3, [])
+    assert cfg.train.sequence_parallel == 1
+    assert load_train_config(EAGLE3, ["train.sequence_parallel=2"]).train.sequence_parallel == 2
+    with pytest.raises(ConfigError, match="train.sequence_parallel"):
+        load_train_config(EAGLE3, ["train.sequence_parallel=0"])
+    with pytest.raises(ConfigError, match="does not take a sequence shard"):  # a family without it
+        load_train_config(SMOKE_RECIPE, ["train.sequence_parallel=2"])
+    with pytest.raises(ConfigError, match="COD sampling"):
+        load_train_config(EAGLE3, ["train.sequence_parallel=2", "draft.eagle3.parallel_drafting=true"])
+    with pytest.raises(ConfigError, match="ZeRO-3-partitioned base"):
+        load_train_config(EAGLE3, ["train.sequence_parallel=2", "base.partition=zero3"])
+
+
+def test_a_run_resumes_only_with_the_same_sequence_parallelism():
+    """Checkpoints made under sequence parallelism are DeepSpeed's per model-parallel rank (its mpu)."""
+    before = to_dict(load_train_config(EAGLE3, []))
+    after = to_dict(load_train_config(EAGLE3, ["train.sequence_parallel=2"]))
+    assert resume_config_changes(before, after) == ["train.sequence_parallel: 1 -> 2"]
+    assert resume_config_changes(before, before) == []
+
+
+def test_the_group_size_must_divide_the_ranks():
+    from train.sequence_parallel import SequenceParallel
+
+    with pytest.raises(ValueError, match="must divide the number of ranks"):
+        SequenceParallel(2, 0, 3)
+    with pytest.raises(ValueError, match="must divide the number of ranks"):
+        SequenceParallel(2, 0, 1)
