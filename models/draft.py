@@ -105,14 +105,16 @@ class DraftLossOutput:
 
 
 def add_depth_loss(total: torch.Tensor, weight: float, loss_sum: torch.Tensor, stats, per_depth: list,
-                   oov: int = 0) -> torch.Tensor:
+                   oov: int = 0, group_count: int | None = None) -> torch.Tensor:
     """One depth's share of a weighted multi-depth loss: total + weight * mean loss of this depth; appends its
     DepthStats (from a losses.fused_linear_ce.LossStats) to per_depth. A depth without targets in this
     batch adds 0 * loss_sum, which keeps its parameters in the graph (DeepSpeed expects every grad).
     oov: targets outside the draft vocabulary (ignored by the loss, so not in stats.count): they are added
-    to the scored count as misses."""
+    to the scored count as misses. group_count (sequence parallelism): the targets of this depth over the whole
+    sequence (SequenceShard.total), which the mean divides by; per_depth keeps this rank's own numbers."""
     count = int(stats.count)
-    total = total + (weight * loss_sum / count if count else 0.0 * loss_sum)
+    div = count if group_count is None else int(group_count)
+    total = total + (weight * loss_sum / div if div else 0.0 * loss_sum)
     per_depth.append(DepthStats(float(loss_sum.detach()), count + oov, int(stats.top1), int(stats.topk), oov))
     return total
 

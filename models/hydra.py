@@ -108,6 +108,7 @@ class HydraDraft(DraftVocabMixin, DraftModel):
                         summary="sequentially dependent heads: head k reads `[h_t; e(x_{t+1}); ...; e(x_{t+k})]`; "
                         "Hydra++ (`configs/hydra_pp.yaml`): 4-block heads, a prefix-attention layer, teacher loss",
                         also_files=("models/prefix_attention.py",))
+    sequence_parallel = True  # train.sequence_parallel: the prefix layer's attention over the Ulysses all-to-all
 
     @classmethod
     def run_title(cls, draft_cfg) -> str:
@@ -168,8 +169,11 @@ class HydraDraft(DraftVocabMixin, DraftModel):
 
     # -- pieces shared by training and inference -------------------------------------------------------
 
-    def context(self, hidden: torch.Tensor) -> torch.Tensor:
-        """z for every position: hidden [B, T, d] -> [B, T, d] (prefix layer, causal; or h itself)."""
+    def context(self, hidden: torch.Tensor, shard=None) -> torch.Tensor:
+        """z for every position: hidden [B, T, d] -> [B, T, d] (prefix layer, causal; or h itself). shard (sequence
+        parallelism): hidden holds this rank's rows, which the prefix layer places and attends from."""
+        if shard is not None:
+            return self.prefix(hidden, shard) if self.prefix is not None else hidden
         return self.prefix(hidden) if self.prefix is not None else hidden
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -211,15 +215,25 @@ class HydraDraft(DraftVocabMixin, DraftModel):
         weights = head_weights(self.num_heads, loss_cfg.lambda0, loss_cfg.decay)
         ce = fused_linear_cross_entropy if loss_cfg.chunked else linear_cross_entropy_reference
         alpha = loss_cfg.teacher_weight
-        hidden, ids = batch.hidden, batch.input_ids
-        z_all = self.context(hidden)  # [B, T, d]: one causal pass over the whole batch, shared by all heads
+        hidden, ids, shard = batch.hidden, batch.input_ids, batch.shard
+        if shard is None:
+            z_all = self.context(hidden)  # [B, T, d]: one causal pass over the whole batch, shared by all heads
+            start = 0
+        else:  # sequence parallelism: this rank's rows; hidden[:, c] is h at shard.start + c (a halo past them)
+            if shard.halo < self.num_heads:
+                raise ValueError(f"Hydra's teacher of head k reads h at t+k: the shard needs a halo of "
+                                 f"{self.num_heads} rows (draft.num_heads), got {shard.halo}")
+            z_all = self.context(hidden[:, :shard.stop - shard.start], shard)  # [B, n, d]
+            start = shard.start
         total = hidden.new_zeros((), dtype=torch.float32)
         per_depth = []
         for k in range(1, self.num_heads + 1):
             labels = offset_labels(ids, batch.loss_mask, 1 + k)  # [B, T]: x_{t+1+k} or -100
+            if shard is not None:
+                labels = labels[:, shard.start:shard.stop]
             rows, cols = (labels != -100).nonzero(as_tuple=True)  # [n] each, row-major (= labels[sel] order)
             steps = torch.arange(1, k + 1, device=ids.device)
-            path = ids[rows[:, None], cols[:, None] + steps]  # [n, k]: x_{t+1} .. x_{t+k}
+            path = ids[rows[:, None], start + cols[:, None] + steps]  # [n, k]: x_{t+1} .. x_{t+k}
             x = self.head_input(z_all[rows, cols], self.embed_tokens(path))  # [n, (k+1)d]
             trunk = self.head_trunk(k, x)  # [n, d]
             draft_labels, oov = self.draft_labels(labels[rows, cols])  # draft ids; outside the map -> -100
@@ -231,5 +245,9 @@ class HydraDraft(DraftVocabMixin, DraftModel):
                            "soft_weight": alpha}
             loss_sum, stats = ce(trunk, self.head_weight(k), draft_labels, chunk_size=loss_cfg.chunk_size,
                                  **teacher)
-            total = add_depth_loss(total, weights[k - 1], loss_sum, stats, per_depth, oov)
+            if shard is None:
+                total = add_depth_loss(total, weights[k - 1], loss_sum, stats, per_depth, oov)
+            else:  # every rank divides by the whole sequence's count of this depth
+                total = add_depth_loss(total, weights[k - 1], loss_sum, stats, per_depth, oov,
+                                       group_count=shard.total(torch.as_tensor(stats.count).reshape(1)).item())
         return DraftLossOutput(total, per_depth)

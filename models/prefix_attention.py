@@ -39,6 +39,28 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from transformers import AttentionInterface
+
+# The attention function of a sequence-parallel forward (DraftBatch.shard), registered under its own name with
+# transformers so the copied decoder layer calls it; selected only inside `forward(hidden, shard)`.
+SHARDED_ATTENTION = "specdraft_sequence_shard"
+
+
+def _sharded_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sequence_shard=None,
+                       **kwargs):
+    """q [B, H, n, hd], k / v [B, H_kv, n, hd] of this rank's rows (RoPE at their true positions) -> ([B, n, H, hd],
+    None): causal attention over the whole sequence through sequence_shard.attend (models.draft.SequenceShard)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+
+    def whole(q, k, v):  # every row of the sequence, this rank's heads
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+
+    return sequence_shard.attend(whole, query, key, value).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(SHARDED_ATTENTION, _sharded_attention)
 
 
 @dataclass
@@ -141,15 +163,31 @@ class PrefixAttention(nn.Module):
 
     # -- training: the full causal sequence ---------------------------------------------------------
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, T, d] (base h_t, right-padded) -> z [B, T, d]; row t sees rows 0..t only."""
+    def forward(self, hidden: torch.Tensor, shard=None) -> torch.Tensor:
+        """hidden [B, T, d] (base h_t, right-padded) -> z [B, T, d]; row t sees rows 0..t only.
+
+        shard (a models.draft.SequenceShard, sequence parallelism): hidden holds rows [shard.start, shard.stop) only
+        ([B, n, d] -> z [B, n, d]); they sit at their true positions and attend to every earlier row of the sequence
+        through shard.attend."""
         self._check(hidden, 3, "forward")
         x = hidden.to(self._param().dtype)
+        if shard is not None:
+            return self._forward_shard(x, shard)
         t = x.shape[1]
         pos = torch.arange(t, device=x.device)[None]  # [1, T], the same positions for every row
         # attention_mask=None with no cache: sdpa runs its causal kernel (is_causal, flash-capable on GPU).
         return self.layer(x, attention_mask=None, position_ids=pos, past_key_values=None, use_cache=False,
                           position_embeddings=self._rope(pos, x.dtype))
+
+    def _forward_shard(self, x: torch.Tensor, shard) -> torch.Tensor:
+        pos = torch.arange(shard.start, shard.stop, device=x.device)[None]  # [1, n]
+        config = self.layer.self_attn.config  # this layer's own deep copy: no other module reads it
+        saved, config._attn_implementation = config._attn_implementation, SHARDED_ATTENTION
+        try:
+            return self.layer(x, attention_mask=None, position_ids=pos, past_key_values=None, use_cache=False,
+                              position_embeddings=self._rope(pos, x.dtype), sequence_shard=shard)
+        finally:
+            config._attn_implementation = saved
 
     # -- inference: incremental, with its own KV cache ------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Sequence parallelism (train.sequence_parallel, train/sequence_parallel.py: DeepSpeed's Ulysses all-to-all) on 2 CPU
 ranks (gloo) with the tiny base in fp32: the group's gradients equal one rank's on the whole sequence, for EAGLE-3's
-training-time test with the hidden states given whole (the cache's path) and with the base's forward itself run
-sequence-parallel; a 2-rank training run logs the losses and gradient norms of a 1-rank run; the config rules."""
+training-time test and Hydra++'s prefix attention, with the hidden states given whole (the cache's path) and with the
+base's forward itself run sequence-parallel; a 2-rank training run logs the losses and gradient norms of a 1-rank run;
+the config rules."""
 
 import json
 import subprocess
@@ -34,19 +35,22 @@ def _run_ranks(out: Path, args: list[str], world: int = 2) -> dict:
 
 
 @pytest.mark.distributed
-def test_eagle3_gradients_over_two_ranks_equal_one_ranks(tmp_path):
-    """Two decoder layers, 3 TTT steps, two conversations of 13 and 9 tokens (13 is not a multiple of 2: the
-    sequence is padded), the fused chunked loss and the dense-mask reference attention."""
-    r = _run_ranks(tmp_path / "sp.json", ["--steps", "3", "--layers", "2"])
+@pytest.mark.parametrize("family", ["eagle3", "hydra"])
+def test_gradients_over_two_ranks_equal_one_ranks(tmp_path, family):
+    """EAGLE-3 with two decoder layers and 3 TTT steps; Hydra++ with 3 heads of 2 blocks and its prefix layer. Two
+    conversations of 13 and 9 tokens (13 is not a multiple of 2: the sequence is padded), the fused chunked loss and
+    the reference (EAGLE-3: dense-mask attention)."""
+    r = _run_ranks(tmp_path / "sp.json", ["--family", family, "--steps", "3", "--layers", "2"])
     assert r["world_size"] == 2
     for key in ("cached_chunked", "online_chunked", "cached_reference", "online_reference"):
         got = r[key]
         # every target scored once over the two ranks' rows
         assert got["counts"] == got["ref_counts"] and min(got["counts"]) > 0, (key, got)
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6), (key, got)
-        # fp32, the same kernels on other row blocks: measured <= 1e-7 on gradients of size ~0.4
+        # fp32, the same kernels on other row blocks: measured 1e-7 (EAGLE-3, gradients up to 0.4) and 4e-7
+        # (Hydra++, up to 1.0)
         assert got["max_grad"] > 1e-2, (key, got)  # gradients that could differ
-        assert got["max_grad_diff"] <= 1e-6, (key, got)
+        assert got["max_grad_diff"] <= 1e-6 * got["max_grad"], (key, got)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -55,18 +59,22 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_a_two_rank_sequence_parallel_run_logs_what_one_rank_logs(tmp_path):
-    """The loop end to end, online (the base's forward sharded): DeepSpeed's batch and gradient averaging per group,
-    the loss's shares, the per-depth counts summed over the ranks, the held-out table rank 0 writes."""
+@pytest.mark.parametrize("recipe, cache", [("configs/eagle3.yaml", ""), ("configs/hydra_pp.yaml", "auto")])
+def test_a_two_rank_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, recipe, cache):
+    """The loop end to end, EAGLE-3 online (the base's forward sharded) and Hydra++ from the hidden-state cache:
+    DeepSpeed's batch and gradient averaging per group, the loss's shares, the per-depth counts summed over the ranks,
+    the held-out table rank 0 writes."""
     from train.loop import train
 
+    config = [recipe, SMOKE_RECIPE[1]]
     overrides = ["train.max_steps=3", "train.log_every=1", "train.val_batches=1", "train.global_batch_size=4",
-                 "train.micro_batch_size=2", "train.num_threads=1", "train.precision=fp32", "base.dtype=fp32"]
+                 "train.micro_batch_size=2", "train.num_threads=1", "train.precision=fp32", "base.dtype=fp32",
+                 f"data.hidden_cache={cache}", f"data.cache_dir={tmp_path / 'cache'}", "draft.dropout=0.0"]
     one = tmp_path / "one"
-    train(load_train_config(EAGLE3, [f"run_dir={one}", *overrides]))
+    train(load_train_config(config, [f"run_dir={one}", *overrides]))
     two = tmp_path / "two"
     proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
-                           "launch/train_draft.py", "--config", EAGLE3[0], "--config", EAGLE3[1], f"run_dir={two}",
+                           "launch/train_draft.py", "--config", config[0], "--config", config[1], f"run_dir={two}",
                            *overrides, "train.sequence_parallel=2"],
                           env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -78,6 +86,8 @@ def test_a_two_rank_sequence_parallel_run_logs_what_one_rank_logs(tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         for k in range(1, 4):
             assert b[f"top1/head{k}"] == a[f"top1/head{k}"]
+    if cache:
+        assert "training from the hidden-state cache" in proc.stdout + proc.stderr
     h1 = json.loads((one / "heldout.json").read_text())["depths"]
     h2 = json.loads((two / "heldout.json").read_text())["depths"]
     assert [d["tokens"] for d in h1] == [d["tokens"] for d in h2]

@@ -1,13 +1,15 @@
 """One rank of the sequence-parallelism parity check (tests/test_sequence_parallel.py starts N of them, gloo).
 
-Every rank builds the same tiny base and EAGLE-3 draft (fp32, one thread) and the same batch (two conversations of
-different lengths, right-padded, a length N does not divide). It computes the whole sequence's loss and gradients
-on its own, as one rank would, then the sequence-parallel loss of its rows through train/sequence_parallel.py,
-twice: with hidden states given whole (the hidden-state cache's path: each rank slices its rows) and with the base's
-forward itself run sequence-parallel (online training). The group's gradients are summed (what DeepSpeed's
-gradient all-reduce adds up within a group) and compared with the whole sequence's. Rank 0 writes the numbers.
+Every rank builds the same tiny base and draft (EAGLE-3, or Hydra++ with its prefix-attention layer; fp32, one
+thread) and the same batch (two conversations of different lengths, right-padded, a length N does not divide). It
+computes the whole sequence's loss and gradients on its own, as one rank would, then the sequence-parallel loss of
+its rows through train/sequence_parallel.py, twice: with hidden states given whole (the hidden-state cache's path:
+each rank slices its rows) and with the base's forward itself run sequence-parallel (online training). The group's
+gradients are summed (what DeepSpeed's gradient all-reduce adds up within a group) and compared with the whole
+sequence's. Rank 0 writes the numbers.
 
-    python tests/helpers/seq_parallel_ranks.py OUT.json [--steps 3] [--layers 1]   (RANK / WORLD_SIZE / ... set)
+    python tests/helpers/seq_parallel_ranks.py OUT.json [--family eagle3|hydra] [--steps 3] [--layers 1]
+    (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from models.base import draft_inputs
 from models.draft import BaseView, DraftBatch
 from models.eagle3 import Eagle3Draft, Eagle3LossOptions
+from models.hydra import HydraDraft
 from models.tiny import diverse_tiny_llama
 from train.distributed import init_distributed
 from train.sequence_parallel import SequenceParallel
@@ -44,6 +47,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--family", choices=("eagle3", "hydra"), default="eagle3")
     args = parser.parse_args()
     torch.set_num_threads(1)
     info = init_distributed()
@@ -52,7 +56,11 @@ def main() -> None:
     base = diverse_tiny_llama(seed=0).float().eval()
     view = BaseView.from_model(base)
     torch.manual_seed(0)
-    draft = Eagle3Draft(view, aux_layers=[0, 1], ttt_steps=args.steps, num_layers=args.layers).float()
+    if args.family == "eagle3":  # --steps TTT steps, --layers decoder layers
+        draft = Eagle3Draft(view, aux_layers=[0, 1], ttt_steps=args.steps, num_layers=args.layers).float()
+    else:  # Hydra++: --steps heads of --layers blocks, the prefix-attention layer
+        draft = HydraDraft(args.steps, args.layers, view, prefix_layer=True).float()
+    aux_layers = list(getattr(draft, "aux_layers", None) or [])
     with torch.no_grad():  # a trained-looking draft: o_proj / down_proj start at zero, which would hide attention
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -67,7 +75,7 @@ def main() -> None:
         ids[b, :n] = torch.randint(1, view.vocab_size, (n,), generator=g)
         attn[b, :n] = 1
         mask[b, 2:n] = 1  # the first tokens play the prompt
-    hidden, aux = draft_inputs(base, ids, attn, draft.aux_layers)
+    hidden, aux = draft_inputs(base, ids, attn, aux_layers)
 
     result = {"world_size": info.world_size}
     halo = args.steps + 1
@@ -80,7 +88,7 @@ def main() -> None:
             if mode == "cached":
                 part = sp.split(ids, attn, mask, pad_id, halo, hidden=hidden, aux=aux)
             else:
-                part = sp.split(ids, attn, mask, pad_id, halo, base=base, aux_layers=draft.aux_layers,
+                part = sp.split(ids, attn, mask, pad_id, halo, base=base, aux_layers=aux_layers,
                                 dtype=torch.float32)
             out = draft.loss(DraftBatch(part.hidden, part.input_ids, part.loss_mask, part.aux, part.shard), view,
                              cfg)
