@@ -59,11 +59,13 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("recipe, cache", [("configs/eagle3.yaml", ""), ("configs/hydra_pp.yaml", "auto")])
-def test_a_two_rank_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, recipe, cache):
-    """The loop end to end, EAGLE-3 online (the base's forward sharded) and Hydra++ from the hidden-state cache:
-    DeepSpeed's batch and gradient averaging per group, the loss's shares, the per-depth counts summed over the ranks,
-    the held-out table rank 0 writes."""
+@pytest.mark.parametrize("recipe, cache, ranks", [("configs/eagle3.yaml", "", 2), ("configs/hydra_pp.yaml", "auto", 2),
+                                                  ("configs/eagle3.yaml", "", 4)])
+def test_a_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, recipe, cache, ranks):
+    """The loop end to end, EAGLE-3 online (the base's forward sharded) and Hydra++ from the hidden-state cache, on
+    one group of 2 ranks, and EAGLE-3 on 4 ranks (2 groups of 2, each reading other conversations): DeepSpeed's batch
+    and gradient averaging per data-parallel group, the loss's shares, the per-depth counts summed over the ranks, the
+    held-out table rank 0 writes."""
     from train.loop import train
 
     config = [recipe, SMOKE_RECIPE[1]]
@@ -73,12 +75,13 @@ def test_a_two_rank_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, reci
     one = tmp_path / "one"
     train(load_train_config(config, [f"run_dir={one}", *overrides]))
     two = tmp_path / "two"
-    proc = subprocess.run([str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()),
+    proc = subprocess.run([str(DEEPSPEED), "--num_gpus", str(ranks), "--master_port", str(free_port()),
                            "launch/train_draft.py", "--config", config[0], "--config", config[1], f"run_dir={two}",
                            *overrides, "train.sequence_parallel=2"],
                           env=child_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "each conversation split over 2 ranks" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert f"each conversation split over 2 ranks (DeepSpeed Ulysses), {ranks // 2} group(s)" in log
     m1, m2 = _metrics(one), _metrics(two)
     assert len(m1) == len(m2) == 3
     for a, b in zip(m1, m2):
@@ -87,7 +90,7 @@ def test_a_two_rank_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, reci
         for k in range(1, 4):
             assert b[f"top1/head{k}"] == a[f"top1/head{k}"]
     if cache:
-        assert "training from the hidden-state cache" in proc.stdout + proc.stderr
+        assert "training from the hidden-state cache" in log
     h1 = json.loads((one / "heldout.json").read_text())["depths"]
     h2 = json.loads((two / "heldout.json").read_text())["depths"]
     assert [d["tokens"] for d in h1] == [d["tokens"] for d in h2]
