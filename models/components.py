@@ -265,6 +265,7 @@ class BlockDraft(DraftVocabMixin, DraftModel):
     in the loss) and what it does with `draft_block_outputs`."""
 
     anchor_drafts = False  # True: slots 0..G-1 draft depths 1..G (each slot predicts the next position's token)
+    sequence_parallel = True  # train.sequence_parallel: each rank's blocks against the whole context (Ulysses)
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, num_layers: int = 5,
                  block_size: int = 16, mask_token_id: int | None = None, num_anchors: int = 512,
@@ -368,10 +369,12 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         return torch.where(is_mask, self.mask_embedding.to(emb.dtype), emb)
 
     def run_blocks(self, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, positions: torch.Tensor,
-                   anchors: torch.Tensor, reference: bool = False) -> torch.Tensor:
+                   anchors: torch.Tensor, reference: bool = False, shard=None) -> torch.Tensor:
         """The N layers over A blocks. ctx_kv: per layer (k, v) [B, H_kv, T, hd]; x [B, A, G, d] block inputs;
         positions [B, A, G] long; anchors [B, A] (block a sees context positions <= anchors[b, a]).
-        Returns the last layer's output [B, A, G, d] (before the final norm)."""
+        Returns the last layer's output [B, A, G, d] (before the final norm). shard (sequence parallelism): ctx_kv
+        holds this rank's context rows and the blocks are this rank's; the attention sees the whole context
+        (`_sharded_block_attention`)."""
         attend = block_attention_reference if reference else block_attention
         cos, sin = self.rope(positions, x.dtype)
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
@@ -381,6 +384,10 @@ class BlockDraft(DraftVocabMixin, DraftModel):
             kb, vb = attn.kv(h, cos, sin)  # [B, H_kv, A, G, hd]
             args = (q, expand_kv(kc, self.groups), expand_kv(vc, self.groups), expand_kv(kb, self.groups),
                     expand_kv(vb, self.groups), anchors.to(x.device))
+            if shard is not None:
+                x = x + attn.out(self._sharded_block_attention(attend, *args, shard))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                continue
             # Training: the [A·G, T + G] scores of every layer would be kept for backward (GBs at 512 anchors of
             # 16 slots over 512 tokens); recomputing them in backward keeps one layer's at a time.
             o = checkpoint(attend, *args, use_reentrant=False) if torch.is_grad_enabled() and q.requires_grad \
@@ -388,6 +395,42 @@ class BlockDraft(DraftVocabMixin, DraftModel):
             x = x + attn.out(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
+
+    @staticmethod
+    def _sharded_block_attention(attend, q, kc, vc, kb, vb, anchors, shard) -> torch.Tensor:
+        """Sequence parallelism: `attend` of this rank's A blocks (q / kb / vb [B, H, A, G, hd]) against the whole
+        context, of which this rank holds rows [start, stop) (kc / vc [B, H, n, hd]). Each rank lays out one
+        sequence of n + A·G rows (its context rows, then its blocks' slots; q is zero on the context rows) and
+        shard.attend trades rows for heads: every rank then holds, for H/N heads, every rank's context rows (the whole
+        context, in order) and blocks, attends them with every rank's anchors, and trades back. A is the same on every
+        rank (the loss pads it). Returns [B, H, A, G, hd]."""
+        b, h, a, g, hd = q.shape
+        n = kc.shape[2]
+        seg = n + a * g
+        every = shard.gather(anchors)  # [N, B, A]
+        size = every.shape[0]
+        every = every.permute(1, 0, 2).reshape(b, size * a)  # [B, N·A]: the blocks in rank order
+
+        def whole(qw, kw, vw):  # [B, H/N, N·seg, hd]
+            hh = qw.shape[1]
+            qw, kw, vw = (t.reshape(b, hh, size, seg, hd) for t in (qw, kw, vw))
+
+            def ctx(t):
+                return t[:, :, :, :n].reshape(b, hh, size * n, hd)
+
+            def blocks(t):
+                return t[:, :, :, n:].reshape(b, hh, size * a, g, hd)
+
+            args = (blocks(qw), ctx(kw), ctx(vw), blocks(kw), blocks(vw), every)
+            o = checkpoint(attend, *args, use_reentrant=False) if torch.is_grad_enabled() and qw.requires_grad \
+                else attend(*args)
+            o = torch.cat([o.new_zeros(b, hh, size, n, hd), o.reshape(b, hh, size, a * g, hd)], dim=3)
+            return o.reshape(b, hh, size * seg, hd)
+
+        qs = torch.cat([q.new_zeros(b, h, n, hd), q.reshape(b, h, a * g, hd)], dim=2)
+        ks = torch.cat([kc, kb.reshape(b, h, a * g, hd)], dim=2)
+        vs = torch.cat([vc, vb.reshape(b, h, a * g, hd)], dim=2)
+        return shard.attend(whole, qs, ks, vs)[:, :, n:].reshape(b, h, a, g, hd)
 
     def row_features(self, out: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The LM-head rows of the loss as (features [B·A·K, d'], weight [N, d']): logits = features @ weightᵀ.
@@ -439,19 +482,26 @@ class BlockDraft(DraftVocabMixin, DraftModel):
             ok[b, :r.numel()] = True
         return anchors, ok
 
-    def block_outputs(self, aux: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor, reference: bool = False
-                      ) -> torch.Tensor:
+    def block_outputs(self, aux: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor, reference: bool = False,
+                      shard=None) -> torch.Tensor:
         """Teacher-forced blocks: aux [B, T, k·d], ids [B, T], anchors [B, A] (each < T-1) -> outputs [B, A, G, d].
         Block a: slot 0 = ids[anchor + 1], slots 1.. = the mask, at positions anchor+1 .. anchor+G, seeing the
-        context rows 0..anchor."""
+        context rows 0..anchor. shard (sequence parallelism): aux holds rows [shard.start, shard.stop) only, the
+        anchors are this rank's (padded to the group's count)."""
         b, t = ids.shape
         g = self.block_size
-        ctx = self.context(aux)  # [B, T, d]
-        ctx_kv = self.context_kv(ctx, torch.arange(t, device=ids.device)[None])
+        if shard is None:
+            ctx = self.context(aux)  # [B, T, d]
+            ctx_kv = self.context_kv(ctx, torch.arange(t, device=ids.device)[None])
+        else:
+            ctx = self.context(aux[:, :shard.stop - shard.start])  # [B, n, d]
+            ctx_kv = self.context_kv(ctx, torch.arange(shard.start, shard.stop, device=ids.device)[None])
         tokens = torch.full((b, anchors.shape[1], g), self.mask_token_id, dtype=torch.long, device=ids.device)
         tokens[:, :, 0] = ids.gather(1, (anchors + 1).clamp(max=t - 1))
         positions = anchors[:, :, None] + 1 + torch.arange(g, device=ids.device)  # [B, A, G]
-        return self.run_blocks(ctx_kv, self.embed_block(tokens), positions, anchors, reference)
+        if shard is None:
+            return self.run_blocks(ctx_kv, self.embed_block(tokens), positions, anchors, reference)
+        return self.run_blocks(ctx_kv, self.embed_block(tokens), positions, anchors, reference, shard=shard)
 
     def loss(self, batch: DraftBatch, base: BaseView, loss_cfg) -> DraftLossOutput:
         """Σ w·ℓ / n over the drafted slots of the sampled blocks (losses/block.py), plus `extra_block_loss`.
@@ -472,6 +522,8 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         labels = torch.stack([offset_labels(ids, mask, 1 + k) for k in range(1, k_max + 1)], dim=-1)  # [B, T, K]
         valid_anchor = labels[..., 0] != -100  # [B, T]
         anchors, ok = self.sample_anchors(valid_anchor, all_anchors=not self.training)
+        if batch.shard is not None:  # sequence parallelism: the group drew the same anchors; this rank's, at once
+            return self._shard_loss(batch, base, loss_cfg, labels, anchors, ok)
         chunks = [slice(0, anchors.shape[1])] if self.training else \
             [slice(s, s + self.num_anchors) for s in range(0, anchors.shape[1], self.num_anchors)]
         total, n_rows = None, 0
@@ -482,13 +534,39 @@ class BlockDraft(DraftVocabMixin, DraftModel):
             n_rows += count
         return DraftLossOutput(total / max(n_rows, 1), stats)
 
+    def _shard_loss(self, batch, base, loss_cfg, labels, anchors, ok) -> DraftLossOutput:
+        """Sequence parallelism: the loss of the sampled blocks whose anchor is among this rank's rows (every rank of
+        the group drew the same anchors, the loop seeds it so), each term divided by the group's count."""
+        shard = batch.shard
+        if shard.halo < self.num_heads:
+            raise ValueError(f"{self.facts.title}'s teacher of slot k reads h at anchor + k: the shard needs a halo of "
+                             f"{self.num_heads} rows, got {shard.halo}")
+        mine = ok & (anchors >= shard.start) & (anchors < shard.stop)  # [B, A]
+        a = max(1, int(shard.gather(mine.sum(1).max().reshape(1)).max()))  # the group's widest row of blocks
+        own = torch.full((anchors.shape[0], a), shard.start, dtype=torch.long, device=anchors.device)
+        own_ok = torch.zeros(anchors.shape[0], a, dtype=torch.bool, device=anchors.device)
+        for b in range(anchors.shape[0]):
+            picked = anchors[b][mine[b]]
+            own[b, :picked.numel()] = picked
+            own_ok[b, :picked.numel()] = True
+        stats = [DepthStats() for _ in range(self.num_heads)]
+        loss, _ = self._block_loss(batch, base, loss_cfg, labels, own, own_ok, stats)
+        return DraftLossOutput(loss, stats)
+
     def _block_loss(self, batch, base, loss_cfg, labels, anchors, ok, stats) -> tuple[torch.Tensor, int]:
         """Loss (mean over valid rows, weighted) of one set of blocks and its number of valid rows; adds the
-        per-depth statistics to `stats`."""
+        per-depth statistics to `stats`. Under sequence parallelism (batch.shard) each term's mean is over the whole
+        group's valid rows."""
         ids, hidden = batch.input_ids, batch.hidden
         b, t = ids.shape
         k_max = self.num_heads
-        out = self.block_outputs(batch.aux_hidden, ids, anchors, reference=not loss_cfg.chunked)[:, :, self.first_slot:]
+        shard = batch.shard
+        if shard is None:
+            out = self.block_outputs(batch.aux_hidden, ids, anchors,
+                                     reference=not loss_cfg.chunked)[:, :, self.first_slot:]
+        else:
+            out = self.block_outputs(batch.aux_hidden, ids, anchors, reference=not loss_cfg.chunked,
+                                     shard=shard)[:, :, self.first_slot:]
         rows_lab = labels.gather(1, anchors[:, :, None].expand(-1, -1, k_max))  # [B, A, K] base ids
         rows_lab = rows_lab.masked_fill(~ok[:, :, None], -100)
         draft_lab, outside = to_draft_labels(rows_lab, self.t2d)
@@ -498,6 +576,8 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         if alpha > 0:
             # Slot k's teacher: the base's h at t+k (its next-token distribution is over x_{t+1+k}).
             pos = (anchors[:, :, None] + torch.arange(1, k_max + 1, device=ids.device)).clamp(max=t - 1)
+            if shard is not None:  # hidden holds rows [start, stop + halo): the same rows, local indices
+                pos = (pos - shard.start).clamp(min=0, max=hidden.shape[1] - 1)
             th = hidden.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, hidden.shape[-1]))  # [B, A·K, d]
             teacher = {"teacher_hidden": th.reshape(-1, hidden.shape[-1]),
                        "teacher_weight": restrict_rows(base.lm_head_weight, self.d2t), "soft_weight": alpha}
@@ -512,14 +592,24 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         own = self.options(loss_cfg)  # loss.<family>: position_weights, dpace_alpha
         weights = block_position_weights(rows2, valid2, own.position_weights, lambda0=loss_cfg.lambda0,
                                          decay=loss_cfg.decay, alpha=own.dpace_alpha)
-        loss = block_weighted_loss(rows2, weights, valid2)
+        share = 1.0  # sequence parallelism: this rank's valid rows / the group's (each term is a mean over them)
+        if shard is not None:
+            share = int(valid2.sum()) / max(1, int(shard.total(valid2.sum().reshape(1)).item()))
+        loss = block_weighted_loss(rows2, weights, valid2) * share if shard is not None else \
+            block_weighted_loss(rows2, weights, valid2)
         for scale, (more_flat, more_weight) in self.more_row_features(out, prev, loss_cfg):
             more, _, _ = rows_fn(more_flat, more_weight, draft_lab.reshape(-1), chunk_size=loss_cfg.chunk_size,
                                  **teacher)
-            loss = loss + scale * block_weighted_loss(more.view(-1, k_max), weights, valid2)
+            if shard is not None:
+                loss = loss + scale * share * block_weighted_loss(more.view(-1, k_max), weights, valid2)
+            else:
+                loss = loss + scale * block_weighted_loss(more.view(-1, k_max), weights, valid2)
         top1, topk = top1.view(-1, k_max), topk.view(-1, k_max)
         oov = outside.view(-1, k_max)
         extra = self.extra_block_loss(out, prev, top1, valid2 | oov, loss_cfg)
+        if extra is not None and shard is not None:  # a mean over the rows with a target, outside the map included
+            scored = (valid2 | oov).sum()
+            extra = extra * (int(scored) / max(1, int(shard.total(scored.reshape(1)).item())))
         if extra is not None:
             loss = loss + extra
         for k in range(k_max):

@@ -50,6 +50,7 @@ class SequenceShard:
         local(q', k', v') on the whole sequence and H/N heads ([B, H/N, N·n, hd] -> the same shape) and trades back.
     total(t): t summed over the group, no gradient (a loss's target counts, so every rank divides by the same
         number and the group's gradients add up to one rank's).
+    gather(t): t of every rank of the group (the same shape on each), stacked in rank order [N, ...], no gradient.
     """
 
     start: int
@@ -57,6 +58,7 @@ class SequenceShard:
     halo: int
     attend: Callable[[Callable, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     total: Callable[[torch.Tensor], torch.Tensor]
+    gather: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass

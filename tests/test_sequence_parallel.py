@@ -1,8 +1,8 @@
 """Sequence parallelism (train.sequence_parallel, train/sequence_parallel.py: DeepSpeed's Ulysses all-to-all) on 2 CPU
 ranks (gloo) with the tiny base in fp32: the group's gradients equal one rank's on the whole sequence, for EAGLE-3's
-training-time test and Hydra++'s prefix attention, with the hidden states given whole (the cache's path) and with the
-base's forward itself run sequence-parallel; a 2-rank training run logs the losses and gradient norms of a 1-rank run;
-the config rules."""
+training-time test, Hydra++'s prefix attention and the block drafts' context keys (DFlash, DSpark, Domino), with the
+hidden states given whole (the cache's path) and with the base's forward itself run sequence-parallel; sequence-
+parallel training runs log the losses and gradient norms of 1-rank runs; the config rules."""
 
 import json
 import subprocess
@@ -34,20 +34,30 @@ def _run_ranks(out: Path, args: list[str], world: int = 2) -> dict:
     return json.loads(out.read_text())
 
 
+FAMILIES = ["eagle3", "hydra", "dflash", "dspark", "domino"]
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory) -> dict:
+    """Every family's numbers from one 2-rank launch (the ranks' start-up is most of its time)."""
+    out = tmp_path_factory.mktemp("sp") / "sp.json"
+    return _run_ranks(out, ["--families", ",".join(FAMILIES), "--steps", "3", "--layers", "2"])
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["eagle3", "hydra"])
-def test_gradients_over_two_ranks_equal_one_ranks(tmp_path, family):
-    """EAGLE-3 with two decoder layers and 3 TTT steps; Hydra++ with 3 heads of 2 blocks and its prefix layer. Two
-    conversations of 13 and 9 tokens (13 is not a multiple of 2: the sequence is padded), the fused chunked loss and
-    the reference (EAGLE-3: dense-mask attention)."""
-    r = _run_ranks(tmp_path / "sp.json", ["--family", family, "--steps", "3", "--layers", "2"])
-    assert r["world_size"] == 2
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_over_two_ranks_equal_one_ranks(parity, family):
+    """EAGLE-3 with two decoder layers and 3 TTT steps; Hydra++ with 3 heads of 2 blocks and its prefix layer;
+    DFlash / DSpark / Domino with 2 layers, blocks of 4 slots, 5 sampled blocks a conversation (spread over both
+    ranks' rows). Two conversations of 13 and 9 tokens (13 is not a multiple of 2: the sequence is padded), the fused
+    chunked loss and the reference twin (EAGLE-3 and the block drafts: dense-mask attention)."""
+    assert parity["world_size"] == 2
     for key in ("cached_chunked", "online_chunked", "cached_reference", "online_reference"):
-        got = r[key]
+        got = parity[family][key]
         # every target scored once over the two ranks' rows
         assert got["counts"] == got["ref_counts"] and min(got["counts"]) > 0, (key, got)
         assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6), (key, got)
-        # fp32, the same kernels on other row blocks: measured 1e-7 (EAGLE-3, gradients up to 0.4) and 4e-7
+        # fp32, the same kernels on other row blocks: measured 1e-7 (EAGLE-3, gradients up to 0.4) to 4e-7
         # (Hydra++, up to 1.0)
         assert got["max_grad"] > 1e-2, (key, got)  # gradients that could differ
         assert got["max_grad_diff"] <= 1e-6 * got["max_grad"], (key, got)
@@ -60,7 +70,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("recipe, cache, ranks", [("configs/eagle3.yaml", "", 2), ("configs/hydra_pp.yaml", "auto", 2),
-                                                  ("configs/eagle3.yaml", "", 4)])
+                                                  ("configs/dflash.yaml", "", 2), ("configs/eagle3.yaml", "", 4)])
 def test_a_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, recipe, cache, ranks):
     """The loop end to end, EAGLE-3 online (the base's forward sharded) and Hydra++ from the hidden-state cache, on
     one group of 2 ranks, and EAGLE-3 on 4 ranks (2 groups of 2, each reading other conversations): DeepSpeed's batch

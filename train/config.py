@@ -164,8 +164,9 @@ class TrainSection:
     num_threads: int = 0  # CPU threads for torch; 0 = torch's default
     # Sequence parallelism (DeepSpeed Ulysses): each conversation is split over this many ranks, which share it; the
     # base's forward (online training) and the draft's attention over the sequence run sharded, each rank's loss over
-    # its rows. Must divide the number of ranks; only families whose loss takes a sequence shard (EAGLE-3, Hydra and
-    # Hydra++; others fail at load); 1 = off (docs/howto/train.md#long-sequences-sequence-parallelism)
+    # its rows. Must divide the number of ranks; only families whose loss takes a sequence shard (EAGLE-3, Hydra /
+    # Hydra++, DFlash, DSpark, Domino; others fail at load); 1 = off
+    # (docs/howto/train.md#long-sequences-sequence-parallelism)
     sequence_parallel: int = 1
 
 

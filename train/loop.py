@@ -244,9 +244,12 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
     step = start_step
     sigterm = False  # agreed across ranks: did any rank get SIGTERM?
     grad_norm = None
+    # sequence parallelism: the ranks of a group draw alike (the blocks DFlash samples are the group's, not a rank's)
+    seed_rank = info.rank if sp is None else sp.dp_rank
+    halo = int(getattr(draft, "num_heads", cfg.draft.num_heads)) + 1  # rows of h past its own a rank's loss reads
     try:
         while step < total_steps:
-            torch.manual_seed(cfg.train.seed + 1_000_003 * step + info.rank)  # dropout RNG depends on step only
+            torch.manual_seed(cfg.train.seed + 1_000_003 * step + seed_rank)  # dropout RNG depends on step only
             for rows in order.micro_batches(step):
                 if hidden_cache is not None:  # h read from disk: no base forward
                     batch = collate_cached([hidden_cache[i] for i in rows], pad_id, compute_dtype)
@@ -258,7 +261,7 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
                 aux = None  # EAGLE-3: the base's aux layers [B, T, k*d] (draft.aux_layers)
                 if sp is not None:  # this rank's rows of the group's micro-batch (the base forward sharded too)
                     out = _sequence_parallel_step(engine, sp, batch, hidden_cache is not None, base, aux_layers,
-                                                  pad_id, cfg.draft.num_heads + 1, compute_dtype, info.device)
+                                                  pad_id, halo, compute_dtype, info.device)
                 elif hidden_cache is not None:
                     hidden = batch["hidden"].to(info.device)
                     if aux_layers:

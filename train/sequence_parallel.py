@@ -83,6 +83,12 @@ class SequenceParallel:
         out = self._attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0, None, local)
         return out.transpose(1, 2)
 
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """t of every rank of the group (same shape on each) -> [N, ...] in rank order (no gradient)."""
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.group)
+        return torch.stack(parts)
+
     def total(self, t: torch.Tensor) -> torch.Tensor:
         """t summed over the group (a copy, no gradient)."""
         t = t.detach().clone()
@@ -123,7 +129,8 @@ class SequenceParallel:
             if dtype is not None:
                 hidden = hidden.to(dtype)
                 aux = aux.to(dtype) if aux is not None else None
-        shard = SequenceShard(start=start, stop=stop, halo=halo, attend=self.attend, total=self.total)
+        shard = SequenceShard(start=start, stop=stop, halo=halo, attend=self.attend, total=self.total,
+                              gather=self.gather)
         return ShardedBatch(ids, attn, mask, hidden, aux, shard)
 
     @torch.no_grad()

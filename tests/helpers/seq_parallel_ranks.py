@@ -1,14 +1,14 @@
 """One rank of the sequence-parallelism parity check (tests/test_sequence_parallel.py starts N of them, gloo).
 
-Every rank builds the same tiny base and draft (EAGLE-3, or Hydra++ with its prefix-attention layer; fp32, one
-thread) and the same batch (two conversations of different lengths, right-padded, a length N does not divide). It
-computes the whole sequence's loss and gradients on its own, as one rank would, then the sequence-parallel loss of
-its rows through train/sequence_parallel.py, twice: with hidden states given whole (the hidden-state cache's path:
-each rank slices its rows) and with the base's forward itself run sequence-parallel (online training). The group's
-gradients are summed (what DeepSpeed's gradient all-reduce adds up within a group) and compared with the whole
-sequence's. Rank 0 writes the numbers.
+Every rank builds the same tiny base and drafts (EAGLE-3, Hydra++ with its prefix-attention layer, DFlash, DSpark,
+Domino; fp32, one thread) and the same batch (two conversations of different lengths, right-padded, a length N does
+not divide). For each draft it computes the whole sequence's loss and gradients on its own, as one rank would, then
+the sequence-parallel loss of its rows through train/sequence_parallel.py, twice: with hidden states given whole
+(the hidden-state cache's path: each rank slices its rows) and with the base's forward itself run sequence-parallel
+(online training). The group's gradients are summed (what DeepSpeed's gradient all-reduce adds up within a group)
+and compared with the whole sequence's. Rank 0 writes the numbers.
 
-    python tests/helpers/seq_parallel_ranks.py OUT.json [--family eagle3|hydra] [--steps 3] [--layers 1]
+    python tests/helpers/seq_parallel_ranks.py OUT.json [--families eagle3,hydra,...] [--steps 3] [--layers 1]
     (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set)
 """
 
@@ -24,16 +24,19 @@ import torch.distributed as dist
 
 from models.base import draft_inputs
 from models.draft import BaseView, DraftBatch
-from models.eagle3 import Eagle3Draft, Eagle3LossOptions
+from models.eagle3 import Eagle3Draft
 from models.hydra import HydraDraft
+from models.registry import DRAFT_MODELS
 from models.tiny import diverse_tiny_llama
 from train.distributed import init_distributed
 from train.sequence_parallel import SequenceParallel
 
 
-def _loss_cfg(chunked: bool) -> SimpleNamespace:
+def _loss_cfg(chunked: bool, family: str) -> SimpleNamespace:
+    """The loss section: shared keys, and the family's own options at their defaults."""
+    own = DRAFT_MODELS[family].facts.loss_options
     return SimpleNamespace(chunked=chunked, chunk_size=8, teacher_weight=0.5, lambda0=1.0, decay=0.8,
-                           eagle3=Eagle3LossOptions())
+                           **({family: own()} if own is not None else {}))
 
 
 def _grads(draft) -> dict[str, torch.Tensor]:
@@ -42,30 +45,24 @@ def _grads(draft) -> dict[str, torch.Tensor]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--family", choices=("eagle3", "hydra"), default="eagle3")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    info = init_distributed()
-    sp = SequenceParallel(info.world_size, info.rank, info.world_size)
-
-    base = diverse_tiny_llama(seed=0).float().eval()
-    view = BaseView.from_model(base)
+def _draft(family: str, view: BaseView, steps: int, layers: int):
     torch.manual_seed(0)
-    if args.family == "eagle3":  # --steps TTT steps, --layers decoder layers
-        draft = Eagle3Draft(view, aux_layers=[0, 1], ttt_steps=args.steps, num_layers=args.layers).float()
-    else:  # Hydra++: --steps heads of --layers blocks, the prefix-attention layer
-        draft = HydraDraft(args.steps, args.layers, view, prefix_layer=True).float()
-    aux_layers = list(getattr(draft, "aux_layers", None) or [])
+    if family == "eagle3":  # --steps TTT steps, --layers decoder layers
+        draft = Eagle3Draft(view, aux_layers=[0, 1], ttt_steps=steps, num_layers=layers)
+    elif family == "hydra":  # Hydra++: --steps heads of --layers blocks, the prefix-attention layer
+        draft = HydraDraft(steps, layers, view, prefix_layer=True)
+    else:  # a block draft of --layers layers, blocks of --steps + 1 slots, 5 of the 2 x 8 valid anchors sampled
+        draft = DRAFT_MODELS[family](view, aux_layers=[0, 1], num_layers=layers, block_size=steps + 1, num_anchors=5)
+    draft = draft.float()
     with torch.no_grad():  # a trained-looking draft: o_proj / down_proj start at zero, which would hide attention
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    draft.train()
+    return draft.train()
 
+
+def _compare(family: str, draft, view, base, sp, steps: int) -> dict:
+    """The whole sequence's loss and gradients against the group's, for both loss paths and both sources of h."""
+    aux_layers = list(getattr(draft, "aux_layers", None) or [])
     g = torch.Generator().manual_seed(1)
     lengths, width, pad_id = [13, 9], 13, 0
     ids = torch.full((2, width), pad_id, dtype=torch.long)
@@ -77,10 +74,11 @@ def main() -> None:
         mask[b, 2:n] = 1  # the first tokens play the prompt
     hidden, aux = draft_inputs(base, ids, attn, aux_layers)
 
-    result = {"world_size": info.world_size}
-    halo = args.steps + 1
+    result = {}
+    halo = steps + 1
     for chunked in (True, False):
-        cfg = _loss_cfg(chunked)
+        cfg = _loss_cfg(chunked, family)
+        torch.manual_seed(7)  # the blocks a block draft samples: alike on every rank and in every pass
         ref = draft.loss(DraftBatch(hidden, ids, mask, aux), view, cfg)
         ref.loss.backward()
         ref_grads = _grads(draft)
@@ -90,6 +88,7 @@ def main() -> None:
             else:
                 part = sp.split(ids, attn, mask, pad_id, halo, base=base, aux_layers=aux_layers,
                                 dtype=torch.float32)
+            torch.manual_seed(7)
             out = draft.loss(DraftBatch(part.hidden, part.input_ids, part.loss_mask, part.aux, part.shard), view,
                              cfg)
             out.loss.backward()
@@ -105,6 +104,24 @@ def main() -> None:
             result[key] = {"loss": float(loss), "ref_loss": float(ref.loss.detach()), "max_grad_diff": diff,
                            "max_grad": max(float(t.abs().max()) for t in ref_grads.values()),
                            "counts": counts, "ref_counts": [s.count for s in ref.per_depth]}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--families", default="eagle3,hydra,dflash,dspark,domino")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    info = init_distributed()
+    sp = SequenceParallel(info.world_size, info.rank, info.world_size)
+    base = diverse_tiny_llama(seed=0).float().eval()
+    view = BaseView.from_model(base)
+    result = {"world_size": info.world_size}
+    for family in args.families.split(","):
+        result[family] = _compare(family, _draft(family, view, args.steps, args.layers), view, base, sp, args.steps)
     if info.is_main:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
