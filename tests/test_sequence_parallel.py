@@ -69,19 +69,21 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("recipe, cache, ranks", [("configs/eagle3.yaml", "", 2), ("configs/hydra_pp.yaml", "auto", 2),
-                                                  ("configs/dflash.yaml", "", 2), ("configs/eagle3.yaml", "", 4)])
-def test_a_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, recipe, cache, ranks):
+@pytest.mark.parametrize("recipe, cache, ranks, extra", [
+    ("configs/eagle3.yaml", "", 2, []), ("configs/hydra_pp.yaml", "auto", 2, []),
+    # 8 of a conversation's ~50 anchors: the blocks are sampled, and both ranks of the group must draw the same
+    ("configs/dflash.yaml", "", 2, ["draft.dflash.num_anchors=8"]), ("configs/eagle3.yaml", "", 4, [])])
+def test_a_sequence_parallel_run_logs_what_one_rank_logs(tmp_path, recipe, cache, ranks, extra):
     """The loop end to end, EAGLE-3 online (the base's forward sharded) and Hydra++ from the hidden-state cache, on
     one group of 2 ranks, and EAGLE-3 on 4 ranks (2 groups of 2, each reading other conversations): DeepSpeed's batch
     and gradient averaging per data-parallel group, the loss's shares, the per-depth counts summed over the ranks, the
-    held-out table rank 0 writes."""
+    held-out table rank 0 writes; DFlash with sampled blocks (the group seeded alike)."""
     from train.loop import train
 
     config = [recipe, SMOKE_RECIPE[1]]
     overrides = ["train.max_steps=3", "train.log_every=1", "train.val_batches=1", "train.global_batch_size=4",
                  "train.micro_batch_size=2", "train.num_threads=1", "train.precision=fp32", "base.dtype=fp32",
-                 f"data.hidden_cache={cache}", f"data.cache_dir={tmp_path / 'cache'}", "draft.dropout=0.0"]
+                 f"data.hidden_cache={cache}", f"data.cache_dir={tmp_path / 'cache'}", "draft.dropout=0.0", *extra]
     one = tmp_path / "one"
     train(load_train_config(config, [f"run_dir={one}", *overrides]))
     two = tmp_path / "two"
