@@ -138,3 +138,31 @@ def test_the_group_size_must_divide_the_ranks():
         SequenceParallel(2, 0, 3)
     with pytest.raises(ValueError, match="must divide the number of ranks"):
         SequenceParallel(2, 0, 1)
+
+
+@pytest.mark.distributed
+def test_a_killed_sequence_parallel_run_resumes_where_it_stopped(tmp_path):
+    """Killed (SIGKILL, no chance to save) after step 2 of 3, with a checkpoint every step, then resume=auto: step 3
+    logs what an uninterrupted 1-rank run logs (DeepSpeed's checkpoint of a run with the sequence-parallel mpu)."""
+    from train.loop import train
+
+    overrides = ["train.max_steps=3", "train.log_every=1", "train.val_batches=1", "train.global_batch_size=4",
+                 "train.micro_batch_size=2", "train.num_threads=1", "train.precision=fp32", "base.dtype=fp32",
+                 "train.save_every=1", "resume=auto"]
+    one = tmp_path / "one"
+    train(load_train_config(EAGLE3, [f"run_dir={one}", *overrides]))
+    two = tmp_path / "two"
+    command = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), "launch/train_draft.py",
+               "--config", EAGLE3[0], "--config", EAGLE3[1], f"run_dir={two}", *overrides, "train.sequence_parallel=2"]
+    killed = subprocess.run(command, env=child_env({"SPECDRAFT_TEST_KILL_AT_STEP": "2"}), capture_output=True,
+                            text=True, timeout=900)
+    assert killed.returncode != 0 and (two / "checkpoints" / "step00000002").is_dir()
+    assert not (two / "export").exists()
+    command[4] = str(free_port())
+    resumed = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    last1, last2 = _metrics(one)[-1], _metrics(two)[-1]
+    assert last2["step"] == last1["step"] == 3
+    assert last2["loss"] == pytest.approx(last1["loss"], rel=1e-6)
+    assert last2["grad_norm"] == pytest.approx(last1["grad_norm"], rel=1e-5)
