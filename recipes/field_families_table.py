@@ -294,8 +294,9 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE) -> str:
                      f"{(t.get('trainable_params') or 0) / 1e6:.2f}M | {t.get('lr')} | {t.get('train_minutes')} | "
                      f"{t.get('cpu_minutes')} | {tps.get('median', '-')} | {t['machine']['kind']} | {top1} |")
     lines += ["", "CPU-min: user + system time of the training process (all restarts summed, model loading "
-              "included), one thread; train min: the training loop's own clock. Both depend on what else ran on "
-              "the machine (the load averages at each start and end are in each `train.json`).", ""]
+              "included), one thread: what the family's tokens cost. Train min: the training loop's wall clock, "
+              "which also counts the time the process waited for the CPU or was stopped (other jobs on a shared "
+              "machine; the load averages at each start and end are in each `train.json`).", ""]
     all_sets: list[str] = []
     for r in runs.values():
         for e in r["fields"].values():
