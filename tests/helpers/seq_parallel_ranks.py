@@ -27,7 +27,7 @@ from models.draft import BaseView, DraftBatch
 from models.eagle3 import Eagle3Draft
 from models.hydra import HydraDraft
 from models.registry import DRAFT_MODELS
-from models.tiny import diverse_tiny_llama
+from models.tiny import diverse_tiny_llama, tiny_llama
 from train.distributed import init_distributed
 from train.sequence_parallel import SequenceParallel
 
@@ -43,6 +43,19 @@ def _grads(draft) -> dict[str, torch.Tensor]:
     out = {name: p.grad.detach().clone() for name, p in draft.named_parameters() if p.grad is not None}
     draft.zero_grad(set_to_none=True)
     return out
+
+
+def _tiny_base(heads: int, kv_heads: int):
+    """The tiny test base (diverse_tiny_llama's weights), with other head counts when asked (16 dims a head)."""
+    if (heads, kv_heads) == (4, 2):
+        return diverse_tiny_llama(seed=0).float().eval()
+    base = tiny_llama(0, hidden_size=16 * heads, num_heads=heads, num_kv_heads=kv_heads)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return base.float().eval()
 
 
 def _draft(family: str, view: BaseView, steps: int, layers: int):
@@ -113,11 +126,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--families", default="eagle3,hydra,dflash,dspark,domino")
+    parser.add_argument("--heads", default="4,2", help="the tiny base's attention heads and KV heads")
     args = parser.parse_args()
     torch.set_num_threads(1)
     info = init_distributed()
     sp = SequenceParallel(info.world_size, info.rank, info.world_size)
-    base = diverse_tiny_llama(seed=0).float().eval()
+    heads, kv_heads = (int(x) for x in args.heads.split(","))
+    base = _tiny_base(heads, kv_heads)
     view = BaseView.from_model(base)
     result = {"world_size": info.world_size}
     for family in args.families.split(","):
