@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from data.targets import IGNORE_INDEX, offset_labels
 from losses.ctc import fused_linear_ctc, linear_ctc_reference
@@ -135,6 +136,7 @@ class CTCDraft(DraftVocabMixin, DraftModel):
                         summary="an attention module, M frames over V+1 classes, CTC loss on the base's own greedy "
                         "labels, collapsed candidate trees",
                         also_files=("models/prefix_attention.py",))
+    sequence_parallel = True  # train.sequence_parallel: the attention module over the Ulysses all-to-all
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
@@ -225,10 +227,16 @@ class CTCDraft(DraftVocabMixin, DraftModel):
         ([n, M, d]); the [n, M, V+1] logits exist one chunk of loss_cfg.chunk_size rows at a time
         (fused path) or all at once (loss.chunked=false, the reference: tiny runs only).
         """
-        labels = distilled_labels(batch.hidden, base.lm_head_weight, batch.input_ids, batch.loss_mask,
-                                  self.num_heads, loss_cfg.chunk_size)  # [B, T, N] base ids (full-vocab greedy)
+        shard = batch.shard
+        if shard is not None:  # sequence parallelism: this rank's starts (hidden: rows [start, stop + halo))
+            labels, z = self._shard_labels_and_context(batch, base, loss_cfg)
+        else:
+            labels = distilled_labels(batch.hidden, base.lm_head_weight, batch.input_ids, batch.loss_mask,
+                                      self.num_heads, loss_cfg.chunk_size)  # [B, T, N] base ids (full-vocab greedy)
+            z = None
         valid = labels[:, :, 0] != IGNORE_INDEX  # [B, T]
-        z = self.attn(batch.hidden)  # [B, T, d]: attention over the whole context, user turns included
+        if z is None:
+            z = self.attn(batch.hidden)  # [B, T, d]: attention over the whole context, user turns included
         starts = labels[valid]  # [n, N] base ids
         max_lengths, oov = None, [0] * self.num_heads
         if self.t2d is not None:
@@ -245,12 +253,33 @@ class CTCDraft(DraftVocabMixin, DraftModel):
                               max_lengths=max_lengths)
         count = int(stats.count)
         # No valid start (all-user micro-batch): 0 * loss keeps every parameter in the graph for DeepSpeed.
-        total = loss_sum / count if count else 0.0 * loss_sum
+        if shard is not None:  # the mean over the whole sequence's starts
+            group = int(shard.total(torch.as_tensor(stats.count).reshape(1)).item())
+            total = loss_sum / group if group else 0.0 * loss_sum
+        else:
+            total = loss_sum / count if count else 0.0 * loss_sum
         token_ce, top1, topk = stats.token_ce.tolist(), stats.top1.tolist(), stats.topk.tolist()
         dropped = oov[0]  # starts without any in-map label: misses at every depth
         per_depth = [DepthStats(token_ce[j], count + dropped, int(top1[j]), int(topk[j]), oov[j])
                      for j in range(self.num_heads)]
         return DraftLossOutput(total, per_depth)
+
+    def _shard_labels_and_context(self, batch: DraftBatch, base: BaseView, loss_cfg
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence parallelism: (labels [B, n, N], z [B, n, d]) of this rank's starts. A start's labels and validity
+        read h, ids and the mask up to N + 1 positions past it: the shard's halo rows (its ids and mask from the whole
+        ones, padded); z from the attention module on this rank's rows against every earlier row."""
+        shard = batch.shard
+        n = shard.stop - shard.start
+        if shard.halo < self.num_heads + 1:
+            raise ValueError(f"CTC's labels of a start read N + 1 = {self.num_heads + 1} positions past it: the "
+                             f"shard needs that halo, got {shard.halo}")
+        end = shard.stop + shard.halo
+        ids, mask = (F.pad(t, (0, max(0, end - t.shape[1])))[:, shard.start:end]
+                     for t in (batch.input_ids, batch.loss_mask))
+        labels = distilled_labels(batch.hidden, base.lm_head_weight, ids, mask, self.num_heads,
+                                  loss_cfg.chunk_size)[:, :n]
+        return labels, self.attn(batch.hidden[:, :n], shard)
 
     def _map_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Base-id labels [n, N] -> (draft-id labels [n, N] (0 past the cut, never read), max_lengths [n] =

@@ -1,6 +1,7 @@
 """Sequence parallelism (train.sequence_parallel, train/sequence_parallel.py: DeepSpeed's Ulysses all-to-all) on 2 CPU
 ranks (gloo) with the tiny base in fp32: the group's gradients equal one rank's on the whole sequence, for EAGLE-3's
-training-time test, Hydra++'s prefix attention and the block drafts' context keys (DFlash, DSpark, Domino), with the
+training-time test, Hydra++'s prefix attention, the CTC drafter's attention module and the block drafts' context keys
+(DFlash, DSpark, Domino), with the
 hidden states given whole (the cache's path) and with the base's forward itself run sequence-parallel; sequence-
 parallel training runs log the losses and gradient norms of 1-rank runs; the config rules."""
 
@@ -34,7 +35,7 @@ def _run_ranks(out: Path, args: list[str], world: int = 2) -> dict:
     return json.loads(out.read_text())
 
 
-FAMILIES = ["eagle3", "hydra", "dflash", "dspark", "domino"]
+FAMILIES = ["eagle3", "hydra", "ctc", "dflash", "dspark", "domino"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,8 @@ def parity(tmp_path_factory) -> dict:
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_over_two_ranks_equal_one_ranks(parity, family):
-    """EAGLE-3 with two decoder layers and 3 TTT steps; Hydra++ with 3 heads of 2 blocks and its prefix layer;
+    """EAGLE-3 with two decoder layers and 3 TTT steps; Hydra++ with 3 heads of 2 blocks and its prefix layer; CTC with
+    3 labels over 5 frames and its attention module;
     DFlash / DSpark / Domino with 2 layers, blocks of 4 slots, 5 sampled blocks a conversation (spread over both
     ranks' rows). Two conversations of 13 and 9 tokens (13 is not a multiple of 2: the sequence is padded), the fused
     chunked loss and the reference twin (EAGLE-3 and the block drafts: dense-mask attention)."""
@@ -65,10 +67,14 @@ def test_gradients_over_two_ranks_equal_one_ranks(parity, family):
 
 @pytest.fixture(scope="module")
 def parity_smollm2_heads(tmp_path_factory) -> dict:
-    """Every family on 3 ranks with SmolLM2-135M's head counts (9 heads, 3 KV heads: 2 does not divide them, 3 does)."""
+    """Every family on 3 ranks with SmolLM2-135M's head counts (9 heads, 3 KV heads: 2 does not divide them, 3 does),
+    in fp64: this random base's activations are large (losses near 100, gradients up to 17), and fp32 rounding alone
+    moved CTC's gradients by up to 2.5e-5 of their size. In fp64 Hydra++ and CTC agree to 1e-15; EAGLE-3's and the
+    block drafts' attention compute their scores in fp32 whatever the dtype (models/eagle3_ttt.py,
+    models/components.py: block_attention), which leaves them at 1.5e-7."""
     out = tmp_path_factory.mktemp("sp3") / "sp.json"
-    return _run_ranks(out, ["--families", ",".join(FAMILIES), "--steps", "3", "--layers", "2", "--heads", "9,3"],
-                      world=3)
+    return _run_ranks(out, ["--families", ",".join(FAMILIES), "--steps", "3", "--layers", "2", "--heads", "9,3",
+                            "--dtype", "float64"], world=3)
 
 
 @pytest.mark.distributed
@@ -80,11 +86,9 @@ def test_gradients_over_three_ranks_with_smollm2s_heads_equal_one_ranks(parity_s
     for key in ("cached_chunked", "online_chunked", "cached_reference", "online_reference"):
         got = r[family][key]
         assert got["counts"] == got["ref_counts"] and min(got["counts"]) > 0, (key, got)
-        assert got["loss"] == pytest.approx(got["ref_loss"], rel=5e-6), (key, got)
-        # wider than the 2-rank check: Hydra++'s gradients reach 6 here and differ by up to 4e-5 (6e-6 of them);
-        # the other families by 5e-7
+        assert got["loss"] == pytest.approx(got["ref_loss"], rel=1e-6), (key, got)
         assert got["max_grad"] > 1e-2, (key, got)
-        assert got["max_grad_diff"] <= 2e-5 * got["max_grad"], (key, got)
+        assert got["max_grad_diff"] <= 1e-6 * got["max_grad"], (key, got)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

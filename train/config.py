@@ -165,7 +165,7 @@ class TrainSection:
     # Sequence parallelism (DeepSpeed Ulysses): each conversation is split over this many ranks, which share it; the
     # base's forward (online training) and the draft's attention over the sequence run sharded, each rank's loss over
     # its rows. Must divide the number of ranks; only families whose loss takes a sequence shard (EAGLE-3, Hydra /
-    # Hydra++, DFlash, DSpark, Domino; others fail at load); 1 = off
+    # Hydra++, CTC, DFlash, DSpark, Domino; others fail at load); 1 = off
     # (docs/howto/train.md#long-sequences-sequence-parallelism)
     sequence_parallel: int = 1
 

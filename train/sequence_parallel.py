@@ -11,7 +11,8 @@ the sequence right-padded to N·n tokens (padding has no loss and, being last, i
 - the draft's attention over the sequence: the draft computes q / k / v of its rows and calls `SequenceShard.attend`,
   which runs its own attention function on the whole sequence and a slice of the heads inside
   `deepspeed.sequence.layer.DistributedAttention` (the all-to-all and its backward are DeepSpeed's): EAGLE-3's
-  training-time test, Hydra++'s prefix layer, the block drafts' (DFlash, DSpark, Domino) blocks against the context;
+  training-time test, Hydra++'s prefix layer, the CTC drafter's attention module, the block drafts' (DFlash, DSpark,
+  Domino) blocks against the context;
 - the loss: each rank scores only its rows (the fused chunked CE: no [T, V] logits anywhere) and divides by the
   group's target counts (`SequenceShard.total`), so the group's gradients add up to the whole sequence's.
 

@@ -1,15 +1,16 @@
 """One rank of the sequence-parallelism parity check (tests/test_sequence_parallel.py starts N of them, gloo).
 
-Every rank builds the same tiny base and drafts (EAGLE-3, Hydra++ with its prefix-attention layer, DFlash, DSpark,
-Domino; fp32, one thread) and the same batch (two conversations of different lengths, right-padded, a length N does
-not divide). For each draft it computes the whole sequence's loss and gradients on its own, as one rank would, then
-the sequence-parallel loss of its rows through train/sequence_parallel.py, twice: with hidden states given whole
-(the hidden-state cache's path: each rank slices its rows) and with the base's forward itself run sequence-parallel
-(online training). The group's gradients are summed (what DeepSpeed's gradient all-reduce adds up within a group)
-and compared with the whole sequence's. Rank 0 writes the numbers.
+Every rank builds the same tiny base and drafts (EAGLE-3, Hydra++ with its prefix-attention layer, the CTC drafter
+with its attention module, DFlash, DSpark, Domino; fp32 or fp64, one thread) and the same batch (two conversations of
+different lengths, right-padded, a length N does not divide). For each draft it computes the whole sequence's loss
+and gradients on its own, as one rank would, then the sequence-parallel loss of its rows through
+train/sequence_parallel.py, twice: with hidden states given whole (the hidden-state cache's path: each rank slices
+its rows) and with the base's forward itself run sequence-parallel (online training). The group's gradients are
+summed (what DeepSpeed's gradient all-reduce adds up within a group) and compared with the whole sequence's. Rank 0
+writes the numbers.
 
     python tests/helpers/seq_parallel_ranks.py OUT.json [--families eagle3,hydra,...] [--steps 3] [--layers 1]
-    (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set)
+        [--heads 4,2] [--dtype float32|float64]     (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set)
 """
 
 from __future__ import annotations
@@ -45,35 +46,37 @@ def _grads(draft) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tiny_base(heads: int, kv_heads: int):
+def _tiny_base(heads: int, kv_heads: int, dtype: torch.dtype):
     """The tiny test base (diverse_tiny_llama's weights), with other head counts when asked (16 dims a head)."""
     if (heads, kv_heads) == (4, 2):
-        return diverse_tiny_llama(seed=0).float().eval()
+        return diverse_tiny_llama(seed=0).to(dtype).eval()
     base = tiny_llama(0, hidden_size=16 * heads, num_heads=heads, num_kv_heads=kv_heads)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in base.parameters():
             if p.ndim == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    return base.float().eval()
+    return base.to(dtype).eval()
 
 
-def _draft(family: str, view: BaseView, steps: int, layers: int):
+def _draft(family: str, view: BaseView, steps: int, layers: int, dtype: torch.dtype):
     torch.manual_seed(0)
     if family == "eagle3":  # --steps TTT steps, --layers decoder layers
         draft = Eagle3Draft(view, aux_layers=[0, 1], ttt_steps=steps, num_layers=layers)
     elif family == "hydra":  # Hydra++: --steps heads of --layers blocks, the prefix-attention layer
         draft = HydraDraft(steps, layers, view, prefix_layer=True)
+    elif family == "ctc":  # --steps labels over --steps + 2 frames, --layers blocks, the attention module
+        draft = DRAFT_MODELS[family](steps + 2, steps, layers, view)
     else:  # a block draft of --layers layers, blocks of --steps + 1 slots, 5 of the 2 x 8 valid anchors sampled
         draft = DRAFT_MODELS[family](view, aux_layers=[0, 1], num_layers=layers, block_size=steps + 1, num_anchors=5)
-    draft = draft.float()
+    draft = draft.to(dtype)
     with torch.no_grad():  # a trained-looking draft: o_proj / down_proj start at zero, which would hide attention
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return draft.train()
 
 
-def _compare(family: str, draft, view, base, sp, steps: int) -> dict:
+def _compare(family: str, draft, view, base, sp, steps: int, dtype: torch.dtype) -> dict:
     """The whole sequence's loss and gradients against the group's, for both loss paths and both sources of h."""
     aux_layers = list(getattr(draft, "aux_layers", None) or [])
     g = torch.Generator().manual_seed(1)
@@ -100,13 +103,14 @@ def _compare(family: str, draft, view, base, sp, steps: int) -> dict:
                 part = sp.split(ids, attn, mask, pad_id, halo, hidden=hidden, aux=aux)
             else:
                 part = sp.split(ids, attn, mask, pad_id, halo, base=base, aux_layers=aux_layers,
-                                dtype=torch.float32)
+                                dtype=dtype)
             torch.manual_seed(7)
             out = draft.loss(DraftBatch(part.hidden, part.input_ids, part.loss_mask, part.aux, part.shard), view,
                              cfg)
             out.loss.backward()
             grads = _grads(draft)
-            loss = sp.total(out.loss)  # the group's shares add up to the whole sequence's loss
+            # the group's shares add up to the whole sequence's loss (a share may be fp32 zeros in an fp64 run)
+            loss = sp.total(out.loss.detach().double())
             diff = 0.0
             for name, want in ref_grads.items():
                 got = grads[name].clone()
@@ -125,18 +129,21 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--families", default="eagle3,hydra,dflash,dspark,domino")
+    parser.add_argument("--families", default="eagle3,hydra,ctc,dflash,dspark,domino")
     parser.add_argument("--heads", default="4,2", help="the tiny base's attention heads and KV heads")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     args = parser.parse_args()
     torch.set_num_threads(1)
     info = init_distributed()
     sp = SequenceParallel(info.world_size, info.rank, info.world_size)
     heads, kv_heads = (int(x) for x in args.heads.split(","))
-    base = _tiny_base(heads, kv_heads)
+    dtype = getattr(torch, args.dtype)
+    base = _tiny_base(heads, kv_heads, dtype)
     view = BaseView.from_model(base)
     result = {"world_size": info.world_size}
     for family in args.families.split(","):
-        result[family] = _compare(family, _draft(family, view, args.steps, args.layers), view, base, sp, args.steps)
+        draft = _draft(family, view, args.steps, args.layers, dtype)
+        result[family] = _compare(family, draft, view, base, sp, args.steps, dtype)
     if info.is_main:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
