@@ -96,6 +96,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
+@pytest.mark.slow  # whole training runs on 2-4 ranks (~2 min together); the parity tests above stay default
 @pytest.mark.distributed
 @pytest.mark.parametrize("recipe, cache, ranks, extra", [
     ("configs/eagle3.yaml", "", 2, []), ("configs/hydra_pp.yaml", "auto", 2, []),
@@ -168,6 +169,7 @@ def test_the_group_size_must_divide_the_ranks():
         SequenceParallel(2, 0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_killed_sequence_parallel_run_resumes_where_it_stopped(tmp_path):
     """Killed (SIGKILL, no chance to save) after step 2 of 3, with a checkpoint every step, then resume=auto: step 3
