@@ -15,7 +15,7 @@ space := $(empty) $(empty)
 IMAGE_EXCLUDE := $(subst $(space),|,$(subst -,[-_],transformers huggingface-hub pip wandb ruff \
 	$(foreach p,$(DATA_PACKAGES),$(firstword $(subst ==, ,$(p))))))
 
-.PHONY: setup demo test test-slow test-all lint docs bench clean-runs gpu-bundle gpu-data gpu-dry gpu-dry-stages gpu-image-venv vllm test-vllm llamacpp test-llamacpp
+.PHONY: setup demo test test-slow test-all lint docs results bench clean-runs gpu-bundle gpu-data gpu-dry gpu-dry-stages gpu-image-venv vllm test-vllm llamacpp test-llamacpp
 
 setup: $(STAMP)
 
@@ -45,9 +45,14 @@ lint: setup
 
 # The generated config reference and families tables (tests/test_config_reference.py and tests/test_docs_families.py
 # fail when they lag behind the typed configs and the families' declarations).
-docs: setup
+docs: setup results
 	$(VENV)/bin/specdraft config-reference --out docs/reference/config.md
 	$(VENV)/bin/specdraft docs-families
+
+# docs/results.md, the page that says which draft to train, from the field reports and tune records kept in the
+# repository (tests/test_results_page.py fails when it lags behind them).
+results: setup
+	$(PY) recipes/results_page.py
 
 bench: setup
 	$(PY) bench/train_throughput.py

@@ -1,0 +1,42 @@
+"""docs/results.md is generated from the files kept in the repository (recipes/results_page.py, `make results`):
+the checked-in page must be what those files give now, so no figure on it is pasted or stale."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _page_module():
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "recipes" / "results_page.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_checked_in_results_page_is_what_the_kept_reports_give(monkeypatch):
+    mod = _page_module()
+    monkeypatch.chdir(ROOT)
+    text = mod.build_page(mod.ff.REPORTS, mod.DRAFTS, mod.ff.REFERENCE)
+    assert (ROOT / "docs" / "results.md").read_text() == text, "docs/results.md lags behind: run `make results`"
+
+
+def test_the_page_has_a_row_for_every_shipped_draft_and_every_kept_run(monkeypatch):
+    mod = _page_module()
+    monkeypatch.chdir(ROOT)
+    text = mod.build_page(mod.ff.REPORTS, mod.DRAFTS, mod.ff.REFERENCE)
+    for d in (ROOT / "drafts").iterdir():
+        if (d / "field").is_dir():
+            assert f"[`{d.name}`](../drafts/{d.name}/README.md)" in text
+    for name, run in mod.ff.load_runs(mod.ff.REPORTS).items():
+        assert re.search(rf"^\| {re.escape(mod.ff._label(run))} \|", text, re.M), name
+
+
+def test_the_readme_links_the_results_page_before_the_lab_notebook():
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/results.md" in readme
+    lab = readme.find("docs/lab/")
+    assert lab == -1 or readme.find("docs/results.md") < lab
