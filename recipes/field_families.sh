@@ -51,7 +51,8 @@
 #   FIELD=0 recipes/field_families.sh                          # train only
 #   .venv/bin/python recipes/field_families_table.py           # the table, from REPORTS only (no run needed)
 #
-# Resumable: the cache build skips finished shards; a trained family (runs/<run>/export) is skipped and an
+# Resumable: a family whose kept reports (REPORTS) already cover every stored answer in every shape is skipped, so a
+# fresh clone retrains only what the repository lacks; the cache build skips finished shards; a trained family (runs/<run>/export) is skipped and an
 # unfinished one continues from its last checkpoint (resume=auto, save_every 40 steps); a judged shape is skipped and a
 # half-judged one keeps its rows. Memory: the cache (~11 GB at N = 10,778, LENGTH = 256) is memory-mapped and shared by
 # the two runs reading it.
@@ -243,7 +244,20 @@ judge_ngram() {  # the learning-free N-gram baseline: no training, the field ben
   done
 }
 
+kept_complete() {  # kept_complete <fam>: every shape's report kept in REPORTS covers every stored answer (or was
+  # timed and left unjudged): nothing to train or judge again, on this machine or a fresh one
+  local fam=$1 line shape d run="$PREFIX-$1"
+  [ "$fam" = ngram ] && run="$PREFIX-ngram"
+  while read -r line; do
+    shape=${line%% *} d="$REPORTS/$run/field-$shape"
+    [ -n "$shape" ] || continue
+    { $TABLE done --report "$d" --refs "$REFS" || { [ -f "$d/probe.json" ] && [ ! -f "$d/field.json" ]; }; } || return 1
+  done < <(if [ "$fam" = ngram ]; then printf '%s\n' lookup4 mixed10x10; else shapes "$fam"; fi)
+  [ "$fam" != ctc ] || [ -f "$REPORTS/$run/ctc_diagnostics.json" ]
+}
+
 one() {  # one family in one slot: train, judge, then the table as it stands
+  if [ "$FIELD" = 1 ] && kept_complete "$1"; then echo "skip $1: its kept reports ($REPORTS) are complete"; return 0; fi
   if [ "$1" = ngram ]; then judge_ngram; else train_family "$1" && judge_family "$1"; fi
   [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT" > /dev/null
 }
@@ -258,7 +272,7 @@ for fam in $FAMILIES; do
   if [ "$running" -ge "$JOBS" ]; then wait -n; running=$((running - 1)); fi
 done
 wait
-for fam in $FAMILIES; do [ "$fam" = ngram ] || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
+for fam in $FAMILIES; do [ "$fam" = ngram ] || kept_complete "$fam" || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
 [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT"
 echo "=== field_families done $(stamp)"
 exit 0
