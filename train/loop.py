@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from core.atomic import write_text_atomic
 from core.config_loader import ConfigError, to_dict, to_yaml
+from core.malloc import keep_freed_memory
 from core.paths import default_cache_dir
 from data.dataset import build_datasets, collate
 from data.draft_vocab import build_draft_vocab, vocab_report
@@ -370,6 +371,8 @@ def _steps_for(t, epoch_tokens: int, rows: int, steps_per_epoch: int) -> int:
 def threads_and_precision(cfg, info: DistInfo) -> tuple[str, str]:
     """Set this rank's torch threads and return (training precision, base dtype); shared by training and the
     cache build (train/cache_build.py)."""
+    if info.device.type == "cpu":
+        keep_freed_memory()  # LM-head-sized temporaries reuse their pages every step (core/malloc.py)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     elif info.device.type == "cpu" and info.world_size > 1:
