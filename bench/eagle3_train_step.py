@@ -3,6 +3,7 @@ fraction of the CPU's measured matmul peak it reaches, by threads, dtype and tor
 
     python bench/eagle3_train_step.py --out runs/bench-eagle3-train/bench.json
     python bench/eagle3_train_step.py --threads 1 --arms fp32,bf16 --steps 6
+    python bench/eagle3_train_step.py --threads 1 --arms fp32,bf16 --steps 6 --untuned   # before the CPU tuning
 
 A step = the draft's loss forward (fc over the three aux layers, TTT x3 through its one decoder layer, the chunked
 LM head over the 16k draft vocabulary with soft targets from the base's LM head rows) + backward + AdamW, on a
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from bench.harness import Results, time_fn  # noqa: E402
 
+FUSED_ADAMW = True  # what training steps with (train/optimizer.py); --untuned: the for-each kernels
 ARMS = ("fp32", "bf16", "fp32-autocast", "fp32+compile", "bf16+compile", "bf16+compile-dyn")
 
 
@@ -61,6 +63,7 @@ def make_step(arm: str, base, batch: int, seq: int, ttt: int, extra: tuple[str, 
     from models.draft import BaseView, DraftBatch
     from models.registry import DRAFT_MODELS
     from train.config import load_train_config
+    from train.optimizer import fusable
 
     compute = torch.bfloat16 if arm.startswith("bf16") else torch.float32
     cfg = load_train_config(["configs/eagle3.yaml"], ["draft.share_lm_head=false", "draft.vocab_size=16384",
@@ -75,9 +78,9 @@ def make_step(arm: str, base, batch: int, seq: int, ttt: int, extra: tuple[str, 
     if compute == torch.bfloat16:  # DeepSpeed bf16: bf16 module, fp32 master weights stepped by the optimizer
         fp32_master = [p.detach().float().clone().requires_grad_() for p in master]
         draft.to(torch.bfloat16)
-        opt = torch.optim.AdamW(fp32_master, lr=1e-4)
+        opt = torch.optim.AdamW(fp32_master, lr=1e-4, fused=FUSED_ADAMW and fusable(fp32_master))
     else:
-        opt = torch.optim.AdamW(master, lr=1e-4)
+        opt = torch.optim.AdamW(master, lr=1e-4, fused=FUSED_ADAMW and fusable(master))
     d = view.hidden_size
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, view.vocab_size, (batch, seq), generator=g)
@@ -134,10 +137,18 @@ def main() -> None:
                     "by side (bf16, the first --threads count); repeatable")
     ap.add_argument("--profile", default=None, metavar="ARM", help="print the operator table of 3 steps of ARM "
                     "at the first --threads count, then exit")
+    ap.add_argument("--untuned", action="store_true", help="step as training did before its CPU tuning: for-each "
+                    "AdamW and glibc's default malloc (run it beside a plain run for the side-by-side ratio)")
     args = ap.parse_args()
     import torch
 
     from core.load import LoadWatch
+    from core.malloc import keep_freed_memory
+
+    global FUSED_ADAMW
+    FUSED_ADAMW = not args.untuned
+    if not args.untuned:
+        keep_freed_memory()  # as training does on a CPU (train/loop.py: threads_and_precision)
     from models.base import load_base
 
     arms = [a for a in args.arms.split(",") if a]
@@ -146,7 +157,7 @@ def main() -> None:
         sys.exit(f"--arms: unknown {', '.join(bad)}; use {', '.join(ARMS)}")
     base = load_base("smollm2", dtype=torch.float32)
     results = Results(args.out, {"torch": torch.__version__, "cpu": _cpu_name(), "batch": args.batch,
-                                 "seq": args.seq, "ttt": args.ttt, "rows": {}})
+                                 "seq": args.seq, "ttt": args.ttt, "untuned": args.untuned, "rows": {}})
     tokens = args.batch * args.seq
     if args.variant:
         return compare_variants(args.variant, base, args, int(args.threads.split(",")[0]), results)
