@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(a.threads)
+    from core.paths import repo_relative
     from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.ctc import PAD, ctc_collapse
     from eval.harness.field import ensure_cache, first_per_set, load_cached
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
            "depth_accuracy": (right / max(n_pos, 1)).tolist(),
            "depth_accuracy_given_long_enough": (right / long_enough.clamp(min=1)).tolist(),
            "frame_top_real_accuracy": (frame_right / max(n_pos, 1)).tolist(),
-           "command": "python recipes/ctc_diagnostics.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+           "command": "python recipes/ctc_diagnostics.py " + " ".join(
+               repo_relative(x) for x in (argv if argv is not None else sys.argv[1:]))}
     text = json.dumps(out, indent=1)
     print(text)
     if a.out:
