@@ -316,30 +316,52 @@ class HiddenCache:
             self._handles[index] = (f, f.get_tensor("offsets").tolist())
         return self._handles[index]
 
-    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
+    def _bounds(self, row: int) -> tuple:
         if not 0 <= row < len(self):
             raise IndexError(f"row {row} out of range for a hidden cache of {len(self)} rows")
         f, offsets = self._shard(row // self.shard_rows)
         r = row % self.shard_rows
-        lo, hi = offsets[r], offsets[r + 1]
-        row = {"hidden": f.get_slice("hidden")[lo:hi], "input_ids": f.get_slice("input_ids")[lo:hi],
+        return f, offsets[r], offsets[r + 1]
+
+    def length(self, row: int) -> int:
+        """The row's token count (from its shard's offsets: nothing of the row is read)."""
+        _, lo, hi = self._bounds(row)
+        return hi - lo
+
+    def __getitem__(self, row: int) -> dict[str, torch.Tensor]:
+        return self.window(row)
+
+    def window(self, row: int, start: int = 0, stop: int | None = None, aux_stop: int | None = None
+               ) -> dict[str, torch.Tensor]:
+        """The row with only its positions [start, stop) of hidden and [start, aux_stop) of aux read (each cut at
+        the row's end; None: to the end), input_ids and loss_mask whole. What one rank of a sequence-parallel group
+        reads (train/sequence_parallel.py: its rows plus the halo of h its loss reads past them), so no rank holds
+        a whole long row's states."""
+        f, lo, hi = self._bounds(row)
+        h_lo, h_hi = min(lo + start, hi), hi if stop is None else min(lo + stop, hi)
+        out = {"hidden": f.get_slice("hidden")[h_lo:h_hi], "input_ids": f.get_slice("input_ids")[lo:hi],
                "loss_mask": f.get_slice("loss_mask")[lo:hi]}
         if self.read_aux and self.manifest.get("aux_layers"):
-            row["aux"] = f.get_slice("aux")[lo:hi]
-        return row
+            a_hi = hi if aux_stop is None else min(lo + aux_stop, hi)
+            out["aux"] = f.get_slice("aux")[h_lo:max(h_lo, a_hi)]
+        return out
 
 
-def collate_cached(rows: list[dict[str, torch.Tensor]], pad_id: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Right-pad cached rows like data.dataset.collate, plus hidden [B, T, d] in `dtype` (zeros on padding)."""
+def collate_cached(rows: list[dict[str, torch.Tensor]], pad_id: int, dtype: torch.dtype,
+                   widths: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad cached rows like data.dataset.collate, plus hidden [B, T, d] in `dtype` (zeros on padding).
+    widths=(h, a): the rows are windows (HiddenCache.window) of one sequence-parallel rank, hidden [B, h, d] and aux
+    [B, a, k*d], each window zero-padded to its width; input_ids / loss_mask stay whole [B, T]."""
     batch = collate([{"input_ids": r["input_ids"].tolist(), "loss_mask": r["loss_mask"].tolist()} for r in rows],
                     pad_id)
     b, t = batch["input_ids"].shape
-    hidden = torch.zeros(b, t, rows[0]["hidden"].shape[-1], dtype=dtype)
+    h_width, a_width = widths if widths is not None else (t, t)
+    hidden = torch.zeros(b, h_width, rows[0]["hidden"].shape[-1], dtype=dtype)
     for i, r in enumerate(rows):
         hidden[i, : r["hidden"].shape[0]] = r["hidden"].to(dtype)
     batch["hidden"] = hidden
     if "aux" in rows[0]:  # EAGLE-3's aux layers [B, T, k*d], zeros on padding like hidden
-        aux = torch.zeros(b, t, rows[0]["aux"].shape[-1], dtype=dtype)
+        aux = torch.zeros(b, a_width, rows[0]["aux"].shape[-1], dtype=dtype)
         for i, r in enumerate(rows):
             aux[i, : r["aux"].shape[0]] = r["aux"].to(dtype)
         batch["aux"] = aux

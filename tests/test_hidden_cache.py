@@ -209,3 +209,34 @@ def test_the_superset_lookup_refuses_other_rows_and_caches_without_aux(tiny_data
     assert find_superset_cache(root, ds, **{**look, "base_fingerprint": "other"}) is None
     cache = HiddenCache(root / "hidden" / "aux", read_aux=False)
     assert "aux" not in cache[0] and "aux" in HiddenCache(root / "hidden" / "aux")[0]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_sequence_parallel_rank_reads_only_its_window_and_gets_what_slicing_the_whole_row_gives(tiny_data,
+                                                                                                   tmp_path, size):
+    """HiddenCache.window + collate_cached(widths=...) (what a rank of a sequence-parallel group reads) against the
+    whole rows collated, padded and sliced the way SequenceParallel.split slices them (the reference twin)."""
+    import torch.nn.functional as F
+
+    from train.sequence_parallel import rank_window
+
+    base, ds = tiny_data
+    cache = HiddenCache(_build(base, ds, tmp_path / "c", aux_layers=[1, 0]))
+    rows, halo = [0, 3, 5], 4
+    whole = collate_cached([cache[i] for i in rows], 0, torch.float32)
+    length = whole["input_ids"].shape[1]
+    assert length == max(cache.length(i) for i in rows)
+    n = -(-length // size)
+    for rank in range(size):
+        start, h_stop, a_stop = rank_window(length, size, rank, halo)
+        got = collate_cached([cache.window(i, start, h_stop, a_stop) for i in rows], 0, torch.float32,
+                             widths=(h_stop - start, a_stop - start))
+        want_h = F.pad(whole["hidden"], (0, 0, 0, n * size + halo - length))[:, start:h_stop]
+        want_a = F.pad(whole["aux"], (0, 0, 0, n * size - length))[:, start:a_stop]
+        torch.testing.assert_close(got["hidden"], want_h, rtol=0, atol=0)
+        torch.testing.assert_close(got["aux"], want_a, rtol=0, atol=0)
+        assert torch.equal(got["input_ids"], whole["input_ids"]) and torch.equal(got["loss_mask"],
+                                                                                 whole["loss_mask"])
+        read = sum(cache.window(i, start, h_stop, a_stop)["hidden"].shape[0] for i in rows)
+        assert read <= len(rows) * (n + halo) < sum(cache.length(i) for i in rows), \
+            "a rank read more than its window"

@@ -92,7 +92,7 @@ def _sequence_parallel_step(engine, sp: SequenceParallel, batch: dict, cached: b
     mask = batch["loss_mask"].to(device)
     if cached:
         aux = batch["aux"].to(device) if aux_layers else None
-        part = sp.split(ids, attn, mask, pad_id, halo, hidden=batch["hidden"].to(device), aux=aux)
+        part = sp.split(ids, attn, mask, pad_id, halo, hidden=batch["hidden"].to(device), aux=aux, windowed=True)
     else:
         part = sp.split(ids, attn, mask, pad_id, halo, base=base.model, aux_layers=aux_layers, dtype=compute_dtype)
     return engine(part.hidden, part.input_ids, part.loss_mask, part.aux, shard=part.shard)
@@ -252,7 +252,11 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
         while step < total_steps:
             torch.manual_seed(cfg.train.seed + 1_000_003 * step + seed_rank)  # dropout RNG depends on step only
             for rows in order.micro_batches(step):
-                if hidden_cache is not None:  # h read from disk: no base forward
+                if hidden_cache is not None and sp is not None:  # only this rank's window of each row is read
+                    start, h_stop, a_stop = sp.window(max(hidden_cache.length(i) for i in rows), halo)
+                    batch = collate_cached([hidden_cache.window(i, start, h_stop, a_stop) for i in rows], pad_id,
+                                           compute_dtype, widths=(h_stop - start, a_stop - start))
+                elif hidden_cache is not None:  # h read from disk: no base forward
                     batch = collate_cached([hidden_cache[i] for i in rows], pad_id, compute_dtype)
                 else:
                     batch = collate([train_ds[i] for i in rows], pad_id)

@@ -38,6 +38,20 @@ def _whole_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, local) ->
     return local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
+def rank_rows(length: int, size: int, rank: int) -> tuple[int, int, int]:
+    """(padded length N·n, start, stop) of rank `rank`'s rows of a sequence of `length` tokens over `size` ranks."""
+    n = -(-length // size)
+    return n * size, rank * n, (rank + 1) * n
+
+
+def rank_window(length: int, size: int, rank: int, halo: int) -> tuple[int, int, int]:
+    """What that rank reads of cached rows whose longest has `length` tokens: (start, stop of h = its rows and the
+    halo past them, stop of aux = its rows), for HiddenCache.window; collate_cached pads them to the widths
+    (stop_h - start, stop_aux - start)."""
+    _, start, stop = rank_rows(length, size, rank)
+    return start, stop + halo, stop
+
+
 @dataclass
 class ShardedBatch:
     """One micro-batch on one rank of a group: input_ids / attention_mask / loss_mask whole [B, N·n] (padded),
@@ -101,8 +115,10 @@ class SequenceParallel:
 
     def rows(self, length: int) -> tuple[int, int, int]:
         """(padded length N·n, start, stop) of this rank's rows of a sequence of `length` tokens."""
-        n = -(-length // self.size)
-        return n * self.size, self.rank * n, (self.rank + 1) * n
+        return rank_rows(length, self.size, self.rank)
+
+    def window(self, length: int, halo: int) -> tuple[int, int, int]:
+        return rank_window(length, self.size, self.rank, halo)
 
     def _pad(self, t: torch.Tensor, length: int, value: int = 0) -> torch.Tensor:
         """[B, T, ...] -> [B, length, ...] right-padded with `value`."""
@@ -115,14 +131,21 @@ class SequenceParallel:
 
     def split(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor, pad_id: int,
               halo: int, hidden: torch.Tensor | None = None, aux: torch.Tensor | None = None, base=None,
-              aux_layers: list[int] | None = None, dtype: torch.dtype | None = None) -> ShardedBatch:
+              aux_layers: list[int] | None = None, dtype: torch.dtype | None = None,
+              windowed: bool = False) -> ShardedBatch:
         """This rank's share of a micro-batch. Either hidden [B, T, d] (+ aux) whole, as the hidden-state cache gives
-        them (sliced here), or `base` (the frozen model): its forward runs sequence-parallel on this rank's tokens
-        (`base_forward`) and the halo rows come from the next ranks."""
+        them (sliced here) or, windowed=True, as `window` says this rank reads them from the cache; or `base` (the
+        frozen model): its forward runs sequence-parallel on this rank's tokens (`base_forward`) and the halo rows
+        come from the next ranks."""
         length, start, stop = self.rows(input_ids.shape[1])
         ids = self._pad(input_ids, length, pad_id)
         attn, mask = self._pad(attention_mask, length), self._pad(loss_mask, length)
-        if hidden is not None:
+        if hidden is not None and windowed:  # read as this rank's window already: its n rows + halo, n rows of aux
+            if hidden.shape[1] != stop - start + halo or (aux is not None and aux.shape[1] != stop - start):
+                raise ValueError(f"a windowed batch holds hidden [B, {hidden.shape[1]}, d], aux "
+                                 f"{None if aux is None else aux.shape[1]} rows; this rank's window is "
+                                 f"{stop - start} rows + {halo} (train/sequence_parallel.py: window)")
+        elif hidden is not None:
             hidden = self._pad(hidden, length + halo)[:, start:stop + halo]
             aux = self._pad(aux, length)[:, start:stop] if aux is not None else None
         else:
