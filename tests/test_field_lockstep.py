@@ -207,13 +207,17 @@ def test_run_field_rows_lockstep_equal_per_prompt_and_resume(model, plain, store
     kw = dict(backend_name="hf", cache_root=tmp_path / "cache", progress=False)
     slow = run_field(drafter, refs, base, out_dir=tmp_path / "slow", lockstep=0, **kw)
     fast = run_field(drafter, refs, base, out_dir=tmp_path / "fast", lockstep=3, **kw)
-    assert fast == slow  # in refs order, every field (tf_differs and new_tokens included)
+
+    def simulated(rows):  # a batched prompt that met a near tie was redone on the exact path and says so
+        return [{k: v for k, v in r.items() if k != "exact_redo"} for r in rows]  # (whether one does: the CPU's)
+
+    assert simulated(fast) == slow  # in refs order, every field (tf_differs and new_tokens included)
     path = Path(tmp_path / "fast" / "rows-0.jsonl")
     lines = path.read_text().splitlines()
     assert sorted(json.loads(x)["id"] for x in lines) == sorted(r.id for r in refs)
     path.write_text("\n".join(lines[:2]) + "\n")
     again = run_field(drafter, refs, base, out_dir=tmp_path / "fast", lockstep=3, **kw)
-    assert again == slow
+    assert simulated(again) == slow
     ids = [json.loads(x)["id"] for x in path.read_text().splitlines()]
     assert sorted(ids) == sorted(r.id for r in refs) and ids[:2] == [json.loads(x)["id"] for x in lines[:2]]
 
