@@ -10,11 +10,15 @@ included, goes down the stack or stays inside its own package, and the module gr
     eval.serving              the only code that knows a serving engine (vLLM, llama.cpp)
     eval.tune                 `specdraft tune`: the sweep over our decoder and the serving engines, its report
     cli                       the composition root: the only package that may import across
+
+A family's package (models/families/<name>/) holds files of several layers: each takes the layer of the package its
+role belongs to (ROLES, by module name), the rest (model, layers, export writers, the registration) the models one.
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 from pathlib import Path
 
 import pytest
@@ -35,10 +39,20 @@ LAYERS = {
     "eval.tune": 7,  # drives our decoder (harness) and the serving engines: above them
     "cli": 8,
 }
+# A family's role module -> the package whose layer it is on (the layers above models import it by its fixed name).
+ROLES = {
+    "models.families.*.drafter": "eval.engine",  # its Drafter and drafter declaration
+    "models.families.*.tune": "eval.engine",  # more of the drafter declaration (tune's shapes)
+    "models.families.*.lockstep": "eval.engine",  # a batched simulation of its drafter on stored answers
+    "models.families.*.gguf": "eval.serving",  # what llama.cpp's converter reads
+}
 PACKAGES = ("core", "data", "losses", "models", "train", "eval", "cli")
 
 
 def package_of(module: str) -> str:
+    for pattern, package in ROLES.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            return package
     best = ""
     for pkg in LAYERS:
         if (module == pkg or module.startswith(pkg + ".")) and len(pkg) > len(best):
