@@ -191,3 +191,15 @@ def module_name_in(root: Path, path: Path) -> str:
 
 def test_the_checker_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_familys_files_take_the_layer_of_their_role():
+    """ROLES: a family's drafter is on eval.engine's layer, its gguf on eval.serving's, the rest on the models
+    layer's; so its model importing its own drafter goes up, and its drafter importing its model goes down."""
+    assert package_of("models.families.eagle3.drafter") == "eval.engine"
+    assert package_of("models.families.eagle3.gguf") == "eval.serving"
+    assert package_of("models.families.eagle3.model") == "models"
+    graph = {"models.families.toy.model": {"models.families.toy.drafter"},
+             "models.families.toy.drafter": {"models.families.toy.model", "eval.engine.tree"}}
+    assert upward_imports(graph) == ["models.families.toy.model (models, layer 2) imports "
+                                     "models.families.toy.drafter (eval.engine, layer 3)"]
