@@ -35,13 +35,13 @@ def main() -> None:
 
     from eval.engine.backends.fast import FastBackend
     from eval.engine.drafters.drafter import DecodeState
-    from eval.engine.drafters.hydra import HydraDrafter
-    from eval.engine.drafters.medusa import MedusaDrafter
     from eval.engine.tree import STATIC_TREES, StaticTree, chain_tree
     from models.base import load_base
     from models.draft import BaseView
-    from models.hydra import HydraDraft
-    from models.medusa import MedusaDraft
+    from models.families.hydra.drafter import HydraDrafter
+    from models.families.hydra.model import HydraDraft
+    from models.families.medusa.drafter import MedusaDrafter
+    from models.families.medusa.model import MedusaDraft
 
     base = load_base("smollm2", dtype=args.dtype)
     dtype = next(base.model.parameters()).dtype

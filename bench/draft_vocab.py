@@ -46,8 +46,8 @@ def _label(n: int) -> str:
 def _build_draft(family: str, view, seed: int):
     import torch
 
-    from models.hydra import HydraDraft
-    from models.medusa import MedusaDraft
+    from models.families.hydra.model import HydraDraft
+    from models.families.medusa.model import MedusaDraft
 
     torch.manual_seed(seed)
     if family == "medusa":
@@ -249,9 +249,9 @@ def _drafting_times(fam, variants, sizes, val_cache, steps):
     import torch
 
     from eval.engine.drafters.drafter import DecodeState
-    from eval.engine.drafters.hydra import HydraDrafter
-    from eval.engine.drafters.medusa import MedusaDrafter
     from eval.engine.tree import STATIC_TREES, StaticTree
+    from models.families.hydra.drafter import HydraDrafter
+    from models.families.medusa.drafter import MedusaDrafter
 
     tree = StaticTree(STATIC_TREES["tree16"])
     drafters = {}

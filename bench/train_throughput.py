@@ -38,7 +38,7 @@ def run_variant(args) -> dict:
 
     from models.base import last_hidden_and_logits, load_base
     from models.draft import BaseView, DraftBatch
-    from models.medusa import MedusaDraft
+    from models.families.medusa.model import MedusaDraft
     from train.config import LossSection
 
     torch.manual_seed(0)

@@ -131,9 +131,9 @@ def family_options() -> list[str]:
 
     lines = ["## Training options of each family (`draft.<family>.*`, `loss.<family>.*`)", "",
              "Declared in the family's own file (the dataclasses its `FamilyFacts.draft_options` / `loss_options` "
-             "name, `models/<family>.py`). Set away from its default on a run of another family, an option fails at "
-             "load naming the family it belongs to. Older configs' flat keys (`draft.ttt_steps`) still load, read at "
-             "their place below with a note.", ""]
+             "name, `models/families/<family>/model.py`). Set away from its default on a run of another family, an "
+             "option fails at load naming the family it belongs to. Older configs' flat keys (`draft.ttt_steps`) "
+             "still load, read at their place below with a note.", ""]
     for name, facts in FAMILIES.items():
         groups = [(sec, opts) for sec, opts in (("draft", facts.draft_options), ("loss", facts.loss_options)) if opts]
         if not groups:
@@ -167,7 +167,7 @@ def generate() -> str:
     lines += section("Evaluation (`specdraft eval`, `specdraft serve-check`)",
                      "Configs: `configs/eval/*.yaml`. Class `eval.harness.config.EvalConfig`.", EvalConfig)
     lines += ["## Drafter options (`extra.*` of an eval config)", "",
-              "Typed per family (the `Options` dataclass of `eval/engine/drafters/<family>.py`): each option comes "
+              "Typed per family (the `Options` dataclass of `models/families/<family>/drafter.py`): each option comes "
               "from `extra`, else from the export's config.json, else the default below. A key the family does not "
               "have is an error.", ""]
     for name, spec in DRAFTERS.items():

@@ -1,11 +1,11 @@
 """`specdraft docs-families`: the families tables of README.md and docs/families/README.md, generated from the
 families' declarations, so neither is kept by hand.
 
-Each row comes from a family's FamilyFacts (models/<family>.py; N-gram's in models/ngram.py): its title, `summary`
-and `also_files`, plus the files found by its name: models/<family>.py, losses/<family>.py,
-eval/engine/drafters/<family>.py, its recipes (configs/<family>*.yaml that set it, train.config.family_recipes) and
-docs/families/<family>.md. The generated parts sit between two markers; `--check` fails when a checked-in page
-differs from what the declarations give (tests/test_docs_families.py runs it on every `make test`).
+Each row comes from a family's FamilyFacts (in its folder, models/families/<family>/): its title, `summary` and
+`also_files`, plus its files: its folder (model, drafter, export writers, ...), losses/<family>.py, its recipes
+(configs/<family>*.yaml that set it, train.config.family_recipes) and docs/families/<family>.md. The generated parts
+sit between two markers; `--check` fails when a checked-in page differs from what the declarations give
+(tests/test_docs_families.py runs it on every `make test`).
 """
 
 from __future__ import annotations
@@ -26,28 +26,27 @@ options are the keys `draft.<family>.*` / `loss.<family>.*` ([config reference](
 
 
 def family_files(name: str, root: Path = ROOT) -> dict[str, list[str]]:
-    """The files of a family, found by its name and declared in its facts: model (its module and its helpers),
-    drafter, recipes, page."""
+    """The files of a family: its folder (everything only about it), helpers outside it (its loss module and the
+    declared extras), recipes, page."""
     from models.registry import FAMILIES
     from train.config import family_recipes
 
     facts = FAMILIES[name]
-    model = [p for p in (f"models/{name}.py",) if (root / p).is_file()]
+    folder = [p for p in (f"models/families/{name}/",) if (root / p).is_dir()]
     helpers = [p for p in (f"losses/{name}.py",) if (root / p).is_file()]
     helpers += [p for p in facts.also_files if not p.startswith("configs/")]
     recipes = [path for recipe, path in family_recipes(root / "configs").items() if recipe.split("_")[0] == name]
     recipes += [p for p in facts.also_files if p.startswith("configs/")]
-    drafter = [p for p in (f"eval/engine/drafters/{name}.py",) if (root / p).is_file()]
     page = [p for p in (f"docs/families/{name}.md",) if (root / p).is_file()]
-    return {"model": model, "helpers": helpers, "drafter": drafter, "recipes": recipes, "page": page}
+    return {"folder": folder, "helpers": helpers, "recipes": recipes, "page": page}
 
 
 def _files_cell(name: str, root: Path, link_base: str) -> str:
     files = family_files(name, root)
-    model = ", ".join(f"`{p}`" for p in files["model"])
+    folder = ", ".join(f"`{p}`" for p in files["folder"])
     if files["helpers"]:
-        model += " (+ " + ", ".join(f"`{p}`" for p in files["helpers"]) + ")"
-    cells = [model, *(f"`{p}`" for p in files["drafter"] + files["recipes"])]
+        folder += " (+ " + ", ".join(f"`{p}`" for p in files["helpers"]) + ")"
+    cells = [folder, *(f"`{p}`" for p in files["recipes"])]
     cells += [f"[{p}]({link_base}{Path(p).name})" for p in files["page"]]
     return ", ".join(c for c in cells if c)
 

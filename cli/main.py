@@ -253,14 +253,13 @@ def _export_gguf(loaded, out: Path, base_type: str, draft_type: str) -> Path | N
 def _export_vllm_method(args) -> int:
     """`specdraft export --format vllm --method ngram --out DIR [extra.w=N extra.q=M]`: vLLM's speculative_config."""
     from eval.harness.config import load_eval_config
-    from models.export.vllm import export_vllm_ngram
-    from models.registry import learning_free_vllm_families
+    from models.registry import family_spec, learning_free_vllm_families
 
     if args.method not in learning_free_vllm_families():
         raise ValueError(f"--method {args.method!r}: the learning-free methods vLLM serves: "
                          f"{', '.join(learning_free_vllm_families())}")
     cfg = load_eval_config([str(CONFIGS / "eval" / f"{args.method}.yaml")], args.overrides)
-    out = export_vllm_ngram(cfg.extra, Path(args.out))
+    out = family_spec(args.method).writers["vllm"](cfg.extra, Path(args.out))  # a learning-free family's writer
     print(f"wrote vllm export to {out}")
     return 0
 

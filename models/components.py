@@ -9,7 +9,7 @@
     GatedMLP                       the SiLU-gated MLP of a LLaMA / Qwen3 decoder layer (EAGLE-3, DFlash)
     block_attention (+ reference), the block-parallel draft of DFlash and DSpark: one forward fills a block of
       BlockAttention, BlockLayer,  mask slots against the context keys / values of the base's aux states
-      BlockCache, BlockDraft       (the math is written out in models/dflash.py's docstring)
+      BlockCache, BlockDraft       (the math is written out in models/families/dflash/model.py's docstring)
 
 Hydra's and CTC's prefix-attention layer has its own module (models/prefix_attention.py). The parameter names
 of these modules are state-dict keys of exports on disk: renaming one would break loading them.
@@ -258,7 +258,7 @@ class BlockCache:
         self.length = end
 
 class BlockDraft(DraftVocabMixin, DraftModel):
-    """The block-parallel draft DFlash and DSpark share (models/dflash.py's docstring has the math): fc over the
+    """The block-parallel draft DFlash and DSpark share (models/families/dflash/model.py: the math): fc over the
     base's aux layers -> the context keys / values of N Qwen3-shaped layers, which fill a block [root, M, ..., M]
     in one forward. A subclass declares its facts, its configs and, where it differs, `anchor_drafts` (slot 0,
     the root, drafts depth 1 too: DSpark), `row_features` / `more_row_features` / `extra_block_loss` (more terms

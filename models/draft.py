@@ -138,7 +138,7 @@ def estimated_acceptance_length(top1_acc: list[float], prefix: bool = False) -> 
 
 
 class DraftModel(nn.Module):
-    """Interface of a draft family (see models/medusa.py for the reference implementation)."""
+    """Interface of a draft family (see models/families/medusa/model.py for the reference implementation)."""
 
     facts: FamilyFacts  # what other layers need to know about the family (models/family.py)
     family: str = "?"  # = facts.name, set for every subclass that declares facts

@@ -1,13 +1,13 @@
-"""What the rest of specdraft needs to know about a draft family, declared once, next to the family's model.
+"""What the rest of specdraft needs to know about a draft family, declared once, in the family's own package.
 
-Every trainable family's model class (models/<family>.py) sets `facts = FamilyFacts(...)` and may override
-`DraftModel.check_config` for the training-config rules only it has; a learning-free family (N-gram) declares a
-module-level `facts` in its models/<family>.py. models/registry.py finds the declarations by scanning models/ (no
-list of families is kept anywhere), and eval/engine/drafters/registry.py finds each family's drafter module by its
-name. A family's training options are dataclasses in its own file, named here (`draft_options`, `loss_options`):
-train/config.py nests them as the sections `draft.<name>` and `loss.<name>` (`draft.eagle3.ttt_steps`), so a new
-family's options never touch a shared file. Everything other layers used to keep in tables of their own (which
-export formats a family has and which function writes each, which vLLM method or llama.cpp spec type serves it,
+Every family is one package, models/families/<name>/ (models/families/__init__.py registers them). Its model class
+(model.py) sets `facts = FamilyFacts(...)` and may override `DraftModel.check_config` for the training-config rules
+only it has; a learning-free family (N-gram) declares a module-level `facts` in its model.py. The package's
+__init__.py builds its registration, `spec = FamilySpec(...)`: the facts, the model class and its export writers,
+referenced directly. A family's training options are dataclasses in its own files, named here (`draft_options`,
+`loss_options`): train/config.py nests them as the sections `draft.<name>` and `loss.<name>`
+(`draft.eagle3.ttt_steps`), so a new family's options never touch a shared file. Everything other layers used to
+keep in tables of their own (which export formats a family has, which vLLM method or llama.cpp spec type serves it,
 whether vLLM may schedule its draft count, whether the teacher-forced chain estimate can read its loss, the types
 of its export's own keys) is a field here, read through the registry.
 """
@@ -15,14 +15,11 @@ of its export's own keys) is a field here, read through the registry.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Every format `specdraft export --format` knows; a family lists those it supports.
 EXPORT_FORMATS = ("specdraft", "medusa", "redrafter-trtllm", "speculators", "vllm", "gguf")
-_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # "package.module:function" (FamilyFacts.exporters)
 _KEY_TYPES = (int, bool, str, list)  # what FamilyFacts.export_key_types may declare
 
 
@@ -43,12 +40,6 @@ class FamilyFacts:
     # True: llama.cpp drafts the draft's whole block or none of it (DFlash: --spec-draft-n-max is block_size - 1,
     # the slots see each other), so a shorter tuned chain cannot be served there.
     llamacpp_whole_block: bool = False
-    # The family's own writer of each export format whose files differ per family, as "module:function": named, not
-    # imported, so a model module never imports an exporter or a serving layer; the code that writes the format
-    # imports it (`writer`). "vllm": (draft, out_dir, export_cfg, base_view) -> out_dir, models/export/vllm.py: the
-    # directory vLLM serves (N-gram's takes its eval options instead: export_vllm_ngram). "gguf": (draft,
-    # export_cfg, base_dir, out_dir) -> the directory llama.cpp's converter reads, eval/serving/llamacpp_gguf.py.
-    exporters: dict[str, str] = field(default_factory=dict, hash=False)
     trainable: bool = True  # False: learning-free (no model to train, no export of weights)
     # Its loss scores depth k at root t from positions <= t + k only, without randomness, so train/chain_estimate.py
     # can difference it over cuts of a text to replay the decoder's chain walk (DFlash samples block anchors, CTC
@@ -72,8 +63,8 @@ class FamilyFacts:
     config_keys: tuple[str, ...] = ()  # gone: the flat per-family keys are now draft_options / loss_options
     # One line for the families tables (README.md, docs/families/README.md: `specdraft docs-families`).
     summary: str = ""
-    # Files of the family beyond its model, drafter, loss module, recipes and docs page (found by name), for the
-    # families tables, e.g. a block only it uses.
+    # Files it uses outside its folder (models/families/<name>/) beyond its loss module, recipes and docs page, for
+    # the families tables, e.g. a shared block only it and another family use.
     also_files: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -88,15 +79,6 @@ class FamilyFacts:
                              "only then")
         if self.vllm_schedule and self.vllm_method is None:
             raise ValueError(f"family {self.name!r}: vllm_schedule needs a vLLM method")
-        for fmt, needs in (("vllm", self.vllm_method), ("gguf", self.llamacpp_spec_type)):
-            if (fmt in self.exporters) != (needs is not None):
-                raise ValueError(f"family {self.name!r}: the {fmt!r} format needs its writer in `exporters` (and "
-                                 "only a family that has the format names one)")
-        for fmt, ref in self.exporters.items():
-            if fmt not in self.export_formats:
-                raise ValueError(f"family {self.name!r} names a writer of {fmt!r}, which is not in its export_formats")
-            if not _REF.fullmatch(ref):
-                raise ValueError(f"family {self.name!r}: writer {ref!r} of {fmt!r} must be 'package.module:function'")
         bad_types = {k: t for k, t in self.export_key_types.items() if t not in _KEY_TYPES}
         if bad_types:
             raise ValueError(f"family {self.name!r}: export_key_types {bad_types} must be one of "
@@ -123,16 +105,43 @@ class FamilyFacts:
             if options is None or name not in {f.name for f in dataclasses.fields(options)}:
                 raise ValueError(f"family {self.name!r}: flat key {key!r} is not a field of its {section}_options")
 
-    def writer(self, fmt: str) -> Callable:
-        """The function `exporters[fmt]` names, imported now (by the layer that writes `fmt`)."""
-        if fmt not in self.exporters:
-            raise ValueError(f"the {self.title} family has no writer of its own for {fmt!r}; its formats: "
-                             f"{', '.join(self.export_formats)}")
-        module, _, name = self.exporters[fmt].partition(":")
-        return getattr(importlib.import_module(module), name)
-
     def option_keys(self) -> list[str]:
         """Its nested training-config keys ("draft.eagle3.ttt_steps"), draft options first."""
         return [f"{section}.{self.name}.{f.name}"
                 for section, options in (("draft", self.draft_options), ("loss", self.loss_options))
                 if options is not None for f in dataclasses.fields(options)]
+
+
+# Export formats whose files differ per family: each family that has one names its writer in FamilySpec.writers.
+OWN_FORMATS = tuple(f for f in EXPORT_FORMATS if f not in ("specdraft", "gguf"))
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """A family's registration (models/families/__init__.py: register_family), built in its package's __init__.py.
+
+    What sits in the layers above models is found by role, never named here: the layer that needs it imports
+    `<package>.<role>`, a fixed module name: `drafter` (eval/engine/drafters/registry.py: the drafter declaration),
+    `tune` (optional declarations of its drafter), `gguf` (eval/serving/llamacpp_gguf.py: `converter_input`, what
+    llama.cpp's converter reads)."""
+
+    package: str  # its package ("models.families.eagle3"); the role modules hang off it
+    facts: FamilyFacts
+    model: type | None = None  # its DraftModel subclass (declaring `facts`); None: learning-free
+    # Its writer of each format of OWN_FORMATS it exports: (draft, out_dir, export_cfg, base_view) -> out_dir (a
+    # learning-free family's "vllm" writer takes (eval options, out_dir): N-gram's has no draft).
+    writers: dict[str, Callable] = field(default_factory=dict, hash=False)
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    def __post_init__(self):
+        f = self.facts
+        if (self.model is not None) != f.trainable or (self.model is not None and self.model.facts is not f):
+            raise ValueError(f"family {f.name!r}: a trainable family registers its model class (whose `facts` are "
+                             "the spec's), a learning-free one (trainable=False) none")
+        need = {fmt for fmt in f.export_formats if fmt in OWN_FORMATS}
+        if set(self.writers) != need:
+            raise ValueError(f"family {f.name!r}: FamilySpec.writers must hold a writer for each of its formats "
+                             f"{sorted(need)} (files that differ per family), got {sorted(self.writers)}")

@@ -41,10 +41,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from core.paths import repo_relative
     from eval.engine.backends.choice import choose_backend
-    from eval.engine.drafters.ctc import PAD, ctc_collapse
     from eval.harness.field import ensure_cache, first_per_set, load_cached
     from eval.harness.field_refs import read_refs
     from models.export.load import load_export
+    from models.families.ctc.drafter import PAD, ctc_collapse
 
     loaded = load_export(a.draft, dtype="fp32")
     draft = loaded.draft.eval()

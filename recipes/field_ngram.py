@@ -42,11 +42,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from core.jsonl import read_finished_rows
     from eval.engine.backends.choice import choose_backend
-    from eval.engine.drafters.ngram import build_ngram_drafter
     from eval.harness.field import exact_rows, first_per_set
     from eval.harness.field_refs import read_refs
     from eval.harness.field_report import field_report, write_field_report
     from models.base import load_base
+    from models.families.ngram.drafter import build_ngram_drafter
 
     t0 = time.perf_counter()
     base = load_base("smollm2", dtype="fp32")

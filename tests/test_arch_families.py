@@ -15,9 +15,9 @@ from eval.engine.decoder import speculative_generate
 from eval.engine.drafters.registry import build_drafter
 from eval.harness.config import EvalConfig
 from models.base import HiddenStates, last_hidden_and_logits
-from models.ctc import CTCOptions
 from models.draft import BaseView, DraftBatch
-from models.hydra import HydraOptions
+from models.families.ctc.model import CTCOptions
+from models.families.hydra.model import HydraOptions
 from models.registry import DRAFT_MODELS
 from train.config import DraftSection, LossSection
 

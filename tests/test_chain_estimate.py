@@ -14,8 +14,8 @@ from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import speculative_generate
 from eval.engine.drafters.registry import build_drafter, chain_overrides
 from eval.harness.config import EvalConfig
-from models.eagle3 import Eagle3Draft
-from models.medusa import MedusaDraft
+from models.families.eagle3.model import Eagle3Draft
+from models.families.medusa.model import MedusaDraft
 from train.chain_estimate import chain_estimates, walk
 from train.config import LossSection
 

@@ -267,9 +267,9 @@ def test_a_tuned_schedule_does_not_change_the_compared_chain(tmp_path):
     from eval.serving.compare_vllm import speculative_config
     from models.base import load_base
     from models.draft import BaseView
-    from models.eagle3 import Eagle3Draft
     from models.export.specdraft import export_specdraft
     from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
+    from models.families.eagle3.model import Eagle3Draft
 
     base_dir = servable_tiny_base(tmp_path / "base", num_layers=8)
     base = load_base(str(base_dir), dtype="fp32")

@@ -20,7 +20,7 @@ from models.base import HiddenStates, load_base
 from models.draft import BaseView
 from models.export.schema import ExportError
 from models.export.specdraft import export_specdraft, load_draft, read_export_config
-from models.medusa import MedusaDraft
+from models.families.medusa.model import MedusaDraft
 
 
 def truncate(path: Path, keep: float = 0.6) -> None:
@@ -145,8 +145,9 @@ def test_a_missing_required_key_names_the_family(export):
 
 def test_every_engine_format_we_write_reads_back_through_the_checks(tiny, export, tmp_path):
     """The vLLM export of a draft is read back: its JSON parses, its safetensors header is whole."""
+    from models.export.formats import export_vllm
     from models.export.schema import read_json_file, safetensors_shapes
-    from models.export.vllm import export_vllm, read_speculative_config
+    from models.export.vllm import read_speculative_config
 
     draft, config = load_draft(export, BaseView.from_model(tiny.model), tiny.fingerprint)
     out = export_vllm(draft, tmp_path / "vllm", config, BaseView.from_model(tiny.model))

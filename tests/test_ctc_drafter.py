@@ -10,7 +10,12 @@ from torch import nn
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
-from eval.engine.drafters.ctc import (
+from eval.engine.drafters.drafter import DecodeState
+from eval.engine.drafters.registry import build_drafter
+from eval.engine.tree import tree_from_paths
+from eval.harness.config import EvalConfig
+from models.draft import BaseView
+from models.families.ctc.drafter import (
     CTCDrafter,
     ctc_collapse,
     ctc_collapse_reference,
@@ -18,12 +23,7 @@ from eval.engine.drafters.ctc import (
     joint_top_paths,
     joint_top_paths_reference,
 )
-from eval.engine.drafters.drafter import DecodeState
-from eval.engine.drafters.registry import build_drafter
-from eval.engine.tree import tree_from_paths
-from eval.harness.config import EvalConfig
-from models.ctc import CTCDraft
-from models.draft import BaseView
+from models.families.ctc.model import CTCDraft
 
 B = 99  # blank in the hand cases
 VOCAB = 320

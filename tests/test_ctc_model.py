@@ -11,9 +11,15 @@ import torch
 from conftest import assert_chunked_matches_reference, fit_draft
 
 from core.config_loader import ConfigError
-from models.ctc import CTCDraft, CTCLossOptions, distilled_labels, distilled_labels_reference, valid_starts
 from models.draft import BaseView, DraftBatch
 from models.export.specdraft import export_specdraft, load_draft, read_tensors
+from models.families.ctc.model import (
+    CTCDraft,
+    CTCLossOptions,
+    distilled_labels,
+    distilled_labels_reference,
+    valid_starts,
+)
 from models.tiny import tiny_llama
 from train.config import LossSection, load_train_config
 

@@ -25,14 +25,14 @@ from helpers.trees import deepest_path, full_forward, random_tree, root_path
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
-from eval.engine.drafters.ngram import NgramDrafter
 from eval.engine.drafters.registry import build_drafter
 from eval.harness.config import EvalConfig
-from models.ctc import CTCOptions
 from models.draft import BaseView
-from models.eagle3 import Eagle3Options
-from models.hydra import HydraOptions
-from models.ngram import build_bigram_table
+from models.families.ctc.model import CTCOptions
+from models.families.eagle3.model import Eagle3Options
+from models.families.hydra.model import HydraOptions
+from models.families.ngram.drafter import NgramDrafter
+from models.families.ngram.model import build_bigram_table
 from models.registry import DRAFT_MODELS
 from models.tiny import diverse_tiny_llama, tiny_llama
 from train.config import DraftSection, family_recipes

@@ -19,7 +19,7 @@ def test_the_sweep_times_the_three_trees_and_writes_the_choice(tmp_path):
     from models.base import load_base
     from models.draft import BaseView
     from models.export.specdraft import export_specdraft
-    from models.hydra import HydraDraft
+    from models.families.hydra.model import HydraDraft
 
     base = load_base("tiny")
     torch.manual_seed(0)

@@ -19,15 +19,15 @@ from losses.dflash import (
     linear_row_losses,
     linear_row_losses_reference,
 )
-from models.dflash import (
+from models.draft import BaseView
+from models.export.specdraft import export_specdraft, load_draft
+from models.families.dflash.model import (
     DFlashDraft,
     DFlashLossOptions,
     block_attention,
     block_attention_reference,
     default_mask_token_id,
 )
-from models.draft import BaseView
-from models.export.specdraft import export_specdraft, load_draft
 from train.config import LossSection
 
 

@@ -16,13 +16,13 @@ from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import speculative_generate
-from eval.engine.drafters.dflash import DFlashDrafter
 from eval.engine.drafters.registry import build_drafter, chain_overrides, drafter_family
 from eval.engine.tree import STATIC_TREES, StaticTree, chain_choices
 from eval.harness.config import EvalConfig
 from models.base import last_hidden_and_aux
-from models.dflash import DFlashDraft, DFlashLossOptions
 from models.draft import BaseView, DraftBatch
+from models.families.dflash.drafter import DFlashDrafter
+from models.families.dflash.model import DFlashDraft, DFlashLossOptions
 from train.config import LossSection
 
 

@@ -14,10 +14,11 @@ from safetensors.torch import load_file
 from test_serve_check import _have_vllm
 
 from models.base import last_hidden_and_aux
-from models.dflash import DFlashDraft
 from models.draft import BaseView
-from models.export.speculators_dflash import MASK_EMBEDDING_FILE, load_dflash_speculators
-from models.export.vllm import SPECULATIVE_CONFIG_FILE, export_vllm
+from models.export.formats import export_vllm
+from models.export.vllm import SPECULATIVE_CONFIG_FILE
+from models.families.dflash.export_speculators import MASK_EMBEDDING_FILE, load_dflash_speculators
+from models.families.dflash.model import DFlashDraft
 
 REPO = Path(__file__).resolve().parent.parent
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-made, not sorted

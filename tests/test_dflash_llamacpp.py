@@ -15,15 +15,11 @@ from safetensors.torch import load_file
 from test_llamacpp import _built
 
 from cli.main import main
-from eval.serving.llamacpp_gguf import (
-    dflash_converter_input,
-    draft_gguf,
-    serve_args,
-    spec_draft_n_max,
-)
-from models.dflash import DFlashDraft, DFlashLossOptions
+from eval.serving.llamacpp_gguf import draft_gguf, serve_args, spec_draft_n_max
 from models.draft import BaseView
-from models.export.speculators_dflash import MASK_EMBEDDING_FILE
+from models.families.dflash.export_speculators import MASK_EMBEDDING_FILE
+from models.families.dflash.gguf import converter_input as dflash_converter_input
+from models.families.dflash.model import DFlashDraft, DFlashLossOptions
 from models.registry import FAMILIES, llamacpp_families
 from models.tiny import tiny_llama_config
 

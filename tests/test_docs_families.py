@@ -23,10 +23,10 @@ def test_every_family_has_a_row_and_a_link():
     readme = (ROOT / "README.md").read_text()
     for name, facts in FAMILIES.items():
         assert f"| {facts.title} | " in readme, name
-        assert f"`models/{name}.py`" in readme, name
+        assert f"`models/families/{name}/`" in readme, name
         if (ROOT / "docs" / "families" / f"{name}.md").is_file():
             assert f"[{facts.title}](docs/families/{name}.md)" in readme, name
-    assert "`models/hydra.py` (+ `models/prefix_attention.py`)" in readme  # also_files
+    assert "`models/families/hydra/` (+ `models/prefix_attention.py`)" in readme  # also_files
     assert "`configs/hydra.yaml`, `configs/hydra_pp.yaml`" in readme  # every recipe of the family
 
 
@@ -40,11 +40,10 @@ def test_a_changed_declaration_makes_the_check_fail(monkeypatch, capsys):
     assert "README.md" in out and "docs/families/README.md" in out and "specdraft docs-families" in out
 
 
-def test_the_files_of_a_family_are_found_by_name_and_declared_extras():
+def test_the_files_of_a_family_are_its_folder_and_declared_extras():
     files = family_files("eagle3")
-    assert files["model"] == ["models/eagle3.py"] and files["drafter"] == ["eval/engine/drafters/eagle3.py"]
-    assert "losses/ttt.py" in files["helpers"] and files["recipes"] == ["configs/eagle3.yaml"]
-    assert files["page"] == ["docs/families/eagle3.md"]
+    assert files["folder"] == ["models/families/eagle3/"] and files["helpers"] == ["losses/ttt.py"]
+    assert files["recipes"] == ["configs/eagle3.yaml"] and files["page"] == ["docs/families/eagle3.md"]
 
 
 def test_a_page_without_its_markers_is_an_error_that_names_them():

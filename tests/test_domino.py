@@ -22,14 +22,14 @@ from data.targets import offset_labels
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import speculative_generate
-from eval.engine.drafters.domino import DominoDrafter
 from eval.engine.drafters.registry import build_drafter, chain_overrides, drafter_family
 from eval.harness.config import EvalConfig
-from models.domino import DominoDraft, DominoLossOptions
 from models.draft import BaseView
+from models.export.formats import export_vllm
 from models.export.schema import ExportError
 from models.export.specdraft import export_specdraft, load_draft, read_export_config
-from models.export.vllm import export_vllm
+from models.families.domino.drafter import DominoDrafter
+from models.families.domino.model import DominoDraft, DominoLossOptions
 from train.config import LossSection, load_train_config
 
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-made base ids, not sorted

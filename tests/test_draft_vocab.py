@@ -16,20 +16,20 @@ from core.config_loader import ConfigError
 from data.draft_vocab import build_draft_vocab, count_targets, coverage, top_n_map, vocab_cache_key
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
-from eval.engine.drafters.ctc import CTCDrafter
 from eval.engine.drafters.drafter import DecodeState
-from eval.engine.drafters.hydra import HydraDrafter
-from eval.engine.drafters.medusa import MedusaDrafter
-from eval.engine.drafters.redrafter import ReDrafterDrafter
 from eval.engine.tree import STATIC_TREES, StaticTree
 from losses.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
-from models.ctc import CTCDraft, CTCLossOptions
 from models.draft import DraftBatch
-from models.export.redrafter_trtllm import export_redrafter_trtllm
 from models.export.specdraft import export_medusa, export_specdraft, load_draft, read_tensors
-from models.hydra import HydraDraft
-from models.medusa import MedusaDraft
-from models.redrafter import ReDrafterDraft
+from models.families.ctc.drafter import CTCDrafter
+from models.families.ctc.model import CTCDraft, CTCLossOptions
+from models.families.hydra.drafter import HydraDrafter
+from models.families.hydra.model import HydraDraft
+from models.families.medusa.drafter import MedusaDrafter
+from models.families.medusa.model import MedusaDraft
+from models.families.redrafter.drafter import ReDrafterDrafter
+from models.families.redrafter.export_trtllm import export_redrafter_trtllm
+from models.families.redrafter.model import ReDrafterDraft
 from models.vocab_map import inverse_map
 from train.config import LossSection, load_train_config
 
@@ -342,10 +342,11 @@ def test_a_map_that_does_not_fit_the_base_is_a_clear_error(tmp_path, view):
 def test_formats_without_a_token_map_refuse_a_draft_vocabulary(tmp_path, view):
     d2t = torch.arange(40)
     with pytest.raises(ValueError, match="no token map"):
-        export_medusa(MedusaDraft(2, 1, with_draft_vocab(view, d2t)), tmp_path / "m", "tiny", view)
+        export_medusa(MedusaDraft(2, 1, with_draft_vocab(view, d2t)), tmp_path / "m", {"base_model": "tiny"}, view)
     with pytest.raises(ValueError, match="no\\s+token map"):
-        export_redrafter_trtllm(ReDrafterDraft(2, 1, with_draft_vocab(view, d2t)), tmp_path / "r", "tiny", view)
-    export_medusa(MedusaDraft(2, 1, view), tmp_path / "m", "tiny", view)  # full vocabulary: still fine
+        export_redrafter_trtllm(ReDrafterDraft(2, 1, with_draft_vocab(view, d2t)), tmp_path / "r",
+                                {"base_model": "tiny"}, view)
+    export_medusa(MedusaDraft(2, 1, view), tmp_path / "m", {"base_model": "tiny"}, view)  # full vocabulary: still fine
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -397,7 +398,7 @@ def test_ctc_loss_with_a_large_map_cuts_labels_and_matches_reference(model, view
     fused, ref = assert_chunked_matches_reference(draft, batch, v, chunk_size=16, ctc=CTCLossOptions(token_weight=0.1))
     assert 0 < fused[0].oov < fused[-1].oov < fused[-1].count  # some starts cut, more at deeper depths
     # The reference at the cut lengths (a plain per-row loop over ctc_loss on the truncated labels).
-    from models.ctc import distilled_labels
+    from models.families.ctc.model import distilled_labels
     lab = distilled_labels(batch.hidden, view.lm_head_weight, batch.input_ids, batch.loss_mask, draft.num_heads)
     valid = lab[:, :, 0] != -100
     mapped, max_lengths, _ = draft._map_labels(lab[valid])

@@ -24,15 +24,16 @@ from data.targets import offset_labels
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import speculative_generate
-from eval.engine.drafters.dspark import DSparkDrafter
 from eval.engine.drafters.registry import build_drafter, chain_overrides, drafter_family
 from eval.harness.config import EvalConfig
 from losses.block import acceptance_bce, acceptance_bce_reference
 from models.draft import BaseView
-from models.dspark import DSparkDraft, DSparkLossOptions
+from models.export.formats import export_vllm
 from models.export.specdraft import export_specdraft, load_draft
-from models.export.speculators_dspark import load_dspark_speculators
-from models.export.vllm import SPECULATIVE_CONFIG_FILE, export_vllm
+from models.export.vllm import SPECULATIVE_CONFIG_FILE
+from models.families.dspark.drafter import DSparkDrafter
+from models.families.dspark.export_speculators import load_dspark_speculators
+from models.families.dspark.model import DSparkDraft, DSparkLossOptions
 from train.config import LossSection, load_train_config
 
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-made base ids, not sorted

@@ -18,9 +18,9 @@ from data.targets import offset_labels
 from losses.ttt import ttt_step_weights, ttt_weighted_loss
 from models.base import _decoder, last_hidden_and_aux
 from models.draft import BaseView
-from models.eagle3 import Eagle3Draft, default_aux_layers
-from models.eagle3_ttt import ttt_attention, ttt_attention_reference
 from models.export.specdraft import export_specdraft, load_draft
+from models.families.eagle3.model import Eagle3Draft, default_aux_layers
+from models.families.eagle3.ttt import ttt_attention, ttt_attention_reference
 from models.tiny import tiny_llama
 from train.config import LossSection
 

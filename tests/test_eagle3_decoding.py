@@ -17,11 +17,11 @@ from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import speculative_generate
-from eval.engine.drafters.eagle3 import Eagle3Drafter
 from eval.engine.drafters.registry import build_drafter
 from eval.harness.config import EvalConfig
 from models.base import last_hidden_and_aux
-from models.eagle3 import Eagle3Draft
+from models.families.eagle3.drafter import Eagle3Drafter
+from models.families.eagle3.model import Eagle3Draft
 from train.config import LossSection
 
 

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from models.base import last_hidden_and_aux
 from models.draft import BaseView
-from models.eagle3 import Eagle3Draft
-from models.export.speculators import export_speculators, load_speculators
+from models.families.eagle3.export_speculators import export_speculators, load_speculators
+from models.families.eagle3.model import Eagle3Draft
 
 REPO = Path(__file__).resolve().parent.parent
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])  # hand-made, not sorted

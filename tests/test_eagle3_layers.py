@@ -1,8 +1,8 @@
-"""EAGLE-3 with more than one decoder layer (`draft.eagle3.num_layers`; models/eagle3_layers.py): the layout (layers.1
-is a plain d-wide decoder layer), a fresh deeper draft predicting exactly what a one-layer one does, the TTT unroll
-against decoding step by step with the per-layer KV cache (also P-EAGLE's one forward), training, lossless decoding
-(and the field benchmark's lockstep path equal to the per-prompt one), the export round trips (ours, speculators /
-vLLM), llama.cpp's refusal, and the bad values refused at config load."""
+"""EAGLE-3 with more than one decoder layer (`draft.eagle3.num_layers`; models/families/eagle3/layers.py): the layout
+(layers.1 is a plain d-wide decoder layer), a fresh deeper draft predicting exactly what a one-layer one does, the
+TTT unroll against decoding step by step with the per-layer KV cache (also P-EAGLE's one forward), training, lossless
+decoding (and the field benchmark's lockstep path equal to the per-prompt one), the export round trips (ours,
+speculators / vLLM), llama.cpp's refusal, and the bad values refused at config load."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from test_field_lockstep import _accepting, _assert_same, _fit, stored  # noqa: 
 
 from core.config_loader import ConfigError
 from eval.engine.backends.hf import HFBackend
-from eval.engine.drafters.eagle3 import Eagle3Drafter
-from models.eagle3 import Eagle3Draft
 from models.export.specdraft import export_specdraft, load_draft
-from models.export.speculators import export_speculators, load_speculators
+from models.families.eagle3.drafter import Eagle3Drafter
+from models.families.eagle3.export_speculators import export_speculators, load_speculators
+from models.families.eagle3.model import Eagle3Draft
 from train.config import LossSection, load_train_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -164,8 +164,8 @@ def test_llamacpp_refuses_a_deeper_draft(tmp_path):
     """On an eight-layer base (three aux layers, which llama.cpp's graph needs), so only the layer count is refused."""
     from transformers import LlamaForCausalLM
 
-    from eval.serving.llamacpp_gguf import eagle3_converter_input
     from models.draft import BaseView
+    from models.families.eagle3.gguf import converter_input as eagle3_converter_input
     from models.tiny import tiny_llama_config
 
     torch.manual_seed(0)

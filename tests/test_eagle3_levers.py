@@ -19,8 +19,8 @@ from core.config_loader import ConfigError
 from losses import fused_linear_cross_entropy
 from losses.distill import TERMS, fused_linear_distill, linear_distill_reference, parse_divergence
 from models.draft import BaseView
-from models.eagle3 import Eagle3Draft, Eagle3LossOptions
 from models.export.specdraft import read_tensors
+from models.families.eagle3.model import Eagle3Draft, Eagle3LossOptions
 from train.config import LossSection, load_train_config
 from train.optimizer import MuonWithAdamW, build_optimizer, split_for_muon
 
@@ -212,7 +212,7 @@ def test_kl_is_todays_fused_soft_ce_and_the_depth_stats_stay(base, view, monkeyp
     draft = _draft(view)
     batch = random_batch_with_aux(base, draft)
     default = draft.loss(batch, view, LossSection(teacher_weight=1.0))
-    import models.eagle3 as eagle3
+    import models.families.eagle3.model as eagle3
 
     def refuse(*a, **k):
         raise AssertionError("divergence=kl must not take the divergence path")

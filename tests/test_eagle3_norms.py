@@ -20,12 +20,12 @@ from torch.nn import functional as F
 
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
-from eval.engine.drafters.eagle3 import Eagle3Drafter
-from eval.serving.llamacpp_gguf import eagle3_converter_input
 from models.draft import BaseView
-from models.eagle3 import NORM_VARIANTS, Eagle3Draft
 from models.export.specdraft import export_specdraft, load_draft
-from models.export.speculators import export_speculators, load_speculators
+from models.families.eagle3.drafter import Eagle3Drafter
+from models.families.eagle3.export_speculators import export_speculators, load_speculators
+from models.families.eagle3.gguf import converter_input as eagle3_converter_input
+from models.families.eagle3.model import NORM_VARIANTS, Eagle3Draft
 from train.config import LossSection
 
 EAGLE31 = {"fc_norm": True, "norm_output": True}

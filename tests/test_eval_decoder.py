@@ -11,8 +11,8 @@ from torch import nn
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.engine.drafters.drafter import DecodeState, Drafter
-from eval.engine.drafters.medusa import MedusaDrafter
 from eval.engine.tree import STATIC_TREES, StaticTree, Tree, chain_tree
+from models.families.medusa.drafter import MedusaDrafter
 
 VOCAB = 320
 NEW = 24
@@ -169,7 +169,7 @@ def test_sampling_is_seeded_and_reproducible(model, prompts, references):
 
 
 class _FakeMedusaHeads(nn.Module):
-    """forward(hidden [..., d]) -> [K, ..., V], like models.medusa.MedusaDraft."""
+    """forward(hidden [..., d]) -> [K, ..., V], like models.families.medusa.model.MedusaDraft."""
 
     def __init__(self, d: int, k: int):
         super().__init__()

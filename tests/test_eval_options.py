@@ -1,4 +1,4 @@
-"""A drafter option has one declaration, its family's `Options` dataclass (eval/engine/drafters/<family>.py), and
+"""A drafter option has one declaration, its family's `Options` dataclass (models/families/<family>/drafter.py), and
 `extra.<key>=` sets it: typed against every family's declarations when the eval config loads (a typo fails before
 any export or base loads), and checked again against the export's own family when its drafter is built."""
 

@@ -14,15 +14,11 @@ from safetensors.torch import load_file
 from cli.main import main
 from models.base import load_base
 from models.draft import BaseView
-from models.export.vllm import (
-    SPECULATIVE_CONFIG_FILE,
-    export_vllm,
-    export_vllm_medusa,
-    export_vllm_ngram,
-    read_engine_args,
-    vllm_ngram_config,
-)
-from models.medusa import MedusaDraft
+from models.export.formats import export_vllm
+from models.export.vllm import SPECULATIVE_CONFIG_FILE, read_engine_args, vllm_ngram_config
+from models.families.medusa.export_vllm import export_vllm_medusa
+from models.families.medusa.model import MedusaDraft
+from models.families.ngram.export_vllm import export_vllm_ngram
 
 K, L = 3, 2
 
@@ -165,10 +161,10 @@ def test_ngram_speculative_config(tmp_path):
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 2}
     with pytest.raises(ValueError, match="w >= 1"):
         vllm_ngram_config({"w": 0})
-    from models.registry import FAMILIES  # each family names its exporter (FamilyFacts.exporters["vllm"])
+    from models.registry import family_spec  # each family registers its writer (FamilySpec.writers["vllm"])
 
-    assert FAMILIES["medusa"].writer("vllm") is export_vllm_medusa
-    assert FAMILIES["ngram"].writer("vllm") is export_vllm_ngram
+    assert family_spec("medusa").writers["vllm"] is export_vllm_medusa
+    assert family_spec("ngram").writers["vllm"] is export_vllm_ngram
     assert main(["export", "--format", "vllm", "--method", "ngram", "--out", str(tmp_path / "ng"),
                  "extra.w=5", "extra.q=3"]) == 0
     spec = json.loads((tmp_path / "ng" / SPECULATIVE_CONFIG_FILE).read_text())

@@ -1,13 +1,14 @@
 """No code outside a family's own files asks about the family by its name; what such code asked is a fact the family
-declares (models/family.py: FamilyFacts; its drafter module, eval/engine/drafters/registry.py), read by the callers,
-and the registries themselves are found in the families' modules, not listed.
+declares (models/family.py: FamilyFacts, FamilySpec; its drafter module, eval/engine/drafters/registry.py), read by
+the callers, and every family is registered once (models/families/__init__.py).
 
 The scan parses every .py file of the source packages with `ast` and collects, for each family name (the registry's
 names and their aliases) and each family's model class:
   - branches: comparisons (==, !=, in, not in) and match-cases on a family-name string literal;
   - tables: a dict literal keyed by a family name, a tuple / list / set literal holding one (or a family's class);
   - isinstance / issubclass against a family's class.
-A family's own files may do any of these (an exporter refusing another family's draft); any other file fails with
+A family's own files, its folder models/families/<name>/, may do any of these (an exporter refusing another family's
+draft); any other file fails with
 file:line, except the few listed in EXCEPTIONS with their reason (the export format `medusa` and llama.cpp's own
 n-gram drafter share a family's name). The remaining tests pin the declarations that replaced the old branches and
 tables to what those did.
@@ -19,6 +20,8 @@ import ast
 import re
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from models.registry import DRAFT_MODELS, FAMILIES
 
@@ -37,7 +40,6 @@ EXCEPTIONS = {
                                             "the Medusa and Hydra++ shapes and recipes that table names"),
     ("models/family.py", "medusa"): (1, "EXPORT_FORMATS: `medusa` is also the name of the original Medusa layout, "
                                         "an export format"),
-    ("models/export/formats.py", "medusa"): (1, "FORMAT_WRITERS is keyed by export format, `medusa` among them"),
     ("eval/serving/llamacpp_check.py", "ngram"): (1, "the report's section of llama.cpp's own n-gram drafter "
                                                      "(ngram-simple), not our family"),
     ("bench/llamacpp_serving.py", "ngram"): (3, "rows of llama.cpp's own n-gram drafter (ngram-simple)"),
@@ -45,9 +47,9 @@ EXCEPTIONS = {
 
 
 def own_files(family: str) -> list[str]:
-    """Glob patterns (relative to the checkout) of a family's own source files."""
-    return [f"models/{family}.py", f"eval/engine/drafters/{family}.py", f"eval/engine/drafters/{family}_*.py",
-            f"losses/{family}.py", f"models/export/*{family}*.py"]
+    """Glob patterns (relative to the checkout) of a family's own source files: its folder, and its loss module (losses/
+    sits below models, so a family's loss stays there)."""
+    return [f"models/families/{family}/*.py", f"losses/{family}.py"]
 
 
 def is_own(rel: str, family: str) -> bool:
@@ -63,7 +65,7 @@ def _literals(node: ast.AST) -> list[str]:
 
 
 def _class_names(node: ast.AST) -> list[str]:
-    """Family classes named by `node` (MedusaDraft, models.medusa.MedusaDraft, or a tuple of them)."""
+    """Family classes named by `node` (MedusaDraft, models.families.medusa.model.MedusaDraft, or a tuple of them)."""
     if isinstance(node, ast.Name) and node.id in CLASSES:
         return [node.id]
     if isinstance(node, ast.Attribute) and node.attr in CLASSES:
@@ -131,8 +133,8 @@ def unexpected_uses(found: dict[tuple[str, str], list[tuple[int, str]]]) -> list
 
 def test_no_branch_table_or_isinstance_on_a_family_outside_its_own_files():
     bad = unexpected_uses(scan())
-    assert len(bad) == 0, ("move the fact into the family's declaration (FamilyFacts in models/<family>.py, or its "
-                           "drafter module, eval/engine/drafters/<family>.py), and derive the table from the "
+    assert len(bad) == 0, ("move the fact into the family's declaration (FamilyFacts / FamilySpec in its folder "
+                           "models/families/<family>/, or its drafter module there), and derive the table from the "
                            "registry (models/registry.py):\n" + "\n".join(bad))
 
 
@@ -143,7 +145,7 @@ def test_the_scan_finds_each_kind_of_use():
            'match m:\n    case "hydra_pp": pass\n'
            'd = {"eagle3": 1}\n'
            'T = ("redrafter", "ctc")\n'
-           'M = [MedusaDraft, models.dspark.DSparkDraft]\n'
+           'M = [MedusaDraft, models.families.dspark.model.DSparkDraft]\n'
            'ok = isinstance(draft, (Eagle3Draft, object))\n'
            'f("ngram")\n'  # passing a name is not asking about the family
            'g = FAMILIES[name].title\n')
@@ -152,10 +154,11 @@ def test_the_scan_finds_each_kind_of_use():
         (5, "hydra", "branches on"), (6, "eagle3", "keys a table by"), (7, "ctc", "lists"),
         (7, "redrafter", "lists"), (8, "dspark", "lists the class of"), (8, "medusa", "lists the class of"),
         (9, "eagle3", "isinstances on")]
-    assert is_own("models/export/speculators_dflash.py", "dflash") and is_own("models/medusa.py", "medusa")
-    assert is_own("eval/engine/drafters/eagle3_tune.py", "eagle3")
+    assert is_own("models/families/dflash/export_speculators.py", "dflash")
+    assert is_own("models/families/medusa/model.py", "medusa") and is_own("models/families/eagle3/tune.py", "eagle3")
     assert not is_own("models/export/speculators.py", "eagle3") and not is_own("eval/tune/ours.py", "ctc")
-    assert not is_own("bench/models/medusa.py", "medusa")
+    assert not is_own("models/families/eagle3/model.py", "medusa") and not is_own("models/families/__init__.py", "ctc")
+    assert not is_own("bench/models/medusa.py", "medusa") and not is_own("models/eagle3.py", "eagle3")
 
 
 def test_a_table_put_back_fails_the_scan(tmp_path):
@@ -180,17 +183,15 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_no_family_module_imports_another_familys_module():
-    """Shared blocks live in models/components.py (and models/prefix_attention.py), not in one family's module."""
-    packages = ("models", "eval.engine.drafters", "losses")
+    """Shared blocks live in models/components.py (and models/prefix_attention.py), not in one family's folder."""
     bad = []
     for family in FAMILIES:
-        for package in packages:
-            path = ROOT / (package.replace(".", "/") + f"/{family}.py")
+        for path in sorted((ROOT / "models" / "families" / family).glob("*.py")) + [ROOT / "losses" / f"{family}.py"]:
             if not path.is_file():
                 continue
             for other in set(FAMILIES) - {family}:
                 bad += [f"{path.relative_to(ROOT)} imports {m}" for m in _imports(path)
-                        if any(re.fullmatch(rf"{re.escape(p)}\.{other}(\..*)?", m) for p in packages)]
+                        if re.fullmatch(rf"(models\.families|losses)\.{other}(\..*)?", m)]
     assert not bad, "\n".join(bad)
 
 
@@ -252,38 +253,47 @@ def test_every_export_format_has_a_writer():
     assert set(FORMAT_WRITERS) | {"gguf"} == set(EXPORT_FORMATS)
 
 
-def test_every_declared_writer_imports():
-    """FamilyFacts.exporters names functions by "module:function"; each resolves to a callable (a typo fails here,
-    not in the middle of an export)."""
-    for name, facts in FAMILIES.items():
-        for fmt in facts.exporters:
-            assert callable(facts.writer(fmt)), f"{name}: {fmt} writer {facts.exporters[fmt]}"
+def test_every_family_format_has_the_familys_writer():
+    """Each format whose files differ per family has its family's writer (FamilySpec checks it when built), and each
+    family llama.cpp serves has its role module gguf with `converter_input` (found by name by eval/serving)."""
+    import importlib
+
+    from models.family import OWN_FORMATS
+    from models.registry import SPECS
+
+    for name, spec in SPECS.items():
+        assert set(spec.writers) == set(spec.facts.export_formats) & set(OWN_FORMATS), name
+        assert all(callable(w) for w in spec.writers.values()), name
+        if spec.facts.llamacpp_spec_type:
+            assert callable(importlib.import_module(f"{spec.package}.gguf").converter_input), name
 
 
 def test_derived_tables_are_the_old_ones():
+    import importlib
+
     """The tables kept by hand before the declarations, pinned to what they held."""
     from eval.harness.runner import LEARNING_FREE_METHODS
-    from eval.serving.llamacpp_gguf import dflash_converter_input, eagle3_converter_input
-    from models.export.vllm import (
-        SCHEDULE_METHODS,
-        export_vllm_dflash,
-        export_vllm_dspark,
-        export_vllm_eagle3,
-        export_vllm_medusa,
-        export_vllm_ngram,
-    )
-    from models.registry import learning_free_vllm_families
+    from models.families.dflash.export_vllm import export_vllm_dflash
+    from models.families.dflash.gguf import converter_input as dflash_converter_input
+    from models.families.dspark.export_vllm import export_vllm_dspark
+    from models.families.eagle3.export_vllm import export_vllm_eagle3
+    from models.families.eagle3.gguf import converter_input as eagle3_converter_input
+    from models.families.medusa.export_vllm import export_vllm_medusa
+    from models.families.ngram.export_vllm import export_vllm_ngram
+    from models.registry import SPECS, learning_free_vllm_families, vllm_schedule_methods
     from train.chain_estimate import CHAIN_FAMILIES
 
     # models/export/vllm.py VLLM_EXPORTERS (vLLM method -> exporter)
-    vllm = {f.vllm_method: f.writer("vllm") for f in FAMILIES.values() if f.vllm_method}
+    vllm = {s.facts.vllm_method: s.writers["vllm"] for s in SPECS.values() if s.facts.vllm_method}
     assert {m: vllm[m] for m in ("medusa", "eagle3", "dflash", "dspark", "ngram")} == {
         "medusa": export_vllm_medusa, "eagle3": export_vllm_eagle3, "dflash": export_vllm_dflash,
         "dspark": export_vllm_dspark, "ngram": export_vllm_ngram}
     # eval/serving/llamacpp_gguf.py CONVERTER_INPUTS
-    assert FAMILIES["eagle3"].writer("gguf") is eagle3_converter_input
-    assert FAMILIES["dflash"].writer("gguf") is dflash_converter_input
-    assert set(SCHEDULE_METHODS) >= {"eagle3", "dflash"} and not {"medusa", "dspark", "ngram"} & set(SCHEDULE_METHODS)
+    gguf = {n: importlib.import_module(f"{s.package}.gguf").converter_input for n, s in SPECS.items()
+            if s.facts.llamacpp_spec_type}
+    assert gguf == {"eagle3": eagle3_converter_input, "dflash": dflash_converter_input}
+    schedule = vllm_schedule_methods()
+    assert set(schedule) >= {"eagle3", "dflash"} and not {"medusa", "dspark", "ngram"} & set(schedule)
     assert set(CHAIN_FAMILIES) >= {"medusa", "hydra", "eagle3", "redrafter"}
     assert not {"ctc", "dflash", "dspark", "ngram"} & set(CHAIN_FAMILIES)
     assert "ngram" in LEARNING_FREE_METHODS and not set(DRAFT_MODELS) & set(LEARNING_FREE_METHODS)
@@ -301,37 +311,29 @@ def test_demo_names_a_hydra_pp_run():
     assert _family(load_train_config([str(ROOT / "configs" / "medusa.yaml")])) == "Medusa"
 
 
-def test_the_registries_are_found_not_listed():
-    """FAMILIES holds exactly the models/ modules that declare `facts`, DRAFTERS exactly the families with a drafter
-    module (neither registry file lists one: the scan above would report it)."""
+def test_the_registries_are_the_one_registration():
+    """FAMILIES holds exactly the packages of models/families/ (each registered once, in BUILT_IN), DRAFTERS exactly
+    the families whose package has a drafter module (neither registry file lists one: the scan above would report
+    it)."""
     from eval.engine.drafters.registry import DRAFTERS
-    from models.registry import _declares_facts
+    from models.families import BUILT_IN
+    from models.registry import SPECS
 
-    declaring = {p.stem for p in (ROOT / "models").glob("*.py") if _declares_facts(p)}
-    assert set(FAMILIES) == declaring
-    assert set(DRAFTERS) == {f for f in FAMILIES if (ROOT / "eval" / "engine" / "drafters" / f"{f}.py").is_file()}
+    folders = {p.parent.name for p in (ROOT / "models" / "families").glob("*/__init__.py")}
+    assert set(FAMILIES) == folders == {package.spec.name for package in BUILT_IN}
+    assert all(SPECS[p.spec.name].package == p.__name__ == f"models.families.{p.spec.name}" for p in BUILT_IN)
+    assert set(DRAFTERS) == {f for f in FAMILIES if (ROOT / "models" / "families" / f / "drafter.py").is_file()}
 
 
-def test_a_wrong_declaration_fails_naming_the_fix(tmp_path):
-    from types import ModuleType
+def test_a_wrong_registration_fails_naming_the_fix():
+    from models.families import register_family
+    from models.family import FamilyFacts, FamilySpec
 
-    from models.family import FamilyFacts
-    from models.registry import _declaration
-
-    module = ModuleType("models.other")
-    module.facts = FamilyFacts("ngram2", "N-gram 2", ("specdraft",), trainable=False)
-    try:
-        _declaration(module)
-        raise AssertionError("a module named other declaring ngram2 must fail")
-    except ValueError as err:
-        assert "models/ngram2.py" in str(err)
-    try:
-        FamilyFacts("x", "X", ("specdraft", "vllm"), vllm_method="x")
-        raise AssertionError("a vLLM method without its writer must fail")
-    except ValueError as err:
-        assert "exporters" in str(err)
-    try:
-        FamilyFacts("x", "X", exporters={"vllm": "models.export.vllm:f"})
-        raise AssertionError("a writer of a format the family does not have must fail")
-    except ValueError as err:
-        assert "vllm" in str(err)
+    with pytest.raises(ValueError, match="writers"):  # a vLLM format without its writer
+        FamilySpec("x", FamilyFacts("x", "X", ("vllm",), vllm_method="x", trainable=False))
+    with pytest.raises(ValueError, match="writers"):  # a writer of a format the family does not have
+        FamilySpec("x", FamilyFacts("x", "X", trainable=False), writers={"vllm": print})
+    with pytest.raises(ValueError, match="learning-free"):  # a trainable family without its model class
+        FamilySpec("x", FamilyFacts("x", "X"))
+    with pytest.raises(ValueError, match="registered already"):  # another family under a taken name
+        register_family(FamilySpec("x", FamilyFacts("medusa", "M", trainable=False)))

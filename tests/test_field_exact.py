@@ -15,11 +15,11 @@ from helpers.drafts import greedy_continuation_batch
 from eval.engine.backends.hf import HFBackend
 from eval.engine.backends.replay import ReplayBackend, ReplayError
 from eval.engine.decoder import speculative_generate
-from eval.engine.drafters.ngram import NgramDrafter
 from eval.engine.drafters.registry import build_drafter
 from eval.harness.config import EvalConfig
-from models.ctc import CTCOptions
 from models.draft import BaseView
+from models.families.ctc.model import CTCOptions
+from models.families.ngram.drafter import NgramDrafter
 from models.registry import DRAFT_MODELS
 from train.config import DraftSection, LossSection
 

@@ -1,4 +1,4 @@
-"""The field benchmark's lockstep EAGLE-3 simulator (eval/harness/field_lockstep.py) against its slow twin, the
+"""The field benchmark's lockstep EAGLE-3 simulator (models/families/eagle3/lockstep.py) against its slow twin, the
 per-prompt path (eval/harness/field.py: simulate = the unchanged decoder loop against a ReplayBackend), on the tiny
 base: per prompt and step the same accepted lengths, accept / proposed counts per depth, tree nodes and tokens, for a
 chain, the EAGLE-2 tree (also with a draft vocabulary), P-EAGLE's parallel chain, and a saturated draft whose scores
@@ -25,11 +25,11 @@ from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate
-from eval.engine.drafters.eagle3 import Eagle3Drafter
 from eval.harness.field import run_field, simulate, teacher_forced
-from eval.harness.field_lockstep import LockstepEagle3, run_lockstep
 from eval.harness.field_refs import TAIL, RefPrompt
-from models.eagle3 import Eagle3Draft
+from models.families.eagle3.drafter import Eagle3Drafter
+from models.families.eagle3.lockstep import LockstepEagle3, run_lockstep
+from models.families.eagle3.model import Eagle3Draft
 from train.config import LossSection
 
 NEW = 24  # answer tokens per stored prompt

@@ -5,10 +5,10 @@ set (22 prompts over 11 sets), for the chain of 4 and the dynamic 16-node tree:
    for step: the same tokens, accepted lengths, per-depth accepted / proposed counts, tree nodes, and the same
    drafted tree (tokens, parents, depths) at every step. A prompt whose decode leaves its stored answer FAILS:
    the simulation would then judge a continuation decoding does not produce here;
-2. the batched path (lockstep, eval/harness/field_lockstep.py, the default width) equals the one-at-a-time path on
+2. the batched path (lockstep, models/families/eagle3/lockstep.py, the default width) equals the one-at-a-time path on
    the full stored answers, row for row and tree for tree (each tree as the set of token paths it proposes): any step
    that differs fails, with the count printed. A prompt that meets a near tie is redone on the exact path, as
-   `specdraft field` does (eval/harness/field_lockstep.py: TIE_EPS); the test prints which.
+   `specdraft field` does (models/families/eagle3/lockstep.py: TIE_EPS); the test prints which.
 
 Both were shown to fail with a defect put back (a perturbed lockstep draft; a stored answer changed by one token)."""
 
@@ -124,7 +124,7 @@ def test_decoding_equals_the_simulation_step_for_step(shipped, shape):
 def test_lockstep_equals_one_at_a_time_on_real_answers(shipped, shape, monkeypatch, tmp_path):
     import eval.harness.field as field
     from eval.harness.field import LOCKSTEP_WIDTH, ROW_FIELDS, ensure_cache, load_cached, run_field, sim_row
-    from eval.harness.field_lockstep import LockstepEagle3
+    from models.families.eagle3.lockstep import LockstepEagle3
 
     loaded, picked, eos, backend_name = shipped
     drafter = _drafter(loaded, shape)

@@ -10,7 +10,7 @@ from data.dataset import build_datasets, collate
 from data.hidden_cache import HiddenCache, build_hidden_cache, cache_key, collate_cached, estimate_bytes
 from models.base import HiddenStates, last_hidden_and_logits, load_base
 from models.draft import BaseView, DraftBatch
-from models.medusa import MedusaDraft
+from models.families.medusa.model import MedusaDraft
 from train.config import LossSection, load_train_config
 
 

@@ -9,7 +9,7 @@ from torch.nn import functional as F
 from data.targets import offset_labels
 from models.draft import BaseView, DraftBatch
 from models.export.specdraft import export_specdraft, load_draft
-from models.hydra import HydraDraft
+from models.families.hydra.model import HydraDraft
 from models.tiny import tiny_llama
 from train.config import LossSection
 

@@ -17,12 +17,12 @@ from helpers.drafts import perturb
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.engine.drafters.drafter import DecodeState
-from eval.engine.drafters.hydra import HydraDrafter
 from eval.engine.drafters.registry import build_drafter
 from eval.engine.tree import STATIC_TREES, StaticTree
 from eval.harness.config import EvalConfig
 from models.draft import BaseView, DraftBatch
-from models.hydra import HydraDraft
+from models.families.hydra.drafter import HydraDrafter
+from models.families.hydra.model import HydraDraft
 from train.config import LossSection
 
 FULL_3x3 = tuple((a,) for a in range(3)) + tuple((a, b) for a in range(3) for b in range(3)) + tuple(

@@ -10,11 +10,15 @@ included, goes down the stack or stays inside its own package, and the module gr
     eval.serving              the only code that knows a serving engine (vLLM, llama.cpp)
     eval.tune                 `specdraft tune`: the sweep over our decoder and the serving engines, its report
     cli                       the composition root: the only package that may import across
+
+A family's package (models/families/<name>/) holds files of several layers: each takes the layer of the package its
+role belongs to (ROLES, by module name), the rest (model, layers, export writers, the registration) the models one.
 """
 
 from __future__ import annotations
 
 import ast
+import fnmatch
 from pathlib import Path
 
 import pytest
@@ -35,10 +39,20 @@ LAYERS = {
     "eval.tune": 7,  # drives our decoder (harness) and the serving engines: above them
     "cli": 8,
 }
+# A family's role module -> the package whose layer it is on (the layers above models import it by its fixed name).
+ROLES = {
+    "models.families.*.drafter": "eval.engine",  # its Drafter and drafter declaration
+    "models.families.*.tune": "eval.engine",  # more of the drafter declaration (tune's shapes)
+    "models.families.*.lockstep": "eval.engine",  # a batched simulation of its drafter on stored answers
+    "models.families.*.gguf": "eval.serving",  # what llama.cpp's converter reads
+}
 PACKAGES = ("core", "data", "losses", "models", "train", "eval", "cli")
 
 
 def package_of(module: str) -> str:
+    for pattern, package in ROLES.items():
+        if fnmatch.fnmatchcase(module, pattern):
+            return package
     best = ""
     for pkg in LAYERS:
         if (module == pkg or module.startswith(pkg + ".")) and len(pkg) > len(best):
@@ -177,3 +191,15 @@ def module_name_in(root: Path, path: Path) -> str:
 
 def test_the_checker_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_a_familys_files_take_the_layer_of_their_role():
+    """ROLES: a family's drafter is on eval.engine's layer, its gguf on eval.serving's, the rest on the models
+    layer's; so its model importing its own drafter goes up, and its drafter importing its model goes down."""
+    assert package_of("models.families.eagle3.drafter") == "eval.engine"
+    assert package_of("models.families.eagle3.gguf") == "eval.serving"
+    assert package_of("models.families.eagle3.model") == "models"
+    graph = {"models.families.toy.model": {"models.families.toy.drafter"},
+             "models.families.toy.drafter": {"models.families.toy.model", "eval.engine.tree"}}
+    assert upward_imports(graph) == ["models.families.toy.model (models, layer 2) imports "
+                                     "models.families.toy.drafter (eval.engine, layer 3)"]

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 
 from cli.main import main
-from eval.serving.llamacpp_gguf import eagle3_converter_input
 from eval.serving.llamacpp_paths import LLAMACPP_PIN, LlamaCppError, converter_python, llama_server
 from eval.serving.llamacpp_server import LlamaServer
 from eval.serving.serve_check_report import (
@@ -26,7 +25,8 @@ from eval.serving.serve_check_report import (
     outputs_identical,
 )
 from models.draft import BaseView
-from models.eagle3 import Eagle3Draft
+from models.families.eagle3.gguf import converter_input as eagle3_converter_input
+from models.families.eagle3.model import Eagle3Draft
 from models.registry import FAMILIES, llamacpp_families
 from models.tiny import tiny_llama_config
 

@@ -7,7 +7,7 @@ from helpers.drafts import random_ids_and_hidden, teacher_loss_sum_by_hand, tiny
 
 from data.targets import offset_labels
 from models.draft import DraftBatch
-from models.medusa import MedusaDraft
+from models.families.medusa.model import MedusaDraft
 from train.config import LossSection
 
 

@@ -9,7 +9,7 @@ import torch
 from eval.engine.backends.fast import FastBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.engine.drafters.drafter import DecodeState
-from eval.engine.drafters.ngram import (
+from models.families.ngram.drafter import (
     NgramDrafter,
     context_rows,
     context_rows_reference,
@@ -18,7 +18,7 @@ from eval.engine.drafters.ngram import (
     merge_rows,
     ngram_options,
 )
-from models.ngram import BigramTable, build_bigram_table
+from models.families.ngram.model import BigramTable, build_bigram_table
 from models.tiny import diverse_tiny_llama, tiny_llama
 
 

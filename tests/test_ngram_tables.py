@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.base import load_base
-from models.ngram import (
+from models.families.ngram.model import (
     BigramTable,
     bigram_table_for,
     build_bigram_table,

@@ -28,16 +28,17 @@ from data.targets import offset_labels
 from eval.engine.backends.fast import FastBackend
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import speculative_generate
-from eval.engine.drafters.eagle3 import Eagle3Drafter
 from eval.engine.drafters.registry import DRAFTERS, build_drafter
 from eval.harness.config import EvalConfig
 from models.base import last_hidden_and_aux
 from models.draft import BaseView
-from models.eagle3 import Eagle3Draft
-from models.eagle3_ttt import cod_keep
+from models.export.formats import export_vllm
 from models.export.specdraft import export_specdraft, load_draft
-from models.export.speculators import export_speculators, load_speculators
-from models.export.vllm import SPECULATIVE_CONFIG_FILE, export_vllm
+from models.export.vllm import SPECULATIVE_CONFIG_FILE
+from models.families.eagle3.drafter import Eagle3Drafter
+from models.families.eagle3.export_speculators import export_speculators, load_speculators
+from models.families.eagle3.model import Eagle3Draft
+from models.families.eagle3.ttt import cod_keep
 from train.config import LossSection
 
 D2T = torch.tensor([7, 3, 100, 250, 64, 9, 11, 12, 13, 200, 201, 5])

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 def test_dflash_trains_from_the_cache_and_decodes_losslessly(tmp_path):
     from models.base import load_base
     from models.draft import BaseView
+    from models.export.formats import export_vllm
     from models.export.specdraft import load_draft
-    from models.export.speculators_dflash import load_dflash_speculators
-    from models.export.vllm import export_vllm
+    from models.families.dflash.export_speculators import load_dflash_speculators
     from train.loop import train
 
     run_dir = tmp_path / "dflash"

@@ -18,7 +18,7 @@ def test_eagle3_trains_from_the_cache_and_decodes_losslessly(tmp_path):
     from models.base import load_base
     from models.draft import BaseView
     from models.export.specdraft import load_draft
-    from models.export.speculators import export_speculators, load_speculators
+    from models.families.eagle3.export_speculators import export_speculators, load_speculators
     from train.loop import train
 
     run_dir = tmp_path / "eagle3"

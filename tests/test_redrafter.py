@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from core.config_loader import ConfigError
 from data.targets import offset_labels
 from models.draft import BaseView, DraftBatch
-from models.redrafter import ReDrafterDraft
+from models.families.redrafter.model import ReDrafterDraft
 from train.config import LossSection, load_train_config
 
 

@@ -17,10 +17,10 @@ from eval.engine.backends.hf import HFBackend
 from eval.engine.beam_search import beam_search, beam_search_reference
 from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.engine.drafters.drafter import DecodeState
-from eval.engine.drafters.redrafter import ReDrafterDrafter
 from eval.engine.drafters.registry import build_drafter
 from models.draft import BaseView, DraftBatch
-from models.redrafter import ReDrafterDraft
+from models.families.redrafter.drafter import ReDrafterDrafter
+from models.families.redrafter.model import ReDrafterDraft
 from train.config import LossSection
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, busy CPU

@@ -9,10 +9,10 @@ import torch
 from cli.main import main as cli_main
 from models.base import load_base
 from models.draft import BaseView
-from models.export.redrafter_trtllm import export_redrafter_trtllm, load_redrafter_trtllm
 from models.export.specdraft import export_specdraft, load_draft, read_tensors
-from models.medusa import MedusaDraft
-from models.redrafter import ReDrafterDraft
+from models.families.medusa.model import MedusaDraft
+from models.families.redrafter.export_trtllm import export_redrafter_trtllm, load_redrafter_trtllm
+from models.families.redrafter.model import ReDrafterDraft
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_specdraft_export_round_trips(kw, base, view, tmp_path):
 
 def test_trtllm_layout_names_and_config(view, tmp_path):
     draft = _trained_like(ReDrafterDraft(5, 2, view))
-    export_redrafter_trtllm(draft, tmp_path / "trt", "tiny", view, beam_width=8, beam_length=5)
+    export_redrafter_trtllm(draft, tmp_path / "trt", {"base_model": "tiny"}, view, beam_width=8, beam_length=5)
     cfg = json.loads((tmp_path / "trt" / "config.json").read_text())
     d = view.hidden_size
     assert cfg["model_type"] == "recurrent_drafting_drafter"
@@ -80,7 +80,7 @@ def test_trtllm_layout_names_and_config(view, tmp_path):
 @pytest.mark.parametrize("kw", VARIANTS)
 def test_trtllm_export_reads_back_into_a_fresh_model(kw, view, tmp_path):
     draft = _trained_like(ReDrafterDraft(5, 2, view, **kw), seed=3)
-    export_redrafter_trtllm(draft, tmp_path / "trt", "tiny", view)
+    export_redrafter_trtllm(draft, tmp_path / "trt", {"base_model": "tiny"}, view)
     tensors = read_tensors(tmp_path / "trt" / "model.safetensors")
     assert ("input_proj.weight" in tensors) == bool(kw.get("share_lm_head"))
     assert ("rnn_u.weight" in tensors) == kw.get("rnn", True)
@@ -96,9 +96,9 @@ def test_trtllm_export_reads_back_into_a_fresh_model(kw, view, tmp_path):
 
 def test_trtllm_export_rejects_other_families_and_bad_beams(view, tmp_path):
     with pytest.raises(ValueError, match="ReDrafter"):
-        export_redrafter_trtllm(MedusaDraft(2, 1, view), tmp_path / "m", "tiny", view)
+        export_redrafter_trtllm(MedusaDraft(2, 1, view), tmp_path / "m", {"base_model": "tiny"}, view)
     with pytest.raises(ValueError, match="beam_length"):
-        export_redrafter_trtllm(ReDrafterDraft(2, 1, view), tmp_path / "r", "tiny", view, beam_length=1)
+        export_redrafter_trtllm(ReDrafterDraft(2, 1, view), tmp_path / "r", {"base_model": "tiny"}, view, beam_length=1)
     assert not (tmp_path / "r").exists()
 
 

@@ -236,7 +236,7 @@ def test_longest_match_proposes_what_vllms_ngram_proposer_proposes():
 
     import torch
 
-    from eval.engine.drafters.ngram import longest_match_row
+    from models.families.ngram.drafter import longest_match_row
 
     gen = torch.Generator().manual_seed(0)
     cases = []

@@ -14,7 +14,6 @@ from core.config_loader import ConfigError
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate, speculative_generate
 from eval.engine.drafters.drafter import DecodeState, Drafter
-from eval.engine.drafters.medusa import MedusaDrafter
 from eval.engine.tree import STATIC_TREES, StaticTree, Tree
 from eval.harness.tree_search import (
     acceptance_curve,
@@ -29,7 +28,8 @@ from eval.harness.tree_search import (
     tree_choices,
 )
 from models.draft import BaseView
-from models.medusa import MedusaDraft
+from models.families.medusa.drafter import MedusaDrafter
+from models.families.medusa.model import MedusaDraft
 
 VOCAB, DEPTH, NEW = 320, 4, 40
 

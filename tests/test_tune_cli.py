@@ -162,8 +162,9 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, ca
 
     from eval.harness.config import EvalConfig
     from eval.tune import AR, Setting, choose, machine_info, tuned_serving_chain, write_export
+    from models.export.formats import export_vllm
     from models.export.load import load_export
-    from models.export.vllm import TUNED_TOKENS_KEY, export_vllm, read_speculative_config
+    from models.export.vllm import TUNED_TOKENS_KEY, read_speculative_config
 
     export = medusa_export_on_servable_base(tmp_path, num_heads=3)
 
@@ -194,8 +195,8 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, ca
 
     from models.base import load_base
     from models.draft import BaseView
-    from models.eagle3 import Eagle3Draft
     from models.export.specdraft import export_specdraft
+    from models.families.eagle3.model import Eagle3Draft
 
     base = load_base(str(tmp_path / "base"), dtype="fp32")
     torch.manual_seed(0)
@@ -296,9 +297,9 @@ def test_tune_ours_sweeps_eagle3_trees_down_to_a_4_node_tree_of_2_draft_steps(tm
     from eval.tune import AR, OursEngine
     from models.base import load_base
     from models.draft import BaseView
-    from models.eagle3 import Eagle3Draft
     from models.export.load import load_export
     from models.export.specdraft import export_specdraft
+    from models.families.eagle3.model import Eagle3Draft
 
     base = load_base("tiny")
     torch.manual_seed(0)

@@ -161,8 +161,8 @@ def _eagle3_export(tmp_path: Path) -> Path:
 
     from models.base import load_base
     from models.draft import BaseView
-    from models.eagle3 import Eagle3Draft
     from models.export.specdraft import export_specdraft
+    from models.families.eagle3.model import Eagle3Draft
 
     base = load_base("tiny", dtype="fp32")
     torch.manual_seed(0)

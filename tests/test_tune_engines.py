@@ -29,8 +29,9 @@ def test_tune_vllm_end_to_end(tmp_path, capsys):
     tuning.json, and config.json's speculative-token count follows it into a fresh vLLM export."""
     from vllm_fixtures import medusa_export_on_servable_base
 
+    from models.export.formats import export_vllm
     from models.export.load import load_export
-    from models.export.vllm import TUNED_TOKENS_KEY, export_vllm, read_speculative_config
+    from models.export.vllm import TUNED_TOKENS_KEY, read_speculative_config
 
     export = medusa_export_on_servable_base(tmp_path)
     rc = tune(["--draft", str(export), "--engine", "vllm", "--config", "configs/eval/smoke.yaml",
@@ -64,8 +65,8 @@ def test_tune_llamacpp_end_to_end(tmp_path, capsys):
 
     from models.base import load_base
     from models.draft import BaseView
-    from models.eagle3 import Eagle3Draft
     from models.export.specdraft import export_specdraft
+    from models.families.eagle3.model import Eagle3Draft
 
     base = load_base("smollm2", dtype="fp32")
     torch.manual_seed(0)
@@ -104,10 +105,11 @@ def test_vllm_loads_an_export_with_a_schedule_and_drafts_what_it_says_per_batch_
     from eval.tune.serving import VllmSession
     from models.base import load_base
     from models.draft import BaseView
-    from models.eagle3 import Eagle3Draft
+    from models.export.formats import export_vllm
     from models.export.load import load_export
     from models.export.specdraft import export_specdraft
-    from models.export.vllm import TUNED_SCHEDULE_KEY, export_vllm, read_engine_args, read_speculative_config
+    from models.export.vllm import TUNED_SCHEDULE_KEY, read_engine_args, read_speculative_config
+    from models.families.eagle3.model import Eagle3Draft
 
     base_dir = servable_tiny_base(tmp_path / "base", num_layers=8)
     base = load_base(str(base_dir), dtype="fp32")

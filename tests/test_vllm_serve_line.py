@@ -48,8 +48,9 @@ def _ask(port: int, model: str) -> dict:
 @pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
 @pytest.mark.parametrize("speculate", [False, True])
 def test_the_printed_line_serves_one_request(tmp_path, speculate):
+    from models.export.formats import export_vllm
     from models.export.load import load_export
-    from models.export.vllm import export_vllm, read_speculative_config
+    from models.export.vllm import read_speculative_config
 
     export = medusa_export_on_servable_base(tmp_path)
     base_dir = tmp_path / "base"

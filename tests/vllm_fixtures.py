@@ -14,7 +14,7 @@ import torch
 from models.base import load_base
 from models.draft import BaseView
 from models.export.specdraft import export_specdraft
-from models.medusa import MedusaDraft
+from models.families.medusa.model import MedusaDraft
 from models.tiny import tiny_llama, tiny_tokenizer
 
 
@@ -58,7 +58,7 @@ def medusa_export_on_servable_base(root: Path, num_heads: int = 3, draft_vocab: 
 
 def hydra_export_on_servable_base(root: Path, num_heads: int = 2) -> Path:
     """Like medusa_export_on_servable_base, with a Hydra draft: a family vLLM has no method for."""
-    from models.hydra import HydraDraft
+    from models.families.hydra.model import HydraDraft
 
     base_dir = servable_tiny_base(root / "base")
     base = load_base(str(base_dir), dtype="fp32")
@@ -93,7 +93,7 @@ def eagle3_export_on_servable_base(root: Path, steps: int = 80, **draft_kw) -> P
     (ttt_steps 3; draft_kw: P-EAGLE's or the normalisation variants' options) fitted for `steps` steps to the base's
     own greedy answers (80: memorised; fewer: part way, so acceptance falls with depth), so both engines accept real
     drafts at every position and the per-position check compares non-zero numbers."""
-    from models.eagle3 import Eagle3Draft
+    from models.families.eagle3.model import Eagle3Draft
     from train.config import LossSection
 
     base = load_base(str(servable_tiny_base(root / "base", num_layers=8)), dtype="fp32")
@@ -108,7 +108,7 @@ def eagle3_export_on_servable_base(root: Path, steps: int = 80, **draft_kw) -> P
 def dflash_export_on_servable_base(root: Path, block_size: int = 4, steps: int = 60) -> Path:
     """root/base + root/run/export: a DFlash draft that memorised the base's own greedy answers to the smoke eval
     prompts (so both engines accept real drafts and the per-position check compares non-zero numbers)."""
-    from models.dflash import DFlashDraft, DFlashLossOptions
+    from models.families.dflash.model import DFlashDraft, DFlashLossOptions
     from train.config import LossSection
 
     base = load_base(str(servable_tiny_base(root / "base")), dtype="fp32")

@@ -5,9 +5,9 @@
 Each component receives only its own section (cfg.data, cfg.draft, ...). `validate` runs at load and
 fails with the key and the fix, so a bad value never reaches a half-finished run.
 
-The options only one family reads are not here: each family declares them as dataclasses in its own file
-(FamilyFacts.draft_options / loss_options, models/<family>.py), and DraftSection / LossSection nest them as
-`draft.<family>` / `loss.<family>` (`draft.eagle3.ttt_steps`, `loss.ctc.token_weight`). The flat keys they had
+The options only one family reads are not here: each family declares them as dataclasses in its own folder
+(FamilyFacts.draft_options / loss_options, models/families/<family>/model.py), and DraftSection / LossSection nest
+them as `draft.<family>` / `loss.<family>` (`draft.eagle3.ttt_steps`, `loss.ctc.token_weight`). The flat keys they had
 before (`draft.ttt_steps`) still load, read at their new place with a note (`upgrade_flat_keys`).
 """
 
@@ -95,7 +95,7 @@ class SharedLossSection:
 
 def _with_family_sections(shared: type, section: str) -> type:
     """`shared` plus one field per family with options in this section ("draft" / "loss"): <section>.<family>, an
-    instance of the family's own dataclass (models/<family>.py), defaults and all."""
+    instance of the family's own dataclass (models/families/<family>/model.py), defaults and all."""
     own = option_sections(section)
     clash = sorted(set(own) & {f.name for f in dataclasses.fields(shared)})
     if clash:

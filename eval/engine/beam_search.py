@@ -27,7 +27,7 @@ class BeamResult:
 
 @torch.inference_mode()
 def beam_search(draft, hidden: torch.Tensor, root: int, width: int, length: int) -> BeamResult:
-    """Batched beam search. draft: models.redrafter.ReDrafterDraft; hidden [d] = h_t (the base state
+    """Batched beam search. draft: models.families.redrafter.model.ReDrafterDraft; hidden [d] = h_t (the base state
     that chose `root`). Returns the beams sorted by score, best first."""
     if width < 1 or length < 1:
         raise ValueError(f"beam width={width} and length={length} must be >= 1 (length counts the root)")

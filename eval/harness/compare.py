@@ -72,9 +72,9 @@ class Method:
 
 def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, base) -> list[Method]:
     """Drafters for the entries that run in `setting` (each with its own per-draft eval overrides)."""
-    from eval.engine.drafters.ngram import build_ngram_drafter
     from eval.engine.drafters.registry import build_drafter
     from models.export.load import load_export
+    from models.families.ngram.drafter import build_ngram_drafter
 
     out = []
     for e in entries:

@@ -41,7 +41,7 @@ class EvalConfig:
     method_base: str = "smollm2"  # the base a learning-free method (--method ngram) runs on when base_path is ""
     run_dir: str = ""  # where a learning-free eval (--method) writes; "" = runs/<method>
     num_threads: int = 0  # CPU threads; 0 = torch's default
-    # The drafter's own options, declared and typed by its family (eval/engine/drafters/<family>.py `Options`): a key
+    # The drafter's own options, declared and typed by its family (models/families/<family>/drafter.py `Options`): a key
     # no family declares fails when the config loads, one the export's family lacks when the drafter is built; e.g.
     # extra.beam_width (ReDrafter), extra.eagle3_mode / extra.chain_length (EAGLE-3), extra.k / extra.w (N-gram).
     extra: dict = field(default_factory=dict)
@@ -130,7 +130,7 @@ def validate_eval(cfg: EvalConfig) -> EvalConfig:
 
 
 def typed_extra(extra: dict) -> dict:
-    """`extra` typed by the families' declared options (eval/engine/drafters/<family>.py `Options`): an undeclared
+    """`extra` typed by the families' declared options (models/families/<family>/drafter.py `Options`): an undeclared
     key or a value of the wrong type is a ConfigError now, not after the export and its base have loaded."""
     from eval.engine.drafters.options import OptionsError, check_extra
     from eval.engine.drafters.registry import DRAFTERS

@@ -7,7 +7,7 @@ judged after; the unchanged decoder loop then runs the drafter against a ReplayB
 replay.py), whose verification is a lookup in the stored answer. The per-step accepted lengths are decoding's.
 
 Two paths, and every report names its own (`meta["path"]`, field_report.path_label): `exact`, one prompt at a time
-through that decoder loop; `batched`, an EAGLE-3 draft's prompts stepped together (eval/harness/field_lockstep.py),
+through that decoder loop; `batched`, an EAGLE-3 draft's prompts stepped together (models/families/eagle3/lockstep.py),
 whose agreement with the exact path is measured on a sample of the run's own prompts re-decoded one at a time
 (`measure_agreement`, recorded in `meta["agreement"]`), not assumed.
 
@@ -177,9 +177,9 @@ def shard(items: list, rank: int, world: int) -> list:
 
 
 def uses_lockstep(drafter, lockstep: int) -> bool:
-    """Whether run_field steps `drafter` in lockstep (eval/harness/field_lockstep.py): an EAGLE-3 drafter and a
+    """Whether run_field steps `drafter` in lockstep (models/families/eagle3/lockstep.py): an EAGLE-3 drafter and a
     width >= 1; every other family (or lockstep=0) takes the per-prompt path."""
-    from eval.engine.drafters.eagle3 import Eagle3Drafter
+    from models.families.eagle3.drafter import Eagle3Drafter
 
     return lockstep >= 1 and isinstance(drafter, Eagle3Drafter)
 
@@ -343,8 +343,8 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
     ends (a rerun continues after the last one written). Returns this rank's rows.
 
     lockstep: for an EAGLE-3 drafter, that many prompts advance together, the draft's weight-heavy ops batched over
-    them (eval/harness/field_lockstep.py; agreement with the per-prompt path is tested, not bitwise); 0, or any other
-    family: one prompt at a time through the unchanged decoder loop (`simulate`), the reference."""
+    them (models/families/eagle3/lockstep.py; agreement with the per-prompt path is tested, not bitwise); 0, or any
+    other family: one prompt at a time through the unchanged decoder loop (`simulate`), the reference."""
     from tqdm import tqdm
 
     from data.self_distill import end_of_turn_ids
@@ -376,7 +376,7 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
             bar.update()
 
         if uses_lockstep(drafter, lockstep):
-            from eval.harness.field_lockstep import run_lockstep
+            from models.families.eagle3.lockstep import run_lockstep
 
             def load(r):
                 _, aux, differs = load_cached(directory, r, device)

@@ -15,10 +15,10 @@ import torch
 from core.hardware import resolve_device
 from eval.engine.backends.choice import make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
-from eval.engine.drafters.ngram import NgramDrafter, ngram_options
 from eval.harness.prompts import config_prompts
 from models.base import load_base
-from models.ngram import bigram_table_for
+from models.families.ngram.drafter import NgramDrafter, ngram_options
+from models.families.ngram.model import bigram_table_for
 
 
 def _run(gen_fn, prompts):

@@ -147,7 +147,7 @@ def _f(x, spec=".2f", none="—") -> str:
 
 
 def _shape(rep: dict) -> str:
-    """The row's draft shape, as its family describes it (eval/engine/drafters/<family>.py `shape`)."""
+    """The row's draft shape, as its family describes it (models/families/<family>/drafter.py `shape`)."""
     from eval.engine.drafters.registry import DRAFTERS
 
     spec = DRAFTERS.get(rep.get("method"))

@@ -289,8 +289,8 @@ LEARNING_FREE_METHODS = learning_free_families()  # the families declaring Famil
 def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
     """A learning-free method (no export): load the base (cfg.base_path, default smollm2), build the
     drafter from cfg.extra, evaluate; writes under <run_dir or runs/<method>>/eval/<name>/."""
-    from eval.engine.drafters.ngram import build_ngram_drafter, ngram_options
     from models.base import load_base
+    from models.families.ngram.drafter import build_ngram_drafter, ngram_options
 
     if method not in LEARNING_FREE_METHODS:
         raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
@@ -315,8 +315,8 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
 def sweep_method(method: str, cfg: EvalConfig) -> Path:
     """The (k, w) grid of a learning-free method (sweep_k / sweep_w lists): table + heat map
     under <run_dir or runs/<method>>/eval/<name>/sweep/."""
-    from eval.engine.drafters.ngram import ngram_options
     from eval.harness.ngram_sweep import sweep, write
+    from models.families.ngram.drafter import ngram_options
 
     if method not in LEARNING_FREE_METHODS:  # the (k, w) grid is the n-gram drafter's (its options, just above)
         raise ValueError(f"a (k, w) sweep exists for --method {', '.join(LEARNING_FREE_METHODS)} only, not {method!r}")

@@ -43,11 +43,11 @@ def speculative_config(entry, family: str, info: dict, depth: int, base, base_di
     draft is exported once to workdir/export-<label> and must have been trained on the base in base_dir (the
     directory vLLM serves)."""
     from eval.serving.serve_check import check_fingerprint
+    from models.export.formats import export_vllm
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
     from models.export.vllm import (
         SPECULATIVE_CONFIG_FILE,
-        export_vllm,
         read_engine_args,
         read_speculative_config,
         untuned,

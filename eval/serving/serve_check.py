@@ -202,7 +202,7 @@ class _Plan:
 
 def _longest_match(base, w: int, q: int, q_min: int):
     """Our n-gram drafter with vLLM's prompt-lookup rule (one row of up to w tokens, query q_min..q)."""
-    from eval.engine.drafters.ngram import build_ngram_drafter
+    from models.families.ngram.drafter import build_ngram_drafter
 
     return build_ngram_drafter(base, {"k": 1, "w": w, "q": q, "q_min": q_min, "strategy": "longest_match"})
 
@@ -219,15 +219,10 @@ def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
     from eval.harness.runner import resolve_heldout_skip
     from eval.serving.llamacpp_paths import LLAMACPP_VERSION
     from eval.tune.choice import tuned_serving_chain
+    from models.export.formats import export_vllm
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
-    from models.export.vllm import (
-        export_vllm,
-        read_engine_args,
-        read_speculative_config,
-        untuned,
-        vllm_ngram_config,
-    )
+    from models.export.vllm import read_engine_args, read_speculative_config, untuned, vllm_ngram_config
 
     cfg = resolve_heldout_skip(cfg, read_export_config(draft_dir))
     loaded = load_export(draft_dir, base_path=cfg.base_path, dtype=cfg.dtype, device=device)
@@ -281,9 +276,9 @@ def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Pa
 
 
 def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
-    from eval.engine.drafters.ngram import ngram_options
     from models.base import load_base
     from models.export.vllm import vllm_ngram_config
+    from models.families.ngram.drafter import ngram_options
 
     if method not in learning_free_vllm_families():
         raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free "

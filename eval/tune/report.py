@@ -12,7 +12,8 @@ from pathlib import Path
 from core.atomic import atomic_open, write_text_atomic
 from core.load import describe, is_loaded
 from eval.tune.choice.record import tuned_chain_length, write_tuning
-from models.export.vllm import SCHEDULE_METHODS, TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
+from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
+from models.registry import vllm_schedule_methods
 
 NOTES_FILE = "NOTES.md"
 NOTES_BEGIN = "<!-- specdraft tune: begin (rewritten by every tune) -->"
@@ -327,7 +328,7 @@ def write_notes(export_dir: Path, engines: dict[str, dict]) -> Path:
 def store_vllm_tokens(export_dir: Path, record: dict | None) -> None:
     """config.json's vLLM speculative-token count: the choice's (one request) when vLLM should speculate, else
     removed (the vLLM / speculators exporters then write the draft's trained depth); and tune --concurrency's
-    per-batch-size schedule where the family's vLLM method drafts the scheduled count (SCHEDULE_METHODS), else
+    per-batch-size schedule where the family's vLLM method drafts the scheduled count (vllm_schedule_methods), else
     removed."""
     path = Path(export_dir) / "config.json"
     config = json.loads(path.read_text())
@@ -337,7 +338,7 @@ def store_vllm_tokens(export_dir: Path, record: dict | None) -> None:
     else:
         config.pop(TUNED_TOKENS_KEY, None)
     ranges = schedule_ranges(record)
-    if ranges and vllm_method(config.get("family")) in SCHEDULE_METHODS:
+    if ranges and vllm_method(config.get("family")) in vllm_schedule_methods():
         config[TUNED_SCHEDULE_KEY] = ranges
     else:
         config.pop(TUNED_SCHEDULE_KEY, None)
@@ -371,7 +372,7 @@ def schedule_line(record: dict) -> str:
     ranges = sched.get("num_speculative_tokens_per_batch_size")
     if not ranges:
         tail = "no concurrency speculates: no schedule"
-    elif vllm_method(record.get("family")) not in SCHEDULE_METHODS:
+    elif vllm_method(record.get("family")) not in vllm_schedule_methods():
         tail = (f"schedule {ranges} kept in tuning.json only: vLLM 0.32's {record.get('family')} proposer drafts a "
                 "fixed count (it cannot follow a per-batch-size schedule)")
     else:

@@ -162,7 +162,8 @@ class VllmEngine:
 
     def _export(self) -> dict:
         """The draft in vLLM's layout (once) and its speculative_config."""
-        from models.export.vllm import export_vllm, read_engine_args, read_speculative_config, untuned
+        from models.export.formats import export_vllm
+        from models.export.vllm import read_engine_args, read_speculative_config, untuned
         from models.registry import vllm_families
 
         if self._spec is None:
@@ -206,11 +207,10 @@ class VllmEngine:
 
     def schedule_command(self, ranges: list) -> str | None:
         """The serving line with tune --concurrency's schedule (None where the family's vLLM method drafts a fixed
-        count: models/export/vllm.py SCHEDULE_METHODS)."""
-        from models.export.vllm import SCHEDULE_METHODS
-        from models.registry import FAMILIES
+        count: models/registry.py vllm_schedule_methods)."""
+        from models.registry import FAMILIES, vllm_schedule_methods
 
-        if FAMILIES[self.loaded.family].vllm_method not in SCHEDULE_METHODS:
+        if FAMILIES[self.loaded.family].vllm_method not in vllm_schedule_methods():
             return None
         spec = self._portable_spec(num_speculative_tokens=max(k for *_, k in ranges),
                                    num_speculative_tokens_per_batch_size=ranges)

@@ -1,8 +1,10 @@
-"""`specdraft export --format F`: the writer of each format models/export holds, one signature, so the command
-looks the format up instead of branching on it. Which family may use which format is the family's own
-declaration (FamilyFacts.export_formats, checked by the command first); each writer also refuses a draft it
-cannot write. `gguf` goes through llama.cpp's converter (eval/serving/llamacpp_gguf.py), a layer above this one,
-so the command composes it itself.
+"""`specdraft export --format F`: the writer of each format, one signature, so the command looks the format up
+instead of branching on it. Which family may use which format is the family's own declaration
+(FamilyFacts.export_formats, checked by the command first). `specdraft` is ours, the same for every family; the
+formats whose files differ per family (models.family.OWN_FORMATS: vllm, speculators, the Medusa layout,
+TensorRT-LLM's ReDrafter layout) are written by the writer the family registers (FamilySpec.writers, in its
+package), each of which also refuses a draft it cannot write. `gguf` goes through llama.cpp's converter
+(eval/serving/llamacpp_gguf.py), a layer above this one, so the command composes it itself.
 
     writer(loaded, out_dir) -> the written directory      loaded: models.export.load.LoadedExport
 """
@@ -11,6 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+
+from models.draft import BaseView
+from models.family import OWN_FORMATS
+from models.registry import FAMILIES, family_spec
 
 
 def _specdraft(loaded, out: Path) -> Path:
@@ -21,35 +27,31 @@ def _specdraft(loaded, out: Path) -> Path:
     return export_specdraft(draft, out, config["base_model"], loaded.base.fingerprint, extra=extra)
 
 
-def _medusa(loaded, out: Path) -> Path:
-    from models.export.medusa import export_medusa
-
-    return export_medusa(loaded.draft, out, loaded.config["base_model"], loaded.view)
-
-
-def _redrafter_trtllm(loaded, out: Path) -> Path:
-    from models.export.redrafter_trtllm import export_redrafter_trtllm
-
-    return export_redrafter_trtllm(loaded.draft, out, loaded.config["base_model"], loaded.view)
-
-
-def _speculators(loaded, out: Path) -> Path:
-    """EAGLE-3 as vLLM serves it (method eagle3); tune's vLLM choice (config.json, when speculating won) is the
-    default proposal, as with --format vllm."""
-    from models.export.speculators import export_speculators
-    from models.export.vllm import TUNED_TOKENS_KEY
-
-    return export_speculators(loaded.draft, out, loaded.config["base_model"],
-                              speculative_tokens=loaded.config.get(TUNED_TOKENS_KEY))
+def export_own(fmt: str, draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
+    """Hand a trained draft to its family's writer of `fmt` (FamilySpec.writers), or fail naming the formats it
+    has."""
+    family = export_cfg.get("family", getattr(draft, "family", "?"))
+    spec = family_spec(family) if family in FAMILIES else None
+    if spec is None or spec.model is None or fmt not in spec.writers:
+        have = ", ".join(spec.facts.export_formats if spec else ("specdraft",))
+        if fmt != "vllm":
+            raise ValueError(f"--format {fmt}: a {family!r} draft exports as {have}")
+        servable = ", ".join(n for n, f in FAMILIES.items() if f.trainable and f.vllm_method)
+        free = ", ".join(n for n, f in FAMILIES.items() if not f.trainable and f.vllm_method)
+        raise ValueError(f"vLLM cannot serve a {family!r} draft (vLLM 0.32 serves {servable} drafts and its own "
+                         f"{free}); formats for {family}: {have} (`specdraft export --format ...`), and our decoder "
+                         "(`specdraft eval`) runs it")
+    return spec.writers[fmt](draft, out_dir, export_cfg, base)
 
 
-def _vllm(loaded, out: Path) -> Path:
-    from models.export.vllm import export_vllm
+def export_vllm(draft, out_dir: Path, export_cfg: dict, base: BaseView) -> Path:
+    """The directory vLLM serves (models/export/vllm.py), written by the family's own vLLM writer."""
+    return export_own("vllm", draft, out_dir, export_cfg, base)
 
-    return export_vllm(loaded.draft, out, loaded.config, loaded.view)
+
+def _own(fmt: str) -> Callable[[object, Path], Path]:
+    return lambda loaded, out: export_own(fmt, loaded.draft, out, loaded.config, loaded.view)
 
 
 FORMAT_WRITERS: dict[str, Callable[[object, Path], Path]] = {
-    "specdraft": _specdraft, "medusa": _medusa, "redrafter-trtllm": _redrafter_trtllm,
-    "speculators": _speculators, "vllm": _vllm,
-}
+    "specdraft": _specdraft, **{fmt: _own(fmt) for fmt in OWN_FORMATS}}

@@ -88,7 +88,7 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "learned_mask": _is(bool, "true or false"),
     "markov_rank": _int(1),  # DSpark: rank of the Markov logit bias
     "parallel_drafting": _is(bool, "true or false"),  # EAGLE-3 drafting K tokens in one forward (P-EAGLE)
-    # EAGLE-3's normalisation variants (models/eagle3.py: NORM_VARIANTS), written only when true
+    # EAGLE-3's normalisation variants (models/families/eagle3/model.py: NORM_VARIANTS), written only when true
     "fc_norm": _is(bool, "true or false"),
     "norm_before_fc": _is(bool, "true or false"),
     "norm_output": _is(bool, "true or false"),

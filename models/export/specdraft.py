@@ -5,7 +5,7 @@ specdraft format (runs/<run>/export/):
                         draft has a draft vocabulary (models/vocab_map.py)
     config.json         {"family", dims, "draft_vocab_size" (0 = full), "base_model", "base_fingerprint", ...}
 
-The original Medusa layout is models/export/medusa.py (`export_medusa`, also importable from here).
+The original Medusa layout is models/families/medusa/export_medusa.py (`export_medusa`, also importable from here).
 """
 
 from __future__ import annotations
@@ -15,30 +15,24 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
 from core.checksum import file_sha256
 from models.draft import BaseView
-from models.export.medusa import export_medusa  # noqa: F401  (callers import it from here)
 from models.export.schema import (
     ExportError,
     check_export_config,
     check_sha256,
     check_tensors,
     read_json_file,
-    safetensors_shapes,
 )
+from models.export.tensors import draft_tensors, read_tensors  # noqa: F401  (callers import them from here)
+from models.families.medusa.export_medusa import export_medusa  # noqa: F401  (callers import it from here)
 from models.registry import DRAFT_MODELS
 from models.vocab_map import check_fits
 
 FORMAT_VERSION = 1
-
-
-def draft_tensors(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Persistent state of the draft (parameters + persistent buffers), contiguous CPU copies."""
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in draft.state_dict().items()}
 
 
 def export_specdraft(draft, out_dir: Path, base_name: str, base_fingerprint: str, extra: dict | None = None) -> Path:
@@ -73,12 +67,6 @@ def read_export_config(export_dir: Path) -> dict:
         raise ExportError(f"{path}: unknown draft family {family!r}; known: {', '.join(DRAFT_MODELS)}")
     facts = DRAFT_MODELS[family].facts
     return check_export_config(config, path, facts.export_keys, facts.export_key_types)
-
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    safetensors_shapes(path)  # a damaged file is a clear error naming it, not a raw SafetensorError
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def load_draft(export_dir: Path, base: BaseView, base_fingerprint: str | None = None):

@@ -127,7 +127,7 @@ def tiny_hydra_export(out_dir: Path) -> Path:
     an export to evaluate (its acceptance is whatever chance gives; the decoding is still exact)."""
     from models.base import load_base
     from models.export.specdraft import export_specdraft
-    from models.hydra import HydraDraft
+    from models.families.hydra.model import HydraDraft
 
     base = load_base("tiny")
     torch.manual_seed(0)

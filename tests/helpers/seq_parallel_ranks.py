@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from models.base import draft_inputs
 from models.draft import BaseView, DraftBatch
-from models.eagle3 import Eagle3Draft
-from models.hydra import HydraDraft
+from models.families.eagle3.model import Eagle3Draft
+from models.families.hydra.model import HydraDraft
 from models.registry import DRAFT_MODELS
 from models.tiny import diverse_tiny_llama, tiny_llama
 from train.distributed import init_distributed

@@ -1,7 +1,7 @@
 """Trained draft (from its export) -> the drafter the decoder drives, for every family the model registry knows.
 
-Each family's drafter module is eval/engine/drafters/<family>.py (found by the family's name, models/registry.py:
-FAMILIES; no list of them is kept here). It declares, next to its Drafter class:
+Each family's drafter module is the role module `drafter` of its package (models/families/<name>/drafter.py,
+`<FamilySpec.package>.drafter`; no list of them is kept here). It declares, next to its Drafter class:
     Options       the frozen dataclass of its eval options (EvalConfig.extra; unknown keys are an error)
     build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info)
     chain         depth -> EvalConfig overrides that make it draft a chain of top-1 tokens, what serving engines run
@@ -13,23 +13,23 @@ and, where the default does not fit (a module that leaves one out gets it):
     max_chain       draft -> the deepest chain it drafts, what serving engines are asked for at most (default:
                     None, any depth)
     target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
-A module eval/engine/drafters/<family>_<anything>.py adds the optional declarations it holds to its family's
-(eagle3_tune.py: EAGLE-3's tune shapes and target key).
+The package's role module `tune` (models/families/<name>/tune.py), where there is one, adds the optional
+declarations it holds (EAGLE-3's tune shapes and target key).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import pkgutil
+import importlib.util
 from collections.abc import Callable
 from types import ModuleType
 
-import eval.engine.drafters as _package
 from eval.engine.drafters.options import option_names, parse_options
-from models.registry import FAMILIES
+from models.registry import FAMILIES, SPECS
 
 OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key")
+MORE_ROLES = ("tune",)  # role modules of a family's package that may add OPTIONAL declarations to its drafter's
 
 
 def _no_shapes(draft) -> list[tuple[str, dict]]:
@@ -63,34 +63,33 @@ class DrafterFamily:
         return option_names(self.options)
 
 
-def _discover() -> dict[str, DrafterFamily]:
-    """Family -> its declaration, for every family of FAMILIES that has eval/engine/drafters/<family>.py (a family
-    without one fails tests/test_configs.py's completeness test, and `drafter_family` names the missing module)."""
-    modules = sorted(m.name for m in pkgutil.iter_modules(_package.__path__))
-
-    def owner(module: str) -> str | None:  # x_y_tune.py is family x_y's when both x and x_y exist
-        return max((f for f in FAMILIES if module.startswith(f + "_")), key=len, default=None)
-
-    def load(module: str) -> ModuleType:
-        return importlib.import_module(f"{_package.__name__}.{module}")
-
-    found = {}
-    for family, facts in FAMILIES.items():
-        if family in modules:
-            more = tuple(load(m) for m in modules if m not in FAMILIES and owner(m) == family)
-            found[family] = DrafterFamily.of(load(family), trained=facts.trainable, more=more)
-    return found
+def _module(family: str, role: str) -> ModuleType | None:
+    """The role module `<package>.<role>` of a family's package, or None where the package has none."""
+    name = f"{SPECS[family].package}.{role}"
+    return importlib.import_module(name) if importlib.util.find_spec(name) else None
 
 
-DRAFTERS = _discover()
+def _load(family: str) -> DrafterFamily | None:
+    module = _module(family, "drafter")
+    if module is None:
+        return None
+    more = tuple(m for m in (_module(family, role) for role in MORE_ROLES) if m is not None)
+    return DrafterFamily.of(module, trained=FAMILIES[family].trainable, more=more)
+
+
+# Family -> its declaration, for every registered family whose package has a drafter module (a family without one
+# fails tests/test_configs.py's completeness test, and `drafter_family` names the missing module).
+DRAFTERS = {family: spec for family in FAMILIES if (spec := _load(family)) is not None}
 
 
 def drafter_family(family: str) -> DrafterFamily:
+    if family not in DRAFTERS and family in SPECS and (spec := _load(family)) is not None:
+        DRAFTERS[family] = spec  # registered after this module loaded (register_family)
     if family not in DRAFTERS:
         known = f"known: {', '.join(DRAFTERS)}"
         if family in FAMILIES:
             raise ValueError(f"no decoder support for draft family {family!r}: its drafter module "
-                             f"eval/engine/drafters/{family}.py is missing ({known})")
+                             f"{SPECS[family].package}.drafter is missing ({known})")
         raise ValueError(f"no decoder support for draft family {family!r}; {known}")
     return DRAFTERS[family]
 

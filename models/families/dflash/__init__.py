@@ -1,0 +1,11 @@
+"""DFlash: the family's registration (models/families/__init__.py); every file only about it is in this
+folder (docs/families/dflash.md)."""
+
+from __future__ import annotations
+
+from models.families.dflash.export_vllm import export_vllm_dflash
+from models.families.dflash.model import DFlashDraft
+from models.family import FamilySpec
+
+spec = FamilySpec(__name__, DFlashDraft.facts, model=DFlashDraft,
+                  writers={"vllm": export_vllm_dflash})

@@ -1,0 +1,84 @@
+"""DFlash at inference: one forward of the draft fills a block [root, M, ..., M] and gives, for every depth
+k = 1..γ-1, a distribution over x_{t+1+k}; a static tree over the per-depth top-k turns them into a tree.
+
+The slots of a block are predicted jointly but independently of each other's drafted tokens (the mask slots
+do not see the drafts, only the mask), so a node's token depends only on (depth, rank), as with Medusa's
+heads: the Medusa-style static trees of eval/engine/tree.py apply unchanged (`StaticTree.fill`). The default
+is the chain of each slot's top-1, γ-1 drafts: what vLLM runs with method dflash. A tree (`tree=tree16`, a
+searched one stored in the export, or `tree_choices`) spends more verification on the early, likelier slots.
+
+Own cache (model.py: DFlashCache): the context keys / values of every committed position, per layer. Each
+propose() first appends the positions committed since the last call (state.new_aux: the base's aux states of
+the accepted path, which is what vLLM re-reads after every verification), then runs one block against the
+cache. Children are deterministic picks (top-k), so rejection sampling treats them as point masses and stays
+lossless, as with the other top-k families. With a draft vocabulary the draft ids are mapped to base ids (d2t)
+before they enter the tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.options import NoOptions
+from eval.engine.drafters.static import resolve_tree, static_chain, static_chain_depth, static_shape, static_tune_shapes
+from eval.engine.tree import StaticTree, Tree, chain_choices
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+
+    def __init__(self, draft, tree: StaticTree):
+        """draft: models.families.dflash.model.DFlashDraft; tree: at most block_size - 1 deep."""
+        if tree.depth > draft.block_size - 1:
+            raise ValueError(f"the tree is {tree.depth} deep but a DFlash block of {draft.block_size} slots drafts "
+                             f"{draft.block_size - 1} tokens; pick a shallower tree")
+        self.draft = draft.eval()
+        self.tree = tree
+        self.max_nodes = tree.num_nodes
+        self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
+        param = next(draft.parameters())
+        self._device, self._dtype = param.device, param.dtype
+        self._cache = None
+
+    def reset(self) -> None:
+        self._cache = None
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> Tree:
+        if state.new_aux is None:
+            raise ValueError("the DFlash drafter needs the base's aux hidden states (DecodeState.new_aux); run it "
+                             "through eval.engine.decoder.speculative_generate, which asks the backend for them")
+        aux = state.new_aux.to(self._device, self._dtype)  # [n, k*d]
+        if self._cache is None:
+            self._cache = self.draft.new_cache(max(256, 2 * aux.shape[0]), self._device, self._dtype)
+        self.draft.commit_context(self._cache, aux)  # always: the cache must hold every committed position
+        if self.tree.depth == 0:
+            return self.tree.fill(state.root, torch.zeros(0, 0, dtype=torch.long))
+        logits = self.draft.draft_block(self._cache, state.root)  # [G-1, N]: slot k = depth k
+        topk = logits[: self.tree.depth].topk(self.tree.topk, dim=-1).indices  # [D, k] draft ids, rank order
+        return self.tree.fill(state.root, self.draft.to_base(topk))
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+Options = NoOptions  # the tree comes from the eval config's own keys (tree, tree_choices); default: the full chain
+
+
+def build(draft, export_cfg: dict, eval_cfg, options):
+    """The chain of block_size - 1 top-1 drafts unless the eval config names a tree (tree / tree_choices) or the
+    export stores one (`specdraft tree-search`)."""
+    if eval_cfg.tree_choices or eval_cfg.tree != "auto" or export_cfg.get("tree") is not None:
+        name, tree = resolve_tree(export_cfg, eval_cfg)
+    else:
+        name, tree = f"chain{draft.block_size - 1}", StaticTree(chain_choices(draft.block_size - 1))
+    return DFlashDrafter(draft, tree), {"tree": name, "tree_nodes": tree.num_nodes, "block_size": draft.block_size}
+
+
+chain, chain_depth, shape = static_chain, static_chain_depth, static_shape
+tune_shapes = static_tune_shapes
+
+
+def max_chain(draft) -> int:
+    """One block drafts its γ - 1 mask slots: no chain is deeper."""
+    return int(draft.block_size) - 1

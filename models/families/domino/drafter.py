@@ -1,0 +1,93 @@
+"""Domino at inference: one forward of the draft fills the block [root, M, ..., M], then the slots are decoded left
+to right, each slot's logits corrected from the GRU's state over the root and the tokens drafted before it
+(models/families/domino/model.py): a chain of up to block_size tokens, what SGLang's Domino rollout drafts (greedy).
+
+A slot's distribution depends on every token drafted before it, so a static Medusa-style tree (one top-k per
+depth) would give a child a parent its correction was not computed from: Domino drafts chains only here.
+(TensorRT-Edge-LLM's Domino decoder grows trees by rerunning the GRU per branch; not done here.)
+
+Own cache (models.components.BlockCache): the context keys / values of every committed position, per layer,
+appended from state.new_aux on every propose() (as DFlash's drafter). Drafts are deterministic (argmax), so
+rejection sampling treats them as point masses and stays lossless.
+
+No serving engine runs Domino: vLLM 0.32 and llama.cpp have no Domino method (SGLang and TensorRT-Edge-LLM do),
+so its export is ours only (`specdraft export` refuses vllm / gguf, naming the formats it has).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.tree import StaticTree, Tree, chain_choices
+
+
+class DominoDrafter(Drafter):
+    name = "domino"
+
+    def __init__(self, draft, chain_length: int | None = None):
+        """draft: model.py's DominoDraft; chain_length: drafts per step (None = block_size, the most one block
+        gives)."""
+        n = int(draft.block_size if chain_length is None else chain_length)
+        if not 1 <= n <= draft.block_size:
+            raise ValueError(f"chain_length={n}: a Domino block of {draft.block_size} slots drafts "
+                             f"1..{draft.block_size}")
+        self.draft = draft.eval()
+        self.chain_length = n
+        self.max_nodes = n + 1
+        self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
+        param = next(draft.parameters())
+        self._device, self._dtype = param.device, param.dtype
+        self._tree = StaticTree(chain_choices(n))
+        self._cache = None
+
+    def reset(self) -> None:
+        self._cache = None
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> Tree:
+        if state.new_aux is None:
+            raise ValueError("the Domino drafter needs the base's aux hidden states (DecodeState.new_aux); run it "
+                             "through eval.engine.decoder.speculative_generate, which asks the backend for them")
+        aux = state.new_aux.to(self._device, self._dtype)  # [n, k*d]
+        if self._cache is None:
+            self._cache = self.draft.new_cache(max(256, 2 * aux.shape[0]), self._device, self._dtype)
+        self.draft.commit_context(self._cache, aux)  # always: the cache must hold every committed position
+        drafts, _ = self.draft.draft_chain(self._cache, state.root, self.chain_length)
+        return self._tree.fill(state.root, drafts[:, None].cpu())
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    """A chain of chain_length corrected drafts (0 = the block's block_size)."""
+
+    chain_length: int = 0  # drafts per step = slots of the block run; 0 = block_size
+
+
+def build(draft, export_cfg: dict, eval_cfg, options: Options):
+    if eval_cfg.tree_choices or eval_cfg.tree != "auto":
+        raise ValueError("Domino drafts a chain (each slot's logits depend on the tokens drafted before it, so a "
+                         "static tree does not apply): drop tree / tree_choices and set extra.chain_length")
+    drafter = DominoDrafter(draft, options.chain_length or None)
+    return drafter, {"chain_length": drafter.chain_length, "block_size": draft.block_size}
+
+
+def chain(depth: int) -> dict:
+    return {"tree": "auto", "tree_choices": None, "extra": {"chain_length": depth}}
+
+
+def chain_depth(info: dict, drafter) -> int:
+    return int(info["chain_length"])
+
+
+def shape(info: dict) -> str:
+    return f"chain of {info.get('chain_length', '?')}"
+
+
+def max_chain(draft) -> int:
+    """One block drafts its block_size slots: no chain is deeper."""
+    return int(draft.block_size)

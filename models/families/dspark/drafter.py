@@ -1,0 +1,105 @@
+"""DSpark at inference: one forward of the draft fills the block [root, M, ..., M], then the slots are decoded left
+to right, each slot's logits biased by the Markov head from the token drafted just before it (model.py):
+a chain of up to block_size tokens, what vLLM 0.32's DSparkSpeculator drafts with method dspark (greedy).
+
+Because a slot's distribution depends on the token before it, DSpark's slots are not independent heads: a static
+Medusa-style tree (one top-k per depth) would give a child a parent it was not biased on, so DSpark drafts chains
+only. The confidence head's per-slot acceptance estimates c_k can cut the chain early: with extra.confidence_cut
+= τ > 0 the drafter keeps depth k while Π_{j<=k} c_j >= τ (vLLM's adaptive verification ranks requests by the same
+product); τ = 0 (the default) always drafts chain_length tokens.
+
+Own cache (models.components.BlockCache): the context keys / values of every committed position, per layer,
+appended from state.new_aux on every propose() (as DFlash's drafter). Drafts are deterministic (argmax), so
+rejection sampling treats them as point masses and stays lossless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.tree import StaticTree, Tree, chain_choices
+
+
+class DSparkDrafter(Drafter):
+    name = "dspark"
+
+    def __init__(self, draft, chain_length: int | None = None, confidence_cut: float = 0.0):
+        """draft: model.py's DSparkDraft; chain_length: drafts per step (None = block_size, the most one block
+        gives); confidence_cut: stop where the product of the confidences falls below it (0 = never)."""
+        n = int(draft.block_size if chain_length is None else chain_length)
+        if not 1 <= n <= draft.block_size:
+            raise ValueError(f"chain_length={n}: a DSpark block of {draft.block_size} slots drafts "
+                             f"1..{draft.block_size}")
+        if not 0.0 <= confidence_cut < 1.0:
+            raise ValueError(f"confidence_cut={confidence_cut} must be in [0, 1)")
+        self.draft = draft.eval()
+        self.chain_length, self.confidence_cut = n, float(confidence_cut)
+        self.max_nodes = n + 1
+        self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
+        param = next(draft.parameters())
+        self._device, self._dtype = param.device, param.dtype
+        self._trees = {k: StaticTree(chain_choices(k)) for k in range(n + 1)}
+        self._cache = None
+        self.last_confidence: torch.Tensor | None = None  # c_k of the last proposal (tests, reports)
+
+    def reset(self) -> None:
+        self._cache = None
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> Tree:
+        if state.new_aux is None:
+            raise ValueError("the DSpark drafter needs the base's aux hidden states (DecodeState.new_aux); run it "
+                             "through eval.engine.decoder.speculative_generate, which asks the backend for them")
+        aux = state.new_aux.to(self._device, self._dtype)  # [n, k*d]
+        if self._cache is None:
+            self._cache = self.draft.new_cache(max(256, 2 * aux.shape[0]), self._device, self._dtype)
+        self.draft.commit_context(self._cache, aux)  # always: the cache must hold every committed position
+        drafts, conf = self.draft.draft_chain(self._cache, state.root, self.chain_length)
+        self.last_confidence = conf.cpu()
+        n = self.chain_length
+        if self.confidence_cut > 0:
+            survive = torch.cumprod(conf.float(), dim=0) >= self.confidence_cut
+            n = int(survive.long().cumprod(dim=0).sum())
+        return self._trees[n].fill(state.root, drafts[:n, None].cpu())
+
+
+# ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    """A chain of chain_length Markov-decoded drafts (0 = the block's block_size), cut early by confidence_cut."""
+
+    chain_length: int = 0  # drafts per step = slots of the block run; 0 = block_size (vLLM's default count)
+    confidence_cut: float = 0.0  # > 0: keep depth k while the product of the confidences c_1..c_k stays >= it
+
+
+def build(draft, export_cfg: dict, eval_cfg, options: Options):
+    if eval_cfg.tree_choices or eval_cfg.tree != "auto":
+        raise ValueError("DSpark drafts a chain (each slot's logits depend on the token before it, so a static tree "
+                         "does not apply): drop tree / tree_choices and set extra.chain_length")
+    drafter = DSparkDrafter(draft, options.chain_length or None, options.confidence_cut)
+    return drafter, {"chain_length": drafter.chain_length, "confidence_cut": drafter.confidence_cut,
+                     "block_size": draft.block_size}
+
+
+def chain(depth: int) -> dict:
+    return {"tree": "auto", "tree_choices": None, "extra": {"chain_length": depth, "confidence_cut": 0.0}}
+
+
+def chain_depth(info: dict, drafter) -> int:
+    if info.get("confidence_cut"):
+        raise ValueError("a serving engine drafts a fixed chain: give this row extra.confidence_cut: 0")
+    return int(info["chain_length"])
+
+
+def shape(info: dict) -> str:
+    cut = info.get("confidence_cut")
+    return f"chain of {info.get('chain_length', '?')}" + (f", cut at confidence {cut}" if cut else "")
+
+
+def max_chain(draft) -> int:
+    """One block drafts its block_size slots: no chain is deeper."""
+    return int(draft.block_size)

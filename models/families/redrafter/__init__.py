@@ -1,0 +1,11 @@
+"""ReDrafter: the family's registration (models/families/__init__.py); every file only about it is in this
+folder (docs/families/redrafter.md)."""
+
+from __future__ import annotations
+
+from models.families.redrafter.export_trtllm import export_redrafter_trtllm
+from models.families.redrafter.model import ReDrafterDraft
+from models.family import FamilySpec
+
+spec = FamilySpec(__name__, ReDrafterDraft.facts, model=ReDrafterDraft,
+                  writers={"redrafter-trtllm": export_redrafter_trtllm})
