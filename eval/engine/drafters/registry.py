@@ -13,8 +13,11 @@ and, where the default does not fit (a module that leaves one out gets it):
     max_chain       draft -> the deepest chain it drafts, what serving engines are asked for at most (default:
                     None, any depth)
     target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
-The package's role module `tune` (models/families/<name>/tune.py), where there is one, adds the optional
-declarations it holds (EAGLE-3's tune shapes and target key).
+    run_lockstep    the field benchmark's batched path (eval/harness/field.py): (drafter, prompts, load, n_of, eos,
+                    done, *, width, redo) -> prompts redone, its prompts stepped together (default: None, the
+                    per-prompt path)
+The package's role modules `tune` and `lockstep` (models/families/<name>/tune.py, lockstep.py), where there are
+some, add the optional declarations they hold (EAGLE-3's tune shapes and target key; its batched field path).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from types import ModuleType
 from eval.engine.drafters.options import option_names, parse_options
 from models.registry import FAMILIES, SPECS
 
-OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key")
-MORE_ROLES = ("tune",)  # role modules of a family's package that may add OPTIONAL declarations to its drafter's
+OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key", "run_lockstep")
+# role modules of a family's package that may add OPTIONAL declarations to its drafter's
+MORE_ROLES = ("tune", "lockstep")
 
 
 def _no_shapes(draft) -> list[tuple[str, dict]]:
@@ -51,6 +55,7 @@ class DrafterFamily:
     searched_trees: bool = False
     max_chain: Callable[[object], int | None] = _any_depth
     target_key: Callable[[dict], str] | None = None  # None: the family name
+    run_lockstep: Callable | None = None  # None: the field judges it one prompt at a time
 
     @classmethod
     def of(cls, module: ModuleType, trained: bool = True, more: tuple[ModuleType, ...] = ()) -> DrafterFamily:
@@ -92,6 +97,13 @@ def drafter_family(family: str) -> DrafterFamily:
                              f"{SPECS[family].package}.drafter is missing ({known})")
         raise ValueError(f"no decoder support for draft family {family!r}; {known}")
     return DRAFTERS[family]
+
+
+def lockstep_runner(drafter) -> Callable | None:
+    """The batched field path its family declares for `drafter` (run_lockstep), or None (a family without one, or a
+    drafter of no family: the autoregressive baseline)."""
+    spec = DRAFTERS.get(getattr(drafter, "name", None))
+    return None if spec is None else spec.run_lockstep
 
 
 def build_drafter(draft, export_cfg: dict, eval_cfg):
