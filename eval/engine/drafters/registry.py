@@ -3,7 +3,8 @@
 Each family's drafter module is the role module `drafter` of its package (models/families/<name>/drafter.py,
 `<FamilySpec.package>.drafter`; no list of them is kept here). It declares, next to its Drafter class:
     Options       the frozen dataclass of its eval options (EvalConfig.extra; unknown keys are an error)
-    build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info)
+    build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info); a learning-free family's
+                  (FamilyFacts.trainable = False): (base, extra) -> (drafter, report info), no export to build from
     chain         depth -> EvalConfig overrides that make it draft a chain of top-1 tokens, what serving engines run
     chain_depth   (report info, drafter) -> drafted tokens per step of a row shaped as that chain (ValueError: how)
     shape         report info -> the draft's shape in a table cell ("tree16, 16 nodes", "8 beams × 3")
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from eval.engine.drafters.options import option_names, parse_options
-from models.registry import FAMILIES, SPECS
+from models.registry import FAMILIES, SPECS, learning_free_families
 
 OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key", "run_lockstep")
 # role modules of a family's package that may add OPTIONAL declarations to its drafter's
@@ -47,7 +48,7 @@ def _any_depth(draft) -> int | None:
 @dataclasses.dataclass(frozen=True)
 class DrafterFamily:
     options: type
-    build: Callable | None  # None: learning-free (no export to build from; ngram.build_ngram_drafter)
+    build: Callable  # trained: (draft, export_cfg, eval_cfg, options); learning-free: (base, extra)
     chain: Callable[[int], dict]
     chain_depth: Callable[[dict, object], int]
     shape: Callable[[dict], str]
@@ -58,11 +59,10 @@ class DrafterFamily:
     run_lockstep: Callable | None = None  # None: the field judges it one prompt at a time
 
     @classmethod
-    def of(cls, module: ModuleType, trained: bool = True, more: tuple[ModuleType, ...] = ()) -> DrafterFamily:
+    def of(cls, module: ModuleType, more: tuple[ModuleType, ...] = ()) -> DrafterFamily:
         """The declaration in `module` (and the optional ones in `more`, a family's further drafter modules)."""
         optional = {name: getattr(m, name) for m in (module, *more) for name in OPTIONAL if hasattr(m, name)}
-        return cls(module.Options, module.build if trained else None, module.chain, module.chain_depth, module.shape,
-                   **optional)
+        return cls(module.Options, module.build, module.chain, module.chain_depth, module.shape, **optional)
 
     def option_names(self) -> list[str]:
         return option_names(self.options)
@@ -79,7 +79,7 @@ def _load(family: str) -> DrafterFamily | None:
     if module is None:
         return None
     more = tuple(m for m in (_module(family, role) for role in MORE_ROLES) if m is not None)
-    return DrafterFamily.of(module, trained=FAMILIES[family].trainable, more=more)
+    return DrafterFamily.of(module, more=more)
 
 
 # Family -> its declaration, for every registered family whose package has a drafter module (a family without one
@@ -111,10 +111,27 @@ def build_drafter(draft, export_cfg: dict, eval_cfg):
     export's config.json, else their defaults) and checked first."""
     family = export_cfg["family"]
     spec = drafter_family(family)
-    if spec.build is None:
+    if not FAMILIES[family].trainable:
         raise ValueError(f"the {family} family is learning-free: run it with `--method {family}`, not from an export")
     options = parse_options(spec.options, family, eval_cfg.extra, export_cfg)
     return spec.build(draft, export_cfg, eval_cfg, options)
+
+
+def method_options(method: str, extra: dict) -> dict:
+    """A learning-free family's options (`--method <name>`: no export) read from EvalConfig.extra, defaults filled;
+    an unknown method or key is an error."""
+    free = learning_free_families()
+    if method not in free:
+        raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(free)} (trained drafts: "
+                         "--draft runs/<run>/export)")
+    return dataclasses.asdict(parse_options(drafter_family(method).options, method, extra))
+
+
+def build_learning_free(method: str, base, extra: dict):
+    """(drafter, report info) of a learning-free family on a loaded base (models.base.LoadedBase), its options read
+    from EvalConfig.extra: the family's `build` (base, extra)."""
+    method_options(method, extra)
+    return drafter_family(method).build(base, extra)
 
 
 def chain_overrides(family: str, depth: int) -> dict:
