@@ -1,5 +1,5 @@
 """(k, w) sweep of the N-gram drafter from the command line (the same as `specdraft eval --method ngram
-sweep_k=[...] sweep_w=[...]`); the sweep itself lives in eval/harness/ngram_sweep.py (own AR and every cell on one
+sweep_k=[...] sweep_w=[...]`); the sweep itself lives in models/families/ngram/sweep.py (own AR and every cell on one
 backend in one process; speedups are ratios of that run's numbers).
 
     python bench/ngram_sweep.py --config configs/eval/ngram.yaml --k 1 5 10 20 --w 2 4 10 \
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from bench.harness import Results, time_once  # noqa: E402
 from eval.harness.config import load_eval_config  # noqa: E402
-from eval.harness.ngram_sweep import sweep, write  # noqa: E402
+from models.families.ngram.sweep import sweep, write  # noqa: E402
 
 
 def main() -> None:

@@ -266,6 +266,43 @@ class BlockDraft(DraftVocabMixin, DraftModel):
 
     anchor_drafts = False  # True: slots 0..G-1 draft depths 1..G (each slot predicts the next position's token)
     sequence_parallel = True  # train.sequence_parallel: each rank's blocks against the whole context (Ulysses)
+    # What a family's config messages add, by rule: its default block ("default 8"), and where it cites its
+    # reference implementation's value (DFlash: speculators').
+    config_notes: dict[str, str] = {}
+
+    @classmethod
+    def check_config(cls, cfg, fail) -> None:
+        """The training-config rules every block family has (draft.<name>.block_size / num_anchors / mask_token_id,
+        one reported depth per drafted slot, the loss's position weights, ZeRO <= 2); a family that has more calls
+        this first (super().check_config) and adds its own."""
+        d, o, lo = cfg.draft, cls.options(cfg.draft), cls.options(cfg.loss)
+        name, title, note = cls.facts.name, cls.facts.title, cls.config_notes.get
+        if not 2 <= o.block_size <= MAX_BLOCK_SIZE:
+            fail(f"draft.{name}.block_size", o.block_size, f"{title} blocks hold 2..{MAX_BLOCK_SIZE} slots "
+                 f"({note('block_size', 'default 8')})")
+        # one reported depth per drafted slot: G with the root drafting too (anchor_drafts), else G - 1
+        heads, minus = (o.block_size, "") if cls.anchor_drafts else (o.block_size - 1, " - 1")
+        if d.num_heads != heads:
+            per_slot = "per slot (the root's drafts too)" if cls.anchor_drafts else "per drafted slot"
+            fail("draft.num_heads", d.num_heads, f"{title} reports one depth {per_slot}: set draft.num_heads={heads} "
+                 f"(= draft.{name}.block_size{minus}), as configs/{name}.yaml does")
+        if d.num_layers < 1:
+            fail("draft.num_layers", d.num_layers, f"{title} needs at least one decoder layer{note('num_layers', '')}")
+        if o.num_anchors < 1:
+            fail(f"draft.{name}.num_anchors", o.num_anchors,
+                 f"train at least one block per conversation{note('num_anchors', '')}")
+        if o.mask_token_id < -1:
+            fail(f"draft.{name}.mask_token_id", o.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
+        if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
+            fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
+        if lo.position_weights not in ("dpace", "decay"):
+            fail(f"loss.{name}.position_weights", lo.position_weights,
+                 f"use dpace or decay{note('position_weights', '')}")
+        if not 0.0 < lo.dpace_alpha <= 1.0:
+            fail(f"loss.{name}.dpace_alpha", lo.dpace_alpha,
+                 f"use a smoothing constant in (0, 1]{note('dpace_alpha', '')}")
+        if cfg.deepspeed.zero_stage == 3:
+            fail("deepspeed.zero_stage", 3, f"{title}'s loss reads its LM-head weight directly; use stage 0-2")
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, num_layers: int = 5,
                  block_size: int = 16, mask_token_id: int | None = None, num_anchors: int = 512,

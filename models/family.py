@@ -122,7 +122,8 @@ class FamilySpec:
 
     What sits in the layers above models is found by role, never named here: the layer that needs it imports
     `<package>.<role>`, a fixed module name: `drafter` (eval/engine/drafters/registry.py: the drafter declaration),
-    `tune` (optional declarations of its drafter), `gguf` (eval/serving/llamacpp_gguf.py: `converter_input`, what
+    `tune` and `lockstep` (optional declarations of its drafter; eval/engine), `sweep` (eval/harness/runner.py: a
+    learning-free family's option sweep), `gguf` (eval/serving/llamacpp_gguf.py: `converter_input`, what
     llama.cpp's converter reads)."""
 
     package: str  # its package ("models.families.eagle3"); the role modules hang off it

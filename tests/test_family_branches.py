@@ -172,6 +172,98 @@ def test_a_table_put_back_fails_the_scan(tmp_path):
         "models/export/vllm.py:2: lists family 'dflash'", "models/export/vllm.py:2: lists family 'eagle3'"]
 
 
+# -- scripts and configs: hard-wired family lists -------------------------------------------------------------------
+# A shell script's line, or a config's list or mapping, naming LIST_MIN or more families is a family list kept by
+# hand: it goes stale when a family is added (a loop over "every family", an "unknown family (a b c)" message, a
+# case per family restating its title). A script reads the registry instead (`specdraft docs-families`, the
+# families tables); an experiment that runs a chosen few families keeps its list here with the reason.
+SCRIPTS = ("recipes/*.sh", "launch/*.sh")
+CONFIGS = ("configs/**/*.yaml",)
+LIST_MIN = 3
+# file -> (at most how many lists, why they stay). Keep this short.
+LIST_EXCEPTIONS = {
+    "recipes/best.sh": (2, "the experiment's own choice of the families it trains (FAMILIES=... and its message)"),
+    "recipes/block_drafters_equal_data.sh": (3, "the block-drafter comparison's own runs, P-EAGLE among them"),
+    "recipes/field_families.sh": (5, "the field ranking's own runs and their labels (P-EAGLE, Hydra++ are variants "
+                                     "the registry does not hold)"),
+    "configs/compare.yaml": (1, "acceptance: the comparison's target per results-table key (data, not a fact)"),
+    "configs/compare_best.yaml": (1, "acceptance: the comparison's target per results-table key"),
+}
+_SHELL_WORD = re.compile(r"[^\s|;()\"'=:{}\[\],*]+")
+
+
+def _families_in(words) -> set[str]:
+    return {NAMES[w] for w in words if isinstance(w, str) and w in NAMES}
+
+
+def script_lists(text: str) -> list[tuple[int, set[str]]]:
+    """(line, families) of every line of a shell script (comments aside) naming LIST_MIN or more families."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        code = "" if line.lstrip().startswith("#") else line.split(" #", 1)[0]
+        if len(found := _families_in(_SHELL_WORD.findall(code))) >= LIST_MIN:
+            out.append((n, found))
+    return out
+
+
+def config_lists(data, where: str = "") -> list[tuple[str, set[str]]]:
+    """(key path, families) of every list (its string items) or mapping (its keys) of a loaded config naming
+    LIST_MIN or more families."""
+    out = []
+    if isinstance(data, dict):
+        if len(found := _families_in(data)) >= LIST_MIN:
+            out.append((where or "/", found))
+        for k, v in data.items():
+            out += config_lists(v, f"{where}/{k}")
+    elif isinstance(data, list):
+        if len(found := _families_in(data)) >= LIST_MIN:
+            out.append((where or "/", found))
+        for i, v in enumerate(data):
+            out += config_lists(v, f"{where}[{i}]")
+    return out
+
+
+def scan_lists(root: Path = ROOT) -> dict[str, list[str]]:
+    """file -> 'where: families' of each hard-wired family list in its scripts and configs."""
+    import yaml
+
+    found: dict[str, list[str]] = {}
+    for pattern in SCRIPTS + CONFIGS:
+        for path in sorted(root.glob(pattern)):
+            rel = path.relative_to(root).as_posix()
+            lists = (script_lists(path.read_text()) if path.suffix == ".sh" else
+                     config_lists(yaml.safe_load(path.read_text())))
+            found.update({rel: [f"{where}: {', '.join(sorted(fams))}" for where, fams in lists]} if lists else {})
+    return found
+
+
+def unexpected_lists(found: dict[str, list[str]]) -> list[str]:
+    return [f"{rel}:{entry}" for rel, entries in sorted(found.items()) if rel not in LIST_EXCEPTIONS
+            for entry in entries] + \
+           [f"{rel}: {len(found.get(rel, []))} family lists, LIST_EXCEPTIONS allows {count}"
+            for rel, (count, _) in LIST_EXCEPTIONS.items() if len(found.get(rel, [])) > count]
+
+
+def test_no_hard_wired_family_list_in_scripts_or_configs():
+    bad = unexpected_lists(scan_lists())
+    assert not bad, ("read the families from the registry (models/registry.py; `specdraft docs-families` for tables) "
+                     "instead of listing them by hand:\n" + "\n".join(bad))
+
+
+def test_the_list_scan_finds_a_planted_list(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "configs" / "eval").mkdir(parents=True)
+    (tmp_path / "recipes" / "x.sh").write_text('# for f in medusa hydra eagle3: a comment is no list\n'
+                                               'for f in medusa hydra_pp eagle3; do echo "$f"; done\n'
+                                               'train cmp-medusa cmp-hydra draft.eagle3.ttt_steps=1\n'
+                                               'case $f in medusa | hydra | ctc) ;; esac\n')
+    (tmp_path / "configs" / "eval" / "y.yaml").write_text("a: {families: [dflash, dspark, domino]}\n"
+                                                          "b: {medusa: 1, ctc: 2}\n")
+    assert sorted(unexpected_lists(scan_lists(tmp_path))) == [
+        "configs/eval/y.yaml:/a/families: dflash, domino, dspark",
+        "recipes/x.sh:2: eagle3, hydra, medusa", "recipes/x.sh:4: ctc, hydra, medusa"]
+
+
 def _imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):

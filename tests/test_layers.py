@@ -44,6 +44,7 @@ ROLES = {
     "models.families.*.drafter": "eval.engine",  # its Drafter and drafter declaration
     "models.families.*.tune": "eval.engine",  # more of the drafter declaration (tune's shapes)
     "models.families.*.lockstep": "eval.engine",  # a batched simulation of its drafter on stored answers
+    "models.families.*.sweep": "eval.harness",  # a learning-free family's option sweep (eval --method X sweep_*)
     "models.families.*.gguf": "eval.serving",  # what llama.cpp's converter reads
 }
 PACKAGES = ("core", "data", "losses", "models", "train", "eval", "cli")

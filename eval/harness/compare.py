@@ -72,9 +72,8 @@ class Method:
 
 def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, base) -> list[Method]:
     """Drafters for the entries that run in `setting` (each with its own per-draft eval overrides)."""
-    from eval.engine.drafters.registry import build_drafter
+    from eval.engine.drafters.registry import build_drafter, build_learning_free
     from models.export.load import load_export
-    from models.families.ngram.drafter import build_ngram_drafter
 
     out = []
     for e in entries:
@@ -82,7 +81,7 @@ def _build_methods(entries: list[DraftEntry], setting: str, ecfg: EvalConfig, ba
             continue
         cfg = dataclasses.replace(ecfg, **{k: ({**ecfg.extra, **v} if k == "extra" else v) for k, v in e.eval.items()})
         if e.method is not None:
-            drafter, info = build_ngram_drafter(base, cfg.extra)
+            drafter, info = build_learning_free(e.method, base, cfg.extra)
             out.append(Method(e.label, e.method, drafter, {**info, **_headline(e)}))
             continue
         if e.tree_nodes is not None:

@@ -7,8 +7,9 @@ judged after; the unchanged decoder loop then runs the drafter against a ReplayB
 replay.py), whose verification is a lookup in the stored answer. The per-step accepted lengths are decoding's.
 
 Two paths, and every report names its own (`meta["path"]`, field_report.path_label): `exact`, one prompt at a time
-through that decoder loop; `batched`, an EAGLE-3 draft's prompts stepped together (models/families/eagle3/lockstep.py),
-whose agreement with the exact path is measured on a sample of the run's own prompts re-decoded one at a time
+through that decoder loop; `batched`, prompts stepped together where the family declares that path (its role module
+`lockstep`, found like its drafter: eval/engine/drafters/registry.py, run_lockstep; EAGLE-3 has one), whose
+agreement with the exact path is measured on a sample of the run's own prompts re-decoded one at a time
 (`measure_agreement`, recorded in `meta["agreement"]`), not assumed.
 
 Acceptance length here = mean over decode steps of (accepted drafts + 1), counted before end-of-turn / length
@@ -177,11 +178,12 @@ def shard(items: list, rank: int, world: int) -> list:
 
 
 def uses_lockstep(drafter, lockstep: int) -> bool:
-    """Whether run_field steps `drafter` in lockstep (models/families/eagle3/lockstep.py): an EAGLE-3 drafter and a
-    width >= 1; every other family (or lockstep=0) takes the per-prompt path."""
-    from models.families.eagle3.drafter import Eagle3Drafter
+    """Whether run_field steps `drafter` in lockstep: its family declares a batched path (its role module
+    `lockstep`: run_lockstep, eval/engine/drafters/registry.py) and the width is >= 1; every other family (or
+    lockstep=0) takes the per-prompt path."""
+    from eval.engine.drafters.registry import lockstep_runner
 
-    return lockstep >= 1 and isinstance(drafter, Eagle3Drafter)
+    return lockstep >= 1 and lockstep_runner(drafter) is not None
 
 
 def default_subset(refs: list, per_set: int = DEFAULT_PER_SET) -> list:
@@ -342,9 +344,10 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
     """Simulate `drafter` on this rank's share of `refs`; rows go to out_dir/rows-<rank>.jsonl as each prompt
     ends (a rerun continues after the last one written). Returns this rank's rows.
 
-    lockstep: for an EAGLE-3 drafter, that many prompts advance together, the draft's weight-heavy ops batched over
-    them (models/families/eagle3/lockstep.py; agreement with the per-prompt path is tested, not bitwise); 0, or any
-    other family: one prompt at a time through the unchanged decoder loop (`simulate`), the reference."""
+    lockstep: for a drafter whose family declares a batched path (run_lockstep: EAGLE-3's), that many prompts
+    advance together, the draft's weight-heavy ops batched over them (agreement with the per-prompt path is tested,
+    not bitwise); 0, or any other family: one prompt at a time through the unchanged decoder loop (`simulate`), the
+    reference."""
     from tqdm import tqdm
 
     from data.self_distill import end_of_turn_ids
@@ -376,7 +379,9 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
             bar.update()
 
         if uses_lockstep(drafter, lockstep):
-            from models.families.eagle3.lockstep import run_lockstep
+            from eval.engine.drafters.registry import lockstep_runner
+
+            run_lockstep = lockstep_runner(drafter)
 
             def load(r):
                 _, aux, differs = load_cached(directory, r, device)
@@ -406,7 +411,7 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     """`specdraft field --draft EXPORT`: load the draft (cfg: an EvalConfig, its dtype, backend and the draft's
     shape: tree, extra), simulate it on the stored answers, write field.json / field.md / field.png. Prompts: each
     set's first `num_prompts` when given, else `subset` ("all", or "default": default_subset). lockstep: run_field's
-    (an EAGLE-3 draft's prompts stepped that many at a time; 0 = the exact path); after a batched run, `agreement`
+    (a batched family's prompts stepped that many at a time; 0 = the exact path); after a batched run, `agreement`
     of its prompts are re-decoded one at a time and the agreement recorded (meta["agreement"]; 0 = not measured).
     A dtype other than the stored answers' is refused unless `mixed_dtype` (then marked: meta["dtype_mark"]).
     announce(line): told what the run will cost before it starts. Returns (report, out_dir)."""

@@ -289,17 +289,14 @@ LEARNING_FREE_METHODS = learning_free_families()  # the families declaring Famil
 def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
     """A learning-free method (no export): load the base (cfg.base_path, default smollm2), build the
     drafter from cfg.extra, evaluate; writes under <run_dir or runs/<method>>/eval/<name>/."""
+    from eval.engine.drafters.registry import build_learning_free, method_options
     from models.base import load_base
-    from models.families.ngram.drafter import build_ngram_drafter, ngram_options
 
-    if method not in LEARNING_FREE_METHODS:
-        raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(LEARNING_FREE_METHODS)}"
-                         " (trained drafts: --draft runs/<run>/export)")
-    opts = ngram_options(cfg.extra)  # fail on a typo before loading anything
+    opts = method_options(method, cfg.extra)  # fail on an unknown method or a typo before loading anything
     cfg, dtypes = decode_dtypes(cfg, cfg.base_path or cfg.method_base)  # dtype=fast: the decode probe's dtype
     base = load_base(cfg.base_path or cfg.method_base, dtype=cfg.dtype, device=resolve_device(cfg.device),
                      chat_template=cfg.chat_template or None)
-    drafter, info = build_ngram_drafter(base, cfg.extra)
+    drafter, info = build_learning_free(method, base, cfg.extra)
     info["dtypes"] = dtypes.to_dict()
     if cfg.prompt_lookup:  # transformers' prompt lookup drafting w tokens per step
         info["prompt_lookup"] = prompt_lookup_peer(cfg, base, int(opts["w"]))
@@ -307,7 +304,7 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
     def fp32_twin():  # the same method and options on the base in fp32 (the verdict's re-decode)
         base32 = load_base(cfg.base_path or cfg.method_base, dtype="fp32", device=next(base.model.parameters()).device,
                            chat_template=cfg.chat_template or None)
-        return base32, build_ngram_drafter(base32, cfg.extra)[0]
+        return base32, build_learning_free(method, base32, cfg.extra)[0]
 
     return evaluate(cfg, base, drafter, method, out_dir, info, fp32_twin=fp32_twin), out_dir
 
@@ -315,12 +312,17 @@ def eval_method(method: str, cfg: EvalConfig) -> tuple[dict, Path]:
 def sweep_method(method: str, cfg: EvalConfig) -> Path:
     """The (k, w) grid of a learning-free method (sweep_k / sweep_w lists): table + heat map
     under <run_dir or runs/<method>>/eval/<name>/sweep/."""
-    from eval.harness.ngram_sweep import sweep, write
-    from models.families.ngram.drafter import ngram_options
+    import importlib
+    import importlib.util
 
-    if method not in LEARNING_FREE_METHODS:  # the (k, w) grid is the n-gram drafter's (its options, just above)
-        raise ValueError(f"a (k, w) sweep exists for --method {', '.join(LEARNING_FREE_METHODS)} only, not {method!r}")
-    opts = ngram_options(cfg.extra)
+    from eval.engine.drafters.registry import method_options
+    from models.registry import SPECS
+
+    opts = method_options(method, cfg.extra)
+    role = f"{SPECS[method].package}.sweep"  # the family's role module `sweep`, found by its fixed name
+    if importlib.util.find_spec(role) is None:
+        raise ValueError(f"--method {method!r} has no (k, w) sweep (no role module {role})")
+    sweep, write = (getattr(importlib.import_module(role), f) for f in ("sweep", "write"))
     ks = [int(k) for k in cfg.sweep_k or [opts["k"]]]
     ws = [int(w) for w in cfg.sweep_w or [opts["w"]]]
     out_dir = Path(cfg.run_dir or f"runs/{method}") / "eval" / cfg.name / "sweep"

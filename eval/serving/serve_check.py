@@ -182,7 +182,7 @@ def _our_run(cfg: EvalConfig, base, drafter, method: str, out_dir: Path, info: d
 class _Plan:
     """What both sides run: our drafter + eval config, and vLLM's speculative configs."""
 
-    name: str  # family or "ngram"
+    name: str  # the family (a draft's, or the learning-free --method's)
     base: object  # models.base.LoadedBase
     base_dir: Path  # the HF directory vLLM serves
     drafter: object
@@ -200,11 +200,22 @@ class _Plan:
     export_cfg: dict | None = None
 
 
-def _longest_match(base, w: int, q: int, q_min: int):
-    """Our n-gram drafter with vLLM's prompt-lookup rule (one row of up to w tokens, query q_min..q)."""
-    from models.families.ngram.drafter import build_ngram_drafter
+def _engine_lookup() -> str:
+    """The learning-free family vLLM serves (FamilyFacts: trainable=False with a vLLM method): the engines' own
+    prompt lookup, the peer every check runs beside a draft."""
+    served = learning_free_vllm_families()
+    if not served:
+        raise ValueError("serve-check runs vLLM's prompt lookup beside a draft: no learning-free family declares it")
+    return served[0]
 
-    return build_ngram_drafter(base, {"k": 1, "w": w, "q": q, "q_min": q_min, "strategy": "longest_match"})
+
+def _longest_match(base, w: int, q: int, q_min: int):
+    """Ours with vLLM's prompt-lookup rule (one row of up to w tokens, query q_min..q): the learning-free family's
+    serving chain (its `chain` declaration) with the engine's query lengths."""
+    from eval.engine.drafters.registry import build_learning_free, chain_overrides
+
+    family = _engine_lookup()
+    return build_learning_free(family, base, {**chain_overrides(family, w)["extra"], "q": q, "q_min": q_min})
 
 
 def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
@@ -276,20 +287,20 @@ def _plan_unservable(cfg: EvalConfig, draft, export_cfg: dict, base, workdir: Pa
 
 
 def _plan_ngram(cfg: EvalConfig, method: str, device, workdir: Path) -> _Plan:
+    from eval.engine.drafters.registry import method_options
     from models.base import load_base
     from models.export.vllm import vllm_ngram_config
-    from models.families.ngram.drafter import ngram_options
 
     if method not in learning_free_vllm_families():
         raise ValueError(f"serve-check --method {method!r}: vLLM serves only the learning-free "
                          f"{', '.join(learning_free_vllm_families())}; trained drafts: --draft runs/<run>/export")
-    opts = ngram_options(cfg.extra)
+    opts = method_options(method, cfg.extra)
     base = load_base(cfg.base_path or cfg.method_base, dtype=cfg.dtype, device=device)
     ngram_spec = vllm_ngram_config(opts)
     # vLLM proposes one row copied from the context by its own rule: our strategy=longest_match is that rule.
     drafter, info = _longest_match(base, int(opts["w"]), int(opts["q"]), int(opts["q_min"]) or int(opts["q"]))
     ours_cfg = dataclasses.replace(cfg, hf_baseline=False, ar_baseline=True)
-    return _Plan("ngram", base, base_hf_dir(base, workdir), drafter, info, ours_cfg, None, ngram_spec,
+    return _Plan(method, base, base_hf_dir(base, workdir), drafter, info, ours_cfg, None, ngram_spec,
                  ngram_spec["num_speculative_tokens"],
                  f"n-gram longest match (vLLM's prompt lookup), w={opts['w']}, q={drafter.q_min}..{drafter.q}")
 
@@ -359,7 +370,8 @@ def serve_check(cfg: EvalConfig, draft_dir: Path | None = None, method: str | No
     if plan.ngram_drafter is not None:
         print("[serve-check] ours: n-gram with vLLM's prompt-lookup rule", flush=True)
         ngram_cfg = dataclasses.replace(plan.ours_cfg, ar_baseline=False, tree="auto", tree_choices=None)
-        ngram, _ = _our_run(ngram_cfg, base, plan.ngram_drafter, "ngram", out_dir / "ours_ngram", plan.ngram_info)
+        ngram, _ = _our_run(ngram_cfg, base, plan.ngram_drafter, _engine_lookup(), out_dir / "ours_ngram",
+                            plan.ngram_info)
         engines_out["ours_ngram"] = ngram["ours_draft"]
 
     dtype = DTYPES[next(base.model.parameters()).dtype]

@@ -7,6 +7,8 @@ A family's files and their layers (tests/test_layers.py gives each its layer by 
     model.py              the DraftModel with its `facts` and its options (a learning-free family: module-level facts)
     export_*.py           its export writers (vllm, speculators, ...)                             the models layer
     drafter.py, tune.py   its drafter declaration (eval/engine/drafters/registry.py), tune's shapes   eval.engine
+    lockstep.py           its batched field path, run_lockstep (EAGLE-3)                              eval.engine
+    sweep.py              a learning-free family's option sweep, eval --method X sweep_* (N-gram)    eval.harness
     gguf.py               `converter_input`: what llama.cpp's converter reads (eval/serving)          eval.serving
 The layers above models import a role module by its fixed name (`<spec.package>.drafter`), so nothing below them
 names one. Adding a family: docs/howto/add_a_family.md.

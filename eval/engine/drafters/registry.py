@@ -3,7 +3,8 @@
 Each family's drafter module is the role module `drafter` of its package (models/families/<name>/drafter.py,
 `<FamilySpec.package>.drafter`; no list of them is kept here). It declares, next to its Drafter class:
     Options       the frozen dataclass of its eval options (EvalConfig.extra; unknown keys are an error)
-    build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info)
+    build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info); a learning-free family's
+                  (FamilyFacts.trainable = False): (base, extra) -> (drafter, report info), no export to build from
     chain         depth -> EvalConfig overrides that make it draft a chain of top-1 tokens, what serving engines run
     chain_depth   (report info, drafter) -> drafted tokens per step of a row shaped as that chain (ValueError: how)
     shape         report info -> the draft's shape in a table cell ("tree16, 16 nodes", "8 beams × 3")
@@ -13,8 +14,11 @@ and, where the default does not fit (a module that leaves one out gets it):
     max_chain       draft -> the deepest chain it drafts, what serving engines are asked for at most (default:
                     None, any depth)
     target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
-The package's role module `tune` (models/families/<name>/tune.py), where there is one, adds the optional
-declarations it holds (EAGLE-3's tune shapes and target key).
+    run_lockstep    the field benchmark's batched path (eval/harness/field.py): (drafter, prompts, load, n_of, eos,
+                    done, *, width, redo) -> prompts redone, its prompts stepped together (default: None, the
+                    per-prompt path)
+The package's role modules `tune` and `lockstep` (models/families/<name>/tune.py, lockstep.py), where there are
+some, add the optional declarations they hold (EAGLE-3's tune shapes and target key; its batched field path).
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from collections.abc import Callable
 from types import ModuleType
 
 from eval.engine.drafters.options import option_names, parse_options
-from models.registry import FAMILIES, SPECS
+from models.registry import FAMILIES, SPECS, learning_free_families
 
-OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key")
-MORE_ROLES = ("tune",)  # role modules of a family's package that may add OPTIONAL declarations to its drafter's
+OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key", "run_lockstep")
+# role modules of a family's package that may add OPTIONAL declarations to its drafter's
+MORE_ROLES = ("tune", "lockstep")
 
 
 def _no_shapes(draft) -> list[tuple[str, dict]]:
@@ -43,7 +48,7 @@ def _any_depth(draft) -> int | None:
 @dataclasses.dataclass(frozen=True)
 class DrafterFamily:
     options: type
-    build: Callable | None  # None: learning-free (no export to build from; ngram.build_ngram_drafter)
+    build: Callable  # trained: (draft, export_cfg, eval_cfg, options); learning-free: (base, extra)
     chain: Callable[[int], dict]
     chain_depth: Callable[[dict, object], int]
     shape: Callable[[dict], str]
@@ -51,13 +56,13 @@ class DrafterFamily:
     searched_trees: bool = False
     max_chain: Callable[[object], int | None] = _any_depth
     target_key: Callable[[dict], str] | None = None  # None: the family name
+    run_lockstep: Callable | None = None  # None: the field judges it one prompt at a time
 
     @classmethod
-    def of(cls, module: ModuleType, trained: bool = True, more: tuple[ModuleType, ...] = ()) -> DrafterFamily:
+    def of(cls, module: ModuleType, more: tuple[ModuleType, ...] = ()) -> DrafterFamily:
         """The declaration in `module` (and the optional ones in `more`, a family's further drafter modules)."""
         optional = {name: getattr(m, name) for m in (module, *more) for name in OPTIONAL if hasattr(m, name)}
-        return cls(module.Options, module.build if trained else None, module.chain, module.chain_depth, module.shape,
-                   **optional)
+        return cls(module.Options, module.build, module.chain, module.chain_depth, module.shape, **optional)
 
     def option_names(self) -> list[str]:
         return option_names(self.options)
@@ -74,7 +79,7 @@ def _load(family: str) -> DrafterFamily | None:
     if module is None:
         return None
     more = tuple(m for m in (_module(family, role) for role in MORE_ROLES) if m is not None)
-    return DrafterFamily.of(module, trained=FAMILIES[family].trainable, more=more)
+    return DrafterFamily.of(module, more=more)
 
 
 # Family -> its declaration, for every registered family whose package has a drafter module (a family without one
@@ -94,15 +99,39 @@ def drafter_family(family: str) -> DrafterFamily:
     return DRAFTERS[family]
 
 
+def lockstep_runner(drafter) -> Callable | None:
+    """The batched field path its family declares for `drafter` (run_lockstep), or None (a family without one, or a
+    drafter of no family: the autoregressive baseline)."""
+    spec = DRAFTERS.get(getattr(drafter, "name", None))
+    return None if spec is None else spec.run_lockstep
+
+
 def build_drafter(draft, export_cfg: dict, eval_cfg):
     """(drafter, report info) for a loaded draft; the family's options are read from eval_cfg.extra (else the
     export's config.json, else their defaults) and checked first."""
     family = export_cfg["family"]
     spec = drafter_family(family)
-    if spec.build is None:
+    if not FAMILIES[family].trainable:
         raise ValueError(f"the {family} family is learning-free: run it with `--method {family}`, not from an export")
     options = parse_options(spec.options, family, eval_cfg.extra, export_cfg)
     return spec.build(draft, export_cfg, eval_cfg, options)
+
+
+def method_options(method: str, extra: dict) -> dict:
+    """A learning-free family's options (`--method <name>`: no export) read from EvalConfig.extra, defaults filled;
+    an unknown method or key is an error."""
+    free = learning_free_families()
+    if method not in free:
+        raise ValueError(f"unknown --method {method!r}; learning-free methods: {', '.join(free)} (trained drafts: "
+                         "--draft runs/<run>/export)")
+    return dataclasses.asdict(parse_options(drafter_family(method).options, method, extra))
+
+
+def build_learning_free(method: str, base, extra: dict):
+    """(drafter, report info) of a learning-free family on a loaded base (models.base.LoadedBase), its options read
+    from EvalConfig.extra: the family's `build` (base, extra)."""
+    method_options(method, extra)
+    return drafter_family(method).build(base, extra)
 
 
 def chain_overrides(family: str, depth: int) -> dict:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.block import BlockDrafter
+from eval.engine.drafters.drafter import DecodeState
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import resolve_tree, static_chain, static_chain_depth, static_shape, static_tune_shapes
 from eval.engine.tree import StaticTree, Tree, chain_choices
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(BlockDrafter):
     name = "dflash"
 
     def __init__(self, draft, tree: StaticTree):
@@ -33,26 +34,13 @@ class DFlashDrafter(Drafter):
         if tree.depth > draft.block_size - 1:
             raise ValueError(f"the tree is {tree.depth} deep but a DFlash block of {draft.block_size} slots drafts "
                              f"{draft.block_size - 1} tokens; pick a shallower tree")
-        self.draft = draft.eval()
+        super().__init__(draft)
         self.tree = tree
         self.max_nodes = tree.num_nodes
-        self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
-        param = next(draft.parameters())
-        self._device, self._dtype = param.device, param.dtype
-        self._cache = None
-
-    def reset(self) -> None:
-        self._cache = None
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
-        if state.new_aux is None:
-            raise ValueError("the DFlash drafter needs the base's aux hidden states (DecodeState.new_aux); run it "
-                             "through eval.engine.decoder.speculative_generate, which asks the backend for them")
-        aux = state.new_aux.to(self._device, self._dtype)  # [n, k*d]
-        if self._cache is None:
-            self._cache = self.draft.new_cache(max(256, 2 * aux.shape[0]), self._device, self._dtype)
-        self.draft.commit_context(self._cache, aux)  # always: the cache must hold every committed position
+        self._commit(state)
         if self.tree.depth == 0:
             return self.tree.fill(state.root, torch.zeros(0, 0, dtype=torch.long))
         logits = self.draft.draft_block(self._cache, state.root)  # [G-1, N]: slot k = depth k

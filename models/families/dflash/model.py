@@ -90,31 +90,10 @@ class DFlashDraft(BlockDraft):
                         "decoder layers, which fill a block of γ slots (root + γ-1 mask slots) in one forward; chain "
                         "or static tree")
 
-    @classmethod
-    def check_config(cls, cfg, fail) -> None:
-        d, o, lo = cfg.draft, cls.options(cfg.draft), cls.options(cfg.loss)
-        if not 2 <= o.block_size <= MAX_BLOCK_SIZE:
-            fail("draft.dflash.block_size", o.block_size, f"DFlash blocks hold 2..{MAX_BLOCK_SIZE} slots (the root + "
-                 "the drafts; default 16)")
-        if d.num_heads != o.block_size - 1:
-            fail("draft.num_heads", d.num_heads, f"DFlash reports one depth per drafted slot: set draft.num_heads="
-                 f"{o.block_size - 1} (= draft.dflash.block_size - 1), as configs/dflash.yaml does")
-        if d.num_layers < 1:
-            fail("draft.num_layers", d.num_layers, "DFlash needs at least one decoder layer (speculators: 5)")
-        if o.num_anchors < 1:
-            fail("draft.dflash.num_anchors", o.num_anchors, "train at least one block per conversation (speculators: "
-                 "512)")
-        if o.mask_token_id < -1:
-            fail("draft.dflash.mask_token_id", o.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
-        if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
-            fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
-        if lo.position_weights not in ("dpace", "decay"):
-            fail("loss.dflash.position_weights", lo.position_weights, "use dpace (speculators' DFlash default) or "
-                 "decay (loss.lambda0 * loss.decay^(k-1))")
-        if not 0.0 < lo.dpace_alpha <= 1.0:
-            fail("loss.dflash.dpace_alpha", lo.dpace_alpha, "use a smoothing constant in (0, 1] (speculators: 0.5)")
-        if cfg.deepspeed.zero_stage == 3:
-            fail("deepspeed.zero_stage", 3, "DFlash's loss reads its LM-head weight directly; use stage 0-2")
+    config_notes = {"block_size": "the root + the drafts; default 16", "num_layers": " (speculators: 5)",
+                    "num_anchors": " (speculators: 512)", "dpace_alpha": " (speculators: 0.5)",
+                    "position_weights": " (dpace: speculators' DFlash default; decay: loss.lambda0 * "
+                                        "loss.decay^(k-1))"}
 
     # -- construction from configs -----------------------------------------------------------------------
 

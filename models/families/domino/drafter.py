@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.block import BlockDrafter
+from eval.engine.drafters.drafter import DecodeState
 from eval.engine.tree import StaticTree, Tree, chain_choices
 
 
-class DominoDrafter(Drafter):
+class DominoDrafter(BlockDrafter):
     name = "domino"
 
     def __init__(self, draft, chain_length: int | None = None):
@@ -34,27 +35,14 @@ class DominoDrafter(Drafter):
         if not 1 <= n <= draft.block_size:
             raise ValueError(f"chain_length={n}: a Domino block of {draft.block_size} slots drafts "
                              f"1..{draft.block_size}")
-        self.draft = draft.eval()
+        super().__init__(draft)
         self.chain_length = n
         self.max_nodes = n + 1
-        self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
-        param = next(draft.parameters())
-        self._device, self._dtype = param.device, param.dtype
         self._tree = StaticTree(chain_choices(n))
-        self._cache = None
-
-    def reset(self) -> None:
-        self._cache = None
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
-        if state.new_aux is None:
-            raise ValueError("the Domino drafter needs the base's aux hidden states (DecodeState.new_aux); run it "
-                             "through eval.engine.decoder.speculative_generate, which asks the backend for them")
-        aux = state.new_aux.to(self._device, self._dtype)  # [n, k*d]
-        if self._cache is None:
-            self._cache = self.draft.new_cache(max(256, 2 * aux.shape[0]), self._device, self._dtype)
-        self.draft.commit_context(self._cache, aux)  # always: the cache must hold every committed position
+        self._commit(state)
         drafts, _ = self.draft.draft_chain(self._cache, state.root, self.chain_length)
         return self._tree.fill(state.root, drafts[:, None].cpu())
 

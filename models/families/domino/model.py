@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.components import MAX_BLOCK_SIZE, BlockCache, BlockDraft
+from models.components import BlockCache, BlockDraft
 from models.draft import BaseView
 from models.family import FamilyFacts
 from models.vocab_map import placeholder_map
@@ -92,34 +92,16 @@ class DominoDraft(BlockDraft):
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
-        d, o, lo = cfg.draft, cls.options(cfg.draft), cls.options(cfg.loss)
-        if not 2 <= o.block_size <= MAX_BLOCK_SIZE:
-            fail("draft.domino.block_size", o.block_size, f"Domino blocks hold 2..{MAX_BLOCK_SIZE} slots (default 8)")
-        if d.num_heads != o.block_size:
-            fail("draft.num_heads", d.num_heads, f"Domino reports one depth per slot (the root's drafts too): set "
-                 f"draft.num_heads={o.block_size} (= draft.domino.block_size), as configs/domino.yaml does")
-        if d.num_layers < 1:
-            fail("draft.num_layers", d.num_layers, "Domino needs at least one decoder layer")
-        if o.num_anchors < 1:
-            fail("draft.domino.num_anchors", o.num_anchors, "train at least one block per conversation")
-        if o.mask_token_id < -1:
-            fail("draft.domino.mask_token_id", o.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
+        super().check_config(cfg, fail)  # BlockDraft's rules; then Domino's own
+        o, lo = cls.options(cfg.draft), cls.options(cfg.loss)
         if o.gru_hidden < 1 or o.correction_dim < 1:
             fail("draft.domino.gru_hidden" if o.gru_hidden < 1 else "draft.domino.correction_dim",
                  min(o.gru_hidden, o.correction_dim), "use a width >= 1 (SpecForge: 1024 and 256)")
         if not 0 <= o.prefix_len < o.block_size:
             fail("draft.domino.prefix_len", o.prefix_len, f"use 0..{o.block_size - 1} (SpecForge: 1); a prefix of "
                  "the whole block leaves nothing to correct: that is DFlash")
-        if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
-            fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
-        if lo.position_weights not in ("dpace", "decay"):
-            fail("loss.domino.position_weights", lo.position_weights, "use dpace or decay")
-        if not 0.0 < lo.dpace_alpha <= 1.0:
-            fail("loss.domino.dpace_alpha", lo.dpace_alpha, "use a smoothing constant in (0, 1]")
         if lo.base_weight < 0:
             fail("loss.domino.base_weight", lo.base_weight, "use 0 (the corrected CE alone) or more")
-        if cfg.deepspeed.zero_stage == 3:
-            fail("deepspeed.zero_stage", 3, "Domino's loss reads its LM-head weight directly; use stage 0-2")
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, num_layers: int = 5,
                  block_size: int = 8, mask_token_id: int | None = None, num_anchors: int = 512,

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.engine.drafters.drafter import DecodeState, Drafter
+from eval.engine.drafters.block import BlockDrafter
+from eval.engine.drafters.drafter import DecodeState
 from eval.engine.tree import StaticTree, Tree, chain_choices
 
 
-class DSparkDrafter(Drafter):
+class DSparkDrafter(BlockDrafter):
     name = "dspark"
 
     def __init__(self, draft, chain_length: int | None = None, confidence_cut: float = 0.0):
@@ -35,28 +36,15 @@ class DSparkDrafter(Drafter):
                              f"1..{draft.block_size}")
         if not 0.0 <= confidence_cut < 1.0:
             raise ValueError(f"confidence_cut={confidence_cut} must be in [0, 1)")
-        self.draft = draft.eval()
+        super().__init__(draft)
         self.chain_length, self.confidence_cut = n, float(confidence_cut)
         self.max_nodes = n + 1
-        self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
-        param = next(draft.parameters())
-        self._device, self._dtype = param.device, param.dtype
         self._trees = {k: StaticTree(chain_choices(k)) for k in range(n + 1)}
-        self._cache = None
         self.last_confidence: torch.Tensor | None = None  # c_k of the last proposal (tests, reports)
-
-    def reset(self) -> None:
-        self._cache = None
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
-        if state.new_aux is None:
-            raise ValueError("the DSpark drafter needs the base's aux hidden states (DecodeState.new_aux); run it "
-                             "through eval.engine.decoder.speculative_generate, which asks the backend for them")
-        aux = state.new_aux.to(self._device, self._dtype)  # [n, k*d]
-        if self._cache is None:
-            self._cache = self.draft.new_cache(max(256, 2 * aux.shape[0]), self._device, self._dtype)
-        self.draft.commit_context(self._cache, aux)  # always: the cache must hold every committed position
+        self._commit(state)
         drafts, conf = self.draft.draft_chain(self._cache, state.root, self.chain_length)
         self.last_confidence = conf.cpu()
         n = self.chain_length

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from losses.block import acceptance_bce
-from models.components import MAX_BLOCK_SIZE, BlockCache, BlockDraft
+from models.components import BlockCache, BlockDraft
 from models.draft import BaseView
 from models.family import FamilyFacts
 from models.vocab_map import placeholder_map
@@ -97,31 +97,13 @@ class DSparkDraft(BlockDraft):
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
-        d, o, lo = cfg.draft, cls.options(cfg.draft), cls.options(cfg.loss)
-        if not 2 <= o.block_size <= MAX_BLOCK_SIZE:
-            fail("draft.dspark.block_size", o.block_size, f"DSpark blocks hold 2..{MAX_BLOCK_SIZE} slots (default 8)")
-        if d.num_heads != o.block_size:
-            fail("draft.num_heads", d.num_heads, f"DSpark reports one depth per slot (the root's drafts too): set "
-                 f"draft.num_heads={o.block_size} (= draft.dspark.block_size), as configs/dspark.yaml does")
-        if d.num_layers < 1:
-            fail("draft.num_layers", d.num_layers, "DSpark needs at least one decoder layer")
-        if o.num_anchors < 1:
-            fail("draft.dspark.num_anchors", o.num_anchors, "train at least one block per conversation")
-        if o.mask_token_id < -1:
-            fail("draft.dspark.mask_token_id", o.mask_token_id, "use -1 (the base's pad / eos token) or a token id")
+        super().check_config(cfg, fail)  # BlockDraft's rules; then DSpark's own
+        o, lo = cls.options(cfg.draft), cls.options(cfg.loss)
         if o.markov_rank < 1:
             fail("draft.dspark.markov_rank", o.markov_rank, "use a rank >= 1 (speculators: 256); without the Markov "
                  "head the family is DFlash")
-        if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
-            fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
-        if lo.position_weights not in ("dpace", "decay"):
-            fail("loss.dspark.position_weights", lo.position_weights, "use dpace or decay")
-        if not 0.0 < lo.dpace_alpha <= 1.0:
-            fail("loss.dspark.dpace_alpha", lo.dpace_alpha, "use a smoothing constant in (0, 1]")
         if lo.confidence_weight < 0:
             fail("loss.dspark.confidence_weight", lo.confidence_weight, "use 0 (confidence head untrained) or more")
-        if cfg.deepspeed.zero_stage == 3:
-            fail("deepspeed.zero_stage", 3, "DSpark's loss reads its LM-head weight directly; use stage 0-2")
 
     def __init__(self, base: BaseView, aux_layers: list[int] | None = None, num_layers: int = 5,
                  block_size: int = 8, mask_token_id: int | None = None, num_anchors: int = 512,

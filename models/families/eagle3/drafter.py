@@ -88,28 +88,32 @@ class Eagle3Drafter(Drafter):
         vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)
         return vals, self.draft.to_base(idx)
 
+    def _rows(self):
+        """draft_rows on this prompt's cache, as the walkers below call it: (hidden [m, d], tokens [m], positions
+        [m], spans [(0, m)], visible [[m, M]]) -> outputs [m, d]; the step's scratch K/V [L, H_kv, M, hd] lives in
+        the closure and dies with the call to propose."""
+        scratch = [None, None]
+
+        def rows(hidden, tokens, positions, spans, visible):
+            out, scratch[0], scratch[1] = self.draft.draft_rows(self._cache, hidden, tokens, positions, *scratch,
+                                                                visible[0])
+            return out
+
+        return rows
+
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
         if self.parallel:
             return self._parallel_chain(state)
         o_root = self._commit(state)  # always: the cache must see every committed position
+        top = lambda out, k, spans: self._top(out, k)  # noqa: E731
+        pos0 = [self._cache.length - 1]  # the root row's position
         if self.mode == "chain":
-            return self._chain(state.root, o_root)
-        return self._tree(state.root, o_root)
-
-    def _chain(self, root: int, o_root: torch.Tensor) -> Tree:
-        if self.chain_length == 0:
-            return chain_tree(root)
-        pos0 = self._cache.length - 1  # the root row's position
-        drafts, out, tk, tv = [], o_root, None, None
-        for k in range(1, self.chain_length + 1):
-            tok = self._top(out, 1)[1][:, 0]  # [1] base id of d_k
-            drafts.append(int(tok))
-            if k == self.chain_length:
-                break
-            visible = torch.ones(1, k - 1, dtype=torch.bool, device=self._device)  # d_1 .. d_{k-1} rows
-            out, tk, tv = self.draft.draft_rows(self._cache, out, tok, torch.tensor([pos0 + k]), tk, tv, visible)
-        return chain_tree(root, drafts)
+            return chain_tree(state.root, chain_drafts(o_root, pos0, self.chain_length, top, self._rows(),
+                                                       self._device)[0])
+        tokens, parents, depths = tree_drafts([int(state.root)], o_root, pos0, self, top, self._rows(),
+                                              self._device)[0]
+        return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
 
     def _parallel_chain(self, state: DecodeState) -> Tree:
         """P-EAGLE: the committed rows and chain_length - 1 mask slots in one layer call; one argmax per row from the
@@ -122,49 +126,103 @@ class Eagle3Drafter(Drafter):
         drafts = self._top(out[n - 1:], 1)[1][:, 0]  # [K] base ids
         return chain_tree(state.root, drafts.tolist())
 
-    def _tree(self, root: int, o_root: torch.Tensor) -> Tree:
-        pos0 = self._cache.length - 1
-        k = self.tree_topk
-        # Node tables (index 0 = root): token, parent, depth, cumulative log-prob, scratch-KV row (-1 = none).
-        tokens, parents, depths, scores, kv_row = [int(root)], [-1], [0], [0.0], [-1]
-        vals, toks = self._top(o_root, k)
-        level = []
-        for v, t in zip(vals[0].tolist(), toks[0].tolist()):
-            level.append(len(tokens))
-            tokens.append(t), parents.append(0), depths.append(1), scores.append(v), kv_row.append(-1)
-        out_of = {0: o_root[0]}  # node -> its layer output (expanded nodes only)
-        tk = tv = None
-        n_kv = 0
-        for depth in range(2, self.tree_depth + 1):
-            expand = sorted(level, key=lambda i: -scores[i])[:k]  # best nodes of the newest level
-            hidden = torch.stack([out_of[parents[i]] for i in expand])  # [m, d]: each parent's output
-            tok = torch.tensor([tokens[i] for i in expand], device=self._device)
-            pos = torch.tensor([pos0 + depth - 1] * len(expand))
-            visible = torch.zeros(len(expand), n_kv, dtype=torch.bool, device=self._device)
-            for r, i in enumerate(expand):  # ancestors below the root all sit in the scratch KV
-                a = parents[i]
+
+# ---- the drafting walks, once for one prompt (propose) and for B prompts at a time (lockstep.py) ---------------
+# Each walks B prompts' drafts together through two row primitives, so the field's batched path (models/families/
+# eagle3/lockstep.py) drafts by this same code with its batched primitives and propose with the draft's own:
+#   top(out [R, d], k, spans) -> (top-k log-probs [R, k], base ids [R, k]); prompt i owns rows spans[i]
+#   rows(hidden [R, d], tokens [R], positions [R], spans, visible) -> layer outputs [R, d]: each row fed its
+#       parent's output and its own token, seeing its prompt's cache, its ancestors among the nodes its prompt
+#       drafted earlier this step (visible[i] [m_i, M_i] bool) and itself
+# close(i, ordered, scores, cut), where given, is told each cut that decides which nodes prompt i's tree holds.
+
+
+def chain_drafts(o_root: torch.Tensor, pos0: list[int], length: int, top, rows, device) -> list[list[int]]:
+    """Chain of `length` per prompt: d_1 = argmax at o_root [B, d]; d_k = argmax of the layer run on (e(d_{k-1}),
+    o_{k-1}) at position pos0[i] + k - 1 (pos0: each root row's position), seeing d_1 .. d_{k-2}. Returns the
+    drafts (base ids) per prompt."""
+    b = int(o_root.shape[0])
+    drafts: list[list[int]] = [[] for _ in range(b)]
+    out, spans = o_root, [(i, i + 1) for i in range(b)]
+    for k in range(1, length + 1):
+        tok = top(out, 1, spans)[1][:, 0]  # [B] base ids of d_k
+        for i, t in enumerate(tok.tolist()):
+            drafts[i].append(t)
+        if k == length:
+            break
+        # d_1 .. d_{k-1}: one mask a prompt (a list repeated with * would alias one tensor across them)
+        visible = [torch.ones(1, k - 1, dtype=torch.bool, device=device) for _ in range(b)]
+        out = rows(out, tok, torch.tensor([p + k for p in pos0]), spans, visible)
+    return drafts
+
+
+def tree_drafts(roots: list[int], o_root: torch.Tensor, pos0: list[int], shape, top, rows, device,
+                close=None) -> list[tuple[list[int], list[int], list[int]]]:
+    """EAGLE-2's tree per prompt (shape: tree_topk, tree_depth, tree_nodes): the root's top-k children, then per
+    depth 2..D the topk nodes of the newest level with the best cumulative log-prob (stable sort: ties keep level
+    order) run through the layer, all prompts' rows in one call, each given its top-k children; at the end the best
+    tree_nodes - 1 nodes by (score desc, depth, index), laid out depth by depth. Python floats carry the scores, so
+    ties resolve alike on every path. Returns per prompt (tokens, parents, depths), node 0 the root."""
+    k, b = shape.tree_topk, len(roots)
+    # Per prompt node tables (index 0 = root): token, parent, depth, cumulative log-prob, scratch-KV row (-1: none).
+    tables = [([int(r)], [-1], [0], [0.0], [-1]) for r in roots]
+    vals, toks = top(o_root, k, [(i, i + 1) for i in range(b)])  # [B, k]
+    levels = [_children(t, [0], v, tk, 1) for t, v, tk in zip(tables, vals.tolist(), toks.tolist())]
+    out_of = [{0: o_root[i]} for i in range(b)]  # per prompt: node -> its layer output [d] (expanded nodes)
+    n_kv = [0] * b
+    for depth in range(2, shape.tree_depth + 1):
+        expands, hidden, tok, pos, spans, visible, r = [], [], [], [], [], [], 0
+        for i, (tokens, parents, _, scores, kv_row) in enumerate(tables):
+            ordered = sorted(levels[i], key=lambda j: -scores[j])
+            expand = ordered[:k]  # best nodes of the newest level
+            if close is not None:
+                close(i, ordered, scores, k)
+            expands.append(expand)
+            hidden += [out_of[i][parents[j]] for j in expand]
+            tok += [tokens[j] for j in expand]
+            pos += [pos0[i] + depth - 1] * len(expand)
+            vis = torch.zeros(len(expand), n_kv[i], dtype=torch.bool, device=device)
+            for row, j in enumerate(expand):  # ancestors below the root all sit in the scratch KV
+                a = parents[j]
                 while a > 0:
-                    visible[r, kv_row[a]] = True
+                    vis[row, kv_row[a]] = True
                     a = parents[a]
-            outs, tk, tv = self.draft.draft_rows(self._cache, hidden, tok, pos, tk, tv, visible)
-            for r, i in enumerate(expand):
-                kv_row[i] = n_kv + r
-                out_of[i] = outs[r]
-            n_kv += len(expand)
-            vals, toks = self._top(outs, k)
-            level = []
-            for r, i in enumerate(expand):
-                for v, t in zip(vals[r].tolist(), toks[r].tolist()):
-                    level.append(len(tokens))
-                    tokens.append(t), parents.append(i), depths.append(depth)
-                    scores.append(scores[i] + v), kv_row.append(-1)
+            visible.append(vis)
+            spans.append((r, r + len(expand)))
+            r += len(expand)
+        outs = rows(torch.stack(hidden), torch.tensor(tok, device=device), torch.tensor(pos), spans, visible)
+        vals, toks = top(outs, k, spans)  # [R, k]: one LM head over every prompt's expanded nodes
+        vals, toks = vals.tolist(), toks.tolist()
+        for i, (table, expand, (lo, hi)) in enumerate(zip(tables, expands, spans)):
+            for row, j in enumerate(expand):
+                table[4][j] = n_kv[i] + row
+                out_of[i][j] = outs[lo + row]
+            n_kv[i] += len(expand)
+            levels[i] = _children(table, expand, vals[lo:hi], toks[lo:hi], depth)
+    trees = []
+    for i, (tokens, parents, depths, scores, _) in enumerate(tables):
         # Keep the best nodes (score desc, then shallower, then older), then lay them out topologically.
-        ranked = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], depths[i], i))[: self.tree_nodes - 1]
-        kept = [0] + sorted(ranked, key=lambda i: (depths[i], i))
+        order = sorted(range(1, len(tokens)), key=lambda j: (-scores[j], depths[j], j))
+        if close is not None:
+            close(i, order, scores, shape.tree_nodes - 1)
+        kept = [0] + sorted(order[: shape.tree_nodes - 1], key=lambda j: (depths[j], j))
         new_index = {old: new for new, old in enumerate(kept)}
-        return Tree(torch.tensor([tokens[i] for i in kept]),
-                    torch.tensor([-1] + [new_index[parents[i]] for i in kept[1:]]),
-                    torch.tensor([depths[i] for i in kept]))
+        trees.append(([tokens[j] for j in kept], [-1] + [new_index[parents[j]] for j in kept[1:]],
+                      [depths[j] for j in kept]))
+    return trees
+
+
+def _children(table, expand: list[int], vals: list[list[float]], toks: list[list[int]], depth: int) -> list[int]:
+    """Add each expanded node's top-k children (vals / toks: one list of k a node) to the node tables; returns the
+    new level's node indices."""
+    tokens, parents, depths, scores, kv_row = table
+    level = []
+    for j, vr, tr in zip(expand, vals, toks):
+        for v, t in zip(vr, tr):
+            level.append(len(tokens))
+            tokens.append(t), parents.append(j), depths.append(depth)
+            scores.append(scores[j] + v), kv_row.append(-1)
+    return level
 
 
 # ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------

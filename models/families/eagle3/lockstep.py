@@ -14,15 +14,15 @@ speculative_generate with models/families/eagle3/drafter.py's Eagle3Drafter.prop
   commit   the rows committed since the last step (after the prompt: all of its positions; after a step: the root
            and the accepted drafts), each with its aux states and the token after it, appended to the prompt's
            draft cache (Eagle3Draft.commit_rows); the last row's output o_root predicts depth 1
-  draft    chain: K argmax drafts, one layer row per depth after the first (Eagle3Drafter._chain); tree: EAGLE-2's
-           expansion with the same ordering and tie rules (Eagle3Drafter._tree); P-EAGLE: the committed rows and
-           K-1 mask slots in one layer call (Eagle3Drafter._parallel_chain)
+  draft    chain and tree: the drafter's own walks (drafter.py: chain_drafts, tree_drafts, which propose runs on
+           one prompt), here on rows batched over the slots; P-EAGLE: the committed rows and K-1 mask slots in one
+           layer call (Eagle3Drafter._parallel_chain)
   verify   the ReplayBackend's lookup + greedy_accept: a node is on the stored path iff its token and all its
            ancestors' equal the stored ones at their positions; the deepest such node (the smallest index among
            equals) ends the accepted path, the bonus is the stored token after it
   book     speculative_generate's: accepted_lengths before end-of-turn / length truncation, accept / proposed
            counts per depth, tree_nodes (root counted), tokens cut after end-of-turn or at max_new_tokens
-Python floats and the same sort keys carry the tree's scores, as in the drafter, so ties resolve identically.
+The walks are the drafter's, so the tree's scores (Python floats) and sort keys, and its ties, are too.
 
 Not bitwise by construction: a row of a batched matrix product and the same row's matrix-vector product may differ
 in the last bits (MKL's kernels sum in different orders), so a near-exact tie between two draft tokens can flip (on
@@ -47,6 +47,7 @@ import torch
 from torch.nn import functional as F
 
 from eval.engine.backends.replay import ReplayError
+from models.families.eagle3.drafter import chain_drafts, tree_drafts
 from models.families.eagle3.model import Eagle3Cache
 
 # Two log-probs (or cumulative tree scores) closer than this are a near tie: the batched path's last bits could order
@@ -237,29 +238,44 @@ class LockstepEagle3:
 
     # -- the three drafting shapes ----------------------------------------------------------------------------
 
+    def _topper(self, slots: list[Slot]):
+        """The walkers' `top` (models/families/eagle3/drafter.py): _top over every slot's rows, each slot flagged
+        where one of its rows met a near tie."""
+        def top(out, k, spans):
+            vals, idx, near = self._top(out, k)
+            for s, (lo, hi) in zip(slots, spans):
+                s.near_tie |= any(near[lo:hi])
+            return vals, idx
+
+        return top
+
+    def _rower(self, slots: list[Slot]):
+        """The walkers' `rows`: _draft_rows over every slot's rows, each slot's count of nodes drafted this step (its
+        scratch rows past the cache's length) kept here across the walk's calls."""
+        drafted = [0] * len(slots)
+
+        def rows(hidden, tokens, positions, spans, visible):
+            return self._draft_rows(slots, hidden, tokens, positions, spans, drafted, visible)
+
+        return rows
+
     def _chain(self, slots: list[Slot], o_root: torch.Tensor) -> list[Proposal]:
-        """Eagle3Drafter._chain for every slot: depth k's argmax, then (for k < K) one layer row per slot at
-        position root + k fed that token and the previous output, seeing its chain ancestors."""
-        big_k, b = self.drafter.chain_length, len(slots)
-        drafts: list[list[int]] = [[] for _ in slots]
-        out = o_root  # [B, d]
-        spans = [(i, i + 1) for i in range(b)]
-        drafted = [0] * b
-        pos0 = torch.tensor([s.cache.length - 1 for s in slots])  # [B] each root row's position
-        for k in range(1, big_k + 1):
-            _, top, near = self._top(out, 1)
-            tok = top[:, 0]  # [B] base ids of d_k
-            for s, flag in zip(slots, near):
-                s.near_tie |= flag
-            for i, t in enumerate(tok.tolist()):
-                drafts[i].append(t)
-            if k == big_k:
-                break
-            # d_1 .. d_{k-1}: one mask a slot (a list repeated with * would alias one tensor across the slots)
-            visible = [torch.ones(1, k - 1, dtype=torch.bool, device=self.device) for _ in range(b)]
-            out = self._draft_rows(slots, out, tok, pos0 + k, spans, drafted, visible)
+        """Eagle3Drafter's chain for every slot, by its own walk (drafter.py: chain_drafts) on the batched rows."""
+        pos0 = [s.cache.length - 1 for s in slots]  # each root row's position
+        drafts = chain_drafts(o_root, pos0, self.drafter.chain_length, self._topper(slots), self._rower(slots),
+                              self.device)
         return [Proposal([s.root, *dr], list(range(-1, len(dr))), list(range(len(dr) + 1)))
                 for s, dr in zip(slots, drafts)]
+
+    def _tree(self, slots: list[Slot], o_root: torch.Tensor) -> list[Proposal]:
+        """Eagle3Drafter's EAGLE-2 tree for every slot, by its own walk (drafter.py: tree_drafts) on the batched
+        rows; a cut of the expansion or the final ranking within TIE_EPS flags the slot."""
+        def close(i, ordered, scores, cut):
+            slots[i].near_tie |= _close_at(ordered, scores, cut)
+
+        pos0 = [s.cache.length - 1 for s in slots]
+        return [Proposal(*t) for t in tree_drafts([s.root for s in slots], o_root, pos0, self.drafter,
+                                                  self._topper(slots), self._rower(slots), self.device, close)]
 
     def _parallel_chain(self, slots: list[Slot]) -> list[Proposal]:
         """Eagle3Drafter._parallel_chain (P-EAGLE) for every slot: each slot's new rows and K-1 mask slots in one
@@ -288,76 +304,6 @@ class LockstepEagle3:
         for i, s in enumerate(slots):
             s.near_tie |= any(near[i * big_k:(i + 1) * big_k])
         return [Proposal([s.root, *t], list(range(-1, big_k)), list(range(big_k + 1))) for s, t in zip(slots, toks)]
-
-    def _tree(self, slots: list[Slot], o_root: torch.Tensor) -> list[Proposal]:
-        """Eagle3Drafter._tree (EAGLE-2) for every slot. Per depth 2..D each slot expands its `topk` best nodes of
-        the newest level (stable sort on score: ties keep level order), all slots' rows in one layer call and one
-        LM head; at the end each keeps its best tree_nodes - 1 nodes by (score desc, depth, index)."""
-        d = self.drafter
-        k, b = d.tree_topk, len(slots)
-        # Per slot node tables (index 0 = root): token, parent, depth, cumulative log-prob, scratch-KV row.
-        tables = [([s.root], [-1], [0], [0.0], [-1]) for s in slots]
-        vals, toks, near = self._top(o_root, k)  # [B, k]
-        for s, flag in zip(slots, near):
-            s.near_tie |= flag
-        levels = []
-        for (tokens, parents, depths, scores, kv_row), vr, tr in zip(tables, vals.tolist(), toks.tolist()):
-            level = []
-            for v, t in zip(vr, tr):
-                level.append(len(tokens))
-                tokens.append(t), parents.append(0), depths.append(1), scores.append(v), kv_row.append(-1)
-            levels.append(level)
-        out_of = [{0: o_root[i]} for i in range(b)]  # per slot: node -> its layer output [d] (expanded nodes)
-        n_kv = [0] * b
-        for depth in range(2, d.tree_depth + 1):
-            expands, hidden, tok, pos, spans, visible, r = [], [], [], [], [], [], 0
-            for i, (s, (tokens, parents, _, scores, kv_row)) in enumerate(zip(slots, tables)):
-                ordered = sorted(levels[i], key=lambda j: -scores[j])
-                expand = ordered[:k]  # best nodes of the newest level
-                s.near_tie |= _close_at(ordered, scores, k)
-                expands.append(expand)
-                hidden += [out_of[i][parents[j]] for j in expand]
-                tok += [tokens[j] for j in expand]
-                pos += [s.cache.length - 1 + depth - 1] * len(expand)
-                vis = torch.zeros(len(expand), n_kv[i], dtype=torch.bool, device=self.device)
-                for row, j in enumerate(expand):  # ancestors below the root all sit in the scratch KV
-                    a = parents[j]
-                    while a > 0:
-                        vis[row, kv_row[a]] = True
-                        a = parents[a]
-                visible.append(vis)
-                spans.append((r, r + len(expand)))
-                r += len(expand)
-            outs = self._draft_rows(slots, torch.stack(hidden), torch.tensor(tok, device=self.device),
-                                    torch.tensor(pos), spans, list(n_kv), visible)  # [R, d], R = sum of expansions
-            vals, toks, near = self._top(outs, k)  # [R, k]: one LM head over every slot's expanded nodes
-            for s, (lo, hi) in zip(slots, spans):
-                s.near_tie |= any(near[lo:hi])
-            vals, toks = vals.tolist(), toks.tolist()
-            for i, ((tokens, parents, depths, scores, kv_row), expand, (lo, _)) in enumerate(
-                    zip(tables, expands, spans)):
-                for row, j in enumerate(expand):
-                    kv_row[j] = n_kv[i] + row
-                    out_of[i][j] = outs[lo + row]
-                n_kv[i] += len(expand)
-                level = []
-                for row, j in enumerate(expand):
-                    for v, t in zip(vals[lo + row], toks[lo + row]):
-                        level.append(len(tokens))
-                        tokens.append(t), parents.append(j), depths.append(depth)
-                        scores.append(scores[j] + v), kv_row.append(-1)
-                levels[i] = level
-        proposals = []
-        for s, (tokens, parents, depths, scores, _) in zip(slots, tables):
-            # Keep the best nodes (score desc, then shallower, then older), then lay them out topologically.
-            order = sorted(range(1, len(tokens)), key=lambda j: (-scores[j], depths[j], j))
-            ranked = order[: d.tree_nodes - 1]
-            s.near_tie |= _close_at(order, scores, d.tree_nodes - 1)
-            kept = [0] + sorted(ranked, key=lambda j: (depths[j], j))
-            new_index = {old: new for new, old in enumerate(kept)}
-            proposals.append(Proposal([tokens[j] for j in kept], [-1] + [new_index[parents[j]] for j in kept[1:]],
-                                      [depths[j] for j in kept]))
-        return proposals
 
     # -- verification by lookup, and speculative_generate's bookkeeping ----------------------------------------
 

@@ -223,6 +223,9 @@ def build_ngram_drafter(base, extra: dict, *, cache_dir=None) -> tuple[NgramDraf
                      "max_nodes": drafter.max_nodes, **info}
 
 
+build = build_ngram_drafter  # a learning-free family's `build`: (base, extra) -> (drafter, info), no export
+
+
 def chain(depth: int) -> dict:
     """One prompt-lookup row of up to `depth` tokens: what vLLM's and llama.cpp's n-gram methods draft."""
     return {"extra": {"k": 1, "strategy": "longest_match", "w": depth}}
