@@ -167,7 +167,7 @@ def tree_drafts(roots: list[int], o_root: torch.Tensor, pos0: list[int], shape, 
     # Per prompt node tables (index 0 = root): token, parent, depth, cumulative log-prob, scratch-KV row (-1: none).
     tables = [([int(r)], [-1], [0], [0.0], [-1]) for r in roots]
     vals, toks = top(o_root, k, [(i, i + 1) for i in range(b)])  # [B, k]
-    levels = [_children(t, [0], v, tk, 1) for t, v, tk in zip(tables, vals.tolist(), toks.tolist())]
+    levels = [_children(t, [0], [v], [tk], 1) for t, v, tk in zip(tables, vals.tolist(), toks.tolist())]
     out_of = [{0: o_root[i]} for i in range(b)]  # per prompt: node -> its layer output [d] (expanded nodes)
     n_kv = [0] * b
     for depth in range(2, shape.tree_depth + 1):
