@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from data.targets import offset_labels
 from losses.block import block_position_weights, block_weighted_loss, linear_row_losses, linear_row_losses_reference
 from models.draft import BaseView, DepthStats, DraftBatch, DraftLossOutput, DraftModel
-from models.vocab_map import DraftVocabMixin, restrict_rows, to_draft_labels
+from models.vocab_map import DraftVocabMixin, export_base, restrict_rows, to_draft_labels
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -269,6 +269,22 @@ class BlockDraft(DraftVocabMixin, DraftModel):
     # What a family's config messages add, by rule: its default block ("default 8"), and where it cites its
     # reference implementation's value (DFlash: speculators').
     config_notes: dict[str, str] = {}
+    # The subclass's own constructor arguments after the shared ones, by name: read from its draft options by
+    # from_config and from the export's config.json (absent: the options' default) by from_export_config.
+    own_args: tuple[str, ...] = ("learned_mask",)
+
+    @classmethod
+    def from_config(cls, draft_cfg, base: BaseView) -> BlockDraft:
+        o = cls.options(draft_cfg)
+        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.num_layers, o.block_size, o.mask_token_id,
+                   o.num_anchors, share_lm_head=draft_cfg.share_lm_head, **{a: getattr(o, a) for a in cls.own_args})
+
+    @classmethod
+    def from_export_config(cls, cfg: dict, base: BaseView) -> BlockDraft:
+        base, defaults = export_base(cfg, base, cls.facts.title), cls.facts.draft_options()
+        return cls(base, cfg["aux_layers"], cfg["num_layers"], cfg["block_size"], cfg["mask_token_id"],
+                   cfg.get("num_anchors", 512), share_lm_head=cfg.get("share_lm_head", False), init_weights=False,
+                   **{a: cfg.get(a, getattr(defaults, a)) for a in cls.own_args})
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:

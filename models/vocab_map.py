@@ -16,6 +16,8 @@ persistent buffer, so it travels in model.safetensors and comes back with the ex
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 IGNORE_INDEX = -100
@@ -145,3 +147,12 @@ def placeholder_map(cfg: dict, base) -> torch.Tensor | None:
         raise ValueError(f"the export's draft_vocab_size={n} exceeds the base's {base.vocab_size} tokens; load "
                          "the base this draft was trained on")
     return torch.arange(n, dtype=torch.long)
+
+
+def export_base(cfg: dict, base, name: str):
+    """For from_export_config of a draft that reads the base's hidden states: the base view it is built on, after
+    checking the export was trained on a base of this size (d, V), with its placeholder draft-vocabulary map."""
+    if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (base.hidden_size, base.vocab_size):
+        raise ValueError(f"the {name} export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
+                         f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
+    return dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))

@@ -42,7 +42,6 @@ embedding at the base's embedding row of the mask token.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from models.components import (  # noqa: F401 - the block pieces stay importable under their DFlash names
@@ -55,9 +54,7 @@ from models.components import (  # noqa: F401 - the block pieces stay importable
 from models.components import BlockAttention as DFlashAttention  # noqa: F401
 from models.components import BlockCache as DFlashCache  # noqa: F401
 from models.components import BlockLayer as DFlashLayer  # noqa: F401
-from models.draft import BaseView
 from models.family import FamilyFacts
-from models.vocab_map import placeholder_map
 
 
 @dataclass
@@ -95,23 +92,7 @@ class DFlashDraft(BlockDraft):
                     "position_weights": " (dpace: speculators' DFlash default; decay: loss.lambda0 * "
                                         "loss.decay^(k-1))"}
 
-    # -- construction from configs -----------------------------------------------------------------------
-
-    @classmethod
-    def from_config(cls, draft_cfg, base: BaseView) -> DFlashDraft:
-        o = cls.options(draft_cfg)
-        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.num_layers, o.block_size, o.mask_token_id,
-                   o.num_anchors, o.learned_mask, draft_cfg.share_lm_head)
-
-    @classmethod
-    def from_export_config(cls, cfg: dict, base: BaseView) -> DFlashDraft:
-        if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (base.hidden_size, base.vocab_size):
-            raise ValueError(f"the DFlash export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
-                             f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
-        base = dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))
-        return cls(base, cfg["aux_layers"], cfg["num_layers"], cfg["block_size"], cfg["mask_token_id"],
-                   cfg.get("num_anchors", 512), cfg.get("learned_mask", True), cfg.get("share_lm_head", False),
-                   init_weights=False)
+    # -- export (construction from configs: BlockDraft.from_config / from_export_config, by own_args) ------
 
     def export_config(self) -> dict:
         return {"family": self.family, "aux_layers": list(self.aux_layers), "num_layers": self.num_layers,

@@ -34,7 +34,6 @@ the mask token with the target's embedding).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +43,6 @@ from torch.nn import functional as F
 from models.components import BlockCache, BlockDraft
 from models.draft import BaseView
 from models.family import FamilyFacts
-from models.vocab_map import placeholder_map
 
 
 @dataclass
@@ -89,6 +87,7 @@ class DominoDraft(BlockDraft):
                         "correction: a GRU over the tokens drafted before each slot and a low-rank logit delta from "
                         "its state and the slot's hidden (decoded left to right); chain; our decoder only")
     anchor_drafts = True
+    own_args = ("gru_hidden", "correction_dim", "prefix_len")
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
@@ -117,23 +116,7 @@ class DominoDraft(BlockDraft):
         with torch.no_grad():
             self.correction.embed_proj[2].weight.zero_()
 
-    # -- construction from configs -----------------------------------------------------------------------
-
-    @classmethod
-    def from_config(cls, draft_cfg, base: BaseView) -> DominoDraft:
-        o = cls.options(draft_cfg)
-        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.num_layers, o.block_size, o.mask_token_id,
-                   o.num_anchors, o.gru_hidden, o.correction_dim, o.prefix_len, draft_cfg.share_lm_head)
-
-    @classmethod
-    def from_export_config(cls, cfg: dict, base: BaseView) -> DominoDraft:
-        if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (base.hidden_size, base.vocab_size):
-            raise ValueError(f"the Domino export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
-                             f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
-        base = dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))
-        return cls(base, cfg["aux_layers"], cfg["num_layers"], cfg["block_size"], cfg["mask_token_id"],
-                   cfg.get("num_anchors", 512), cfg["gru_hidden"], cfg["correction_dim"], cfg["prefix_len"],
-                   cfg.get("share_lm_head", False), init_weights=False)
+    # -- export (construction from configs: BlockDraft.from_config / from_export_config, by own_args) ------
 
     def export_config(self) -> dict:
         return {"family": self.family, "aux_layers": list(self.aux_layers), "num_layers": self.num_layers,

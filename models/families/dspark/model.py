@@ -36,7 +36,6 @@ too; speculators starts W2 at nn.Linear's default), the confidence head at 0 (c 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,6 @@ from losses.block import acceptance_bce
 from models.components import BlockCache, BlockDraft
 from models.draft import BaseView
 from models.family import FamilyFacts
-from models.vocab_map import placeholder_map
 
 
 @dataclass
@@ -94,6 +92,7 @@ class DSparkDraft(BlockDraft):
                         "logit bias from the token drafted before each slot (decoded left to right) and a "
                         "per-position confidence head; chain")
     anchor_drafts = True
+    own_args = ("markov_rank",)
 
     @classmethod
     def check_config(cls, cfg, fail) -> None:
@@ -121,23 +120,7 @@ class DSparkDraft(BlockDraft):
             self.confidence_head.proj.weight.zero_()
             self.confidence_head.proj.bias.zero_()
 
-    # -- construction from configs -----------------------------------------------------------------------
-
-    @classmethod
-    def from_config(cls, draft_cfg, base: BaseView) -> DSparkDraft:
-        o = cls.options(draft_cfg)
-        return cls(base, list(draft_cfg.aux_layers) or None, draft_cfg.num_layers, o.block_size, o.mask_token_id,
-                   o.num_anchors, o.markov_rank, draft_cfg.share_lm_head)
-
-    @classmethod
-    def from_export_config(cls, cfg: dict, base: BaseView) -> DSparkDraft:
-        if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (base.hidden_size, base.vocab_size):
-            raise ValueError(f"the DSpark export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
-                             f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
-        base = dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))
-        return cls(base, cfg["aux_layers"], cfg["num_layers"], cfg["block_size"], cfg["mask_token_id"],
-                   cfg.get("num_anchors", 512), cfg["markov_rank"], cfg.get("share_lm_head", False),
-                   init_weights=False)
+    # -- export (construction from configs: BlockDraft.from_config / from_export_config, by own_args) ------
 
     def export_config(self) -> dict:
         return {"family": self.family, "aux_layers": list(self.aux_layers), "num_layers": self.num_layers,

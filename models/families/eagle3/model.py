@@ -63,7 +63,6 @@ exactly what a fresh one-layer draft does.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,7 +92,7 @@ from models.families.eagle3.layers import (
 )
 from models.families.eagle3.ttt import cod_keep, ttt_attention, ttt_attention_reference
 from models.family import FamilyFacts
-from models.vocab_map import DraftVocabMixin, placeholder_map, restrict_rows, to_draft_labels
+from models.vocab_map import DraftVocabMixin, export_base, restrict_rows, to_draft_labels
 
 MAX_TTT_STEPS = 7
 MAX_LAYERS = 4  # draft.eagle3.num_layers: 1..4 decoder layers
@@ -314,11 +313,8 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
 
     @classmethod
     def from_export_config(cls, cfg: dict, base: BaseView) -> Eagle3Draft:
-        if (cfg.get("hidden_size"), cfg.get("vocab_size")) != (base.hidden_size, base.vocab_size):
-            raise ValueError(f"the EAGLE-3 export has d={cfg.get('hidden_size')}, V={cfg.get('vocab_size')} but the "
-                             f"base has d={base.hidden_size}, V={base.vocab_size}; load the base it was trained on")
         # A map of the export's size; load_state_dict overwrites d2t and the mixin's hook rebuilds the rest.
-        base = dataclasses.replace(base, draft_vocab=placeholder_map(cfg, base))
+        base = export_base(cfg, base, "EAGLE-3")
         return cls(base, cfg["aux_layers"], cfg.get("ttt_steps", 3), init_from_base=False,
                    share_lm_head=cfg.get("share_lm_head", False),
                    parallel_drafting=cfg.get("parallel_drafting", False), mask_token_id=cfg.get("mask_token_id"),
