@@ -146,7 +146,7 @@ def test_bad_concurrency_is_one_line_with_an_example(text, why):
 
 @pytest.mark.parametrize("argv,why", [
     (["--engine", "ours", "--concurrency", "1,2"], "our decoder decodes one request at a time"),
-    (["--engine", "all", "--concurrency", "1,4"], "is for --engine vllm"),
+    (["--engine", "all", "--concurrency", "1,4"], "is for the serving engines"),
     (["--engine", "vllm", "--concurrency", "1,2,4,8", "--num-prompts", "4"], "needs at least 8 prompts"),
     (["--engine", "vllm", "--concurrency", "1,4,2"], "e.g. --concurrency 1,2,4,8"),
 ])
@@ -245,3 +245,69 @@ def test_tune_measures_our_decoder_at_the_threads_eval_applies_its_choice_at(mon
         assert apply_threads(cfg) == 1 and cfg.serve_llamacpp_threads == 1
     finally:
         torch.set_num_threads(before)
+
+
+class LlamaEngine(ConcurrentEngine):
+    """The scripted engine as llama.cpp: its chain knob is n_max, and it has no per-batch-size schedule."""
+
+    def settings(self):
+        return [Setting(label, {"n_max": int(label.split()[-1]), "p_min": 0.0}, float(label.split()[-1]))
+                for label in self.speeds if label != AR.label]
+
+    def describe(self):
+        return {"engine": "llamacpp", "family": "eagle3", "version": "b1", "dtype": "f32 GGUF", "threads": 1}
+
+    schedule_command = None
+
+
+def test_llamacpp_gets_a_choice_per_concurrency_and_no_vllm_schedule(tmp_path):
+    from eval.tune import machine_info, markdown
+
+    eng = LlamaEngine({AR.label: _speeds()[AR.label], **{k.replace("k", "n"): v for k, v in _speeds().items()
+                                                          if k != AR.label}}, drift=scatter(0.01), name="llamacpp")
+    rec = sweep_concurrencies(eng, CS, 3, 1e9, now=eng.clock)
+    chosen = {c: v["choice"]["knobs"]["n_max"] if v["choice"]["speculate"] else 0
+              for c, v in rec["by_concurrency"].items()}
+    assert chosen == {"1": 3, "2": 2, "4": 1, "8": 0}
+    context = {"export": "x", "machine": machine_info(), "num_prompts": 8, "max_new_tokens": 32, "dataset": "d",
+               "repeats": 3, "alpha": 0.05, "min_gain": 0.0, "budget_minutes": 60, "wall_seconds": 60}
+    text = markdown(context, {"llamacpp": rec})
+    assert "Speedup vs llama.cpp AR at each concurrency" in text
+    assert "no per-batch-size schedule" in text and "num_speculative_tokens_per_batch_size [[" not in text
+    assert "1 in flight: 3 (" in text and "8 in flight: do not speculate" in text
+
+
+class _FakeServer:
+    """llama-server's /completion as _LlamaSession sees it: `prompt_ms` of prefill, tokens, draft counters."""
+
+    def __init__(self):
+        self.calls = []
+
+    def complete(self, ids, n):
+        import time
+
+        self.calls.append(list(ids))
+        time.sleep(0.05)
+        return {"tokens": list(range(n)), "timings": {"prompt_n": len(ids), "prompt_ms": 20.0, "predicted_n": n,
+                                                        "predicted_ms": 40.0, "draft_n": 4, "draft_n_accepted": 2}}
+
+
+def test_llamacpp_sessions_send_groups_at_once_and_time_the_groups_not_the_rows():
+    import time
+    from types import SimpleNamespace
+
+    from eval.tune.serving import _LlamaSession
+
+    prompts = [SimpleNamespace(id=f"p{i}", input_ids=[1, 2, 3 + i]) for i in range(3)]
+    session = object.__new__(_LlamaSession)
+    session.engine = SimpleNamespace(prompts=prompts, cfg=SimpleNamespace(max_new_tokens=5))
+    session.srv = _FakeServer()
+    t0 = time.perf_counter()
+    m = session.run(concurrency=2)  # groups (p0, p1), (p2, p0): wrapped, every group has 2 requests
+    wall = time.perf_counter() - t0
+    assert len(session.srv.calls) == 4 and session.srv.calls[3] == [1, 2, 3]
+    assert wall < 0.18  # the two requests of a group ran at once (one at a time: 4 x 0.05 s)
+    # two groups, each ~0.05 s of wall less its 0.02 s prefill; not the rows' summed 4 x 0.04 s
+    assert 0.04 < m.seconds < 0.12 and m.new_tokens == 4 * 4
+    one = session.run()  # one request at a time: llama.cpp's own predicted_ms per row, summed
+    assert one.seconds == pytest.approx(3 * 0.04) and one.new_tokens == 3 * 4

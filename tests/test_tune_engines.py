@@ -88,6 +88,35 @@ def test_tune_llamacpp_end_to_end(tmp_path, capsys):
     assert command in (export / "NOTES.md").read_text()
 
 
+@pytest.mark.llamacpp
+@pytest.mark.skipif(not _have_llamacpp(), reason="llama.cpp not built (make llamacpp)")
+def test_tune_llamacpp_under_concurrency(tmp_path, capsys):
+    """tune --engine llamacpp --concurrency 1,2: one llama-server with 2 slots a setting, every setting measured
+    with 1 and with 2 requests in flight, a choice per concurrency in tuning.json, the line serving -np 2."""
+    import torch
+
+    from models.base import load_base
+    from models.draft import BaseView
+    from models.export.specdraft import export_specdraft
+    from models.families.eagle3.model import Eagle3Draft
+
+    base = load_base("smollm2", dtype="fp32")
+    torch.manual_seed(0)
+    draft = Eagle3Draft(BaseView.from_model(base.model))
+    export = export_specdraft(draft.eval(), tmp_path / "run" / "export", "smollm2", base.fingerprint)
+    rc = tune(["--draft", str(export), "--engine", "llamacpp", "--num-prompts", "2", "--max-new-tokens", "16",
+               "--concurrency", "1,2", "--budget-minutes", "40", "--timeout", "600", "warmup_tokens=4"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    rec = json.loads((export / "tuning.json").read_text())["engines"]["llamacpp"]
+    assert set(rec["by_concurrency"]) == {"1", "2"} and rec["concurrencies"] == [1, 2]
+    for view in rec["by_concurrency"].values():
+        assert view["ar"]["tokens_per_second"] > 0 and view["choice"] is not None
+        assert any(p.get("status") == "ok" for p in view["points"])
+    assert " -np 2" in rec["choice"]["command"]
+    assert "no per-batch-size schedule" in out.out
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not _have_vllm(), reason="no vLLM venv: `make vllm` (or set SPECDRAFT_VLLM_VENV)")
 @pytest.mark.parametrize("k1", [1, 0])

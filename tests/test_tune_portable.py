@@ -39,7 +39,7 @@ def _llamacpp_engine() -> LlamaCppEngine:
     engine = LlamaCppEngine.__new__(LlamaCppEngine)  # what command() reads, without a llama.cpp build
     engine.loaded = SimpleNamespace(family="eagle3")
     engine._files = (Path(f"{MACHINE}/cache/llamacpp/gguf/abc-q8_0.gguf"), Path(f"{MACHINE}/runs/x/draft.gguf"))
-    engine.threads, engine.ctx = 1, 168
+    engine.threads, engine.ctx, engine.slots = 1, 168, 1
     engine.cfg = SimpleNamespace(serve_llamacpp_no_repack=True)
     return engine
 

@@ -32,12 +32,14 @@ class LlamaServer:
     """`with LlamaServer(args, log_path, timeout) as srv: srv.complete(ids, n)`.
 
     args: llama-server arguments after the binary (model, threads, speculative options); host, port and
-    `-np 1` are added here. timeout: seconds for the start and for each request."""
+    `-np slots` (requests it decodes at once, each in its own slot of the context) are added here. timeout:
+    seconds for the start and for each request."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float, binary: Path | None = None):
+    def __init__(self, args: list[str], log_path: Path, timeout: float, binary: Path | None = None, slots: int = 1):
         self.binary = binary or llama_server()
         self.port = free_port()
-        self.args = [str(self.binary), *map(str, args), "--host", "127.0.0.1", "--port", str(self.port), "-np", "1"]
+        self.args = [str(self.binary), *map(str, args), "--host", "127.0.0.1", "--port", str(self.port),
+                     "-np", str(int(slots))]
         self.log_path = Path(log_path)
         self.timeout = float(timeout)
         self.tail: collections.deque[str] = collections.deque(maxlen=40)

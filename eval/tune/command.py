@@ -54,9 +54,11 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
                    "threads for our decoder, -t/-td for llama.cpp (default: the eval config's, as `specdraft eval` and "
                    "`serve-check` use them: num_threads, 0 = torch's default of all cores, for ours; "
                    "serve_llamacpp_threads, 1, for llama.cpp; vLLM uses its own)")
-    p.add_argument("--concurrency", default="1", help="vLLM: requests in flight at once, strictly increasing from 1, "
-                   "e.g. 1,2,4,8: each setting is measured at each, the best count chosen per concurrency, and vLLM's "
-                   "num_speculative_tokens_per_batch_size schedule written (default 1: one request)")
+    p.add_argument("--concurrency", default="1", help="vLLM and llama.cpp: requests in flight at once, strictly "
+                   "increasing from 1, e.g. 1,2,4,8: each setting is measured at each (llama.cpp: one server with "
+                   "that many slots, -np), the best count chosen per concurrency and kept per concurrency in "
+                   "tuning.json, and vLLM's num_speculative_tokens_per_batch_size schedule written (default 1: one "
+                   "request)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds an engine may take to start or to run one "
                    "pass before the setting counts as hung (default 900)")
     p.add_argument("--field-refs", default=None, metavar="DIR", help="our decoder: stored base answers "
@@ -152,7 +154,8 @@ def _build_engines(names, loaded, cfg, out_dir: Path, timeout: float, threads: i
         if "vllm" in names:
             engines.append(VllmEngine(loaded, cfg, prompts, base_dir, out_dir / "vllm", timeout, concurrencies))
         if "llamacpp" in names:
-            engines.append(LlamaCppEngine(loaded, cfg, prompts, base_dir, out_dir / "llamacpp", timeout, threads))
+            engines.append(LlamaCppEngine(loaded, cfg, prompts, base_dir, out_dir / "llamacpp", timeout, threads,
+                                          concurrencies=concurrencies))
     return engines
 
 
@@ -193,10 +196,10 @@ def cmd_tune(args) -> int:
         raise ValueError("--num-prompts, --max-new-tokens and --threads must be at least 1")
     concurrencies = parse_concurrency(args.concurrency)
     if concurrencies != (1,):
-        if names != ("vllm",):
-            raise ValueError(f"--concurrency {args.concurrency} is for --engine vllm: our decoder decodes one request "
-                             "at a time (batch 1) and the llama.cpp sweep serves one slot; give --concurrency 1 with "
-                             f"--engine {args.engine}")
+        if "ours" in names:
+            raise ValueError(f"--concurrency {args.concurrency} is for the serving engines (--engine vllm or "
+                             "llamacpp): our decoder decodes one request at a time (batch 1); give --concurrency 1 "
+                             f"with --engine {args.engine}")
         if args.num_prompts < concurrencies[-1]:
             raise ValueError(f"--concurrency {args.concurrency} needs at least {concurrencies[-1]} prompts to keep "
                              f"{concurrencies[-1]} different requests in flight; give --num-prompts "

@@ -157,7 +157,7 @@ def sweep_concurrencies(engine: Engine, concurrencies: Sequence[int], repeats: i
         by_c[str(c)] = {"points": points[c], "choice": choices[c],
                         "ar": {"tokens_per_second_runs": runs,
                                "tokens_per_second": statistics.median(runs) if runs else None}}
-    schedule = speculation_schedule(choices)
+    schedule = speculation_schedule(choices, CHAIN_KNOBS.get(engine.name, CHAIN_KNOBS["vllm"]))
     ranges = schedule[SCHEDULE_KEY]
     serve = getattr(engine, "schedule_command", None)
     if ranges and serve is not None:

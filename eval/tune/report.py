@@ -187,7 +187,8 @@ def concurrency_lines(rec: dict) -> list[str]:
     first = next(iter(views.values()))
     labels = [p["label"] for p in first["points"]]
     fixed = (first.get("choice") or {}).get("label")
-    lines = ["Speedup vs vLLM AR at each concurrency (requests in flight), geometric mean of the paired passes; "
+    engine = {"vllm": "vLLM", "llamacpp": "llama.cpp"}.get(rec.get("engine"), rec.get("engine"))
+    lines = [f"Speedup vs {engine} AR at each concurrency (requests in flight), geometric mean of the paired passes; "
              f"**chosen** per concurrency; \"fixed\": the one-request choice ({fixed}) kept at every concurrency.",
              "", "| requests in flight | AR tok/s | " + " | ".join(labels) + " | chosen (confirmed) | fixed |",
              "|---:|---:|" + "---:|" * len(labels) + "---|---:|"]
@@ -359,18 +360,22 @@ def vllm_method(family: str | None) -> str | None:
 
 
 def schedule_line(record: dict) -> str:
-    """One line: the count chosen per concurrency and the schedule vLLM gets (or why it gets none)."""
-    sched = record.get("schedule") or {}
+    """One line: the count chosen per concurrency and the schedule vLLM gets (or why it gets none; llama.cpp has
+    none)."""
+    sched, engine = record.get("schedule") or {}, record.get("engine") or "vllm"
     parts = []
     for c, view in (record.get("by_concurrency") or {}).items():
         ch = view.get("choice") or {}
         if ch.get("speculate"):
             ci = f", {ch['interval'][0]:.2f}-{ch['interval'][1]:.2f}x" if ch.get("interval") else ""
-            parts.append(f"{c} in flight: {tuned_chain_length('vllm', ch['knobs'])} ({ch['speedup_vs_ar']:.2f}x{ci})")
+            parts.append(f"{c} in flight: {tuned_chain_length(engine, ch['knobs'])} ({ch['speedup_vs_ar']:.2f}x{ci})")
         else:
             parts.append(f"{c} in flight: do not speculate")
     ranges = sched.get("num_speculative_tokens_per_batch_size")
-    if not ranges:
+    if engine == "llamacpp":
+        tail = ("llama.cpp drafts one --spec-draft-n-max in every slot (no per-batch-size schedule): serve with the "
+                "count chosen at the load you expect (each concurrency's choice is kept in tuning.json)")
+    elif not ranges:
         tail = "no concurrency speculates: no schedule"
     elif vllm_method(record.get("family")) not in vllm_schedule_methods():
         tail = (f"schedule {ranges} kept in tuning.json only: vLLM 0.32's {record.get('family')} proposer drafts a "

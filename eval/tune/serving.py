@@ -28,6 +28,7 @@ import shlex
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from core.paths import default_cache_dir
@@ -315,7 +316,7 @@ class LlamaCppEngine:
     open_seconds = LLAMACPP_OPEN_SECONDS
 
     def __init__(self, loaded, cfg, prompts, base_dir: Path, workdir: Path, timeout: float, threads: int,
-                 p_mins=P_MINS):
+                 p_mins=P_MINS, concurrencies=(1,)):
         from eval.serving.llamacpp_paths import converter_python, llama_server
 
         llama_server()  # LlamaCppError naming `make llamacpp` before anything else
@@ -324,8 +325,12 @@ class LlamaCppEngine:
         self.base_dir, self.workdir = Path(base_dir), Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.timeout, self.threads, self.p_mins = timeout, int(threads), tuple(p_mins)
+        # tune --concurrency: one server with a slot per request in flight (-np), measured at every count; its
+        # context (-c) is split evenly over the slots, so each slot gets what one request needs
+        self.concurrencies = tuple(int(c) for c in concurrencies)
+        self.slots = max(self.concurrencies)
         longest = max(len(p.input_ids) for p in prompts)
-        self.ctx = longest + cfg.max_new_tokens + MAX_TOKENS + 16
+        self.ctx = (longest + cfg.max_new_tokens + MAX_TOKENS + 16) * self.slots
         self.pass_seconds = len(prompts) * cfg.max_new_tokens / ASSUMED_TOKENS_PER_SECOND
         self._files: tuple[Path, Path] | None = None
 
@@ -385,7 +390,7 @@ class LlamaCppEngine:
         base, draft = self._ggufs()
         files = {str(base): f"{GGUF_DIR}/base.gguf", str(draft): f"{GGUF_DIR}/draft.gguf"}
         args = [files.get(a, a) for a in self.server_args(setting)]
-        return " ".join(shell_word(a) for a in [LLAMA_SERVER, *args, "-np", "1"])
+        return " ".join(shell_word(a) for a in [LLAMA_SERVER, *args, "-np", str(self.slots)])
 
 
 class _LlamaSession:
@@ -395,7 +400,8 @@ class _LlamaSession:
 
         self.engine = engine
         label = "ar" if not setting.speculative else f"n{setting.knobs['n_max']}-p{setting.knobs['p_min']:g}"
-        self.srv = LlamaServer(engine.server_args(setting), engine.workdir / f"{label}.log", engine.timeout)
+        self.srv = LlamaServer(engine.server_args(setting), engine.workdir / f"{label}.log", engine.timeout,
+                               slots=engine.slots)
         try:
             self.srv.start()
             if engine.cfg.warmup_tokens > 0:  # allocation, repacking: out of the timed passes
@@ -403,22 +409,51 @@ class _LlamaSession:
         except LlamaCppError as exc:
             raise PointFailed(str(exc).splitlines()[0], list(self.srv.tail)) from None
 
-    def run(self) -> Measurement:
+    def run(self, concurrency: int = 1) -> Measurement:
+        """One pass over the prompts, `concurrency` requests in flight at a time."""
         from eval.serving.llamacpp_paths import LlamaCppError
 
-        rows = []
+        rows, groups = [], []
         try:
-            for p in self.engine.prompts:
-                out = self.srv.complete(p.input_ids, self.engine.cfg.max_new_tokens)
-                rows.append({"id": p.id, "tokens": list(out.get("tokens") or []), "timings": out["timings"],
-                             "prompt_len": len(p.input_ids)})
+            if concurrency == 1:
+                for p in self.engine.prompts:
+                    rows.append(self._row(p, self.srv.complete(p.input_ids, self.engine.cfg.max_new_tokens)))
+            else:
+                groups = self._groups(int(concurrency), rows)
         except LlamaCppError as exc:  # died or hung: the server was killed, its log tail is kept
             raise PointFailed(str(exc).splitlines()[0], list(self.srv.tail)) from None
-        n = llamacpp_engine_numbers({"results": rows})
+        n = llamacpp_engine_numbers({"results": rows, "groups": groups})
         generated = sum(int(r["timings"]["predicted_n"]) for r in rows)
         steps = generated - n["num_accepted_tokens"] - len(rows)  # decode steps: the prefill's token excluded
         return Measurement(n["new_tokens"], n["decode_seconds"], steps=steps, drafted=n["num_draft_tokens"],
                            accepted=n["num_accepted_tokens"], outputs=n["outputs"])
+
+    @staticmethod
+    def _row(p, out: dict) -> dict:
+        return {"id": p.id, "tokens": list(out.get("tokens") or []), "timings": out["timings"],
+                "prompt_len": len(p.input_ids)}
+
+    def _groups(self, c: int, rows: list) -> list[dict]:
+        """The prompts in groups of `c` requests sent at once, one thread each (the server decodes them in its
+        slots together); the groups wrap around the prompt list, so every group has exactly c requests (as
+        vllm_runner.generate_batched). A group's decode span: its wall clock less its longest prefill (prompt_ms;
+        the server evaluates the slots' prompts before their first token), i.e. throughput without the prefill,
+        measured alike for AR and every setting."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        prompts, n, groups = self.engine.prompts, len(self.engine.prompts), []
+        with ThreadPoolExecutor(max_workers=c) as pool:
+            for start in range(0, n, c):
+                batch = [prompts[(start + j) % n] for j in range(c)]
+                t0 = time.perf_counter()
+                outs = list(pool.map(lambda p: self.srv.complete(p.input_ids, self.engine.cfg.max_new_tokens),
+                                     batch))
+                wall = time.perf_counter() - t0
+                prefill = max(float(o["timings"]["prompt_ms"]) for o in outs) / 1000.0
+                groups.append({"ids": [p.id for p in batch], "decode_seconds": max(wall - prefill, 1e-9),
+                               "wall_seconds": wall})
+                rows += [self._row(p, o) for p, o in zip(batch, outs)]
+        return groups
 
     def close(self) -> None:
         self.srv.stop()
