@@ -29,7 +29,8 @@ class FamilyFacts:
     title: str  # name in tables and messages ("Medusa", "EAGLE-3")
     export_formats: tuple[str, ...] = ("specdraft",)  # formats `specdraft export --format` writes for it
     # The speculative method of vLLM that serves its `--format vllm` export (None: vLLM cannot serve it). Engines
-    # draft a chain of top-1 tokens; its drafter module says how deep (chain_depth, eval/engine/drafters/registry.py).
+    # draft a chain of top-1 tokens; its drafter module says how deep (num_speculative_tokens,
+    # eval/engine/drafters/registry.py).
     vllm_method: str | None = None
     # vLLM's proposer for that method drafts the count its scheduler picks per step, so `specdraft tune
     # --concurrency` may store a per-batch-size schedule for it (vLLM 0.32: eagle3, dflash; Medusa's asserts the

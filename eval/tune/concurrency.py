@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from eval.tune.choice.record import CHAIN_KNOBS
+from eval.tune.choice.record import TOKENS_KNOB
 from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, choose, is_exact
 from eval.tune.sweep import (
     AR,
@@ -68,7 +68,7 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return values
 
 
-def speculation_schedule(choices: dict[int, dict], knob: str = CHAIN_KNOBS["vllm"]) -> dict:
+def speculation_schedule(choices: dict[int, dict], knob: str = TOKENS_KNOB) -> dict:
     """Per-concurrency choices -> {"per_concurrency": {c: k}, SCHEDULE_KEY: [[start, end, k], ...] or None (no
     concurrency speculates), "num_speculative_tokens": the largest k (vLLM caps every entry at it) or None}.
     k = 0 where the choice is "do not speculate"."""

@@ -336,10 +336,10 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         if self.num_layers != 1:  # likewise: a one-layer export's config is the one it always was
             cfg["num_layers"] = self.num_layers
         if self.parallel_drafting:
-            # eagle3_mode / chain_length: the drafter's defaults for this export (eval/engine/drafters/options.py):
-            # the parallel chain of the K tokens it was trained to draft in one forward
+            # eagle3_mode / num_speculative_tokens: the drafter's defaults for this export
+            # (eval/engine/drafters/options.py): the parallel chain of the K tokens it was trained to draft at once
             cfg.update(parallel_drafting=True, mask_token_id=self.mask_token_id, eagle3_mode="chain",
-                       chain_length=self.ttt_steps)
+                       num_speculative_tokens=self.ttt_steps)
         return cfg
 
     # -- pieces shared by training and inference ---------------------------------------------------------
