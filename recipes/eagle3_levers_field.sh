@@ -86,7 +86,7 @@ arm_config() {  # the family config an arm starts from (before configs/cpu_budge
 }
 
 judge() {  # judge <run>: chain of 4 on FIELD_PROMPTS stored prompts a set, paired against the base arm once judged
-  local out="runs/$1/field-chain4" against=() some=() chain=(extra.eagle3_mode=chain extra.chain_length=4)
+  local out="runs/$1/field-chain4" against=() some=() chain=(extra.eagle3_mode=chain extra.num_speculative_tokens=4)
   [ "$1" = levers-field-dspark_family ] && { out="runs/$1/field-chain"; chain=(); }  # its default chain
   [ "$FIELD_PROMPTS" -gt 0 ] && some=(--num-prompts "$FIELD_PROMPTS")
   [ -f "runs/$1/export/config.json" ] || return

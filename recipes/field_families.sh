@@ -122,7 +122,7 @@ shapes() {  # shape name and its eval overrides, one per line: chains first
     medusa | hydra | hydra_pp) printf '%s\n' "chain4 tree=chain4" "tree16 tree=tree16" ;;
     redrafter) printf '%s\n' "chain extra.beam_width=1 extra.beam_length=5" "beam8x3 extra.beam_width=8 extra.beam_length=3" ;;
     ctc) printf '%s\n' "chain extra.ctc_num_paths=1" "paths8 extra.ctc_num_paths=8" ;;
-    eagle3 | peagle) printf '%s\n' "chain4 extra.eagle3_mode=chain extra.chain_length=4" "tree16 extra.eagle3_mode=tree extra.tree_nodes=16" ;;
+    eagle3 | peagle) printf '%s\n' "chain4 extra.eagle3_mode=chain extra.num_speculative_tokens=4" "tree16 extra.eagle3_mode=tree extra.tree_nodes=16" ;;
     dflash | dspark | domino) printf '%s\n' "chain" ;;
   esac
 }
