@@ -136,3 +136,39 @@ def test_no_code_or_config_uses_the_old_names_outside_the_mapping():
                  for i, line in enumerate(p.read_text().splitlines(), 1) if OLD_NAMES.search(line)]
     assert not offenders, "use num_speculative_tokens (max_speculative_tokens):\n" + "\n".join(offenders)
     assert "chain_length" in schema.OLD_KEYS  # the mapping still reads the old name
+
+
+# -- EAGLE-3's trained depth: draft.eagle3.ttt_steps, declared once ---------------------------------------------
+
+def test_eagle3_training_depth_is_declared_once_and_num_heads_follows_it():
+    from train.config import load_train_config
+
+    cfg = load_train_config(["configs/eagle3.yaml"])
+    assert cfg.draft.eagle3.ttt_steps == cfg.draft.num_heads == 3
+    cfg = load_train_config(["configs/eagle3.yaml"], ["draft.eagle3.ttt_steps=5"])
+    assert cfg.draft.eagle3.ttt_steps == cfg.draft.num_heads == 5
+
+
+def test_an_eagle3_config_that_sets_num_heads_reads_it_as_ttt_steps(tmp_path, caplog):
+    import logging
+
+    from core.config_loader import ConfigError
+    from train.config import load_train_config
+
+    with caplog.at_level(logging.WARNING):
+        cfg = load_train_config(["configs/eagle3.yaml"], ["draft.num_heads=5"])
+    assert cfg.draft.eagle3.ttt_steps == cfg.draft.num_heads == 5
+    assert "draft.num_heads -> draft.eagle3.ttt_steps" in caplog.text
+    both = tmp_path / "both.yaml"
+    both.write_text("draft:\n  family: eagle3\n  num_heads: 4\n  eagle3:\n    ttt_steps: 5\n")
+    with pytest.raises(ConfigError, match=r"keep only draft\.eagle3\.ttt_steps"):
+        load_train_config([str(both)])
+    medusa = load_train_config(["configs/medusa.yaml"], ["draft.num_heads=3"])  # its own key elsewhere
+    assert medusa.draft.num_heads == 3
+
+
+def test_an_eagle3_export_writes_its_depth_once(view4):
+    cfg = _eagle3(view4, ttt_steps=2).export_config()
+    assert cfg["ttt_steps"] == 2 and "num_heads" not in cfg
+    stored = read_export_config(ROOT / "drafts" / "smollm2-eagle3-store" / "export")  # older: num_heads too
+    assert stored["ttt_steps"] == stored["num_heads"] == 3
