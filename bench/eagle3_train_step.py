@@ -22,9 +22,9 @@ Arms (each at every --threads count; interleaved per thread count, so load drift
 --profile ARM prints torch.profiler's operator table for three steps of one arm (where the time goes).
 --variant NAME=OVERRIDES (repeatable) times draft variants against the plain draft side by side instead:
 
-    python bench/eagle3_train_step.py --threads 1 --steps 5 --variant ttt5=draft.eagle3.ttt_steps=5,draft.num_heads=5 \
+    python bench/eagle3_train_step.py --threads 1 --steps 5 --variant ttt5=draft.eagle3.ttt_steps=5 \
       --variant layers2=draft.eagle3.num_layers=2 \
-      --variant peagle=draft.eagle3.parallel_drafting=true,draft.eagle3.ttt_steps=4,draft.num_heads=4
+      --variant peagle=draft.eagle3.parallel_drafting=true,draft.eagle3.ttt_steps=4
 FLOPs per step come from torch.utils.flop_counter (matmuls, attention); the peak from a large square GEMM per dtype
 at the same thread count. Fraction = achieved FLOP/s / that peak (fp32 arm: fp32 peak; others: bf16 peak).
 """
@@ -67,7 +67,7 @@ def make_step(arm: str, base, batch: int, seq: int, ttt: int, extra: tuple[str, 
 
     compute = torch.bfloat16 if arm.startswith("bf16") else torch.float32
     cfg = load_train_config(["configs/eagle3.yaml"], ["draft.share_lm_head=false", "draft.vocab_size=16384",
-                                                      f"draft.eagle3.ttt_steps={ttt}", f"draft.num_heads={ttt}",
+                                                      f"draft.eagle3.ttt_steps={ttt}",
                                                       *extra])
     view = BaseView.from_model(base.model)
     torch.manual_seed(0)

@@ -58,7 +58,8 @@ def add_field_judge_parser(sub) -> None:
                    help="prompts stepped together per rank with --lockstep (default: eval/harness/field.py's "
                    "LOCKSTEP_WIDTH)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="eval config keys: the draft's shape "
-                   "(tree=, tree_choices=, extra.eagle3_mode=chain extra.chain_length=4, ...), dtype=, threads")
+                   "(tree=, tree_choices=, extra.eagle3_mode=chain extra.num_speculative_tokens=4, ...), dtype=, "
+                   "threads")
 
 
 def cmd_field(args) -> int:

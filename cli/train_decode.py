@@ -103,7 +103,7 @@ def _chain_drafter(cfg, export_dir: Path, base, max_new_tokens: int):
 
     loaded = load_export(export_dir, base=base)
     spec = drafter_family(loaded.family)
-    depth = spec.max_chain(loaded.draft) or cfg.draft.num_heads
+    depth = spec.max_speculative_tokens(loaded.draft) or cfg.draft.num_heads
     eval_cfg = EvalConfig(name="train-snapshot", dataset="sharegpt", max_new_tokens=max_new_tokens)
     overrides = chain_overrides(loaded.family, depth)
     extra = {**eval_cfg.extra, **overrides.pop("extra", {})}
@@ -137,7 +137,8 @@ def _make_field(cfg) -> Callable:
         by_id = {r.id: r for r in refs}
         return {"score_key": "simulated_al", "simulated_al": report["mean_over_sets"],
                 "per_set": {t["set"]: t["acceptance_length"] for t in report["sets"]},
-                "prompts": len(rows), "steps": sum(len(r["accept_lengths"]) for r in rows), "chain_depth": depth,
+                "prompts": len(rows), "steps": sum(len(r["accept_lengths"]) for r in rows),
+                "num_speculative_tokens": depth,
                 "refs": cfg.train.field_refs, "prompt_ids": [r["id"] for r in rows],
                 "texts": [(list(by_id[r["id"]].prompt) + list(by_id[r["id"]].answer[:r["new_tokens"] + 1]),
                            len(by_id[r["id"]].prompt)) for r in rows]}
@@ -179,7 +180,7 @@ def _make_decode(cfg) -> Callable:
         finally:
             base.model.train(was_training)
         return {"score_key": "decoded_al", "decoded_al": new_tokens / max(steps, 1), "prompts": len(prompts),
-                "new_tokens": new_tokens, "steps": steps, "chain_depth": depth, "prompt_source": source,
+                "new_tokens": new_tokens, "steps": steps, "num_speculative_tokens": depth, "prompt_source": source,
                 "heldout_skip": skip, "prompt_ids": [p.id for p in prompts], "texts": texts}
 
     return decode

@@ -431,7 +431,7 @@ stage_evalpayoff() {
   if [ "$DRY" = 1 ]; then size=(num_prompts=2 max_new_tokens=8); where=(dtype=fp32 device=cpu); t1=(); t2=(); t3=(); fi
   local rc=0
   run eval_payoff_chain "${t1[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
-    extra.eagle3_mode=chain extra.chain_length=4 name=gpu-payoff-chain || rc=1
+    extra.eagle3_mode=chain extra.num_speculative_tokens=4 name=gpu-payoff-chain || rc=1
   run eval_payoff_tree "${t2[@]}" "$PY" -m cli.main eval --draft "$e" "dataset=$prompts" "${size[@]}" "${where[@]}" \
     extra.eagle3_mode=tree extra.tree_nodes=16 hf_baseline=false name=gpu-payoff-tree || rc=1
   # The exact check: in fp32 the speculative output must equal plain greedy decoding token for token.

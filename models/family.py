@@ -29,7 +29,8 @@ class FamilyFacts:
     title: str  # name in tables and messages ("Medusa", "EAGLE-3")
     export_formats: tuple[str, ...] = ("specdraft",)  # formats `specdraft export --format` writes for it
     # The speculative method of vLLM that serves its `--format vllm` export (None: vLLM cannot serve it). Engines
-    # draft a chain of top-1 tokens; its drafter module says how deep (chain_depth, eval/engine/drafters/registry.py).
+    # draft a chain of top-1 tokens; its drafter module says how deep (num_speculative_tokens,
+    # eval/engine/drafters/registry.py).
     vllm_method: str | None = None
     # vLLM's proposer for that method drafts the count its scheduler picks per step, so `specdraft tune
     # --concurrency` may store a per-batch-size schedule for it (vLLM 0.32: eagle3, dflash; Medusa's asserts the
@@ -60,6 +61,10 @@ class FamilyFacts:
     # still uses one is read as draft.<name>.<key> with a note (train/config.py: upgrade_flat_keys). A new family
     # has none.
     flat_keys: tuple[str, ...] = ()
+    # Shared keys its own option declares for it ({"draft.num_heads": "draft.eagle3.ttt_steps"}): the option is the
+    # one declaration, the shared key is set from it when the config loads, and a config that still sets the shared
+    # key is read as the option with a note (train/config.py: upgrade_flat_keys). A new family needs none.
+    shared_from: dict[str, str] = field(default_factory=dict, hash=False)
     config_keys: tuple[str, ...] = ()  # gone: the flat per-family keys are now draft_options / loss_options
     # One line for the families tables (README.md, docs/families/README.md: `specdraft docs-families`).
     summary: str = ""

@@ -65,7 +65,7 @@ for fam in $FAMILIES; do
     eagle3) train "$PREFIX-eagle3" --config configs/eagle3.yaml $B train.lr="${LR_EAGLE3:-2e-3}" ;;
     # shellcheck disable=SC2086
     peagle) train "$PREFIX-peagle" --config configs/eagle3.yaml $B train.lr="${LR_EAGLE3:-2e-3}" \
-              draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4 ;;
+              draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 ;;
     # shellcheck disable=SC2086
     dflash|dspark|domino) train "$PREFIX-$fam" --config "configs/$fam.yaml" $B train.lr="${LR_BLOCK:-6e-4}" \
               "draft.$fam.num_anchors=128" ;;

@@ -30,7 +30,7 @@ train eagle3-best --config configs/eagle3.yaml --config configs/cpu_budget.yaml 
   train.epochs=5 train.max_minutes=55
 [ "${TRAIN_ONLY:-0}" = 1 ] && exit 0
 for run in cmp-eagle3 eagle3-best; do
-  evaluate $run mtbench-chain4 extra.eagle3_mode=chain extra.chain_length=4
+  evaluate $run mtbench-chain4 extra.eagle3_mode=chain extra.num_speculative_tokens=4
   evaluate $run mtbench-tree16 extra.eagle3_mode=tree extra.tree_nodes=16
 done
 # vLLM + this draft vs vLLM AR on the same prompts (needs `make vllm`); exits 1 if acceptance differs from ours.

@@ -39,8 +39,8 @@ B=(--config configs/eagle3.yaml --config configs/cpu_budget.yaml data.source="$S
 C256=(data.max_records="$N" data.max_length=256 data.hidden_cache="runs/cache/block-$N-256")
 
 train levers-base "${B[@]}" "${C256[@]}"
-train levers-ttt1 "${B[@]}" "${C256[@]}" draft.eagle3.ttt_steps=1 draft.num_heads=1
-train levers-ttt5 "${B[@]}" "${C256[@]}" draft.eagle3.ttt_steps=5 draft.num_heads=5
+train levers-ttt1 "${B[@]}" "${C256[@]}" draft.eagle3.ttt_steps=1
+train levers-ttt5 "${B[@]}" "${C256[@]}" draft.eagle3.ttt_steps=5
 train levers-len512 "${B[@]}" data.max_records="$N" data.max_length=512 data.hidden_cache="runs/cache/levers-$N-512"
 train levers-epochs "${B[@]}" data.max_records="$QUARTER" data.max_length=256 \
   data.hidden_cache="runs/cache/levers-$QUARTER-256"

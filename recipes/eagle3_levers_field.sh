@@ -70,12 +70,12 @@ arm_args() {  # the overrides of one arm
     tv) echo "${EQ[*]} loss.eagle3.divergence=tv" ;;
     rkl) echo "${EQ[*]} loss.eagle3.divergence=rkl" ;;
     muon) echo "${EQ[*]} train.optimizer=muon" ;;
-    ttt5) echo "$(costed 179) draft.eagle3.ttt_steps=5 draft.num_heads=5" ;;
+    ttt5) echo "$(costed 179) draft.eagle3.ttt_steps=5" ;;
     lk) echo "${EQ[*]} loss.eagle3.divergence=lk_lambda" ;;
     dspark_mix) echo "${EQ[*]} loss.eagle3.divergence=0.1*ce+0.9*tv" ;;
     vocab32k) echo "${EQ[*]} draft.vocab_size=32768" ;;
     layers2) echo "$(costed 146) draft.eagle3.num_layers=2" ;;
-    peagle) echo "$(costed 119) draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4" ;;
+    peagle) echo "$(costed 119) draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4" ;;
     dspark_family) echo "${TIMED[*]} train.lr=6e-4 draft.dspark.num_anchors=128" ;;
     *) echo "unknown arm $1" >&2; return 2 ;;
   esac
@@ -86,7 +86,7 @@ arm_config() {  # the family config an arm starts from (before configs/cpu_budge
 }
 
 judge() {  # judge <run>: chain of 4 on FIELD_PROMPTS stored prompts a set, paired against the base arm once judged
-  local out="runs/$1/field-chain4" against=() some=() chain=(extra.eagle3_mode=chain extra.chain_length=4)
+  local out="runs/$1/field-chain4" against=() some=() chain=(extra.eagle3_mode=chain extra.num_speculative_tokens=4)
   [ "$1" = levers-field-dspark_family ] && { out="runs/$1/field-chain"; chain=(); }  # its default chain
   [ "$FIELD_PROMPTS" -gt 0 ] && some=(--num-prompts "$FIELD_PROMPTS")
   [ -f "runs/$1/export/config.json" ] || return

@@ -102,7 +102,7 @@ family_args() {  # the family's config and its recipe's overrides (after the sha
     redrafter) echo "configs/redrafter.yaml train.lr=5e-3" ;;
     ctc) echo "configs/ctc.yaml train.lr=2e-3" ;;
     eagle3) echo "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3" ;;
-    peagle) echo "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3 draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4 draft.num_heads=4" ;;
+    peagle) echo "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3 draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4" ;;
     dflash) echo "configs/dflash.yaml draft.share_lm_head=false train.lr=6e-4 draft.dflash.num_anchors=128 draft.dflash.block_size=8 draft.num_heads=7" ;;
     dspark | domino) echo "configs/$1.yaml draft.share_lm_head=false train.lr=6e-4 draft.$1.num_anchors=128" ;;
     *) echo "field_families: unknown family $1 (medusa hydra hydra_pp redrafter ctc eagle3 peagle dflash dspark domino)" >&2
@@ -122,7 +122,7 @@ shapes() {  # shape name and its eval overrides, one per line: chains first
     medusa | hydra | hydra_pp) printf '%s\n' "chain4 tree=chain4" "tree16 tree=tree16" ;;
     redrafter) printf '%s\n' "chain extra.beam_width=1 extra.beam_length=5" "beam8x3 extra.beam_width=8 extra.beam_length=3" ;;
     ctc) printf '%s\n' "chain extra.ctc_num_paths=1" "paths8 extra.ctc_num_paths=8" ;;
-    eagle3 | peagle) printf '%s\n' "chain4 extra.eagle3_mode=chain extra.chain_length=4" "tree16 extra.eagle3_mode=tree extra.tree_nodes=16" ;;
+    eagle3 | peagle) printf '%s\n' "chain4 extra.eagle3_mode=chain extra.num_speculative_tokens=4" "tree16 extra.eagle3_mode=tree extra.tree_nodes=16" ;;
     dflash | dspark | domino) printf '%s\n' "chain" ;;
   esac
 }

@@ -23,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 import field_families_table as ff  # noqa: E402  (the recipe's own reader of the kept reports)
 
+from models.export.schema import upgrade_keys  # noqa: E402  (older reports' key names read as today's)
+
 OUT = Path("docs/results.md")
 DRAFTS = Path("drafts")
 # The sets shown on the one screen (every set is in docs/lab/field_families.md): the field's headline chat set,
@@ -119,13 +121,14 @@ def ff_command(family: str) -> str:
 
 def _shape_words(meta: dict) -> str:
     """A report's shape in words: its named shape, else what its meta says it decoded (a dynamic tree's nodes)."""
+    meta = upgrade_keys(meta, "a field report's meta")
     shape = meta.get("shape")
     if shape and shape != "default":
         return ff.SHAPE_WORDS.get(shape, shape)
     if meta.get("tree_nodes"):
         return f"{meta['tree_nodes']}-node tree"
-    if meta.get("chain_length"):
-        return f"chain of {meta['chain_length']}"
+    if meta.get("num_speculative_tokens"):
+        return f"chain of {meta['num_speculative_tokens']}"
     return "default"
 
 

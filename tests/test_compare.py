@@ -216,7 +216,7 @@ def test_target_table_and_splice():
 
 
 @pytest.mark.parametrize("method, extra, shape", [
-    ("eagle3", {"eagle3_mode": "chain", "chain_length": 4, "max_nodes": 5}, "chain of 4"),
+    ("eagle3", {"eagle3_mode": "chain", "num_speculative_tokens": 4, "max_nodes": 5}, "chain of 4"),
     ("eagle3", {"eagle3_mode": "tree", "max_nodes": 16}, "dynamic tree, 16 nodes"),
     ("hydra", {"tree": "custom", "tree_nodes": 17, "tree_search_nodes": 16}, "searched, 16 nodes"),
     ("medusa", {"tree": "export", "tree_nodes": 2}, "export's tree, 2 nodes"),

@@ -13,29 +13,29 @@ from core.config_loader import ConfigError
 from eval.engine.tree import STATIC_TREES, StaticTree
 from eval.harness.compare_config import draft_entries, load_compare_config, setting_configs, vllm_setting_names
 from eval.harness.results_doc import Targets, headline_table, target_table, vllm_table
-from eval.serving.compare_vllm import chain_depth, vllm_columns
+from eval.serving.compare_vllm import num_speculative_tokens, vllm_columns
 
 PROJECT_TARGETS = Targets.from_config(yaml.safe_load(open("configs/compare.yaml").read())["targets"])
 
 
-class _Tree:  # what chain_depth reads of a static-tree drafter: its tree
+class _Tree:  # what num_speculative_tokens reads of a static-tree drafter: its tree
     def __init__(self, choices):
         self.tree = StaticTree([tuple(c) for c in choices])
 
 
-def test_chain_depth_accepts_only_vllms_draft_shapes():
-    assert chain_depth("medusa", {}, _Tree(STATIC_TREES["chain4"])) == 4
-    assert chain_depth("medusa", {}, _Tree([[0], [0, 0]])) == 2
+def test_num_speculative_tokens_accepts_only_vllms_draft_shapes():
+    assert num_speculative_tokens("medusa", {}, _Tree(STATIC_TREES["chain4"])) == 4
+    assert num_speculative_tokens("medusa", {}, _Tree([[0], [0, 0]])) == 2
     with pytest.raises(ValueError, match="tree: chain4"):
-        chain_depth("medusa", {}, _Tree(STATIC_TREES["tree16"]))
-    assert chain_depth("eagle3", {"eagle3_mode": "chain", "chain_length": 3}, None) == 3
+        num_speculative_tokens("medusa", {}, _Tree(STATIC_TREES["tree16"]))
+    assert num_speculative_tokens("eagle3", {"eagle3_mode": "chain", "num_speculative_tokens": 3}, None) == 3
     with pytest.raises(ValueError, match="eagle3_mode: chain"):
-        chain_depth("eagle3", {"eagle3_mode": "tree"}, None)
-    assert chain_depth("ngram", {"k": 1, "strategy": "longest_match", "w": 4}, None) == 4
+        num_speculative_tokens("eagle3", {"eagle3_mode": "tree"}, None)
+    assert num_speculative_tokens("ngram", {"k": 1, "strategy": "longest_match", "w": 4}, None) == 4
     with pytest.raises(ValueError, match="longest_match"):
-        chain_depth("ngram", {"k": 4, "strategy": "mixed", "w": 4}, None)
+        num_speculative_tokens("ngram", {"k": 4, "strategy": "mixed", "w": 4}, None)
     with pytest.raises(ValueError, match="no method for a hydra draft"):
-        chain_depth("hydra", {}, _Tree(STATIC_TREES["chain4"]))
+        num_speculative_tokens("hydra", {}, _Tree(STATIC_TREES["chain4"]))
 
 
 def _cfg(tmp_path, drafts, **extra):

@@ -84,11 +84,11 @@ def test_builder_default_chain_trees_and_serving_chain(view):
     assert info["tree"] == "chain5" and drafter.tree.depth == 5 and drafter.max_nodes == 6
     spec = drafter_family("dflash")
     assert spec.shape(info) == "chain5, 6 nodes"
-    assert spec.chain_depth(info, drafter) == 5
+    assert spec.num_speculative_tokens(info, drafter) == 5
     drafter, info = build_drafter(draft, {"family": "dflash"}, EvalConfig(tree="wide2"))
     assert drafter.tree.num_nodes == 7 and info["tree"] == "wide2"
     drafter, info = build_drafter(draft, {"family": "dflash"}, EvalConfig(**chain_overrides("dflash", 3)))
-    assert drafter.tree.depth == 3 and spec.chain_depth(info, drafter) == 3
+    assert drafter.tree.depth == 3 and spec.num_speculative_tokens(info, drafter) == 3
     with pytest.raises(ValueError, match="drafts 5 tokens"):
         build_drafter(draft, {"family": "dflash"}, EvalConfig(tree_choices=chain_choices(6)))
 

@@ -251,7 +251,7 @@ def test_dflash_gguf_export_and_serve_check_end_to_end(tmp_path, capsys):
         if label == "reduced":  # `specdraft export --format gguf` writes the same draft and the serving arguments
             assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(run / "gguf")]) == 0
             info = json.loads((run / "gguf" / "gguf.json").read_text())
-            assert info["spec_draft_n_max"] == 3 and info["llama_server_args"][-4:] == [
+            assert info["num_speculative_tokens"] == 3 and info["llama_server_args"][-4:] == [
                 "--spec-type", "draft-dflash", "--spec-draft-n-max", "3"]
             gguf = run / "gguf" / "draft.gguf"
         assert read_gguf_arch(gguf) == "dflash"

@@ -248,14 +248,16 @@ def test_builder_chain_serving_depth_and_no_static_trees(view):
     draft = _draft(view, block_size=6)
     drafter, info = build_drafter(draft, {"family": "domino"}, EvalConfig())
     spec = drafter_family("domino")
-    assert drafter.chain_length == 6 and drafter.max_nodes == 7 and spec.chain_depth(info, drafter) == 6
-    assert spec.shape(info) == "chain of 6" and spec.max_chain(draft) == 6 and spec.tune_shapes(draft) == []
+    assert drafter.num_speculative_tokens == 6 and drafter.max_nodes == 7
+    assert spec.num_speculative_tokens(info, drafter) == 6 and info["num_speculative_tokens"] == 6
+    assert spec.shape(info) == "chain of 6" and spec.max_speculative_tokens(draft) == 6
+    assert spec.tune_shapes(draft) == []
     drafter, info = build_drafter(draft, {"family": "domino"}, EvalConfig(**chain_overrides("domino", 3)))
-    assert drafter.chain_length == 3 and spec.chain_depth(info, drafter) == 3
+    assert drafter.num_speculative_tokens == 3 and spec.num_speculative_tokens(info, drafter) == 3
     with pytest.raises(ValueError, match="drafts a chain"):
         build_drafter(draft, {"family": "domino"}, EvalConfig(tree="wide2"))
     with pytest.raises(ValueError, match="1..6"):
-        build_drafter(draft, {"family": "domino"}, EvalConfig(extra={"chain_length": 7}))
+        build_drafter(draft, {"family": "domino"}, EvalConfig(extra={"num_speculative_tokens": 7}))
 
 
 # -- configs and exports --------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_compiled_fast_backend_keeps_compiling_with_aux(model, view, prompts, tr
     every tree step ran through the compiled graph, and tokens and acceptance equal the eager backend's."""
     compiled = FastBackend(model, max_len=128, compile=True)
     eager = FastBackend(model, max_len=128, compile=False, static=True)  # same padding, no compile
-    drafter = Eagle3Drafter(trained, mode=mode, chain_length=3, tree_topk=2, tree_depth=2, tree_nodes=4)
+    drafter = Eagle3Drafter(trained, mode=mode, num_speculative_tokens=3, tree_topk=2, tree_depth=2, tree_nodes=4)
     for prompt in prompts[:2]:
         got = speculative_generate(compiled, drafter, prompt, max_new_tokens=12, eos_ids=None)
         want = speculative_generate(eager, drafter, prompt, max_new_tokens=12, eos_ids=None)
@@ -90,7 +90,7 @@ def test_compiled_fast_backend_keeps_compiling_with_aux(model, view, prompts, tr
 @pytest.mark.parametrize("backend_kind", ["hf", "fast"])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lossless_with_random_drafts(model, view, prompts, ar_outputs, mode, backend_kind):
-    drafter = Eagle3Drafter(_random_draft(view), mode=mode, chain_length=3, tree_topk=3, tree_depth=3,
+    drafter = Eagle3Drafter(_random_draft(view), mode=mode, num_speculative_tokens=3, tree_topk=3, tree_depth=3,
                             tree_nodes=10)
     backend = HFBackend(model) if backend_kind == "hf" else FastBackend(model, max_len=128)
     for prompt, want in zip(prompts, ar_outputs):
@@ -104,7 +104,7 @@ def test_lossless_with_random_drafts(model, view, prompts, ar_outputs, mode, bac
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lossless_and_accepting_with_a_trained_draft(model, trained, prompts, ar_outputs, mode):
-    drafter = Eagle3Drafter(trained, mode=mode, chain_length=4, tree_topk=3, tree_depth=4, tree_nodes=16)
+    drafter = Eagle3Drafter(trained, mode=mode, num_speculative_tokens=4, tree_topk=3, tree_depth=4, tree_nodes=16)
     assert_lossless_and_accepting(HFBackend(model), drafter, prompts, ar_outputs)
 
 
@@ -129,7 +129,7 @@ def test_draft_vocabulary_decodes_losslessly_with_base_ids(model, view, prompts,
 
 def test_tree_with_top1_is_the_chain_and_trees_keep_their_ancestors(model, view, prompts):
     draft = _random_draft(view, seed=2)
-    chain = Eagle3Drafter(draft, mode="chain", chain_length=4)
+    chain = Eagle3Drafter(draft, mode="chain", num_speculative_tokens=4)
     tree1 = Eagle3Drafter(draft, mode="tree", tree_topk=1, tree_depth=4, tree_nodes=5)
     wide = Eagle3Drafter(draft, mode="tree", tree_topk=3, tree_depth=4, tree_nodes=12)
     hf = HFBackend(model)
@@ -161,8 +161,9 @@ def test_builder_options(view):
     draft = _random_draft(view)
     d, info = build_drafter(draft, {"family": "eagle3"}, EvalConfig())
     assert isinstance(d, Eagle3Drafter) and info["eagle3_mode"] == "tree" and d.max_nodes == 16
-    d, info = build_drafter(draft, {"family": "eagle3"}, EvalConfig(extra={"eagle3_mode": "chain", "chain_length": 5}))
-    assert d.mode == "chain" and d.max_nodes == 6 and info["chain_length"] == 5
+    chain5 = EvalConfig(extra={"eagle3_mode": "chain", "num_speculative_tokens": 5})
+    d, info = build_drafter(draft, {"family": "eagle3"}, chain5)
+    assert d.mode == "chain" and d.max_nodes == 6 and info["num_speculative_tokens"] == 5
     with pytest.raises(ValueError, match="eagle3_mode"):
         build_drafter(draft, {"family": "eagle3"}, EvalConfig(extra={"eagle3_mode": "beam"}))
 
@@ -198,7 +199,7 @@ def test_recipe_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
     rows = smoke_cli_train(run_dir, "configs/eagle3.yaml", ["train.max_steps=4"], clean_env())
     assert any(math.isfinite(r.get("loss/head3", math.nan)) for r in rows)
     assert json.loads((run_dir / "export" / "config.json").read_text())["family"] == "eagle3"
-    for mode, extra in (("chain", ["extra.eagle3_mode=chain", "extra.chain_length=3"]), ("tree", [])):
+    for mode, extra in (("chain", ["extra.eagle3_mode=chain", "extra.num_speculative_tokens=3"]), ("tree", [])):
         report = smoke_cli_eval(run_dir, mode, extra, clean_env())
         assert report["method"] == "eagle3" and report["lossless"] is True
         assert report["acceptance_length"] >= 1.0

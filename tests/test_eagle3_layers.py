@@ -126,7 +126,7 @@ def trained(model, view, prompts):
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_trained_two_layer_draft_decodes_losslessly(model, prompts, ar_outputs, trained, mode):
-    drafter = Eagle3Drafter(trained, mode=mode, chain_length=4)
+    drafter = Eagle3Drafter(trained, mode=mode, num_speculative_tokens=4)
     assert_lossless_and_accepting(HFBackend(model), drafter, prompts, ar_outputs)
 
 
@@ -134,7 +134,8 @@ def test_lockstep_field_simulation_equals_per_prompt_with_two_layers(model, view
     refs, eos = stored
     draft = _fit(model, view, refs, ttt_steps=3, num_layers=2)
     _accepting(_assert_same(model, Eagle3Drafter(draft, mode="tree"), refs, eos, monkeypatch, widths=(3,)))
-    _assert_same(model, Eagle3Drafter(draft, mode="chain", chain_length=4), refs, eos, monkeypatch, widths=(3,))
+    _assert_same(model, Eagle3Drafter(draft, mode="chain", num_speculative_tokens=4), refs, eos, monkeypatch,
+                 widths=(3,))
 
 
 def test_export_round_trips(base4, view4, tmp_path):
@@ -198,5 +199,6 @@ def test_smoke_train_and_eval_through_the_cli(tmp_path, clean_env):
     assert any(math.isfinite(r.get("loss/head3", math.nan)) for r in rows)
     cfg = json.loads((run_dir / "export" / "config.json").read_text())
     assert cfg["family"] == "eagle3" and cfg["num_layers"] == 2
-    report = smoke_cli_eval(run_dir, "chain", ["extra.eagle3_mode=chain", "extra.chain_length=3"], clean_env())
+    report = smoke_cli_eval(run_dir, "chain", ["extra.eagle3_mode=chain", "extra.num_speculative_tokens=3"],
+                            clean_env())
     assert report["method"] == "eagle3" and report["lossless"] is True

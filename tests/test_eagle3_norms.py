@@ -142,7 +142,7 @@ def trained31(model, view, prompts):
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 def test_lossless_and_accepting_with_eagle31(model, trained31, prompts, ar_outputs, backend_kind, mode):
     backend = HFBackend(model) if backend_kind == "hf" else FastBackend(model, max_len=128)
-    drafter = Eagle3Drafter(trained31, mode=mode, chain_length=3)
+    drafter = Eagle3Drafter(trained31, mode=mode, num_speculative_tokens=3)
     assert_lossless_and_accepting(backend, drafter, prompts, ar_outputs)
 
 

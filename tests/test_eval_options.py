@@ -13,17 +13,17 @@ from eval.harness.config import load_eval_config
 
 
 def test_extra_is_typed_when_the_config_loads():
-    cfg = load_eval_config([], ["extra.eagle3_mode=chain", "extra.chain_length=3.0", "extra.k=2"])
-    assert cfg.extra == {"eagle3_mode": "chain", "chain_length": 3, "k": 2}
-    assert type(cfg.extra["chain_length"]) is int
+    cfg = load_eval_config([], ["extra.eagle3_mode=chain", "extra.num_speculative_tokens=3.0", "extra.k=2"])
+    assert cfg.extra == {"eagle3_mode": "chain", "num_speculative_tokens": 3, "k": 2}
+    assert type(cfg.extra["num_speculative_tokens"]) is int
 
 
 def test_an_undeclared_option_fails_when_the_config_loads():
-    with pytest.raises(ConfigError, match=r"unknown drafter option\(s\) \['chain_lenght'\].*did you mean "
-                                          r"chain_length\?.*eagle3: eagle3_mode, chain_length"):
-        load_eval_config([], ["extra.chain_lenght=3"])
-    with pytest.raises(ConfigError, match=r"extra.chain_length='three'.*needs a int"):
-        load_eval_config([], ["extra.chain_length=three"])
+    with pytest.raises(ConfigError, match=r"unknown drafter option\(s\) \['num_speculative_token'\].*did you mean "
+                                          r"num_speculative_tokens\?.*eagle3: eagle3_mode, num_speculative_tokens"):
+        load_eval_config([], ["extra.num_speculative_token=3"])
+    with pytest.raises(ConfigError, match=r"extra.num_speculative_tokens='three'.*needs a int"):
+        load_eval_config([], ["extra.num_speculative_tokens=three"])
 
 
 def test_the_exports_family_checks_its_own_options_at_build():

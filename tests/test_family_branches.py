@@ -323,7 +323,7 @@ def test_chain_caps_llamacpp_and_target_keys():
     draft = SimpleNamespace(num_heads=3, block_size=8, ttt_steps=5)
     old = {"medusa": 3, "hydra": 3, "dflash": 7, "eagle3": None, "redrafter": None, "ctc": None, "ngram": None,
            "dspark": 8}  # DSpark: every slot of its block drafts, the root's included
-    assert {f: DRAFTERS[f].max_chain(draft) for f in old} == old
+    assert {f: DRAFTERS[f].max_speculative_tokens(draft) for f in old} == old
     assert [f for f, facts in FAMILIES.items() if facts.llamacpp_whole_block] == ["dflash"]
     assert spec_draft_n_max(draft, "dflash", chain=2) == 7 and spec_draft_n_max(draft, "eagle3") == 5
     try:

@@ -98,7 +98,7 @@ TOY = {
             return {}
 
 
-        def chain_depth(info, drafter):
+        def num_speculative_tokens(info, drafter):
             return 1
 
 
@@ -186,4 +186,4 @@ def test_a_registered_family_is_in_every_registry(toy_family):
 
     assert family_spec("toyfam") is toy_family and FAMILIES["toyfam"] is toy_family.facts
     assert DRAFT_MODELS["toyfam"] is toy_family.model and "toyfam" in vllm_families()
-    assert drafter_family("toyfam").chain_depth({}, None) == 1
+    assert drafter_family("toyfam").num_speculative_tokens({}, None) == 1

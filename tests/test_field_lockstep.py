@@ -143,7 +143,7 @@ def _accepting(result: dict) -> None:
     assert max(lengths) >= 3 and sum(lengths) / len(lengths) > 1.5, lengths  # steps accept several drafts
 
 
-@pytest.mark.parametrize("shape", [dict(mode="chain", chain_length=4), dict(mode="tree"),
+@pytest.mark.parametrize("shape", [dict(mode="chain", num_speculative_tokens=4), dict(mode="tree"),
                                    dict(mode="tree", tree_topk=3, tree_depth=5, tree_nodes=10)])
 def test_lockstep_equals_per_prompt(model, plain, stored, shape, monkeypatch):
     refs, eos = stored
@@ -165,7 +165,8 @@ def test_lockstep_equals_per_prompt_with_a_draft_vocabulary(model, view, stored,
 def test_lockstep_equals_per_prompt_for_a_parallel_chain(model, peagle, stored, monkeypatch):
     """P-EAGLE: each slot's committed rows and K-1 mask slots in the one batched layer call."""
     refs, eos = stored
-    _accepting(_assert_same(model, Eagle3Drafter(peagle, mode="chain", chain_length=4), refs, eos, monkeypatch))
+    chain = Eagle3Drafter(peagle, mode="chain", num_speculative_tokens=4)
+    _accepting(_assert_same(model, chain, refs, eos, monkeypatch))
 
 
 @pytest.mark.parametrize("shape", [dict(tree_topk=3, tree_depth=4, tree_nodes=6),
@@ -232,7 +233,7 @@ def test_a_batched_run_records_its_measured_agreement_and_a_defect_shows(model, 
 
     refs, eos = stored
     base = SimpleNamespace(model=model, fingerprint="tiny-agree", tokenizer=SimpleNamespace(eos_token_id=eos[0]))
-    drafter = Eagle3Drafter(plain, mode="chain", chain_length=4)
+    drafter = Eagle3Drafter(plain, mode="chain", num_speculative_tokens=4)
     kw = dict(backend_name="hf", cache_root=tmp_path / "cache")
     rows = run_field(drafter, refs, base, out_dir=tmp_path / "good", lockstep=3, progress=False, **kw)
     good = measure_agreement(drafter, rows, refs, base, sample=6, **kw)

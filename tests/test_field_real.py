@@ -24,7 +24,7 @@ REFS = Path("datasets/smollm2-field-refs")
 NEW = 48  # tokens decoded per prompt in (1) (the simulation takes the same length)
 PER_SET = 2
 FIELDS = ("accepted_lengths", "accept_counts", "proposed_counts", "tree_nodes", "tokens")
-SHAPES = {"chain4": ["extra.eagle3_mode=chain", "extra.chain_length=4"], "tree": []}
+SHAPES = {"chain4": ["extra.eagle3_mode=chain", "extra.num_speculative_tokens=4"], "tree": []}
 
 pytestmark = pytest.mark.slow
 

@@ -203,7 +203,7 @@ def test_gguf_export_and_serve_check_end_to_end(tmp_path, capsys):
 
     assert main(["export", "--run", str(run), "--format", "gguf", "--out", str(tmp_path / "gguf")]) == 0
     info = json.loads((tmp_path / "gguf" / "gguf.json").read_text())
-    assert info["spec_draft_n_max"] == draft.ttt_steps and info["base_type"] == "f32"
+    assert info["num_speculative_tokens"] == draft.ttt_steps and info["base_type"] == "f32"
     assert read_gguf_arch(tmp_path / "gguf" / "draft.gguf") == "eagle3"
     tensors = read_gguf_tensors(tmp_path / "gguf" / "draft.gguf")
     d = v.hidden_size

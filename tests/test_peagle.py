@@ -55,13 +55,13 @@ def test_options_defaults_keep_plain_eagle3(view4):
     plain = Eagle3Draft(view4)
     assert not plain.parallel_drafting and "mask_hidden" not in plain.state_dict()
     cfg = plain.export_config()
-    assert not {"parallel_drafting", "mask_token_id", "eagle3_mode", "chain_length"} & set(cfg)
+    assert not {"parallel_drafting", "mask_token_id", "eagle3_mode", "num_speculative_tokens"} & set(cfg)
     draft = Eagle3Draft(view4, parallel_drafting=True)
     d = view4.hidden_size
     assert draft.state_dict()["mask_hidden"].shape == (1, 1, len(draft.aux_layers) * d)
     assert draft.mask_token_id == 0  # the tiny base's pad token (default_mask_token_id)
     cfg = draft.export_config()
-    assert cfg["parallel_drafting"] is True and cfg["eagle3_mode"] == "chain" and cfg["chain_length"] == 3
+    assert cfg["parallel_drafting"] is True and cfg["eagle3_mode"] == "chain" and cfg["num_speculative_tokens"] == 3
     with pytest.raises(ValueError, match="mask_token_id"):
         Eagle3Draft(view4, parallel_drafting=True, mask_token_id=view4.vocab_size)
 
@@ -239,7 +239,7 @@ def test_one_forward_drafter_equals_the_slow_reference_loop(model, trained, prom
     """The drafter (one layer call per step over the new committed rows and K-1 mask slots, a KV cache of the
     committed rows) drafts exactly what the cache-free reference loop drafts: same tokens, same accepted length at
     every step; and every step drafted K deep."""
-    drafter = Eagle3Drafter(trained, mode="chain", chain_length=4)
+    drafter = Eagle3Drafter(trained, mode="chain", num_speculative_tokens=4)
     backend = HFBackend(model) if backend_kind == "hf" else FastBackend(model, max_len=128)
     for prompt in prompts:
         got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW, eos_ids=None)
@@ -252,7 +252,8 @@ def test_one_forward_drafter_equals_the_slow_reference_loop(model, trained, prom
 @pytest.mark.parametrize("backend_kind", ["hf", "fast"])
 def test_lossless_and_accepting_with_a_trained_draft(model, trained, prompts, ar_outputs, backend_kind):
     backend = HFBackend(model) if backend_kind == "hf" else FastBackend(model, max_len=128)
-    assert_lossless_and_accepting(backend, Eagle3Drafter(trained, mode="chain", chain_length=4), prompts, ar_outputs)
+    chain = Eagle3Drafter(trained, mode="chain", num_speculative_tokens=4)
+    assert_lossless_and_accepting(backend, chain, prompts, ar_outputs)
 
 
 @pytest.mark.parametrize("backend_kind", ["hf", "fast"])
@@ -260,7 +261,7 @@ def test_lossless_with_random_drafts_and_a_draft_vocabulary(model, view, prompts
     d2t = torch.tensor(sorted({t for out in ar_outputs for t in out} | {3, 9, 11}))
     backend = HFBackend(model) if backend_kind == "hf" else FastBackend(model, max_len=128)
     for v in (view, with_draft_vocab(view, d2t)):
-        drafter = Eagle3Drafter(_peagle(v).eval(), mode="chain", chain_length=3)
+        drafter = Eagle3Drafter(_peagle(v).eval(), mode="chain", num_speculative_tokens=3)
         for prompt, want in zip(prompts, ar_outputs):
             got = speculative_generate(backend, drafter, prompt, max_new_tokens=NEW)
             assert got.tokens == want
@@ -269,9 +270,9 @@ def test_lossless_with_random_drafts_and_a_draft_vocabulary(model, view, prompts
 def test_builder_defaults_to_the_parallel_chain_and_refuses_trees(trained):
     cfg = trained.export_config()
     drafter, info = build_drafter(trained, cfg, EvalConfig())
-    assert drafter.parallel and info["eagle3_mode"] == "chain" and info["chain_length"] == 4
+    assert drafter.parallel and info["eagle3_mode"] == "chain" and info["num_speculative_tokens"] == 4
     assert info["parallel_drafting"] is True and DRAFTERS["eagle3"].shape(info) == "parallel chain of 4"
-    drafter, info = build_drafter(trained, cfg, EvalConfig(extra={"chain_length": 2}))
+    drafter, info = build_drafter(trained, cfg, EvalConfig(extra={"num_speculative_tokens": 2}))
     assert drafter.max_nodes == 3
     with pytest.raises(ValueError, match="eagle3_mode=chain"):
         build_drafter(trained, cfg, EvalConfig(extra={"eagle3_mode": "tree"}))
@@ -342,10 +343,10 @@ def test_smoke_train_then_cli_eval_is_lossless(tmp_path, clean_env):
                            clean_env())
     assert any(math.isfinite(r.get("loss/head3", math.nan)) for r in rows)
     cfg = json.loads((run_dir / "export" / "config.json").read_text())
-    assert cfg["family"] == "eagle3" and cfg["parallel_drafting"] is True and cfg["chain_length"] == 3
+    assert cfg["family"] == "eagle3" and cfg["parallel_drafting"] is True and cfg["num_speculative_tokens"] == 3
     report = smoke_cli_eval(run_dir, "parallel", [], clean_env())
     assert report["method"] == "eagle3" and report["lossless"] is True
-    assert report["extra"]["parallel_drafting"] is True and report["extra"]["chain_length"] == 3
+    assert report["extra"]["parallel_drafting"] is True and report["extra"]["num_speculative_tokens"] == 3
 
 
 # -- vLLM --------------------------------------------------------------------------------------------------------------

@@ -248,7 +248,8 @@ def test_serve_check_says_which_part_of_a_llamacpp_choice_it_applies(tmp_path):
     from eval.tune import choose, machine_info, tuned_serving_chain, write_export
 
     (tmp_path / "config.json").write_text("{}")
-    points = [{"label": "n-max 3, p-min 0.75", "knobs": {"n_max": 3, "p_min": 0.75}, "cost": 2.925, "status": "ok",
+    points = [{"label": "n-max 3, p-min 0.75", "knobs": {"num_speculative_tokens": 3, "p_min": 0.75}, "cost": 2.925,
+               "status": "ok",
                "speedup": 1.2, "ratios": [1.2, 1.2, 1.2], "ar_null": [0.0, 0.0]}]
     cfg = EvalConfig()
     rec = {"engine": "llamacpp", "dtype": f"base {cfg.serve_llamacpp_base_type}, draft "

@@ -248,11 +248,11 @@ def test_tune_measures_our_decoder_at_the_threads_eval_applies_its_choice_at(mon
 
 
 class LlamaEngine(ConcurrentEngine):
-    """The scripted engine as llama.cpp: its chain knob is n_max, and it has no per-batch-size schedule."""
+    """The scripted engine as llama.cpp: a p-min beside the count, and no per-batch-size schedule."""
 
     def settings(self):
-        return [Setting(label, {"n_max": int(label.split()[-1]), "p_min": 0.0}, float(label.split()[-1]))
-                for label in self.speeds if label != AR.label]
+        return [Setting(label, {"num_speculative_tokens": int(label.split()[-1]), "p_min": 0.0},
+                        float(label.split()[-1])) for label in self.speeds if label != AR.label]
 
     def describe(self):
         return {"engine": "llamacpp", "family": "eagle3", "version": "b1", "dtype": "f32 GGUF", "threads": 1}
@@ -266,7 +266,7 @@ def test_llamacpp_gets_a_choice_per_concurrency_and_no_vllm_schedule(tmp_path):
     eng = LlamaEngine({AR.label: _speeds()[AR.label], **{k.replace("k", "n"): v for k, v in _speeds().items()
                                                           if k != AR.label}}, drift=scatter(0.01), name="llamacpp")
     rec = sweep_concurrencies(eng, CS, 3, 1e9, now=eng.clock)
-    chosen = {c: v["choice"]["knobs"]["n_max"] if v["choice"]["speculate"] else 0
+    chosen = {c: v["choice"]["knobs"]["num_speculative_tokens"] if v["choice"]["speculate"] else 0
               for c, v in rec["by_concurrency"].items()}
     assert chosen == {"1": 3, "2": 2, "4": 1, "8": 0}
     context = {"export": "x", "machine": machine_info(), "num_prompts": 8, "max_new_tokens": 32, "dataset": "d",

@@ -73,7 +73,7 @@ def test_the_vllm_lines_name_placeholders_and_expand_to_the_served_config():
 
 def test_the_llamacpp_line_names_the_gguf_export_files():
     engine = _llamacpp_engine()
-    line = engine.command(Setting("n-max 3, p-min 0", {"n_max": 3, "p_min": 0.0}, 3.0))
+    line = engine.command(Setting("n-max 3, p-min 0", {"num_speculative_tokens": 3, "p_min": 0.0}, 3.0))
     assert MACHINE not in line
     assert line.startswith('"$LLAMA_SERVER" -m "$GGUF_DIR/base.gguf" -md "$GGUF_DIR/draft.gguf" ')
     if shutil.which("bash") is None:

@@ -41,14 +41,14 @@ def _export(tmp_path, export_chain: int | None = EXPORT_CHAIN, *, elsewhere: boo
     CPU."""
     config = {"family": "eagle3", "ttt_steps": 3, TUNED_TOKENS_KEY: 2}
     if export_chain is not None:
-        config.update(eagle3_mode="chain", chain_length=export_chain)
+        config.update(eagle3_mode="chain", num_speculative_tokens=export_chain)
     (tmp_path / "config.json").write_text(json.dumps(config))
     here = ours_here(EvalConfig())
     machine = {**{k: here[k] for k in ("device", "cpu", "avx512_bf16", "amx_bf16", "gpu")}, "cores": 2}
     if elsewhere:
         machine["cpu"] = "Other CPU"
     ours = _point(f"chain {TUNED_CHAIN}",
-                  {"tree_choices": None, "extra": {"eagle3_mode": "chain", "chain_length": TUNED_CHAIN}})
+                  {"tree_choices": None, "extra": {"eagle3_mode": "chain", "num_speculative_tokens": TUNED_CHAIN}})
     vllm = _point("num_speculative_tokens 2", {"num_speculative_tokens": 2})
     write_tuning(tmp_path, {}, {
         "ours": {"engine": "ours", "dtype": here["dtype"], "threads": here["threads"], "version": here["version"],
@@ -63,12 +63,12 @@ def chain_of(cfg: EvalConfig, export_dir, export_cfg: dict) -> tuple[int, str | 
     them (parse_options: extra, else the export's config.json, else the default)."""
     cfg, line = tuned_eval_config(cfg, export_dir, "eagle3")
     options = parse_options(drafter_family("eagle3").options, "eagle3", cfg.extra, export_cfg)
-    return options.chain_length, line
+    return options.num_speculative_tokens, line
 
 
 def test_config_beats_tuning_json_beats_the_export_for_our_decoder(tmp_path):
     export_cfg = _export(tmp_path)
-    own = load_eval_config([], ["extra.eagle3_mode=chain", "extra.chain_length=2"])
+    own = load_eval_config([], ["extra.eagle3_mode=chain", "extra.num_speculative_tokens=2"])
     assert chain_of(own, tmp_path, export_cfg)[0] == 2  # the config's own
     chain, line = chain_of(EvalConfig(), tmp_path, export_cfg)
     assert chain == TUNED_CHAIN and line.startswith("using tuning.json: ours chain 5")  # tuning.json
@@ -90,8 +90,9 @@ def test_a_choice_measured_elsewhere_leaves_the_export_default(tmp_path):
     assert chain == EXPORT_CHAIN and "cpu: measured Other CPU" in line
     export_cfg = _export(tmp_path, None, elsewhere=True)  # an export without its own chain: the family default
     cfg, _ = tuned_eval_config(load_eval_config([], ["extra.eagle3_mode=chain"]), tmp_path, "eagle3")
-    default = drafter_family("eagle3").options.chain_length
-    assert parse_options(drafter_family("eagle3").options, "eagle3", cfg.extra, export_cfg).chain_length == default
+    default = drafter_family("eagle3").options.num_speculative_tokens
+    options = parse_options(drafter_family("eagle3").options, "eagle3", cfg.extra, export_cfg)
+    assert options.num_speculative_tokens == default
 
 
 def test_the_same_rule_sets_the_serving_chain_and_the_vllm_export(tmp_path):
@@ -109,8 +110,8 @@ def test_the_same_rule_sets_the_serving_chain_and_the_vllm_export(tmp_path):
 
 @pytest.mark.parametrize("config_sets, use_tuning, elsewhere, want", [
     ((), True, False, ("tuning.json", "applied")),
-    (("chain_length",), True, False, ("config", "config")),
-    (("chain_length",), False, False, ("config", "use_tuning=false")),
+    (("num_speculative_tokens",), True, False, ("config", "config")),
+    (("num_speculative_tokens",), False, False, ("config", "use_tuning=false")),
     ((), False, False, ("export", "use_tuning=false")),
     ((), True, True, ("export", "elsewhere")),
 ])

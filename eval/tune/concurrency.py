@@ -24,7 +24,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from eval.tune.choice.record import CHAIN_KNOBS
+from eval.tune.choice.record import TOKENS_KNOB
 from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, choose, is_exact
 from eval.tune.sweep import (
     AR,
@@ -68,7 +68,7 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return values
 
 
-def speculation_schedule(choices: dict[int, dict], knob: str = CHAIN_KNOBS["vllm"]) -> dict:
+def speculation_schedule(choices: dict[int, dict], knob: str = TOKENS_KNOB) -> dict:
     """Per-concurrency choices -> {"per_concurrency": {c: k}, SCHEDULE_KEY: [[start, end, k], ...] or None (no
     concurrency speculates), "num_speculative_tokens": the largest k (vLLM caps every entry at it) or None}.
     k = 0 where the choice is "do not speculate"."""
@@ -157,7 +157,7 @@ def sweep_concurrencies(engine: Engine, concurrencies: Sequence[int], repeats: i
         by_c[str(c)] = {"points": points[c], "choice": choices[c],
                         "ar": {"tokens_per_second_runs": runs,
                                "tokens_per_second": statistics.median(runs) if runs else None}}
-    schedule = speculation_schedule(choices, CHAIN_KNOBS.get(engine.name, CHAIN_KNOBS["vllm"]))
+    schedule = speculation_schedule(choices)
     ranges = schedule[SCHEDULE_KEY]
     serve = getattr(engine, "schedule_command", None)
     if ranges and serve is not None:

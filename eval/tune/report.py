@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core.atomic import atomic_open, write_text_atomic
 from core.load import describe, is_loaded
-from eval.tune.choice.record import tuned_chain_length, write_tuning
+from eval.tune.choice.record import tuned_num_speculative_tokens, write_tuning
 from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 from models.registry import vllm_schedule_methods
 
@@ -335,7 +335,7 @@ def store_vllm_tokens(export_dir: Path, record: dict | None) -> None:
     config = json.loads(path.read_text())
     choice = (record or {}).get("choice") or {}
     if choice.get("speculate"):
-        config[TUNED_TOKENS_KEY] = tuned_chain_length("vllm", choice["knobs"])
+        config[TUNED_TOKENS_KEY] = tuned_num_speculative_tokens(choice["knobs"])
     else:
         config.pop(TUNED_TOKENS_KEY, None)
     ranges = schedule_ranges(record)
@@ -368,7 +368,7 @@ def schedule_line(record: dict) -> str:
         ch = view.get("choice") or {}
         if ch.get("speculate"):
             ci = f", {ch['interval'][0]:.2f}-{ch['interval'][1]:.2f}x" if ch.get("interval") else ""
-            parts.append(f"{c} in flight: {tuned_chain_length(engine, ch['knobs'])} ({ch['speedup_vs_ar']:.2f}x{ci})")
+            parts.append(f"{c} in flight: {tuned_num_speculative_tokens(ch['knobs'])} ({ch['speedup_vs_ar']:.2f}x{ci})")
         else:
             parts.append(f"{c} in flight: do not speculate")
     ranges = sched.get("num_speculative_tokens_per_batch_size")

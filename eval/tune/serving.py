@@ -35,7 +35,7 @@ from core.paths import default_cache_dir
 from eval.serving.serve_check import DTYPES, RUNNER, root_cause, vllm_python
 from eval.serving.serve_check_report import llamacpp_engine_numbers, vllm_engine_numbers
 from eval.serving.vllm_generate import installed_vllm_version
-from eval.tune.choice.record import CHAIN_KNOBS, machine_info, tuned_chain_length
+from eval.tune.choice.record import TOKENS_KNOB, machine_info, tuned_num_speculative_tokens
 from eval.tune.sweep import EngineUnavailable, Measurement, PointFailed, Setting
 
 MAX_TOKENS = 5
@@ -59,11 +59,12 @@ def _job_base(loaded, cfg, prompts, base_dir: Path) -> dict:
 
 
 def _depth_cap(loaded) -> int:
-    """The longest chain the draft can be asked for: its family's `max_chain` (Medusa's heads, DFlash's block - 1;
+    """The longest chain the draft can be asked for: its family's `max_speculative_tokens` (Medusa's heads, DFlash's
+    block - 1;
     eval/engine/drafters/registry.py), at most MAX_TOKENS."""
     from eval.engine.drafters.registry import drafter_family
 
-    cap = drafter_family(loaded.family).max_chain(loaded.draft)
+    cap = drafter_family(loaded.family).max_speculative_tokens(loaded.draft)
     return MAX_TOKENS if cap is None else min(MAX_TOKENS, int(cap))
 
 
@@ -180,14 +181,14 @@ class VllmEngine:
 
     def settings(self) -> list[Setting]:
         self._export()
-        return [Setting(f"num_speculative_tokens {k}", {CHAIN_KNOBS["vllm"]: k}, float(k))
+        return [Setting(f"num_speculative_tokens {k}", {TOKENS_KNOB: k}, float(k))
                 for k in range(1, _depth_cap(self.loaded) + 1)]
 
     def open(self, setting: Setting):
         spec = None
         if setting.speculative:
-            spec = {**self._export(), "num_speculative_tokens": tuned_chain_length("vllm", setting.knobs)}
-        label = "ar" if spec is None else f"spec{tuned_chain_length('vllm', setting.knobs)}"
+            spec = {**self._export(), "num_speculative_tokens": tuned_num_speculative_tokens(setting.knobs)}
+        label = "ar" if spec is None else f"spec{tuned_num_speculative_tokens(setting.knobs)}"
         job = {**self.job, "label": label, "speculative_config": spec,
                "engine_args": self._engine_args if spec else None}
         return VllmSession(self, job)
@@ -202,7 +203,7 @@ class VllmEngine:
     def command(self, setting: Setting) -> str:
         spec = None
         if setting.speculative:
-            spec = self._portable_spec(num_speculative_tokens=tuned_chain_length("vllm", setting.knobs))
+            spec = self._portable_spec(num_speculative_tokens=tuned_num_speculative_tokens(setting.knobs))
         return vllm_serve_command(VLLM_PYTHON, BASE_DIR, self.job["max_model_len"], spec)
 
 
@@ -367,7 +368,7 @@ class LlamaCppEngine:
             raise EngineUnavailable(f"llama.cpp serves {', '.join(llamacpp_families())} drafts, not a {family} "
                                     "draft; nothing to tune there")
         # cost: n-max first; a higher p-min cuts chains short, so it is the cheaper of two equal n-max
-        return [Setting(f"n-max {k}, p-min {p:g}", {CHAIN_KNOBS["llamacpp"]: k, "p_min": p}, k - 0.1 * p)
+        return [Setting(f"n-max {k}, p-min {p:g}", {TOKENS_KNOB: k, "p_min": p}, k - 0.1 * p)
                 for k in range(1, _depth_cap(self.loaded) + 1) for p in self.p_mins]
 
     def server_args(self, setting: Setting) -> list[str]:
@@ -378,7 +379,7 @@ class LlamaCppEngine:
         if not setting.speculative:
             args = serve_args(str(base), None, None, None)
         else:
-            args = serve_args(str(base), str(draft), self.loaded.family, tuned_chain_length("llamacpp", setting.knobs))
+            args = serve_args(str(base), str(draft), self.loaded.family, tuned_num_speculative_tokens(setting.knobs))
             args += ["--spec-draft-p-min", f"{setting.knobs['p_min']:g}"]
         return runtime_args(args, self.threads, self.ctx, self.cfg.serve_llamacpp_no_repack)
 
@@ -399,7 +400,8 @@ class _LlamaSession:
         from eval.serving.llamacpp_server import LlamaServer
 
         self.engine = engine
-        label = "ar" if not setting.speculative else f"n{setting.knobs['n_max']}-p{setting.knobs['p_min']:g}"
+        label = "ar" if not setting.speculative else \
+            f"n{tuned_num_speculative_tokens(setting.knobs)}-p{setting.knobs['p_min']:g}"
         self.srv = LlamaServer(engine.server_args(setting), engine.workdir / f"{label}.log", engine.timeout,
                                slots=engine.slots)
         try:

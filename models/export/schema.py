@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,12 +119,58 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "ctc_num_paths": _int(1),
     "ctc_topk": _int(1),
     "eagle3_mode": _is(str, "a string"),
-    "chain_length": _int(1),
+    "num_speculative_tokens": _int(1),  # drafts per step (a P-EAGLE export's parallel chain)
     "tree_topk": _int(1),
     "tree_depth": _int(1),
     "tree_nodes": _int(1),
 }
 COMMON_REQUIRED = ("format", "family", "base_model", "hidden_size", "vocab_size")
+
+
+# Drafts per verification step have one name everywhere, vLLM's: eval options (`extra.num_speculative_tokens`),
+# drafter report info, export config.json keys, tuning.json knobs. The names they had before, which stored files
+# (configs, exports, tuning.json, reports) may still use, are read as it by `upgrade_keys`: the one mapping.
+DRAFTS_PER_STEP = "num_speculative_tokens"
+OLD_KEYS = {
+    "chain_length": DRAFTS_PER_STEP,  # EAGLE-3 / DSpark / Domino eval option and report key; P-EAGLE exports
+    "n_max": DRAFTS_PER_STEP,  # tuning.json's llama.cpp knob (llama-server's --spec-draft-n-max)
+}
+
+
+class RenamedKeyWarning(FutureWarning):
+    """A stored file or config uses a key's old name (OLD_KEYS); it is read under the new one."""
+
+
+NOTED: set[str] = set()  # the old keys warned about in this process (one note each)
+
+
+def upgrade_keys(tree, where: str = ""):
+    """`tree` (a mapping, or a list, nested at any depth) with every old key of OLD_KEYS read under its new name,
+    and one warning per old key and process ("`chain_length` is now `num_speculative_tokens`"). An old key next to
+    its new one is dropped when they agree, an error when they do not. The input is not changed; a tree without old
+    keys comes back as it is."""
+    if isinstance(tree, list):
+        out = [upgrade_keys(v, where) for v in tree]
+        return tree if all(a is b for a, b in zip(out, tree)) else out
+    if not isinstance(tree, dict):
+        return tree
+    out, changed = {}, False
+    for key, value in tree.items():
+        new = upgrade_keys(value, where)
+        changed |= new is not value
+        if key in OLD_KEYS:
+            changed, name = True, OLD_KEYS[key]
+            if name in tree and tree[name] != value:
+                raise ValueError(f"{where or 'config'}: `{key}` (the old name of `{name}`) is {value!r} but `{name}` "
+                                 f"is {tree[name]!r}: keep only `{name}`")
+            if key not in NOTED:
+                NOTED.add(key)
+                warnings.warn(f"`{key}` is now `{name}` (first read from {where or 'a config'}; write `{name}` to "
+                              "drop this note)", RenamedKeyWarning, stacklevel=2)
+            out.setdefault(name, new)
+        else:
+            out[key] = new
+    return out if changed else tree
 
 
 # The checks a family's declared key types (FamilyFacts.export_key_types) stand for.

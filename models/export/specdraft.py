@@ -26,6 +26,7 @@ from models.export.schema import (
     check_sha256,
     check_tensors,
     read_json_file,
+    upgrade_keys,
 )
 from models.export.tensors import draft_tensors, read_tensors  # noqa: F401  (callers import them from here)
 from models.families.medusa.export_medusa import export_medusa  # noqa: F401  (callers import it from here)
@@ -58,7 +59,7 @@ def read_export_config(export_dir: Path) -> dict:
         raise FileNotFoundError(
             f"no config.json in {export_dir}: pass the export directory of a finished run "
             f"(runs/<run>/export), which `specdraft train` writes at the end")
-    config = read_json_file(path, "the export's config.json")
+    config = upgrade_keys(read_json_file(path, "the export's config.json"), str(path))
     if not isinstance(config, dict) or config.get("format") != "specdraft":
         found = config.get("format") if isinstance(config, dict) else type(config).__name__
         raise ExportError(f"{path} is not a specdraft export (format={found!r}); pass runs/<run>/export")

@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 from typing import Any, get_type_hints
 
+from models.export.schema import upgrade_keys
+
 
 class OptionsError(ValueError):
     """An `extra` key or value a drafter cannot use; the message names the key and the fix."""
@@ -48,7 +50,9 @@ def _coerce(name: str, value: Any, kind: Any, family: str) -> Any:
 
 
 def parse_options(cls: type, family: str, extra: dict, export_cfg: dict | None = None):
-    """extra (EvalConfig.extra) + the export's config.json -> an instance of `cls`, a frozen dataclass."""
+    """extra (EvalConfig.extra) + the export's config.json -> an instance of `cls`, a frozen dataclass. Old key
+    names in either are read under today's, with a note (models/export/schema.py: upgrade_keys)."""
+    extra, export_cfg = upgrade_keys(extra, "eval extra"), upgrade_keys(export_cfg, "the export's config.json")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(extra) - set(fields))
     if unknown:
@@ -82,7 +86,9 @@ def check_extra(extra: dict, declarations: dict[str, type]) -> dict:
     """An eval config's `extra` against every family's declared options (`declarations`: family -> its Options
     dataclass), before any export names the family: a key no family declares is an error naming the closest ones,
     and each value is coerced to the type its families declare (8, not 8.0; a type they disagree on is left to the
-    family's own check). Returns the typed mapping; `parse_options` checks it again against the export's family."""
+    family's own check). Old key names are read under today's, with a note (upgrade_keys). Returns the typed mapping;
+    `parse_options` checks it again against the export's family."""
+    extra = upgrade_keys(extra, "eval extra")
     owners: dict[str, list[tuple[str, Any]]] = {}
     for family, cls in declarations.items():
         types = get_type_hints(cls)

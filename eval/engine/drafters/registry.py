@@ -2,17 +2,23 @@
 
 Each family's drafter module is the role module `drafter` of its package (models/families/<name>/drafter.py,
 `<FamilySpec.package>.drafter`; no list of them is kept here). It declares, next to its Drafter class:
-    Options       the frozen dataclass of its eval options (EvalConfig.extra; unknown keys are an error)
+    Options       the frozen dataclass of its eval options (EvalConfig.extra; unknown keys are an error). Drafts
+                  per step, where a family has that knob, is `num_speculative_tokens` (vLLM's name) in every family,
+                  its default the family's natural count: a number where it is fixed (EAGLE-3's chain: 4), else
+                  None, which `build` reads as the draft's `max_speculative_tokens` (the block families: DFlash's
+                  block_size - 1, DSpark's and Domino's block_size). Its older names are read as it, with a note
+                  (models/export/schema.py: upgrade_keys, the one mapping of old keys)
     build         (draft, export_cfg, eval_cfg, options) -> (drafter, report info); a learning-free family's
                   (FamilyFacts.trainable = False): (base, extra) -> (drafter, report info), no export to build from
     chain         depth -> EvalConfig overrides that make it draft a chain of top-1 tokens, what serving engines run
-    chain_depth   (report info, drafter) -> drafted tokens per step of a row shaped as that chain (ValueError: how)
+    num_speculative_tokens  (report info, drafter) -> drafted tokens per step of a row shaped as that chain
+                  (ValueError: how); where it is an option, the report info carries it under the same name
     shape         report info -> the draft's shape in a table cell ("tree16, 16 nodes", "8 beams × 3")
 and, where the default does not fit (a module that leaves one out gets it):
     tune_shapes     draft -> (label, eval knobs) pairs `specdraft tune` sweeps besides the chains (default: none)
     searched_trees  True: tune also sweeps trees the tree search grows from the heads' ranks (default: False)
-    max_chain       draft -> the deepest chain it drafts, what serving engines are asked for at most (default:
-                    None, any depth)
+    max_speculative_tokens  draft -> the deepest chain it drafts, what serving engines are asked for at most
+                    (default: None, any depth)
     target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
     run_lockstep    the field benchmark's batched path (eval/harness/field.py): (drafter, prompts, load, n_of, eos,
                     done, *, width, redo) -> prompts redone, its prompts stepped together (default: None, the
@@ -32,7 +38,7 @@ from types import ModuleType
 from eval.engine.drafters.options import option_names, parse_options
 from models.registry import FAMILIES, SPECS, learning_free_families
 
-OPTIONAL = ("tune_shapes", "searched_trees", "max_chain", "target_key", "run_lockstep")
+OPTIONAL = ("tune_shapes", "searched_trees", "max_speculative_tokens", "target_key", "run_lockstep")
 # role modules of a family's package that may add OPTIONAL declarations to its drafter's
 MORE_ROLES = ("tune", "lockstep")
 
@@ -50,11 +56,11 @@ class DrafterFamily:
     options: type
     build: Callable  # trained: (draft, export_cfg, eval_cfg, options); learning-free: (base, extra)
     chain: Callable[[int], dict]
-    chain_depth: Callable[[dict, object], int]
+    num_speculative_tokens: Callable[[dict, object], int]
     shape: Callable[[dict], str]
     tune_shapes: Callable[[object], list[tuple[str, dict]]] = _no_shapes
     searched_trees: bool = False
-    max_chain: Callable[[object], int | None] = _any_depth
+    max_speculative_tokens: Callable[[object], int | None] = _any_depth
     target_key: Callable[[dict], str] | None = None  # None: the family name
     run_lockstep: Callable | None = None  # None: the field judges it one prompt at a time
 
@@ -62,7 +68,8 @@ class DrafterFamily:
     def of(cls, module: ModuleType, more: tuple[ModuleType, ...] = ()) -> DrafterFamily:
         """The declaration in `module` (and the optional ones in `more`, a family's further drafter modules)."""
         optional = {name: getattr(m, name) for m in (module, *more) for name in OPTIONAL if hasattr(m, name)}
-        return cls(module.Options, module.build, module.chain, module.chain_depth, module.shape, **optional)
+        return cls(module.Options, module.build, module.chain, module.num_speculative_tokens, module.shape,
+                   **optional)
 
     def option_names(self) -> list[str]:
         return option_names(self.options)

@@ -51,7 +51,7 @@ def static_chain(depth: int) -> dict:
     return {"tree": "auto", "tree_choices": chain_choices(depth)}
 
 
-def static_chain_depth(info: dict, drafter) -> int:
+def static_num_speculative_tokens(info: dict, drafter) -> int:
     choices = [tuple(c) for c in drafter.tree.choices]
     if not choices or choices != [(0,) * j for j in range(1, len(choices) + 1)]:
         raise ValueError("serving engines draft a chain of each head's top-1: give this row `eval: {tree: chain4}` "
@@ -68,7 +68,7 @@ def static_tune_shapes(draft) -> list[tuple[str, dict]]:
     return [(f"{name} ({len(STATIC_TREES[name])} nodes)", {"tree": name, "tree_choices": None}) for name in TUNE_TREES]
 
 
-def heads_max_chain(draft) -> int:
+def heads_max_speculative_tokens(draft) -> int:
     """A static-tree draft with K heads drafts at most K tokens per step (one per head)."""
     return int(draft.num_heads)
 

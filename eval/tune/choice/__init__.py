@@ -19,9 +19,9 @@ from eval.tune.choice.apply import (
     vllm_export_config,
 )
 from eval.tune.choice.record import (
-    CHAIN_KNOBS,
     MIN_REPEATS,
     RUN_ID,
+    TOKENS_KNOB,
     TUNING_FILE,
     TUNING_FORMAT,
     WHERE_FIELDS,
@@ -33,8 +33,8 @@ from eval.tune.choice.record import (
     read_tuning,
     repeats_mark,
     retune_command,
-    tuned_chain_length,
     tuned_choice,
+    tuned_num_speculative_tokens,
     where_measured,
     write_tuning,
 )
@@ -56,12 +56,12 @@ from eval.tune.choice.stats import (
 )
 
 __all__ = [
-    "AR_LABEL", "CHAIN_KNOBS", "CONFIDENCE", "DEFAULT_ALPHA", "DEFAULT_MIN_GAIN", "EXACT_DTYPES",
-    "MIN_REPEATS", "RUN_ID", "TUNING_FILE",
+    "AR_LABEL", "CONFIDENCE", "DEFAULT_ALPHA", "DEFAULT_MIN_GAIN", "EXACT_DTYPES",
+    "MIN_REPEATS", "RUN_ID", "TOKENS_KNOB", "TUNING_FILE",
     "TUNING_FORMAT", "WHERE_FIELDS", "Decision", "applicable", "apply_knobs", "bonferroni_quantile", "choose",
     "confirmation_interval", "decide", "describe_choice", "engine_device", "geomean", "is_exact", "log_mean",
     "machine_info", "ours_here", "pooled_noise", "quick_elsewhere", "read_tuning",
     "repeats_mark", "retune_command", "serving_here", "shape_keys_set",
-    "t_cdf", "t_quantile", "tuned_chain_length", "tuned_choice", "tuned_eval_config", "tuned_serving_chain",
+    "t_cdf", "t_quantile", "tuned_num_speculative_tokens", "tuned_choice", "tuned_eval_config", "tuned_serving_chain",
     "untuned_speed", "vllm_export_config", "where_measured", "write_tuning",
 ]

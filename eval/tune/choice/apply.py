@@ -18,8 +18,8 @@ from eval.tune.choice.record import (
     engine_device,
     machine_info,
     retune_command,
-    tuned_chain_length,
     tuned_choice,
+    tuned_num_speculative_tokens,
 )
 
 
@@ -178,8 +178,8 @@ def tuned_serving_chain(cfg, export_dir, engines: Sequence[str], family: str,
                         llamacpp_version: str | None = None) -> tuple[int | None, str]:
     """`serve-check`: the chain length `specdraft tune` chose for the engine the check is about (vLLM where it runs,
     else llama.cpp) where `decide` picks tuning.json, and the line that says so; (None, line) when the check runs
-    the draft's trained chain. The engine's own name for the count (vLLM's num_speculative_tokens, llama.cpp's
-    n-max) is read here only (record.py: CHAIN_KNOBS)."""
+    the draft's trained chain. Every engine's record keeps the count as num_speculative_tokens (record.py:
+    TOKENS_KNOB; llama.cpp is given it as --spec-draft-n-max)."""
     from models.registry import family_facts
 
     engine = "vllm" if "vllm" in engines else "llamacpp"
@@ -199,8 +199,8 @@ def tuned_serving_chain(cfg, export_dir, engines: Sequence[str], family: str,
         return None, f"{line}; not applied: llama.cpp checks a {facts.title} draft's whole block"
     knobs = d.choice["knobs"]
     if knobs.get("p_min"):  # serve-check passes --spec-draft-n-max only (llama.cpp keeps its default p-min)
-        line += f"; applying n-max {knobs['n_max']} only, not its p-min {knobs['p_min']:g}"
-    return tuned_chain_length(engine, knobs), f"using {line}"
+        line += f"; applying n-max {tuned_num_speculative_tokens(knobs)} only, not its p-min {knobs['p_min']:g}"
+    return tuned_num_speculative_tokens(knobs), f"using {line}"
 
 
 def _vllm_device() -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 from core.atomic import write_text_atomic
 from core.hardware import cpu_model, cpuinfo_text
 from eval.tune.choice.stats import CONFIDENCE
+from models.export.schema import DRAFTS_PER_STEP, upgrade_keys
 
 TUNING_FILE = "tuning.json"
 TUNING_FORMAT = 2  # 1: one noise per setting (half the range of its ratios, at least 3 %), no confirmation
@@ -56,9 +57,9 @@ def quick_elsewhere(mark: dict) -> str | None:
             "by another run; quick choices apply only in the run that made them")
 
 
-# The chain length a serving engine's tuned setting holds, under the engine's own flag name (the one knob of the
-# drafter option chain_length that tune stores by another name: each engine's setting is what that engine is given).
-CHAIN_KNOBS = {"vllm": "num_speculative_tokens", "llamacpp": "n_max"}
+# The knob that holds a serving engine's tuned drafts per step, in every engine's record (vLLM's name; llama.cpp is
+# given it as --spec-draft-n-max). An older tuning.json's names for it (llama.cpp's "n_max") are read as it.
+TOKENS_KNOB = DRAFTS_PER_STEP
 
 
 def machine_info(cpuinfo: str | None = None, device: str = "cpu") -> dict:
@@ -141,7 +142,7 @@ def read_tuning(export_dir: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = upgrade_keys(json.loads(path.read_text()), str(path))  # an older file's knob names read as today's
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON ({exc}); delete it or rerun `specdraft tune`") from None
     if not isinstance(data.get("engines"), dict) or not isinstance(data.get("format"), int) \
@@ -196,6 +197,6 @@ def describe_choice(engine: str, choice: dict) -> str:
             f"{choice.get('tuned') or '?'})")
 
 
-def tuned_chain_length(engine: str, knobs: dict) -> int:
-    """The chain length of a serving engine's tuned setting (`CHAIN_KNOBS`: its own name for it)."""
-    return int(knobs[CHAIN_KNOBS[engine]])
+def tuned_num_speculative_tokens(knobs: dict) -> int:
+    """The drafts per step of a serving engine's tuned setting (`TOKENS_KNOB`)."""
+    return int(knobs[TOKENS_KNOB])

@@ -227,7 +227,7 @@ def chain(depth: int) -> dict:
                      "frames), so no serving engine drafts it")
 
 
-def chain_depth(info: dict, drafter) -> int:
+def num_speculative_tokens(info: dict, drafter) -> int:
     return chain(0)
 
 

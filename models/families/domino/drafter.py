@@ -28,22 +28,22 @@ from eval.engine.tree import StaticTree, Tree, chain_choices
 class DominoDrafter(BlockDrafter):
     name = "domino"
 
-    def __init__(self, draft, chain_length: int | None = None):
-        """draft: model.py's DominoDraft; chain_length: drafts per step (None = block_size, the most one block
-        gives)."""
-        n = int(draft.block_size if chain_length is None else chain_length)
+    def __init__(self, draft, num_speculative_tokens: int | None = None):
+        """draft: model.py's DominoDraft; num_speculative_tokens: drafts per step (None = block_size, the most one
+        block gives)."""
+        n = int(draft.block_size if num_speculative_tokens is None else num_speculative_tokens)
         if not 1 <= n <= draft.block_size:
-            raise ValueError(f"chain_length={n}: a Domino block of {draft.block_size} slots drafts "
-                             f"1..{draft.block_size}")
+            raise ValueError(f"num_speculative_tokens={n}: a Domino block of {draft.block_size} slots drafts "
+                             f"1..{draft.block_size} (leave it unset for all {draft.block_size})")
         super().__init__(draft)
-        self.chain_length = n
+        self.num_speculative_tokens = n
         self.max_nodes = n + 1
         self._tree = StaticTree(chain_choices(n))
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
         self._commit(state)
-        drafts, _ = self.draft.draft_chain(self._cache, state.root, self.chain_length)
+        drafts, _ = self.draft.draft_chain(self._cache, state.root, self.num_speculative_tokens)
         return self._tree.fill(state.root, drafts[:, None].cpu())
 
 
@@ -51,31 +51,32 @@ class DominoDrafter(BlockDrafter):
 
 @dataclass(frozen=True)
 class Options:
-    """A chain of chain_length corrected drafts (0 = the block's block_size)."""
+    """A chain of num_speculative_tokens corrected drafts (None: the block's block_size, the family's natural
+    count)."""
 
-    chain_length: int = 0  # drafts per step = slots of the block run; 0 = block_size
+    num_speculative_tokens: int | None = None  # drafts per step = slots of the block run; None = block_size
 
 
 def build(draft, export_cfg: dict, eval_cfg, options: Options):
     if eval_cfg.tree_choices or eval_cfg.tree != "auto":
         raise ValueError("Domino drafts a chain (each slot's logits depend on the tokens drafted before it, so a "
-                         "static tree does not apply): drop tree / tree_choices and set extra.chain_length")
-    drafter = DominoDrafter(draft, options.chain_length or None)
-    return drafter, {"chain_length": drafter.chain_length, "block_size": draft.block_size}
+                         "static tree does not apply): drop tree / tree_choices and set extra.num_speculative_tokens")
+    drafter = DominoDrafter(draft, options.num_speculative_tokens)
+    return drafter, {"num_speculative_tokens": drafter.num_speculative_tokens, "block_size": draft.block_size}
 
 
 def chain(depth: int) -> dict:
-    return {"tree": "auto", "tree_choices": None, "extra": {"chain_length": depth}}
+    return {"tree": "auto", "tree_choices": None, "extra": {"num_speculative_tokens": depth}}
 
 
-def chain_depth(info: dict, drafter) -> int:
-    return int(info["chain_length"])
+def num_speculative_tokens(info: dict, drafter) -> int:
+    return int(info["num_speculative_tokens"])
 
 
 def shape(info: dict) -> str:
-    return f"chain of {info.get('chain_length', '?')}"
+    return f"chain of {info.get('num_speculative_tokens', '?')}"
 
 
-def max_chain(draft) -> int:
+def max_speculative_tokens(draft) -> int:
     """One block drafts its block_size slots: no chain is deeper."""
     return int(draft.block_size)

@@ -6,7 +6,7 @@ Because a slot's distribution depends on the token before it, DSpark's slots are
 Medusa-style tree (one top-k per depth) would give a child a parent it was not biased on, so DSpark drafts chains
 only. The confidence head's per-slot acceptance estimates c_k can cut the chain early: with extra.confidence_cut
 = τ > 0 the drafter keeps depth k while Π_{j<=k} c_j >= τ (vLLM's adaptive verification ranks requests by the same
-product); τ = 0 (the default) always drafts chain_length tokens.
+product); τ = 0 (the default) always drafts num_speculative_tokens tokens.
 
 Own cache (models.components.BlockCache): the context keys / values of every committed position, per layer,
 appended from state.new_aux on every propose() (as DFlash's drafter). Drafts are deterministic (argmax), so
@@ -27,17 +27,17 @@ from eval.engine.tree import StaticTree, Tree, chain_choices
 class DSparkDrafter(BlockDrafter):
     name = "dspark"
 
-    def __init__(self, draft, chain_length: int | None = None, confidence_cut: float = 0.0):
-        """draft: model.py's DSparkDraft; chain_length: drafts per step (None = block_size, the most one block
-        gives); confidence_cut: stop where the product of the confidences falls below it (0 = never)."""
-        n = int(draft.block_size if chain_length is None else chain_length)
+    def __init__(self, draft, num_speculative_tokens: int | None = None, confidence_cut: float = 0.0):
+        """draft: model.py's DSparkDraft; num_speculative_tokens: drafts per step (None = block_size, the most one
+        block gives); confidence_cut: stop where the product of the confidences falls below it (0 = never)."""
+        n = int(draft.block_size if num_speculative_tokens is None else num_speculative_tokens)
         if not 1 <= n <= draft.block_size:
-            raise ValueError(f"chain_length={n}: a DSpark block of {draft.block_size} slots drafts "
-                             f"1..{draft.block_size}")
+            raise ValueError(f"num_speculative_tokens={n}: a DSpark block of {draft.block_size} slots drafts "
+                             f"1..{draft.block_size} (leave it unset for all {draft.block_size})")
         if not 0.0 <= confidence_cut < 1.0:
             raise ValueError(f"confidence_cut={confidence_cut} must be in [0, 1)")
         super().__init__(draft)
-        self.chain_length, self.confidence_cut = n, float(confidence_cut)
+        self.num_speculative_tokens, self.confidence_cut = n, float(confidence_cut)
         self.max_nodes = n + 1
         self._trees = {k: StaticTree(chain_choices(k)) for k in range(n + 1)}
         self.last_confidence: torch.Tensor | None = None  # c_k of the last proposal (tests, reports)
@@ -45,9 +45,9 @@ class DSparkDrafter(BlockDrafter):
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
         self._commit(state)
-        drafts, conf = self.draft.draft_chain(self._cache, state.root, self.chain_length)
+        drafts, conf = self.draft.draft_chain(self._cache, state.root, self.num_speculative_tokens)
         self.last_confidence = conf.cpu()
-        n = self.chain_length
+        n = self.num_speculative_tokens
         if self.confidence_cut > 0:
             survive = torch.cumprod(conf.float(), dim=0) >= self.confidence_cut
             n = int(survive.long().cumprod(dim=0).sum())
@@ -58,36 +58,37 @@ class DSparkDrafter(BlockDrafter):
 
 @dataclass(frozen=True)
 class Options:
-    """A chain of chain_length Markov-decoded drafts (0 = the block's block_size), cut early by confidence_cut."""
+    """A chain of num_speculative_tokens Markov-decoded drafts (None: the block's block_size, the family's natural
+    count), cut early by confidence_cut."""
 
-    chain_length: int = 0  # drafts per step = slots of the block run; 0 = block_size (vLLM's default count)
+    num_speculative_tokens: int | None = None  # drafts per step = slots of the block run; None = block_size (vLLM's)
     confidence_cut: float = 0.0  # > 0: keep depth k while the product of the confidences c_1..c_k stays >= it
 
 
 def build(draft, export_cfg: dict, eval_cfg, options: Options):
     if eval_cfg.tree_choices or eval_cfg.tree != "auto":
         raise ValueError("DSpark drafts a chain (each slot's logits depend on the token before it, so a static tree "
-                         "does not apply): drop tree / tree_choices and set extra.chain_length")
-    drafter = DSparkDrafter(draft, options.chain_length or None, options.confidence_cut)
-    return drafter, {"chain_length": drafter.chain_length, "confidence_cut": drafter.confidence_cut,
+                         "does not apply): drop tree / tree_choices and set extra.num_speculative_tokens")
+    drafter = DSparkDrafter(draft, options.num_speculative_tokens, options.confidence_cut)
+    return drafter, {"num_speculative_tokens": drafter.num_speculative_tokens, "confidence_cut": drafter.confidence_cut,
                      "block_size": draft.block_size}
 
 
 def chain(depth: int) -> dict:
-    return {"tree": "auto", "tree_choices": None, "extra": {"chain_length": depth, "confidence_cut": 0.0}}
+    return {"tree": "auto", "tree_choices": None, "extra": {"num_speculative_tokens": depth, "confidence_cut": 0.0}}
 
 
-def chain_depth(info: dict, drafter) -> int:
+def num_speculative_tokens(info: dict, drafter) -> int:
     if info.get("confidence_cut"):
         raise ValueError("a serving engine drafts a fixed chain: give this row extra.confidence_cut: 0")
-    return int(info["chain_length"])
+    return int(info["num_speculative_tokens"])
 
 
 def shape(info: dict) -> str:
     cut = info.get("confidence_cut")
-    return f"chain of {info.get('chain_length', '?')}" + (f", cut at confidence {cut}" if cut else "")
+    return f"chain of {info.get('num_speculative_tokens', '?')}" + (f", cut at confidence {cut}" if cut else "")
 
 
-def max_chain(draft) -> int:
+def max_speculative_tokens(draft) -> int:
     """One block drafts its block_size slots: no chain is deeper."""
     return int(draft.block_size)

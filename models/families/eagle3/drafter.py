@@ -7,8 +7,8 @@ since the last call (state.new_aux, state.new_ids[1:] + the root), which re-deri
 own features, as vLLM does after every verification; the last row's output o_root predicts depth 1.
 Nodes drafted during one propose() keep their K/V in a scratch buffer that dies with the call.
 
-chain (length K): d_1 = argmax lm_head(norm(o_root)); d_k = argmax of the layer run on (e(d_{k-1}),
-    o_{k-1}) at position L+k-1, which sees the cache and its own ancestors: K-1 layer calls of one row.
+chain (K = num_speculative_tokens): d_1 = argmax lm_head(norm(o_root)); d_k = argmax of the layer run on
+    (e(d_{k-1}), o_{k-1}) at position L+k-1, which sees the cache and its own ancestors: K-1 layer calls of one row.
 tree (EAGLE-2): the root's top-k children, then for depth 2..D: take the `topk` nodes of the newest level
     with the best cumulative draft log-probability, run the layer on them (one batched call), give each
     its top-k children; finally keep the best `nodes - 1` of all drafted nodes by cumulative
@@ -42,23 +42,24 @@ MODES = ("chain", "tree")
 class Eagle3Drafter(Drafter):
     name = "eagle3"
 
-    def __init__(self, draft, mode: str = "tree", chain_length: int = 4, tree_topk: int = 4, tree_depth: int = 4,
-                 tree_nodes: int = 16):
-        """draft: models.families.eagle3.model.Eagle3Draft. tree_nodes counts the root."""
+    def __init__(self, draft, mode: str = "tree", num_speculative_tokens: int = 4, tree_topk: int = 4,
+                 tree_depth: int = 4, tree_nodes: int = 16):
+        """draft: models.families.eagle3.model.Eagle3Draft; num_speculative_tokens: the chain's drafts per step;
+        tree_nodes counts the root."""
         if mode not in MODES:
             raise ValueError(f"eagle3 mode={mode!r}: use one of {MODES} (eval extra.eagle3_mode)")
-        if chain_length < 0 or tree_topk < 1 or tree_depth < 1 or tree_nodes < 1:
-            raise ValueError(f"eagle3: chain_length={chain_length} must be >= 0, tree_topk={tree_topk}, "
-                             f"tree_depth={tree_depth} and tree_nodes={tree_nodes} >= 1")
+        if num_speculative_tokens < 0 or tree_topk < 1 or tree_depth < 1 or tree_nodes < 1:
+            raise ValueError(f"eagle3: num_speculative_tokens={num_speculative_tokens} must be >= 0, "
+                             f"tree_topk={tree_topk}, tree_depth={tree_depth} and tree_nodes={tree_nodes} >= 1")
         self.parallel = bool(getattr(draft, "parallel_drafting", False))
         if self.parallel and mode != "chain":
             raise ValueError(f"eagle3 mode={mode!r}: a P-EAGLE draft (parallel_drafting) drafts a chain of tokens "
-                             "from one forward; use extra.eagle3_mode=chain (extra.chain_length=K)")
+                             "from one forward; use extra.eagle3_mode=chain (extra.num_speculative_tokens=K)")
         self.draft = draft.eval()
         self.aux_layers = list(draft.aux_layers)  # the decoder has the backend capture these layers
-        self.mode, self.chain_length = mode, int(chain_length)
+        self.mode, self.num_speculative_tokens = mode, int(num_speculative_tokens)
         self.tree_topk, self.tree_depth, self.tree_nodes = int(tree_topk), int(tree_depth), int(tree_nodes)
-        self.max_nodes = 1 + self.chain_length if mode == "chain" else self.tree_nodes
+        self.max_nodes = 1 + self.num_speculative_tokens if mode == "chain" else self.tree_nodes
         param = next(draft.parameters())
         self._device, self._dtype = param.device, param.dtype
         self._cache = None
@@ -109,19 +110,19 @@ class Eagle3Drafter(Drafter):
         top = lambda out, k, spans: self._top(out, k)  # noqa: E731
         pos0 = [self._cache.length - 1]  # the root row's position
         if self.mode == "chain":
-            return chain_tree(state.root, chain_drafts(o_root, pos0, self.chain_length, top, self._rows(),
+            return chain_tree(state.root, chain_drafts(o_root, pos0, self.num_speculative_tokens, top, self._rows(),
                                                        self._device)[0])
         tokens, parents, depths = tree_drafts([int(state.root)], o_root, pos0, self, top, self._rows(),
                                               self._device)[0]
         return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
 
     def _parallel_chain(self, state: DecodeState) -> Tree:
-        """P-EAGLE: the committed rows and chain_length - 1 mask slots in one layer call; one argmax per row from the
-        root's on (the root row drafts d_1, mask slot k drafts d_{k+1})."""
+        """P-EAGLE: the committed rows and num_speculative_tokens - 1 mask slots in one layer call; one argmax per row
+        from the root's on (the root row drafts d_1, mask slot k drafts d_{k+1})."""
         aux, nxt = self._new_rows(state)
         n = int(aux.shape[0])
-        out = self.draft.parallel_rows(self._cache, aux, nxt, max(0, self.chain_length - 1))
-        if self.chain_length == 0:
+        out = self.draft.parallel_rows(self._cache, aux, nxt, max(0, self.num_speculative_tokens - 1))
+        if self.num_speculative_tokens == 0:
             return chain_tree(state.root)
         drafts = self._top(out[n - 1:], 1)[1][:, 0]  # [K] base ids
         return chain_tree(state.root, drafts.tolist())
@@ -230,40 +231,41 @@ def _children(table, expand: list[int], vals: list[list[float]], toks: list[list
 @dataclass(frozen=True)
 class Options:
     """`tree` (EAGLE-2: expand the tree_topk best nodes per depth, keep the best tree_nodes, root counted) or
-    `chain` (chain_length autoregressive top-1 drafts, what vLLM and llama.cpp run; a P-EAGLE draft's chain comes from
-    one forward, and its export sets chain mode with its K). The tree is built per step from the draft's scores, so
-    the eval config's `tree` / `tree_choices` do not apply."""
+    `chain` (num_speculative_tokens autoregressive top-1 drafts, what vLLM and llama.cpp run; a P-EAGLE draft's chain
+    comes from one forward, and its export sets chain mode with its K). The tree is built per step from the draft's
+    scores, so the eval config's `tree` / `tree_choices` do not apply."""
 
     eagle3_mode: str = "tree"  # tree | chain
-    chain_length: int = 4  # chain mode: drafted tokens per step
+    num_speculative_tokens: int = 4  # chain mode: drafted tokens per step (vLLM's name); 4, EAGLE-3's usual chain
     tree_topk: int = 4  # tree mode: nodes expanded per depth, children per expanded node
     tree_depth: int = 4  # tree mode: draft steps per verification
     tree_nodes: int = 16  # the size tree16 has: what a 2-core CPU verifies for about the price of one token
 
 
 def build(draft, export_cfg: dict, eval_cfg, options: Options):
-    drafter = Eagle3Drafter(draft, mode=options.eagle3_mode, chain_length=options.chain_length,
+    drafter = Eagle3Drafter(draft, mode=options.eagle3_mode, num_speculative_tokens=options.num_speculative_tokens,
                             tree_topk=options.tree_topk, tree_depth=options.tree_depth, tree_nodes=options.tree_nodes)
     info = {"eagle3_mode": drafter.mode, "max_nodes": drafter.max_nodes}
     if drafter.parallel:
         info["parallel_drafting"] = True
-    info.update({"chain_length": drafter.chain_length} if drafter.mode == "chain" else
+    info.update({"num_speculative_tokens": drafter.num_speculative_tokens} if drafter.mode == "chain" else
                 {"tree_topk": drafter.tree_topk, "tree_depth": drafter.tree_depth, "tree_nodes": drafter.tree_nodes})
     return drafter, info
 
 
 def chain(depth: int) -> dict:
-    return {"tree_choices": None, "extra": {"eagle3_mode": "chain", "chain_length": depth}}
+    return {"tree_choices": None, "extra": {"eagle3_mode": "chain", "num_speculative_tokens": depth}}
 
 
-def chain_depth(info: dict, drafter) -> int:
+def num_speculative_tokens(info: dict, drafter) -> int:
     if info.get("eagle3_mode") != "chain":
         raise ValueError("serving engines draft EAGLE-3 as a chain: give this row `eval: {extra: {eagle3_mode: chain, "
-                         "chain_length: K}}`")
-    return int(info["chain_length"])
+                         "num_speculative_tokens: K}}`")
+    return int(info["num_speculative_tokens"])
 
 
 def shape(info: dict) -> str:
     if info.get("eagle3_mode") == "chain":
-        return ("parallel " if info.get("parallel_drafting") else "") + f"chain of {info.get('chain_length', '?')}"
+        parallel = "parallel " if info.get("parallel_drafting") else ""
+        return f"{parallel}chain of {info.get('num_speculative_tokens', '?')}"
     return f"dynamic tree, {info.get('max_nodes', '?')} nodes"  # EAGLE-2: top-k expansions, reranked to max_nodes

@@ -262,8 +262,8 @@ class LockstepEagle3:
     def _chain(self, slots: list[Slot], o_root: torch.Tensor) -> list[Proposal]:
         """Eagle3Drafter's chain for every slot, by its own walk (drafter.py: chain_drafts) on the batched rows."""
         pos0 = [s.cache.length - 1 for s in slots]  # each root row's position
-        drafts = chain_drafts(o_root, pos0, self.drafter.chain_length, self._topper(slots), self._rower(slots),
-                              self.device)
+        drafts = chain_drafts(o_root, pos0, self.drafter.num_speculative_tokens, self._topper(slots),
+                              self._rower(slots), self.device)
         return [Proposal([s.root, *dr], list(range(-1, len(dr))), list(range(len(dr) + 1)))
                 for s, dr in zip(slots, drafts)]
 
@@ -280,7 +280,7 @@ class LockstepEagle3:
     def _parallel_chain(self, slots: list[Slot]) -> list[Proposal]:
         """Eagle3Drafter._parallel_chain (P-EAGLE) for every slot: each slot's new rows and K-1 mask slots in one
         layer call (Eagle3Draft.parallel_rows), batched; drafts = argmax at the root row and at each mask slot."""
-        big_k = self.drafter.chain_length
+        big_k = self.drafter.num_speculative_tokens
         extra = max(0, big_k - 1)
         aux, nxt, pos, spans = self._new_rows(slots)
         g = self.draft.fuse(aux)[None]  # [1, R, d]

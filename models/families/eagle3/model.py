@@ -102,7 +102,7 @@ MAX_LAYERS = 4  # draft.eagle3.num_layers: 1..4 decoder layers
 class Eagle3Options:
     """EAGLE-3's training options (draft.eagle3.*)."""
 
-    ttt_steps: int = 3  # training-time-test unroll (1..7); one reported depth per step (draft.num_heads = it)
+    ttt_steps: int = 3  # training-time-test unroll (1..7); one reported depth per step (draft.num_heads is set to it)
     # Decoder layers (1..4): layer 0 reads [embedding; feature], layers 1.. are plain decoder layers of the base's shape
     # on the layer before's output (vLLM's and speculators' multi-layer EAGLE-3; each starts as the identity). Each
     # layer adds about one layer's cost to every draft step and keeps its own KV cache
@@ -142,6 +142,7 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
                         vllm_schedule=True, llamacpp_spec_type="draft-eagle3",
                         chain_estimate=True, export_keys=("aux_layers",),
                         draft_options=Eagle3Options, loss_options=Eagle3LossOptions, flat_keys=("draft.ttt_steps",),
+                        shared_from={"draft.num_heads": "draft.eagle3.ttt_steps"},
                         summary="fc over low/mid/high base layers + one decoder layer (up to 4: "
                         "`draft.eagle3.num_layers`), training-time test; chain or "
                         "EAGLE-2 tree; what vLLM serves; P-EAGLE option (`draft.eagle3.parallel_drafting`): K drafts "
@@ -160,9 +161,6 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         if d.num_layers != 1:
             fail("draft.num_layers", d.num_layers, "EAGLE-3 takes its decoder layers from draft.eagle3.num_layers "
                  "(1..4); draft.num_layers (ResBlocks, DFlash's layers) does not apply: leave it at 1")
-        if d.num_heads != ttt_steps:
-            fail("draft.num_heads", d.num_heads, f"EAGLE-3 reports one depth per TTT step: set draft.num_heads="
-                 f"{ttt_steps} (= draft.eagle3.ttt_steps), as configs/eagle3.yaml does")
         if any(i < 0 for i in d.aux_layers) or len(set(d.aux_layers)) != len(d.aux_layers):
             fail("draft.aux_layers", d.aux_layers, "give distinct base layer ids >= 0, or [] for [2, L//2, L-3]")
         if cfg.deepspeed.zero_stage == 3:
@@ -328,18 +326,19 @@ class Eagle3Draft(DraftVocabMixin, DraftModel):
         return {key: True for key, value in on.items() if value}
 
     def export_config(self) -> dict:
+        # ttt_steps: the trained depth, declared once (an older export also wrote it as num_heads, not read)
         cfg = {"family": self.family, "aux_layers": list(self.aux_layers), "ttt_steps": self.ttt_steps,
-               "num_heads": self.ttt_steps, "draft_vocab_size": self.draft_vocab_size,
+               "draft_vocab_size": self.draft_vocab_size,
                "share_lm_head": self.share_lm_head,
                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
         cfg.update(self.norm_variants())  # only the keys that are on: a plain export's config is unchanged
         if self.num_layers != 1:  # likewise: a one-layer export's config is the one it always was
             cfg["num_layers"] = self.num_layers
         if self.parallel_drafting:
-            # eagle3_mode / chain_length: the drafter's defaults for this export (eval/engine/drafters/options.py):
-            # the parallel chain of the K tokens it was trained to draft in one forward
+            # eagle3_mode / num_speculative_tokens: the drafter's defaults for this export
+            # (eval/engine/drafters/options.py): the parallel chain of the K tokens it was trained to draft at once
             cfg.update(parallel_drafting=True, mask_token_id=self.mask_token_id, eagle3_mode="chain",
-                       chain_length=self.ttt_steps)
+                       num_speculative_tokens=self.ttt_steps)
         return cfg
 
     # -- pieces shared by training and inference ---------------------------------------------------------

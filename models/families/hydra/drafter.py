@@ -24,9 +24,9 @@ from eval.engine.backends.fast_matmul import fp32_layout, matmul_wx
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import (
-    heads_max_chain,
+    heads_max_speculative_tokens,
     static_chain,
-    static_chain_depth,
+    static_num_speculative_tokens,
     static_shape,
     static_tree_builder,
     static_tune_shapes,
@@ -153,8 +153,8 @@ class HydraDrafter(Drafter):
 
 Options = NoOptions  # the tree comes from the eval config's own keys (tree, tree_choices)
 build = static_tree_builder(HydraDrafter)
-chain, chain_depth, shape = static_chain, static_chain_depth, static_shape
-tune_shapes, max_chain = static_tune_shapes, heads_max_chain
+chain, num_speculative_tokens, shape = static_chain, static_num_speculative_tokens, static_shape
+tune_shapes, max_speculative_tokens = static_tune_shapes, heads_max_speculative_tokens
 searched_trees = True  # `specdraft tune` also sweeps trees the tree search grows from its heads' ranks
 
 

@@ -231,7 +231,7 @@ def chain(depth: int) -> dict:
     return {"extra": {"k": 1, "strategy": "longest_match", "w": depth}}
 
 
-def chain_depth(info: dict, drafter) -> int:
+def num_speculative_tokens(info: dict, drafter) -> int:
     if info.get("k") != 1 or info.get("strategy") != "longest_match":
         raise ValueError("serving engines' n-gram is one prompt-lookup row: give this row `eval: {extra: {k: 1, "
                          "strategy: longest_match, w: W, q: Q, q_min: QMIN}}`")

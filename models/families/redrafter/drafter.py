@@ -84,7 +84,7 @@ def chain(depth: int) -> dict:
     return {"extra": {"beam_width": 1, "beam_length": depth + 1}}
 
 
-def chain_depth(info: dict, drafter) -> int:
+def num_speculative_tokens(info: dict, drafter) -> int:
     if info.get("beam_width") != 1:
         raise ValueError("a chain is one beam: give this row `eval: {extra: {beam_width: 1, beam_length: L}}`")
     return int(info["beam_length"]) - 1
