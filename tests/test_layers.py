@@ -5,7 +5,7 @@ included, goes down the stack or stays inside its own package, and the module gr
     data, losses              the bottom: read and tokenize data; pure loss functions
     models                    the frozen base, the draft families, the export/load contract (models.export)
     train, eval.engine        the DeepSpeed loop; the speculative decoder (backends, drafters, trees, acceptance)
-    eval.tune.choice          a tuned choice: its statistics, the export's tuning.json, applying it where measured
+    eval.choice               a tuned choice: its statistics, the export's tuning.json, applying it where measured
     eval.harness              eval runner, baselines, reports, verdicts, compare, tree search
     eval.serving              the only code that knows a serving engine (vLLM, llama.cpp)
     eval.tune                 `specdraft tune`: the sweep over our decoder and the serving engines, its report
@@ -33,7 +33,7 @@ LAYERS = {
     "models": 2,
     "train": 3,
     "eval.engine": 3,
-    "eval.tune.choice": 4,  # read by the harness and serve-check: below them
+    "eval.choice": 4,  # read by the harness and serve-check: below them (and tune, which makes it)
     "eval.harness": 5,
     "eval.serving": 6,
     "eval.tune": 7,  # drives our decoder (harness) and the serving engines: above them

@@ -416,11 +416,11 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     A dtype other than the stored answers' is refused unless `mixed_dtype` (then marked: meta["dtype_mark"]).
     announce(line): told what the run will cost before it starts. Returns (report, out_dir)."""
     from core.hardware import resolve_device
+    from eval.choice.apply import tuned_eval_config
     from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.field_refs import dtype_mark, read_refs
     from eval.harness.field_report import field_report, read_rows, write_field_report
-    from eval.tune.choice import tuned_eval_config
     from models.export.load import load_export
 
     t0 = time.perf_counter()

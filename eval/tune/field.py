@@ -15,7 +15,7 @@ and a dtype other than the stored answers', bf16 against fp32, is marked in ever
   Each simulated point gets `field_acceptance_length`, its interval, prompt count and sets, and
   `speedup_at_field_acceptance` = decoded speedup x field AL / decoded AL: the per-step cost from decoding, the
   acceptance from many prompts. That last figure is an estimate, never measured; the choice stays on the decoded
-  paired statistics (eval/tune/choice/stats.py `choose` is not touched), and `ranking_note` says when the field
+  paired statistics (eval/choice/stats.py `choose` is not touched), and `ranking_note` says when the field
   would rank the settings that beat AR differently.
 """
 
@@ -137,12 +137,12 @@ def simulate_setting(engine, label: str, knobs: dict, plan: FieldPlan, out_dir: 
     import torch
 
     from core.atomic import write_json_atomic
+    from eval.choice.apply import apply_knobs
     from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.field import LOCKSTEP_WIDTH, measure_agreement, run_field, uses_lockstep
     from eval.harness.field_refs import dtype_mark
     from eval.harness.field_report import field_report, write_field_report
-    from eval.tune.choice.apply import apply_knobs
 
     t0 = time.perf_counter()
     drafter, info = build_drafter(engine.loaded.draft, engine.loaded.config, apply_knobs(engine.cfg, knobs))
