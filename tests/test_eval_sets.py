@@ -37,7 +37,7 @@ def set_branches(source: str) -> list[tuple[int, str]]:
 def test_no_reader_branches_on_a_set_name():
     found = {rel: set_branches((ROOT / rel).read_text()) for rel in READERS}
     assert {rel: lines for rel, lines in found.items() if lines} == {}, (
-        "declare the fact on the set (eval/harness/eval_sets.py: EvalSet, eval/field/sets.py: FieldSet)")
+        "declare the fact on the set (eval/harness/eval_sets.py: EvalSet)")
 
 
 def test_the_scan_finds_a_branch_put_back():
