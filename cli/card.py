@@ -33,7 +33,7 @@ def add_card_parser(sub) -> None:
 
 
 def results_section(draft: Path) -> tuple[str, list[str]]:
-    from eval.harness.field_report import path_label
+    from eval.field.report import path_label
 
     notes, parts = [], []
     reports = sorted((draft / "field").glob("*/field.json"))

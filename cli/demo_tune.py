@@ -10,7 +10,7 @@ where its top-1 alone made 1.11x.
 
 The sweep decodes held-out ShareGPT conversations (those after the ones the draft trained on: never the MT-bench
 prompts the demo reports), TUNE_PROMPTS x TUNE_TOKENS tokens, REPEATS paired passes against AR per shape, keeps
-the shape that beats AR and that no other one beats beyond the noise (eval/tune/choice/stats.py: choose; of trees
+the shape that beats AR and that no other one beats beyond the noise (eval/choice/stats.py: choose; of trees
 the noise cannot separate, the faster measured one: TIE), and re-times it against AR before trusting it
 (eval/tune/sweep.py: confirm). The record goes to the export's tuning.json like any `specdraft tune` run, marked
 as a quick choice (2 repeats): applied as tuned only by the demo run that made it.
@@ -36,7 +36,7 @@ TUNE_PROMPT_TOKENS = 256  # longer conversations are skipped: each pass prefills
 # sweep is one of its steps. 2 repeats of 3 shapes still pool 3 + 6 degrees of freedom into the noise, and the
 # confirmation re-times the winner; what the demo loses is power (a small gain is more often called a tie with AR,
 # and the demo then decodes with the top-1 and says so). Under tune's MIN_REPEATS the record is a quick choice
-# (eval/tune/choice/record.py: repeats_mark): the demo's own eval applies it, a later `specdraft eval` of the export
+# (eval/choice/record.py: repeats_mark): the demo's own eval applies it, a later `specdraft eval` of the export
 # says so in one line and decodes its untuned default.
 REPEATS = 2
 WARMUP_TOKENS = 4
@@ -53,23 +53,20 @@ def tune_demo_tree(export_dir: Path, overrides: list[str], budget_s: float = 320
                    config: Path = CONFIGS / "eval" / "demo.yaml", dataset: str = "sharegpt") -> dict:
     """Sweep DEMO_SHAPES on this machine in the eval's dtype (overrides for `config`, e.g. the plan's dtype) on
     `dataset` (held-out ShareGPT: the conversations after the draft's training ones); write the record to the
-    export's tuning.json and return the choice (eval/tune/choice/stats.py: choose), with "tree_choices": the tree the
+    export's tuning.json and return the choice (eval/choice/stats.py: choose), with "tree_choices": the tree the
     demo decodes with (top-1 when no shape beats AR: the demo still shows its draft, and says so)."""
     import torch
 
     from core.hardware import resolve_device
+    from eval.choice.record import machine_info
+    from eval.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN
     from eval.harness.config import load_eval_config
     from eval.harness.run_dtype import export_decode_dtypes
     from eval.harness.runner import resolve_heldout_skip
-    from eval.tune import (
-        DEFAULT_ALPHA,
-        DEFAULT_MIN_GAIN,
-        OursEngine,
-        machine_info,
-        progress_bar,
-        sweep_engine,
-        write_export,
-    )
+    from eval.tune.command import progress_bar
+    from eval.tune.ours import OursEngine
+    from eval.tune.report import write_export
+    from eval.tune.sweep import sweep_engine
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 

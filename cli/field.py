@@ -13,7 +13,7 @@ DEFAULT_REFS = "datasets/smollm2-field-refs"
 
 
 def add_field_parsers(sub) -> None:
-    from eval.harness.field_sets import FIELD_SETS
+    from eval.field.sets import FIELD_SETS
 
     p = sub.add_parser("field-refs", help="the base's greedy fp32 answers to the field sets, stored for `specdraft "
                        "field` (resumable)")
@@ -30,7 +30,7 @@ def add_field_parsers(sub) -> None:
 
 
 def add_field_judge_parser(sub) -> None:
-    from eval.harness.field import AGREEMENT_SAMPLE, DEFAULT_PER_SET
+    from eval.field.simulation import AGREEMENT_SAMPLE, DEFAULT_PER_SET
 
     p = sub.add_parser("field", help="a draft's greedy acceptance simulated on the stored base answers (no base "
                        "forward per step), per set with 95 %% intervals, one table and plot")
@@ -55,7 +55,7 @@ def add_field_judge_parser(sub) -> None:
                    help="an EAGLE-3 draft: step many prompts together, the draft's matrix products batched over them "
                    "(default on; --no-lockstep: one prompt at a time through the decoder loop, the reference)")
     p.add_argument("--lockstep-width", type=int, default=None, metavar="B",
-                   help="prompts stepped together per rank with --lockstep (default: eval/harness/field.py's "
+                   help="prompts stepped together per rank with --lockstep (default: eval/field/simulation.py's "
                    "LOCKSTEP_WIDTH)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="eval config keys: the draft's shape "
                    "(tree=, tree_choices=, extra.eagle3_mode=chain extra.num_speculative_tokens=4, ...), dtype=, "
@@ -65,9 +65,9 @@ def add_field_judge_parser(sub) -> None:
 def cmd_field(args) -> int:
     import torch
 
+    from eval.field.report import field_markdown
+    from eval.field.simulation import LOCKSTEP_WIDTH, judge_export
     from eval.harness.config import load_eval_config
-    from eval.harness.field import LOCKSTEP_WIDTH, judge_export
-    from eval.harness.field_report import field_markdown
 
     cfg = load_eval_config([], args.overrides)
     if cfg.num_threads:
@@ -95,7 +95,7 @@ def write_pair(a: Path, b: Path, b_name: str, command: str, out: Path | None = N
     import json
 
     from core.atomic import write_json_atomic
-    from eval.harness.field_report import paired, path_label, read_rows
+    from eval.field.report import paired, path_label, read_rows
 
     metas = [json.loads((d / "field.json").read_text())["meta"] if (d / "field.json").is_file() else {}
              for d in (a, b)]
@@ -137,7 +137,7 @@ def cmd_field_refs(args) -> int:
     import torch
 
     from core.hardware import resolve_device
-    from eval.harness.field_refs import build_refs
+    from eval.field.refs import build_refs
     from models.base import load_base
 
     if args.threads:

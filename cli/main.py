@@ -20,7 +20,7 @@ from cli.field import (
 )
 from cli.ship import add_ship_parser, cmd_ship
 from core.config_loader import ConfigError
-from eval.tune import add_tune_parser, cmd_tune
+from eval.tune.command import add_tune_parser, cmd_tune
 
 
 def _add_config_args(p: argparse.ArgumentParser, default_help: str) -> None:
@@ -218,7 +218,7 @@ def cmd_export(args) -> int:
     if args.format in ("vllm", "speculators"):  # tune's vLLM token count, only where it was measured
         import dataclasses
 
-        from eval.tune import vllm_export_config
+        from eval.choice.apply import vllm_export_config
 
         config, line = vllm_export_config(src, loaded.config)
         loaded = dataclasses.replace(loaded, config=config)
@@ -296,10 +296,11 @@ def cmd_docs_families(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from eval.field.compare import judge_rows
     from eval.harness.compare import run_compare_cli
     from eval.serving.compare_vllm import vllm_columns
 
-    return run_compare_cli(args, engine_columns=vllm_columns)
+    return run_compare_cli(args, engine_columns=vllm_columns, field_rows=judge_rows)
 
 
 def cmd_regenerate(args) -> int:

@@ -7,7 +7,7 @@ training base (no second base) as a greedy chain of the family's depth, and retu
 tokens / base decode steps, the bonus token counted, as `specdraft eval` and `specdraft field` report it), with the
 texts it was measured on, on which the loop scores its teacher-forced estimates. Two ways (train.snapshot_eval):
 
-field   the exact simulated greedy AL on the base's stored answers (eval/harness/field.py): train.decode_eval_prompts
+field   the exact simulated greedy AL on the base's stored answers (eval/field/simulation.py): train.decode_eval_prompts
         prompts of each of train.field_eval_sets (held-out ShareGPT slices of train.field_refs), their whole stored
         answers; `simulated_al` = the mean over those sets of each set's AL, as the field report's headline. The
         base's teacher-forced pass over them is cached once (the field cache); each snapshot costs the drafter's
@@ -61,7 +61,7 @@ def make_decode_eval(cfg) -> Callable | None:
 
 
 def _choose(cfg, base, field: Callable, decode: Callable | None) -> Callable:
-    from eval.harness.field_refs import RefsError, read_refs
+    from eval.field.refs import RefsError, read_refs
 
     try:
         read_refs(_refs_dir(cfg), base.fingerprint, _field_sets(cfg))
@@ -117,9 +117,9 @@ def _make_field(cfg) -> Callable:
 
     def field(export_dir: Path, base, step: int) -> dict:
         from eval.engine.backends.choice import choose_backend
-        from eval.harness.field import first_per_set, run_field
-        from eval.harness.field_refs import read_refs
-        from eval.harness.field_report import field_report
+        from eval.field.refs import read_refs
+        from eval.field.report import field_report
+        from eval.field.simulation import first_per_set, run_field
 
         if not refs:
             _card, stored = read_refs(_refs_dir(cfg), base.fingerprint, _field_sets(cfg))

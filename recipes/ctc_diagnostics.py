@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from core.paths import repo_relative
     from eval.engine.backends.choice import choose_backend
-    from eval.harness.field import ensure_cache, first_per_set, load_cached
-    from eval.harness.field_refs import read_refs
+    from eval.field.refs import read_refs
+    from eval.field.simulation import ensure_cache, first_per_set, load_cached
     from models.export.load import load_export
     from models.families.ctc.drafter import PAD, ctc_collapse
 

@@ -264,7 +264,7 @@ def _rank(r: dict) -> int:
 
 
 def build_table(reports: Path, command: str, reference: str = REFERENCE, shown: str | None = None) -> str:
-    from eval.harness.field_report import paired
+    from eval.field.report import paired
 
     runs = load_runs(reports)
     ref = runs.get(reference)
@@ -390,7 +390,7 @@ def build_table(reports: Path, command: str, reference: str = REFERENCE, shown: 
 def claims_section(reports: Path, runs: dict[str, dict]) -> list[str]:
     """The seed papers' orderings (CLAIMS), each answered by a paired difference of two kept reports on the same
     prompts: over all 11 sets (the mean of the per-set differences) and on the claim's own set when it names one."""
-    from eval.harness.field_report import paired
+    from eval.field.report import paired
 
     f = reports / CLAIMS
     if not f.is_file():

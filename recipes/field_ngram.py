@@ -1,7 +1,7 @@
 """The learning-free N-gram draft on the field benchmark: the baseline row of docs/lab/field_families.md.
 
 `specdraft field` judges exports only; the N-gram draft has none (`specdraft eval --method ngram`). This runs the
-field benchmark's own exact path (eval/harness/field.py: exact_rows, one prompt at a time through the unchanged
+field benchmark's own exact path (eval/field/simulation.py: exact_rows, one prompt at a time through the unchanged
 decoder loop against the stored answers, the field cache of the base's pass shared with every draft that reads no
 aux layers) with the N-gram drafter, and writes the same report files (field.json, field.md, rows-0.jsonl):
 
@@ -42,9 +42,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     from core.jsonl import read_finished_rows
     from eval.engine.backends.choice import choose_backend
-    from eval.harness.field import exact_rows, first_per_set
-    from eval.harness.field_refs import read_refs
-    from eval.harness.field_report import field_report, write_field_report
+    from eval.field.refs import read_refs
+    from eval.field.report import field_report, write_field_report
+    from eval.field.simulation import exact_rows, first_per_set
     from models.base import load_base
     from models.families.ngram.drafter import build_ngram_drafter
 

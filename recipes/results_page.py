@@ -104,7 +104,7 @@ def family_rows(reports: Path, reference: str) -> list[str]:
                 kind = "tree16" if shape in ff.TREE_SHAPES else "chain4"
                 other = ref["fields"].get(kind, {})
                 if other.get("report"):
-                    from eval.harness.field_report import paired
+                    from eval.field.report import paired
 
                     pr = paired(ff.read_kept_rows(e["dir"]), ff.read_kept_rows(other["dir"]))
                     if pr["prompts"]:

@@ -157,7 +157,7 @@ def test_a_foreign_old_or_loaded_shape_probe_choice_is_probed_again(export, tmp_
     monkeypatch.setattr("eval.tune.untuned_probe.LoadWatch", Watch)
     Watch.record_of = LOADED if changes is None else QUIET
     calls: list = []
-    monkeypatch.setattr("eval.tune.sweep_engine", _sweep(calls))
+    monkeypatch.setattr("eval.tune.sweep.sweep_engine", _sweep(calls))
 
     def run(name):
         cfg = load_eval_config(["configs/eval/smoke.yaml"], ["hf_baseline=false", "dtype=fp32", "untuned_probe=true",

@@ -389,12 +389,13 @@ def test_compare_judges_every_row_on_stored_answers_when_asked(smoke_run, tmp_pa
     stored answers, paired against the first row; the n-gram method row is not; the results doc has the table."""
     from helpers.stored_answers import write_tiny_refs
 
-    from eval.harness.field_report import read_rows
+    from eval.field.compare import judge_rows
+    from eval.field.report import read_rows
 
     run_dir, _ = smoke_run
     refs = write_tiny_refs(tmp_path / "refs")
     cfg = load_compare_config([_config(tmp_path, run_dir / "export", field_refs=str(refs), field_prompts=2)])
-    field = run_compare(cfg)["field"]
+    field = run_compare(cfg, field_rows=judge_rows)["field"]
     assert list(field) == ["Medusa", "Medusa-chain"] and field["Medusa-chain"]["shape"] == "chain4"
     assert field["Medusa"]["prompts"] == 4 and field["Medusa"]["shape"] != "chain4"
     chain_rows = read_rows(tmp_path / "cmp" / "field" / "Medusa-chain")
@@ -404,6 +405,6 @@ def test_compare_judges_every_row_on_stored_answers_when_asked(smoke_run, tmp_pa
     assert abs(pair["mean_diff"] - (field["Medusa-chain"]["mean_over_sets"] - field["Medusa"]["mean_over_sets"])) < 1e-9
     md = write_results(tmp_path / "cmp", tmp_path / "r.md", tmp_path / "img" / "r")
     assert "### Field benchmark (simulated" in md.read_text() and "| Medusa-chain | chain4 | 4 |" in md.read_text()
-    from eval.harness.field_report import EXACT
+    from eval.field.report import EXACT
 
     assert f"- Medusa-chain: path {EXACT}" in md.read_text()  # each row names the path its figures took

@@ -31,7 +31,7 @@ def test_the_sweep_times_the_three_trees_and_writes_the_choice(tmp_path):
     assert [p["label"] for p in rec["points"]] == [label for label, _ in DEMO_SHAPES]
     ok = [p for p in rec["points"] if p["status"] == "ok"]
     assert len(ok) == 3 and all(p["same_tokens_as_ar"] == 1.0 and len(p["ratios"]) == 2 for p in ok)
-    from eval.tune.choice.record import RUN_ID
+    from eval.choice.record import RUN_ID
 
     # 2 repeats, under tune's rule of 3: a quick choice, applied only in this run (tests/test_quick_choice.py)
     assert rec["quick"] is True and rec["repeats"] == 2 and rec["run"] == RUN_ID

@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers.drafts import perturb
 
+from eval.choice.record import TUNING_FORMAT, tuned_choice, tuned_num_speculative_tokens
 from eval.engine.drafters.registry import build_drafter, drafter_family
 from eval.harness.config import load_eval_config
-from eval.tune.choice.record import TUNING_FORMAT, tuned_choice, tuned_num_speculative_tokens
 from models.export import schema
 from models.export.schema import RenamedKeyWarning, upgrade_keys
 from models.export.specdraft import export_specdraft, load_draft, read_export_config
@@ -92,7 +92,7 @@ def test_an_old_tuning_json_loads_with_the_note_and_the_same_counts(tmp_path, vi
     assert tuned_num_speculative_tokens(llama["knobs"]) == 3
     ours = tuned_choice(tmp_path, "ours")
     assert ours["knobs"]["extra"] == {"eagle3_mode": "chain", "num_speculative_tokens": 2}
-    from eval.tune.choice.apply import apply_knobs
+    from eval.choice.apply import apply_knobs
 
     drafter, info = build_drafter(_eagle3(view4), {"family": "eagle3"},
                                   apply_knobs(load_eval_config([]), ours["knobs"]))

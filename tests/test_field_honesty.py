@@ -1,4 +1,4 @@
-"""What `specdraft field` says about its own figures (eval/harness/field.py, field_report.py, field_refs.py): the path
+"""What `specdraft field` says about its own figures (eval/field/simulation.py, report.py, refs.py): the path
 each report took (`exact`, or `batched` with its measured agreement), a dtype other than the stored answers' refused
 with the fix or, when asked for, marked in every output; the default run is a fixed subset of every set, the full
 store one flag away, and the cost is said before the run starts."""
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from helpers.stored_answers import write_tiny_refs
 
+from eval.field.refs import RefsError, dtype_mark, read_refs
+from eval.field.report import EXACT, field_markdown, path_label
+from eval.field.simulation import DEFAULT_PER_SET, default_subset, estimate_cost, judge_export
 from eval.harness.config import load_eval_config
-from eval.harness.field import DEFAULT_PER_SET, default_subset, estimate_cost, judge_export
-from eval.harness.field_refs import RefsError, dtype_mark, read_refs
-from eval.harness.field_report import EXACT, field_markdown, path_label
 
 STORE = Path("datasets/smollm2-field-refs")
 MARK = "bf16 draft and base against fp32 answers"
@@ -95,7 +95,7 @@ def test_the_cost_is_said_before_the_run(smoke_run, tmp_path):
 
 
 def test_estimate_counts_what_is_left():
-    from eval.harness.field_refs import RefPrompt
+    from eval.field.refs import RefPrompt
 
     refs = [RefPrompt(f"p{i}", "s", [1] * 10, [2] * 30, 20, False) for i in range(4)]
     c = estimate_cost(refs, {"p0"}, lambda r: r.id == "p1", tokens_per_s=40.0, judge_s_per_token=0.03)

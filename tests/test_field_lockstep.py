@@ -1,5 +1,5 @@
 """The field benchmark's lockstep EAGLE-3 simulator (models/families/eagle3/lockstep.py) against its slow twin, the
-per-prompt path (eval/harness/field.py: simulate = the unchanged decoder loop against a ReplayBackend), on the tiny
+per-prompt path (eval/field/simulation.py: simulate = the unchanged decoder loop against a ReplayBackend), on the tiny
 base: per prompt and step the same accepted lengths, accept / proposed counts per depth, tree nodes and tokens, for a
 chain, the EAGLE-2 tree (also with a draft vocabulary), P-EAGLE's parallel chain, and a saturated draft whose scores
 tie exactly (the tree's tie rules); run_field writes the same rows either way and resumes. Drafts are trained briefly
@@ -25,8 +25,8 @@ from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate
-from eval.harness.field import run_field, simulate, teacher_forced
-from eval.harness.field_refs import TAIL, RefPrompt
+from eval.field.refs import TAIL, RefPrompt
+from eval.field.simulation import run_field, simulate, teacher_forced
 from models.families.eagle3.drafter import Eagle3Drafter
 from models.families.eagle3.lockstep import LockstepEagle3, run_lockstep
 from models.families.eagle3.model import Eagle3Draft
@@ -228,8 +228,8 @@ def test_a_batched_run_records_its_measured_agreement_and_a_defect_shows(model, 
     """After a batched run, a sample of its prompts re-decoded one at a time (measure_agreement): every step and row
     identical here, and the report's path says so in numbers. With a defect put into lockstep's chain (depth 2's
     draft replaced), the same check counts the differing steps and rows: it cannot pass by accident."""
-    from eval.harness.field import measure_agreement
-    from eval.harness.field_report import path_label
+    from eval.field.report import path_label
+    from eval.field.simulation import measure_agreement
 
     refs, eos = stored
     base = SimpleNamespace(model=model, fingerprint="tiny-agree", tokenizer=SimpleNamespace(eos_token_id=eos[0]))

@@ -34,8 +34,8 @@ def shipped():
     """(loaded export in fp32, the picked stored answers, end-of-turn ids, backend name), one thread."""
     from data.self_distill import end_of_turn_ids
     from eval.engine.backends.choice import choose_backend
-    from eval.harness.field import first_per_set
-    from eval.harness.field_refs import read_refs
+    from eval.field.refs import read_refs
+    from eval.field.simulation import first_per_set
     from models.export.load import load_export
 
     torch.set_num_threads(1)
@@ -90,7 +90,7 @@ def _parted(got: list[int], want: list[int]) -> str:
 def test_decoding_equals_the_simulation_step_for_step(shipped, shape):
     from eval.engine.backends.choice import make_backend
     from eval.engine.decoder import speculative_generate
-    from eval.harness.field import simulate, teacher_forced
+    from eval.field.simulation import simulate, teacher_forced
 
     loaded, picked, eos, backend_name = shipped
     drafter = _drafter(loaded, shape)
@@ -122,8 +122,8 @@ def test_decoding_equals_the_simulation_step_for_step(shipped, shape):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_lockstep_equals_one_at_a_time_on_real_answers(shipped, shape, monkeypatch, tmp_path):
-    import eval.harness.field as field
-    from eval.harness.field import LOCKSTEP_WIDTH, ROW_FIELDS, ensure_cache, load_cached, run_field, sim_row
+    import eval.field.simulation as field
+    from eval.field.simulation import LOCKSTEP_WIDTH, ROW_FIELDS, ensure_cache, load_cached, run_field, sim_row
     from models.families.eagle3.lockstep import LockstepEagle3
 
     loaded, picked, eos, backend_name = shipped

@@ -1,4 +1,4 @@
-"""Stored base answers (eval/harness/field_refs.py) on the tiny base: the answers are the base's greedy decode with
+"""Stored base answers (eval/field/refs.py) on the tiny base: the answers are the base's greedy decode with
 the tail past their end, too-long prompts are skipped with a count, and a later build resumes from the store itself
 (no partial file: another machine) and generates only what is new."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 from helpers.regen_base import regen_base
 
-import eval.harness.field_refs as field_refs
+import eval.field.refs as field_refs
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate
-from eval.harness.field_refs import TAIL, build_refs, read_refs
+from eval.field.refs import TAIL, build_refs, read_refs
 
 
 def test_answers_are_greedy_with_a_tail_and_a_build_resumes_from_the_store(tmp_path, monkeypatch):

@@ -5,9 +5,10 @@ included, goes down the stack or stays inside its own package, and the module gr
     data, losses              the bottom: read and tokenize data; pure loss functions
     models                    the frozen base, the draft families, the export/load contract (models.export)
     train, eval.engine        the DeepSpeed loop; the speculative decoder (backends, drafters, trees, acceptance)
-    eval.tune.choice          a tuned choice: its statistics, the export's tuning.json, applying it where measured
-    eval.harness              eval runner, baselines, reports, verdicts, compare, tree search
-    eval.serving              the only code that knows a serving engine (vLLM, llama.cpp)
+    eval.choice               a tuned choice: its statistics, the export's tuning.json, applying it where measured
+    eval.harness              eval runner, baselines, reports, verdicts, compare, tree search, the set registry
+    eval.field, eval.serving  the field benchmark (stored base answers, simulated acceptance); the only code that
+                              knows a serving engine (vLLM, llama.cpp)
     eval.tune                 `specdraft tune`: the sweep over our decoder and the serving engines, its report
     cli                       the composition root: the only package that may import across
 
@@ -33,8 +34,9 @@ LAYERS = {
     "models": 2,
     "train": 3,
     "eval.engine": 3,
-    "eval.tune.choice": 4,  # read by the harness and serve-check: below them
+    "eval.choice": 4,  # read by the harness, the field benchmark and serve-check: below them
     "eval.harness": 5,
+    "eval.field": 6,  # reads the harness's sets and configs; compare gets its column from the CLI
     "eval.serving": 6,
     "eval.tune": 7,  # drives our decoder (harness) and the serving engines: above them
     "cli": 8,

@@ -1,4 +1,4 @@
-"""One repeat rule for every chooser (eval/tune/choice/record.py): a choice made from at least MIN_REPEATS paired
+"""One repeat rule for every chooser (eval/choice/record.py): a choice made from at least MIN_REPEATS paired
 passes per setting is tuned; one made from fewer (the demo's tree sweep, eval's shape probe) is marked quick with
 its repeats and the run that made it, and `specdraft eval` applies it only in that run: elsewhere one line says why
 and the eval decodes its untuned default."""
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from eval.choice.apply import tuned_eval_config
+from eval.choice.record import MIN_REPEATS, RUN_ID, applicable, repeats_mark
 from eval.harness.config import load_eval_config
 from eval.harness.runner import eval_export, format_summary
-from eval.tune.choice.apply import tuned_eval_config
-from eval.tune.choice.record import MIN_REPEATS, RUN_ID, applicable, repeats_mark
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,7 +28,9 @@ def export(tmp_path_factory):
 
 def _write_choice(export, cfg, **mark):
     """A tuning.json whose choice for ours (the top-1 tree) was measured here, with the repeat rule's `mark`."""
-    from eval.tune import choose, ours_here, write_tuning
+    from eval.choice.apply import ours_here
+    from eval.choice.record import write_tuning
+    from eval.choice.stats import choose
 
     here = ours_here(cfg)
     point = {"label": "top-1", "knobs": {"tree_choices": [[0]]}, "cost": 1.0, "status": "ok", "speedup": 1.3,

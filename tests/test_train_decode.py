@@ -81,8 +81,8 @@ def test_snapshots_scored_on_stored_answers_match_decoding_them(tmp_path):
     from eval.engine.backends.hf import HFBackend
     from eval.engine.decoder import speculative_generate
     from eval.engine.drafters.registry import build_drafter, chain_overrides
+    from eval.field.refs import read_refs
     from eval.harness.config import EvalConfig
-    from eval.harness.field_refs import read_refs
     from models.export.load import load_export
 
     refs = write_tiny_refs(tmp_path / "refs")
@@ -118,7 +118,7 @@ def test_snapshots_scored_on_stored_answers_match_decoding_them(tmp_path):
 
 def test_snapshot_eval_field_without_stored_answers_for_the_base_fails_clearly(tmp_path):
     from cli.train_decode import make_decode_eval
-    from eval.harness.field_refs import RefsError
+    from eval.field.refs import RefsError
 
     refs = write_tiny_refs(tmp_path / "refs", fingerprint="0" * 16)  # another base's answers
     cfg = load_train_config(["configs/medusa.yaml", "configs/smoke.yaml"],

@@ -9,25 +9,26 @@ import random
 
 import pytest
 
-from eval.tune import (
-    AR,
+from eval.choice.record import (
     TUNING_FORMAT,
+    applicable,
+    machine_info,
+    read_tuning,
+    retune_command,
+    tuned_choice,
+    write_tuning,
+)
+from eval.choice.stats import choose, pooled_noise
+from eval.tune.concurrency import run_sweeps
+from eval.tune.sweep import (
+    AR,
     BudgetTooSmall,
     EngineUnavailable,
     Measurement,
     PointFailed,
     Setting,
-    applicable,
     check_budget,
-    choose,
-    machine_info,
-    pooled_noise,
-    read_tuning,
-    retune_command,
-    run_sweeps,
     sweep_engine,
-    tuned_choice,
-    write_tuning,
 )
 
 TOKENS = 120  # tokens per pass of the scripted prompt set
@@ -396,7 +397,7 @@ def test_choose_with_nothing_measured_does_not_speculate():
 
 
 def test_t_quantiles_match_the_table():
-    from eval.tune import t_quantile
+    from eval.choice.stats import t_quantile
 
     table = {(0.975, 1): 12.706, (0.975, 2): 4.303, (0.975, 3): 3.182, (0.975, 8): 2.306, (0.995, 20): 2.845,
              (0.9995, 3): 12.924, (0.9975, 8): 3.833}
@@ -445,7 +446,7 @@ def test_a_tuning_json_of_an_older_format_is_read_but_never_applied(tmp_path):
 
 
 def test_the_report_shows_the_confirmation_interval_and_the_bugs(tmp_path):
-    from eval.tune import markdown, plot
+    from eval.tune.report import markdown, plot
 
     eng = ScriptedEngine({AR.label: 20.0, "chain 1": 30.0, "chain 2": 24.0}, wrong={"chain 1"}, drift=scatter(0.01))
     rec = sweep(eng)

@@ -12,7 +12,7 @@ import stat
 
 import pytest
 
-from eval.tune import add_tune_parser, cmd_tune
+from eval.tune.command import add_tune_parser, cmd_tune
 
 SMOKE = ["--config", "configs/eval/smoke.yaml"]
 
@@ -38,7 +38,8 @@ def test_an_engine_not_installed_is_one_line_naming_its_make_target(tmp_path, mo
 def test_fewer_than_three_repeats_are_refused_in_one_line(tmp_path, capsys, repeats):
     """Before any model work: the statistics need 3 paired passes per setting (eval/tune/sweep.py MIN_REPEATS)."""
     from cli.main import main
-    from eval.tune import DEFAULT_REPEATS, MIN_REPEATS
+    from eval.choice.record import MIN_REPEATS
+    from eval.tune.sweep import DEFAULT_REPEATS
 
     assert main(["tune", "--draft", str(tmp_path / "no-export-needed"), "--repeats", repeats]) == 2
     err = capsys.readouterr().err.strip()
@@ -120,8 +121,8 @@ class _Engine:  # what VllmSession reads of its engine
 
 
 def test_a_vllm_session_that_hangs_is_killed_with_its_log(tmp_path, monkeypatch):
-    from eval.tune import PointFailed
     from eval.tune.serving import VllmSession
+    from eval.tune.sweep import PointFailed
 
     _fake_venv(tmp_path, monkeypatch, "echo 'loading weights'\necho 'compiling'\nsleep 300\n")
     with pytest.raises(PointFailed, match="did not finish building the engine within 2 s") as exc:
@@ -130,8 +131,8 @@ def test_a_vllm_session_that_hangs_is_killed_with_its_log(tmp_path, monkeypatch)
 
 
 def test_a_vllm_session_that_dies_mid_run_names_the_cause(tmp_path, monkeypatch):
-    from eval.tune import PointFailed
     from eval.tune.serving import VllmSession
+    from eval.tune.sweep import PointFailed
 
     _fake_venv(tmp_path, monkeypatch, "echo '[tune] ready'\nread line\n"
                "echo 'RuntimeError: CPU out of memory while allocating the KV cache'\nexit 1\n")
@@ -142,8 +143,8 @@ def test_a_vllm_session_that_dies_mid_run_names_the_cause(tmp_path, monkeypatch)
 
 
 def test_a_vllm_load_error_is_vllms_own_reason(tmp_path, monkeypatch):
-    from eval.tune import PointFailed
     from eval.tune.serving import VllmSession
+    from eval.tune.sweep import PointFailed
 
     # the runner writes {"error": "load"} to the job's "out" (the job file is argument 3: --serve JOB)
     _fake_venv(tmp_path, monkeypatch, 'out=$(sed -n \'s/.*"out": "\\([^"]*\\)".*/\\1/p\' "$3")\n'
@@ -160,8 +161,12 @@ def test_a_tuned_vllm_count_reaches_the_vllm_export_and_serve_check(tmp_path, ca
 
     from vllm_fixtures import medusa_export_on_servable_base
 
+    from eval.choice.apply import tuned_serving_chain
+    from eval.choice.record import machine_info
+    from eval.choice.stats import choose
     from eval.harness.config import EvalConfig
-    from eval.tune import AR, Setting, choose, machine_info, tuned_serving_chain, write_export
+    from eval.tune.report import write_export
+    from eval.tune.sweep import AR, Setting
     from models.export.formats import export_vllm
     from models.export.load import load_export
     from models.export.vllm import TUNED_TOKENS_KEY, read_speculative_config
@@ -243,9 +248,12 @@ def test_serve_check_says_which_part_of_a_llamacpp_choice_it_applies(tmp_path):
     tuned with other threads is not applied at all."""
     import dataclasses
 
+    from eval.choice.apply import tuned_serving_chain
+    from eval.choice.record import machine_info
+    from eval.choice.stats import choose
     from eval.harness.config import EvalConfig
     from eval.serving.llamacpp_paths import LLAMACPP_PIN, LLAMACPP_VERSION
-    from eval.tune import choose, machine_info, tuned_serving_chain, write_export
+    from eval.tune.report import write_export
 
     (tmp_path / "config.json").write_text("{}")
     points = [{"label": "n-max 3, p-min 0.75", "knobs": {"num_speculative_tokens": 3, "p_min": 0.75}, "cost": 2.925,
@@ -269,8 +277,10 @@ def test_serve_check_says_which_part_of_a_llamacpp_choice_it_applies(tmp_path):
 def test_eval_applies_our_choice_only_where_it_was_measured(tmp_path):
     import torch
 
+    from eval.choice.apply import ours_here, tuned_eval_config
+    from eval.choice.record import write_tuning
+    from eval.choice.stats import choose
     from eval.harness.config import EvalConfig
-    from eval.tune import choose, ours_here, tuned_eval_config, write_tuning
 
     points = [{"label": "chain 2", "knobs": {"tree": "chain2"}, "cost": 2.0, "status": "ok", "speedup": 1.2,
                "ratios": [1.2, 1.2, 1.2], "ar_null": [0.0, 0.0]}]
@@ -295,7 +305,8 @@ def test_tune_ours_sweeps_eagle3_trees_down_to_a_4_node_tree_of_2_draft_steps(tm
     import torch
 
     from eval.harness.config import load_eval_config
-    from eval.tune import AR, OursEngine
+    from eval.tune.ours import OursEngine
+    from eval.tune.sweep import AR
     from models.base import load_base
     from models.draft import BaseView
     from models.export.load import load_export

@@ -13,7 +13,8 @@ import pytest
 from test_tune import TOKENS, ScriptedEngine, ScriptedSession, scatter
 from test_tune_cli import tune
 
-from eval.tune import AR, Measurement, Setting, parse_concurrency, run_sweeps, speculation_schedule, sweep_concurrencies
+from eval.tune.concurrency import parse_concurrency, run_sweeps, speculation_schedule, sweep_concurrencies
+from eval.tune.sweep import AR, Measurement, Setting
 
 CS = (1, 2, 4, 8)
 
@@ -103,7 +104,7 @@ def test_run_sweeps_takes_the_concurrency_path_and_budgets_every_concurrency():
     eng = ConcurrentEngine(_speeds(), drift=scatter(0.01), open_seconds=1.0, pass_seconds=2.0)
     out = run_sweeps([eng], 2, 1e6, now=eng.clock)
     assert out[eng.name]["schedule"]["per_concurrency"]["1"] == 3
-    from eval.tune import BudgetTooSmall, check_budget
+    from eval.tune.sweep import BudgetTooSmall, check_budget
 
     # AR + one setting, 2 repeats at 4 concurrencies, and the confirmation: 2 * (2 * 1 + 2 * 8 * 2) s
     check_budget([eng], 2, 68)
@@ -172,7 +173,8 @@ def _eagle3_export(tmp_path: Path) -> Path:
 
 def test_the_schedule_reaches_the_export_and_vllms_speculative_config(tmp_path, capsys):
     from cli.main import main
-    from eval.tune import machine_info, write_export
+    from eval.choice.record import machine_info
+    from eval.tune.report import write_export
     from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY, read_speculative_config
 
     export = _eagle3_export(tmp_path)
@@ -201,13 +203,14 @@ def test_the_schedule_reaches_the_export_and_vllms_speculative_config(tmp_path, 
     (export / "config.json").write_text(json.dumps({**config, "family": "medusa"}))
     write_export(export, {}, {"vllm": {**rec, "family": "medusa"}})
     assert TUNED_SCHEDULE_KEY not in json.loads((export / "config.json").read_text())
-    from eval.tune import schedule_line
+    from eval.tune.report import schedule_line
 
     assert "fixed count" in schedule_line({**rec, "family": "medusa"})
 
 
 def test_the_report_shows_each_concurrency_beside_the_fixed_one_request_choice(tmp_path):
-    from eval.tune import machine_info, markdown
+    from eval.choice.record import machine_info
+    from eval.tune.report import markdown
 
     eng = ConcurrentEngine(_speeds(), drift=scatter(0.01))
     rec = sweep_concurrencies(eng, CS, 3, 1e9, now=eng.clock)
@@ -228,8 +231,9 @@ def test_tune_measures_our_decoder_at_the_threads_eval_applies_its_choice_at(mon
 
     import torch
 
+    from eval.choice.apply import ours_here
     from eval.harness.config import EvalConfig
-    from eval.tune import add_tune_parser, apply_threads, ours_here, tune_eval_config
+    from eval.tune.command import add_tune_parser, apply_threads, tune_eval_config
 
     parser = argparse.ArgumentParser()
     args = add_tune_parser(parser.add_subparsers(dest="command")).parse_args(["--draft", "x"])
@@ -261,7 +265,8 @@ class LlamaEngine(ConcurrentEngine):
 
 
 def test_llamacpp_gets_a_choice_per_concurrency_and_no_vllm_schedule(tmp_path):
-    from eval.tune import machine_info, markdown
+    from eval.choice.record import machine_info
+    from eval.tune.report import markdown
 
     eng = LlamaEngine({AR.label: _speeds()[AR.label], **{k.replace("k", "n"): v for k, v in _speeds().items()
                                                           if k != AR.label}}, drift=scatter(0.01), name="llamacpp")

@@ -143,8 +143,9 @@ def test_the_settings_that_matter_are_simulated():
 
 
 def test_a_field_ranking_that_differs_is_one_line_in_the_report():
-    from eval.tune import machine_info, markdown
+    from eval.choice.record import machine_info
     from eval.tune.field import ranking_note
+    from eval.tune.report import markdown
 
     same = [_point("a", 1.3, True, 2.0, 2.2), _point("b", 1.2, True, 2.0, 2.1), _point("c", 1.5, False, 2.0, 1.0)]
     assert ranking_note(same) is None  # c does not beat AR: not ranked

@@ -1,48 +1,35 @@
-"""eval/tune/ is one package with a public surface: every name its __init__.py lists resolves to the module that
-defines it, importing its lower half (eval.tune.choice, which the harness and serve-check read) loads nothing of
-its upper half or of the layers between, and no module of it imports another module's private helper."""
+"""eval/tune/ and the choice it makes (eval/choice/): their __init__.py files hold no names (callers import from the
+modules), importing the choice (which the harness, the field benchmark and serve-check read) loads nothing above
+it, and no module of eval/tune/ imports another module's private helper."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import eval.tune
-
 ROOT = Path(__file__).resolve().parents[1]
 TUNE = ROOT / "eval" / "tune"
 
 
-def test_every_public_name_resolves_to_its_defining_module():
-    for name in eval.tune.__all__:
-        value = getattr(eval.tune, name)
-        module = importlib.import_module(eval.tune._WHERE[name])
-        assert getattr(module, name) is value, name
-    assert "sweep_engine" in dir(eval.tune)
-
-
-def test_an_unknown_name_is_an_attribute_error():
-    try:
-        eval.tune.no_such_name  # noqa: B018
-    except AttributeError as exc:
-        assert "no_such_name" in str(exc)
-    else:
-        raise AssertionError("eval.tune.no_such_name resolved")
+def test_the_package_inits_hold_no_names():
+    """eval/tune/ and eval/choice/ have no public surface of their own: callers import from the modules
+    (`from eval.tune.sweep import sweep_engine`), so an __init__.py holds its docstring and nothing else."""
+    for init in (TUNE / "__init__.py", ROOT / "eval" / "choice" / "__init__.py"):
+        body = ast.parse(init.read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr), init
 
 
 def test_importing_the_choice_loads_nothing_above_it():
-    """The harness imports eval.tune.choice: the package's __init__ must not pull in the sweep's engines (which
-    import the harness and the serving layer)."""
-    code = ("import json, sys, eval.tune.choice; print(json.dumps(sorted(m for m in sys.modules "
-            "if m.startswith(('eval.tune.', 'eval.harness', 'eval.serving')))))")
+    """The harness, the field benchmark and serve-check import eval.choice: it must not pull in the sweep's engines
+    (which import the harness and the serving layer) or any layer above it."""
+    code = ("import json, sys, eval.choice.apply; print(json.dumps(sorted(m for m in sys.modules "
+            "if m.startswith(('eval.tune', 'eval.harness', 'eval.field', 'eval.serving', 'eval.choice')))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     loaded = json.loads(out)
-    assert loaded == ["eval.tune.choice", "eval.tune.choice.apply", "eval.tune.choice.record",
-                      "eval.tune.choice.stats"], loaded
+    assert loaded == ["eval.choice", "eval.choice.apply", "eval.choice.record", "eval.choice.stats"], loaded
 
 
 def private_imports(root: Path = TUNE) -> list[str]:

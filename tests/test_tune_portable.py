@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eval.tune import Setting, notes_section
+from eval.tune.report import notes_section
 from eval.tune.serving import (
     BASE_DIR,
     VLLM_DRAFT,
@@ -23,6 +23,7 @@ from eval.tune.serving import (
     placeholders,
     vllm_serve_command,
 )
+from eval.tune.sweep import Setting
 
 MACHINE = "/machine/only"  # where the tuning machine kept everything
 

@@ -1,6 +1,6 @@
 """Which shape a run decodes when the config, the export's tuning.json and the export itself each have one
 (docs/howto/evaluate.md, "Which shape a run decodes"): the config beats tuning.json, which beats the export's
-default (its config.json, else the family's defaults), one rule (eval/tune/choice/apply.py: decide) for every
+default (its config.json, else the family's defaults), one rule (eval/choice/apply.py: decide) for every
 reader: our decoder's EAGLE-3 chain length in `specdraft eval`, vLLM's count in `export --format vllm`, the
 serving chain in `serve-check`. No model is loaded: the shapes are read as the drafter would read them."""
 
@@ -11,19 +11,12 @@ import json
 
 import pytest
 
+from eval.choice.apply import decide, ours_here, tuned_eval_config, tuned_serving_chain, vllm_export_config
+from eval.choice.record import machine_info, write_tuning
+from eval.choice.stats import choose
 from eval.engine.drafters.options import parse_options
 from eval.engine.drafters.registry import drafter_family
 from eval.harness.config import EvalConfig, load_eval_config
-from eval.tune import (
-    choose,
-    decide,
-    machine_info,
-    ours_here,
-    tuned_eval_config,
-    tuned_serving_chain,
-    vllm_export_config,
-    write_tuning,
-)
 from models.export.vllm import TUNED_TOKENS_KEY, speculative_tokens
 
 EXPORT_CHAIN = 3  # the export's config.json (as a P-EAGLE export carries it); the Options default is 4

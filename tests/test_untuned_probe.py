@@ -60,7 +60,7 @@ def fake_sweep(chosen: str | None, speeds: dict[str, float]):
         points = [{"label": s.label, "knobs": s.knobs, "status": "ok", "speedup": speeds[s.label],
                    "acceptance_length": 1.5} for s in engine.settings()]
         pick = next((p for p in points if p["label"] == chosen), None)
-        # the keys of eval/tune/choice/stats.py: choose (a confirmed choice keeps them)
+        # the keys of eval/choice/stats.py: choose (a confirmed choice keeps them)
         choice = ({"speculate": True, "label": pick["label"], "knobs": pick["knobs"],
                    "speedup_vs_ar": pick["speedup"], "sweep_speedup": pick["speedup"]}
                   if pick else {"speculate": False, "label": "AR", "knobs": {}, "speedup_vs_ar": 1.0})
@@ -79,7 +79,7 @@ def test_the_probed_shape_is_decoded_said_first_and_cached(export, cache, monkey
     assert default["extra"]["tree_nodes"] > 2  # the export's default is more than a chain of 1 (root + 1)
 
     sweep = fake_sweep("chain 1", {"chain 1": 1.3, DEFAULT_LABEL: 0.8})
-    monkeypatch.setattr("eval.tune.sweep_engine", sweep)
+    monkeypatch.setattr("eval.tune.sweep.sweep_engine", sweep)
     report, summary = run(export, ["name=probed"])
     assert sweep.calls == ["faster"]
     assert report["extra"]["tree_nodes"] == 2  # chain 1 decoded, not the default
@@ -91,7 +91,7 @@ def test_the_probed_shape_is_decoded_said_first_and_cached(export, cache, monkey
     assert "chain 1 1.30x; the export's default 0.80x" in first and "specdraft tune --draft" in first
     assert len(list(cache.glob("*.json"))) == 1
 
-    monkeypatch.setattr("eval.tune.sweep_engine", no_sweep)  # the second eval reads the cache
+    monkeypatch.setattr("eval.tune.sweep.sweep_engine", no_sweep)  # the second eval reads the cache
     report, summary = run(export, ["name=again"])
     assert report["extra"]["tree_nodes"] == 2 and report["extra"]["untuned"]["probe"]["cached"]
     assert ", cached)" in summary.splitlines()[0]
@@ -100,7 +100,7 @@ def test_the_probed_shape_is_decoded_said_first_and_cached(export, cache, monkey
 def test_no_probe_when_tuned_off_or_the_config_names_a_shape(export, cache, monkeypatch, tmp_path):
     import shutil
 
-    monkeypatch.setattr("eval.tune.sweep_engine", no_sweep)
+    monkeypatch.setattr("eval.tune.sweep.sweep_engine", no_sweep)
     _, summary = run(export, ["name=off", "untuned_probe=false"])
     assert "export's default shape" in summary.splitlines()[0]
     _, summary = run(export, ["name=own", "tree_choices=[[0]]"])
@@ -125,14 +125,14 @@ def test_a_real_probe_on_the_tiny_export(export, cache):
 
 
 def test_a_bad_cache_file_is_probed_again(export, cache, monkeypatch, caplog):
-    monkeypatch.setattr("eval.tune.sweep_engine", fake_sweep("chain 1", {"chain 1": 1.2, DEFAULT_LABEL: 1.0}))
+    monkeypatch.setattr("eval.tune.sweep.sweep_engine", fake_sweep("chain 1", {"chain 1": 1.2, DEFAULT_LABEL: 1.0}))
     run(export, ["name=first"])
     (path,) = cache.glob("*.json")
     data = json.loads(path.read_text())
     data["key"]["threads"] = 99  # written for another thread count
     path.write_text(json.dumps(data))
     sweep = fake_sweep(DEFAULT_LABEL, {"chain 1": 1.0, DEFAULT_LABEL: 1.2})
-    monkeypatch.setattr("eval.tune.sweep_engine", sweep)
+    monkeypatch.setattr("eval.tune.sweep.sweep_engine", sweep)
     with caplog.at_level("WARNING", logger="specdraft.untuned_probe"):
         report, _ = run(export, ["name=second"])
     assert "written for another key" in caplog.text and sweep.calls == ["faster"]
@@ -198,7 +198,7 @@ def test_nothing_measured_is_said_and_not_cached(export, cache, monkeypatch):
     def failed(engine, repeats, deadline, progress, tie):
         return {"points": [], "choice": None, "error": "AR failed: boom", "prompts": [], "max_new_tokens": 32}
 
-    monkeypatch.setattr("eval.tune.sweep_engine", failed)
+    monkeypatch.setattr("eval.tune.sweep.sweep_engine", failed)
     report, summary = run(export, ["name=failed"])
     assert report["extra"]["untuned"]["probe"]["label"] == DEFAULT_LABEL
     assert "AR failed: boom" in summary.splitlines()[0] and not list(cache.glob("*.json"))

@@ -17,7 +17,7 @@ from vllm_fixtures import medusa_export_on_servable_base
 
 from core.net import free_port
 from eval.serving.serve_check import ServeCheckError, vllm_python
-from eval.tune import vllm_serve_command
+from eval.tune.serving import vllm_serve_command
 
 
 def test_the_line_names_the_module_and_a_memory_share_the_cpu_build_can_start_with():

@@ -335,9 +335,11 @@ class _Gen:
         self.accept_counts, self.proposed_counts = row["accept_counts"], row["proposed_counts"]
 
 
-def run_compare(cfg: CompareConfig, engine_columns: Callable[[CompareConfig], Callable] | None = None) -> dict:
+def run_compare(cfg: CompareConfig, engine_columns: Callable[[CompareConfig], Callable] | None = None,
+                field_rows: Callable[..., dict] | None = None) -> dict:
     """Every setting of `cfg`, resumable. engine_columns(cfg) gives the per-setting serving-engine runner (see
-    run_setting) for the settings that ask for vLLM columns; without it such a config is refused."""
+    run_setting) for the settings that ask for vLLM columns; without it such a config is refused. field_rows
+    (eval/field/compare.py: judge_rows, handed down by the CLI) judges the rows on `field_refs`' stored answers."""
     from core.hardware import resolve_device
     from models.base import load_base
 
@@ -351,6 +353,9 @@ def run_compare(cfg: CompareConfig, engine_columns: Callable[[CompareConfig], Ca
         raise ValueError(f"settings {sorted(with_vllm)} ask for vLLM columns, which need the serving layer: run them "
                          "through `specdraft compare`")
     columns = engine_columns(cfg) if with_vllm else None
+    if cfg.field_refs and field_rows is None:
+        raise ValueError("field_refs asks for the field benchmark's column, which sits above the harness: run it "
+                         "through `specdraft compare`")
     dtypes = {(c.dtype, c.backend, c.device) for c in settings.values()}
     if len(dtypes) != 1:
         raise ValueError(f"every setting must use one base dtype/backend/device (loaded once), got {sorted(dtypes)}")
@@ -385,9 +390,7 @@ def run_compare(cfg: CompareConfig, engine_columns: Callable[[CompareConfig], Ca
         # after every setting, so the tables can be regenerated (--results-only) from a partial run
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if cfg.field_refs:  # every row's exact simulated acceptance on the stored answers, beside the decoded tables
-        from eval.harness.compare_field import judge_rows
-
-        summary["field"] = judge_rows(cfg, settings, entries, out_dir)
+        summary["field"] = field_rows(cfg, settings, entries, out_dir)
         for label, row in summary["field"].items():
             print(f"[field] {label}: simulated acceptance length {row['mean_over_sets']:.3f} (mean over "
                   f"{len(row['sets'])} sets, {row['prompts']} prompts)", flush=True)
@@ -395,7 +398,8 @@ def run_compare(cfg: CompareConfig, engine_columns: Callable[[CompareConfig], Ca
     return summary
 
 
-def run_compare_cli(args, engine_columns: Callable[[CompareConfig], Callable] | None = None) -> int:
+def run_compare_cli(args, engine_columns: Callable[[CompareConfig], Callable] | None = None,
+                    field_rows: Callable[..., dict] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     configs = args.config or ["configs/compare.yaml"]
     cfg = load_compare_config(configs, args.overrides)
@@ -410,7 +414,7 @@ def run_compare_cli(args, engine_columns: Callable[[CompareConfig], Callable] | 
         cfg.drafts = [d for d in cfg.drafts if d.get("label") in args.only]
         cfg.extra_drafts = [d for d in cfg.extra_drafts if d.get("label") in args.only]
     cfg.redo = [*cfg.redo, *args.redo]
-    summary = None if args.results_only else run_compare(cfg, engine_columns)
+    summary = None if args.results_only else run_compare(cfg, engine_columns, field_rows)
     from eval.harness.results_doc import write_results
 
     md_path, img_prefix = results_paths(cfg, getattr(args, "update_docs", False))

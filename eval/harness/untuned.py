@@ -1,5 +1,5 @@
 """The first line of an eval summary whose speed column is untuned: no tuning.json choice applies on this machine
-(eval/tune/choice/apply.py: untuned_speed), so the run decoded either the shape a short probe chose
+(eval/choice/apply.py: untuned_speed), so the run decoded either the shape a short probe chose
 (eval/tune/untuned_probe.py, `specdraft eval`'s default) or the export's default shape (untuned_probe=false), and
 its speedup says less than a tuned one would; the line names the shape, what the probe measured and the command that
 tunes it for this machine. `specdraft eval` prints it first, and report.md / suite.md start with it."""

@@ -226,10 +226,10 @@ def _ngram_shape(cfg: EvalConfig, w: int) -> dict:
 
 def _plan_draft(cfg: EvalConfig, draft_dir: Path, device, workdir: Path,
                 engines: tuple[str, ...] = ("vllm",)) -> tuple[_Plan, EvalConfig]:
+    from eval.choice.apply import tuned_serving_chain
     from eval.engine.drafters.registry import build_drafter
     from eval.harness.runner import resolve_heldout_skip
     from eval.serving.llamacpp_paths import LLAMACPP_VERSION
-    from eval.tune.choice import tuned_serving_chain
     from models.export.formats import export_vllm
     from models.export.load import load_export
     from models.export.specdraft import read_export_config

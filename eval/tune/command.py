@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from core.load import LoadWatch
-from eval.tune.choice.record import MIN_REPEATS
-from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN
+from eval.choice.record import MIN_REPEATS
+from eval.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN
 from eval.tune.field import DEFAULT_FIELD_PROMPTS
 from eval.tune.sweep import DEFAULT_REPEATS, BudgetTooSmall, EngineUnavailable, check_budget
 
@@ -183,8 +183,8 @@ def progress_bar(engines, desc: str = "tune"):
 
 def cmd_tune(args) -> int:
     from core.hardware import resolve_device
+    from eval.choice.record import engine_device, machine_info
     from eval.harness.runner import resolve_heldout_skip
-    from eval.tune.choice.record import engine_device, machine_info
     from eval.tune.concurrency import parse_concurrency, run_sweeps
     from eval.tune.field import check_field_args, plan_field
     from eval.tune.report import field_line, schedule_line, write_export, write_report

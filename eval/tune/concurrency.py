@@ -4,7 +4,7 @@ per-batch-size schedule of speculative tokens it implies (docs/howto/serve.md, "
 
 Each setting's session is opened once and measured at every concurrency c in turn: `repeats` pairs against the
 engine's AR session at c requests in flight (the engine's session runs c prompts at once: `run(concurrency=c)`).
-Per c, the choice is the same rule as for one request (eval/tune/choice/stats.py: the noise pooled over that
+Per c, the choice is the same rule as for one request (eval/choice/stats.py: the noise pooled over that
 concurrency's settings, Bonferroni over its K settings, the cheapest that no other beats), and each winner is
 re-timed against AR in fresh sessions at the concurrencies it won (one fresh pair of sessions per winner), so every
 concurrency's choice is confirmed as a single-concurrency choice is. Each concurrency is its own decision (as each
@@ -24,8 +24,8 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from eval.tune.choice.record import TOKENS_KNOB
-from eval.tune.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, choose, is_exact
+from eval.choice.record import TOKENS_KNOB
+from eval.choice.stats import DEFAULT_ALPHA, DEFAULT_MIN_GAIN, choose, is_exact
 from eval.tune.sweep import (
     AR,
     Clock,

@@ -1,4 +1,4 @@
-"""`specdraft tune`'s acceptance side from the field benchmark (docs/howto/serve.md, "Tune"; eval/harness/field.py).
+"""`specdraft tune`'s acceptance side from the field benchmark (docs/howto/serve.md, "Tune"; eval/field/simulation.py).
 
 Why: tune times each setting against AR by decoding a few prompts (default 4 x 64 tokens), which is what a speed
 needs; but the acceptance length those passes count rests on those few prompts. The field benchmark computes the
@@ -15,7 +15,7 @@ and a dtype other than the stored answers', bf16 against fp32, is marked in ever
   Each simulated point gets `field_acceptance_length`, its interval, prompt count and sets, and
   `speedup_at_field_acceptance` = decoded speedup x field AL / decoded AL: the per-step cost from decoding, the
   acceptance from many prompts. That last figure is an estimate, never measured; the choice stays on the decoded
-  paired statistics (eval/tune/choice/stats.py `choose` is not touched), and `ranking_note` says when the field
+  paired statistics (eval/choice/stats.py `choose` is not touched), and `ranking_note` says when the field
   would rank the settings that beat AR differently.
 """
 
@@ -49,7 +49,7 @@ class FieldPlan:
     refs_dir: Path
     shown: str  # the directory as reports show it: relative to the repository when inside it (no machine paths)
     card: dict
-    refs: list  # eval.harness.field_refs.RefPrompt
+    refs: list  # eval.field.refs.RefPrompt
     per_set: int
 
     @property
@@ -69,7 +69,7 @@ def shown_path(path: Path) -> str:
 def check_field_args(refs_dir: str | None, num_prompts: int) -> None:
     """Before any model work: a negative count, or an explicit --field-refs that holds no stored answers, is one
     line saying what to give instead (the default store may be absent: then tune runs without field columns)."""
-    from eval.harness.field_refs import CARD
+    from eval.field.refs import CARD
 
     if num_prompts < 0:
         raise ValueError(f"--field-prompts {num_prompts}: give the stored answers per set to simulate (0 turns the "
@@ -83,8 +83,8 @@ def plan_field(refs_dir: str | None, num_prompts: int, base_fingerprint: str) ->
     """(plan, None), or (None, one line saying why tune goes on without field columns); (None, None) when
     --field-prompts 0 turned them off. Stored answers of another base are that one line, not an error: the sweep's
     own measurements stand without them."""
-    from eval.harness.field import first_per_set
-    from eval.harness.field_refs import CARD, read_refs
+    from eval.field.refs import CARD, read_refs
+    from eval.field.simulation import first_per_set
 
     if num_prompts == 0:
         return None, None
@@ -137,12 +137,12 @@ def simulate_setting(engine, label: str, knobs: dict, plan: FieldPlan, out_dir: 
     import torch
 
     from core.atomic import write_json_atomic
+    from eval.choice.apply import apply_knobs
     from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.registry import build_drafter
-    from eval.harness.field import LOCKSTEP_WIDTH, measure_agreement, run_field, uses_lockstep
-    from eval.harness.field_refs import dtype_mark
-    from eval.harness.field_report import field_report, write_field_report
-    from eval.tune.choice.apply import apply_knobs
+    from eval.field.refs import dtype_mark
+    from eval.field.report import field_report, write_field_report
+    from eval.field.simulation import LOCKSTEP_WIDTH, measure_agreement, run_field, uses_lockstep
 
     t0 = time.perf_counter()
     drafter, info = build_drafter(engine.loaded.draft, engine.loaded.config, apply_knobs(engine.cfg, knobs))
@@ -180,7 +180,7 @@ def field_point(point: dict, report: dict, report_dir: str) -> dict:
     """The FIELD_KEYS of one simulated point: the field's mean over sets and its interval, and the decoded
     speedup rescaled from the decoded acceptance length to the field's (None when the passes counted no steps);
     the path its figures took and the dtype mark, when judged against answers of another dtype."""
-    from eval.harness.field_report import path_label
+    from eval.field.report import path_label
 
     al, decoded = report["mean_over_sets"], point.get("acceptance_length")
     return {"field_acceptance_length": al, "field_interval": report["mean_interval"],

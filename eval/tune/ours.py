@@ -16,13 +16,13 @@ from importlib import metadata
 
 import torch
 
+from eval.choice.apply import apply_knobs
+from eval.choice.record import machine_info
 from eval.engine.backends.choice import choose_backend, make_backend
 from eval.engine.decoder import autoregressive_generate, eos_ids, speculative_generate
 from eval.engine.drafters.registry import build_drafter, chain_overrides, drafter_family
 from eval.harness.config import EvalConfig
 from eval.harness.prompts import config_prompts
-from eval.tune.choice.apply import apply_knobs
-from eval.tune.choice.record import machine_info
 from eval.tune.sweep import Measurement, Setting
 
 MAX_CHAIN = 6

@@ -1,5 +1,5 @@
 """`specdraft tune` outputs: report.json / report.md / tune.png under <run>/tune/<name>/, and in the export the
-tuned settings where each engine or user finds them: tuning.json (eval/tune/choice/record.py), vLLM's speculative-token
+tuned settings where each engine or user finds them: tuning.json (eval/choice/record.py), vLLM's speculative-token
 count in config.json (models/export/vllm.py writes it into every vLLM / speculators export), and NOTES.md with the
 command line of each engine's choice. The serving engines' lines name no path of the tuning machine: placeholders
 ($VLLM_PYTHON, $BASE_DIR, ...), listed with their meaning under the lines (each record's "placeholders")."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from core.atomic import atomic_open, write_text_atomic
 from core.load import describe, is_loaded
-from eval.tune.choice.record import tuned_num_speculative_tokens, write_tuning
+from eval.choice.record import tuned_num_speculative_tokens, write_tuning
 from models.export.vllm import TUNED_SCHEDULE_KEY, TUNED_TOKENS_KEY
 from models.registry import vllm_schedule_methods
 

@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 
 from core.paths import default_cache_dir
+from eval.choice.record import TOKENS_KNOB, machine_info, tuned_num_speculative_tokens
 from eval.serving.serve_check import DTYPES, RUNNER, root_cause, vllm_python
 from eval.serving.serve_check_report import llamacpp_engine_numbers, vllm_engine_numbers
 from eval.serving.vllm_generate import installed_vllm_version
-from eval.tune.choice.record import TOKENS_KNOB, machine_info, tuned_num_speculative_tokens
 from eval.tune.sweep import EngineUnavailable, Measurement, PointFailed, Setting
 
 MAX_TOKENS = 5

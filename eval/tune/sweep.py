@@ -6,7 +6,7 @@ Per setting, the engine's AR session and the setting's session stay open side by
 ... (`repeats` pairs): a machine that slows down for a minute slows both sides of a pair, so the pair's ratio
 survives where two separate runs would not.
 
-The statistics (eval/tune/choice/stats.py) work in log ratios y = ln(setting tok/s / AR tok/s). A setting's speedup
+The statistics (eval/choice/stats.py) work in log ratios y = ln(setting tok/s / AR tok/s). A setting's speedup
 is exp(mean y) over its pairs. The noise is one number for the whole sweep (`pooled_noise`): the pooled within-
 setting variance of y over every measured setting, together with AR-vs-AR differences (consecutive AR passes of a
 setting, whose true log ratio is 0), so that ten settings of two or three pairs each give one estimate with tens of
@@ -23,7 +23,7 @@ budget keeps room for it): those runs were not used to pick it, so their interva
 reported one, and when it does not clear 1 + min_gain the choice falls back to "do not speculate", saying why. In an
 exact dtype (fp32) a setting whose tokens differ from AR's is not a candidate: it is a bug, recorded as one.
 
-The engine records this module returns go into the export's tuning.json (eval/tune/choice/record.py). The pieces
+The engine records this module returns go into the export's tuning.json (eval/choice/record.py). The pieces
 of one sweep (`Clock`, `open_session`, `paired_passes`, `point_record`, ...) are public: eval/tune/concurrency.py
 runs the same sweep at several request counts in flight.
 """
@@ -37,8 +37,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from eval.tune.choice.record import repeats_mark
-from eval.tune.choice.stats import (
+from eval.choice.record import repeats_mark
+from eval.choice.stats import (
     AR_LABEL,
     CONFIDENCE,
     DEFAULT_ALPHA,
@@ -50,7 +50,7 @@ from eval.tune.choice.stats import (
 )
 
 DEFAULT_REPEATS = 3  # paired passes per setting
-# MIN_REPEATS: the fewest --repeats tune accepts, the one rule of every chooser (eval/tune/choice/record.py); a sweep
+# MIN_REPEATS: the fewest --repeats tune accepts, the one rule of every chooser (eval/choice/record.py); a sweep
 # with fewer marks its record quick (repeats_mark), and a quick choice applies only in the run that made it.
 
 
@@ -276,7 +276,7 @@ def sweep_engine(engine: Engine, repeats: int, deadline: float,
                  now: Callable[[], float] = time.monotonic, alpha: float = DEFAULT_ALPHA,
                  min_gain: float = DEFAULT_MIN_GAIN, tie: str = "cheaper") -> dict:
     """Every setting of `engine` against its AR, paired and interleaved, the choice (`tie`: which of the settings
-    the noise cannot separate wins, eval/tune/choice/stats.py: choose), and the winner's confirmation;
+    the noise cannot separate wins, eval/choice/stats.py: choose), and the winner's confirmation;
     returns the engine's tuning record. A setting that crashes or hangs is recorded with the engine's last log lines
     and the sweep goes on (an AR that dies is reopened once); settings the budget cannot fit (it keeps room for the
     confirmation) are recorded as skipped. `progress(label, record)` is called once per setting."""

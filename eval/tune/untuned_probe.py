@@ -17,7 +17,7 @@ thread count, the backend, the acceptance rule, specdraft's version), so a suite
 machine probe once. Beside it the file keeps its provenance (core/keyed_cache.py: the host, the CPU's model and
 kernel flags, PROBE_CODE's version, the load around the probe, the date): a choice probed on another host or CPU,
 by other code, or on a loaded machine is probed again, with one line saying why. With PROBE_REPEATS under tune's
-MIN_REPEATS its choice is a quick one ("quick": true, eval/tune/choice/record.py: repeats_mark): it picks the shape
+MIN_REPEATS its choice is a quick one ("quick": true, eval/choice/record.py: repeats_mark): it picks the shape
 an untuned eval decodes and is never reported as tuned. Never written into the export (a shipped draft's directory
 is tracked). `untuned_probe=false` decodes the export's default instead.
 """
@@ -95,7 +95,7 @@ def draft_digest(export_dir: Path) -> str:
 
 def probe_key(export_dir: Path, cfg, here: dict, family: str) -> dict:
     """What the probe's choice holds for: the draft, the CPU (model and flags), torch, where the eval runs
-    (eval/tune/choice/apply.py: ours_here: device, dtype, threads, specdraft's version), the backend asked for and
+    (eval/choice/apply.py: ours_here: device, dtype, threads, specdraft's version), the backend asked for and
     the shapes probed."""
     import torch
 
@@ -132,7 +132,7 @@ def summarize(record: dict) -> dict:
     said it beats AR; points: every measured shape's label, speedup and acceptance."""
     points = [p for p in record.get("points", []) if p.get("status") == "ok" and p.get("speedup") is not None]
     choice = record.get("choice") or {}
-    if choice.get("speculate"):  # eval/tune/choice/stats.py: choose, then sweep.py: judge_confirmation
+    if choice.get("speculate"):  # eval/choice/stats.py: choose, then sweep.py: judge_confirmation
         best = {"label": choice["label"], "knobs": choice["knobs"], "speedup": choice.get("speedup_vs_ar"),
                 "beats_ar": True, "reason": choice.get("reason", "")}
     elif points:  # none beat AR: the fastest measured shape (an eval of a draft still drafts)
@@ -178,7 +178,9 @@ def probe_untuned_shape(loaded, cfg, export_dir: Path, here: dict, budget_s: flo
                         cache_dir: Path | None = None) -> dict:
     """The shape an untuned eval decodes (summarize's dict, with "cached": whether it was read from the cache and
     "cache_file"). `loaded`: the eval's loaded export (models.export.load.LoadedExport), reused, not loaded again."""
-    from eval.tune import OursEngine, progress_bar, sweep_engine
+    from eval.tune.command import progress_bar
+    from eval.tune.ours import OursEngine
+    from eval.tune.sweep import sweep_engine
 
     shapes = probe_shapes(loaded.family)
     if len(shapes) < 2:  # a family without a chain: the export's default is the only shape, nothing to choose

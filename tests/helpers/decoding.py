@@ -27,11 +27,11 @@ def assert_lossless_and_accepting(backend, drafter, prompts, ar_outputs, *, cont
 
 
 def assert_simulation_exact(backend, drafter, prompt, decoded) -> None:
-    """The field benchmark's simulated acceptance (eval/harness/field.py) of `drafter` on `prompt` equals the
+    """The field benchmark's simulated acceptance (eval/field/simulation.py) of `drafter` on `prompt` equals the
     decoded run `decoded` step for step: the base's greedy answer stored (with the tail past its end), one
     teacher-forced pass for the hidden states, the drafter replayed against it."""
-    from eval.harness.field import simulate, teacher_forced
-    from eval.harness.field_refs import TAIL
+    from eval.field.refs import TAIL
+    from eval.field.simulation import simulate, teacher_forced
 
     n = len(decoded.tokens)
     answer = autoregressive_generate(backend, prompt, max_new_tokens=n + TAIL).tokens

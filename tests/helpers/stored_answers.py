@@ -10,7 +10,7 @@ import torch
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.decoder import autoregressive_generate
-from eval.harness.field_refs import TAIL, write_refs
+from eval.field.refs import TAIL, write_refs
 from models.base import load_base
 
 ANSWER_TOKENS = 20

@@ -1,5 +1,5 @@
 """`ReplayBackend`: the base replayed from its stored greedy answer, for exact simulated acceptance
-(eval/harness/field.py; docs/concepts.md#simulated-acceptance).
+(eval/field/simulation.py; docs/concepts.md#simulated-acceptance).
 
 Under greedy verification, a decode step accepts the longest path of the drafted tree whose tokens equal the base's
 own greedy continuation, and that continuation is fixed by the prompt. So with the base's answer stored (its greedy

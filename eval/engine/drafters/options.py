@@ -4,7 +4,7 @@ against every family's declarations (a key no family declares fails there, befor
 export names the family, `parse_options` reads each option from `extra`, else from the export's config.json (a
 tree search or a recipe may store one there), else the dataclass default; a key the family does not know is an
 error naming the options it has, so a typo never silently falls back to a default. Which shape a run decodes when
-the export also holds a tuned one (tuning.json): eval/tune/choice/apply.py `decide`."""
+the export also holds a tuned one (tuning.json): eval/choice/apply.py `decide`."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ and, where the default does not fit (a module that leaves one out gets it):
     max_speculative_tokens  draft -> the deepest chain it drafts, what serving engines are asked for at most
                     (default: None, any depth)
     target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
-    run_lockstep    the field benchmark's batched path (eval/harness/field.py): (drafter, prompts, load, n_of, eos,
+    run_lockstep    the field benchmark's batched path (eval/field/simulation.py): (drafter, prompts, load, n_of, eos,
                     done, *, width, redo) -> prompts redone, its prompts stepped together (default: None, the
                     per-prompt path)
 The package's role modules `tune` and `lockstep` (models/families/<name>/tune.py, lockstep.py), where there are

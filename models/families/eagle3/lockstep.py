@@ -1,5 +1,5 @@
 """Lockstep simulation of an EAGLE-3 draft on the stored answers: the field benchmark's fast path
-(eval/harness/field.py; docs/howto/evaluate.md, "The field benchmark").
+(eval/field/simulation.py; docs/howto/evaluate.md, "The field benchmark").
 
 Why: the per-prompt simulation (field.simulate: the unchanged decoder loop against a ReplayBackend) pays the draft's
 cost one prompt at a time, and for EAGLE-3 that cost is batch-1 matrix-vector products (fc, q/k/v/o, the MLP and

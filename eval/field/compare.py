@@ -1,5 +1,5 @@
 """The field benchmark as a column of `specdraft compare`: every row's exact simulated greedy acceptance on the
-base's stored answers (eval/harness/field.py), beside the decoded figures of the compare tables.
+base's stored answers (eval/field/simulation.py), beside the decoded figures of the compare tables.
 
 With `field_refs` set in a compare config, each draft row with an export is judged with its own shape (the first
 greedy setting's eval keys, then the row's `eval` overrides, as the row decodes there) on `field_prompts` prompts of
@@ -18,8 +18,8 @@ from pathlib import Path
 def judge_rows(cfg, settings: dict, entries: list, out_dir: Path) -> dict:
     """{label: summary of its field report (+ "paired" against the first judged row)}; cfg: a CompareConfig,
     settings: {name: EvalConfig}, entries: its DraftEntry rows."""
-    from eval.harness.field import judge_export
-    from eval.harness.field_report import paired, read_rows
+    from eval.field.report import paired, read_rows
+    from eval.field.simulation import judge_export
 
     greedy = [(n, e) for n, e in settings.items() if e.temperature == 0]
     if not greedy:
@@ -56,7 +56,7 @@ def judge_rows(cfg, settings: dict, entries: list, out_dir: Path) -> dict:
 
 def summarize(report: dict) -> dict:
     """What the compare tables show of one field report."""
-    from eval.harness.field_report import path_label
+    from eval.field.report import path_label
 
     m = report["meta"]
     return {"shape": m["shape"], "family": m["family"], "prompts": report["prompts"], "path": path_label(m),

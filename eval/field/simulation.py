@@ -1,4 +1,4 @@
-"""`specdraft field`: a draft's greedy acceptance simulated on the stored base answers (eval/harness/field_refs.py),
+"""`specdraft field`: a draft's greedy acceptance simulated on the stored base answers (eval/field/refs.py),
 every family, hundreds of prompts, at the drafter's cost (docs/howto/evaluate.md, "The field benchmark").
 
 Per prompt: the base's teacher-forced pass over prompt + stored answer (every hidden state, and the aux layers an
@@ -258,7 +258,7 @@ def compare_rows(batched: dict[str, dict], exact: dict[str, dict]) -> dict:
     """How far a batched run's rows agree with the exact path's on the same prompts: steps identical (of the exact
     path's), rows identical in every field (ROW_FIELDS), and per set the largest |AL difference| over its sampled
     prompts."""
-    from eval.harness.field_report import by_set
+    from eval.field.report import by_set
 
     ids = [i for i in exact if i in batched]
     steps = sum(len(exact[i]["accept_lengths"]) for i in ids)
@@ -416,11 +416,11 @@ def judge_export(export_dir: Path, refs_dir: Path, cfg, *, sets: list[str] | Non
     A dtype other than the stored answers' is refused unless `mixed_dtype` (then marked: meta["dtype_mark"]).
     announce(line): told what the run will cost before it starts. Returns (report, out_dir)."""
     from core.hardware import resolve_device
+    from eval.choice.apply import tuned_eval_config
     from eval.engine.backends.choice import choose_backend
     from eval.engine.drafters.registry import build_drafter
-    from eval.harness.field_refs import dtype_mark, read_refs
-    from eval.harness.field_report import field_report, read_rows, write_field_report
-    from eval.tune.choice import tuned_eval_config
+    from eval.field.refs import dtype_mark, read_refs
+    from eval.field.report import field_report, read_rows, write_field_report
     from models.export.load import load_export
 
     t0 = time.perf_counter()

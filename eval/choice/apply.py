@@ -2,7 +2,7 @@
 engines): our decoder's shape in an eval config (`specdraft eval`, `specdraft field`), and vLLM's token count in an
 export (`specdraft export --format vllm / speculators`); `serving_here` says where serve-check's engine runs. A
 choice measured on another device, CPU, dtype, thread count or engine version is named and left unused, with the
-command that tunes for this machine (eval/tune/choice/record.py: applicable).
+command that tunes for this machine (eval/choice/record.py: applicable).
 
 `cfg` is an eval config (eval/harness/config.py: EvalConfig), read by its fields: this module sits below the
 harness, which applies tuning.json through it (docs/architecture.md, the layer rule)."""
@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from eval.tune.choice.record import (
+from eval.choice.record import (
     applicable,
     describe_choice,
     engine_device,

@@ -1,6 +1,6 @@
-"""Stored base answers: the base's greedy fp32 answer to every prompt of the field sets (eval/harness/field_sets.py),
+"""Stored base answers: the base's greedy fp32 answer to every prompt of the field sets (eval/field/sets.py),
 kept in the repository so a draft's exact greedy acceptance can be computed without running the base per step
-(eval/harness/field.py).
+(eval/field/simulation.py).
 
 Why exact: under greedy verification each step accepts the longest path of the draft's tree that matches the base's
 own greedy continuation, which is fixed by the prompt. With that continuation stored, the decoder can replay a draft
@@ -117,13 +117,13 @@ def _package_version(name: str) -> str:
 def build_refs(out: Path, base, *, sets: list[str], max_new_tokens: int = 256, max_prompt_tokens: int = 2048,
                batch_size: int = 32, engine_name: str = "fast", command: str = "", cache_dir: Path | None = None,
                progress: bool = True) -> dict:
-    """Generate (resumably) and write the stored answers for `sets` (eval/harness/field_sets.py names) into `out`.
+    """Generate (resumably) and write the stored answers for `sets` (eval/field/sets.py names) into `out`.
     base: a models.base.LoadedBase, fp32 for the stored answers the field judges against. Returns the card."""
     from tqdm import tqdm
 
     from core.paths import default_cache_dir
     from data.self_distill import end_of_turn_ids
-    from eval.harness.field_sets import FIELD_SET, FIELD_SET_SPECS, FIELD_SETS, PACKAGES
+    from eval.field.sets import FIELD_SET, FIELD_SET_SPECS, FIELD_SETS, PACKAGES
     from eval.harness.prompts import render_chat
 
     unknown = [s for s in sets if s not in FIELD_SETS]
@@ -233,7 +233,7 @@ def _engine(name: str, base, max_new_tokens: int, batch_size: int):
 
 def write_refs(out: Path, lines: list[dict], base, settings: dict, engine, skipped: dict, command: str,
                seconds: float) -> dict:
-    from eval.harness.field_sets import PACKAGES
+    from eval.field.sets import PACKAGES
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,7 +258,7 @@ def write_refs(out: Path, lines: list[dict], base, settings: dict, engine, skipp
 
 def card_markdown(card: dict) -> str:
     rows = "\n".join(f"| {s} | {n} | {card['skipped_too_long'].get(s, 0)} |" for s, n in card["counts"].items())
-    from eval.harness.field_sets import FIELD_SETS
+    from eval.field.sets import FIELD_SETS
 
     pk = ", ".join(f"{p}=={v}" for p, v in card["packages"].items())
     missing = [s for s in FIELD_SETS if s not in card["counts"]]

@@ -93,7 +93,7 @@ EXACT = "exact (one prompt at a time through the decoder loop, --no-lockstep)"
 def path_label(meta: dict) -> str:
     """The path a field report's figures took, in the words every output uses: `exact` (one prompt at a time
     through the decoder loop) or `batched (lockstep B; measured agreement: ...)` with the agreement of a sample of
-    its own prompts re-decoded one at a time (eval/harness/field.py: measure_agreement), or that none was measured.
+    its own prompts re-decoded one at a time (eval/field/simulation.py: measure_agreement), or that none was measured.
     A report written before the path was recorded says what its lockstep width implies."""
     width = meta.get("lockstep") or 0
     if meta.get("path", "batched" if width else "exact") == "exact":

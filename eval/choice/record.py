@@ -3,7 +3,7 @@
 tuning.json (TUNING_FILE, in the export) keeps, per engine, where it was measured (device, CPU model and bf16 flags
 or GPU name, dtype, threads, engine version), the prompts, every point (paired runs, acceptance, failures with the
 engine's last log lines) and the choice with its confirmation (eval/tune/sweep.py); `tuned_choice` reads a choice
-back and `applicable` says whether it holds for the run at hand (eval/tune/choice/apply.py: `specdraft eval`,
+back and `applicable` says whether it holds for the run at hand (eval/choice/apply.py: `specdraft eval`,
 `serve-check`, `export --format vllm`).
 
 One rule for every chooser (`specdraft tune`, the demo's tree sweep, eval's untuned-shape probe): a choice made from
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from core.atomic import write_text_atomic
 from core.hardware import cpu_model, cpuinfo_text
-from eval.tune.choice.stats import CONFIDENCE
+from eval.choice.stats import CONFIDENCE
 from models.export.schema import DRAFTS_PER_STEP, upgrade_keys
 
 TUNING_FILE = "tuning.json"
