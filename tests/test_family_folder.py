@@ -11,6 +11,8 @@ import sys
 import textwrap
 
 import pytest
+import torch
+from helpers.decoding import assert_simulation_exact
 from safetensors.torch import load_file
 
 # The toy family's package, file by file: one linear layer over h_t, read through the base's frozen LM head,
@@ -147,7 +149,7 @@ def toy_family(tmp_path, monkeypatch):
         del sys.modules[name]
 
 
-def test_a_family_in_its_own_folder_trains_decodes_and_exports(toy_family, tmp_path):
+def test_a_family_in_its_own_folder_trains_decodes_judges_and_exports(toy_family, tmp_path):
     from eval.engine.backends.hf import HFBackend
     from eval.engine.decoder import autoregressive_generate, speculative_generate
     from eval.engine.drafters.registry import build_drafter, drafter_family
@@ -169,7 +171,10 @@ def test_a_family_in_its_own_folder_trains_decodes_and_exports(toy_family, tmp_p
     backend = HFBackend(loaded.base.model)
     for prompt in ([1, 5, 9, 2], [7, 3, 3, 8, 11, 4]):
         want = autoregressive_generate(backend, prompt, max_new_tokens=12).tokens
-        assert speculative_generate(backend, drafter, prompt, max_new_tokens=12).tokens == want
+        got = speculative_generate(backend, drafter, prompt, max_new_tokens=12)
+        assert got.tokens == want
+        # judged on the field: the simulation on the stored greedy answer equals the decoded run step for step
+        assert_simulation_exact(backend, drafter, torch.tensor(prompt), got)
 
     out = FORMAT_WRITERS["vllm"](loaded, tmp_path / "vllm")
     assert read_speculative_config(out)["method"] == "toyfam"
