@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from losses.weighted_ce import IGNORE_INDEX
 
@@ -80,3 +81,21 @@ def scaled_backward(ctx, grad_loss: torch.Tensor, n_inputs: int) -> tuple:
     if grad_weight is not None:
         grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
     return (grad_hidden, grad_weight) + (None,) * (n_inputs - 2)
+
+
+class ChunkedLinearLoss(torch.autograd.Function):
+    """A fused LM-head loss as one autograd Function: forward computes the loss *and* the input gradients chunk by
+    chunk (`chunked_forward` with the loss's `chunk_fn`), backward only scales the stash. Inputs: hidden [N, d],
+    weight [V, d], labels [N], teacher_hidden [N, d_t] / teacher_weight [V, d_t] or None, chunk_fn, chunk_size,
+    topk, need_grad_hidden, need_grad_weight. Returns (loss sum, valid rows, top-1 hits, top-k hits)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, chunk_fn: ChunkFn, chunk_size: int,
+                topk: int, need_grad_hidden: bool, need_grad_weight: bool):
+        return chunked_forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, chunk_size, topk,
+                               need_grad_hidden, need_grad_weight, chunk_fn)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_count, _grad_top1, _grad_topk):
+        return scaled_backward(ctx, grad_loss, 10)

@@ -41,9 +41,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
-from losses.chunk_loop import chunked_forward, scaled_backward
+from losses.chunk_loop import ChunkedLinearLoss
 from losses.chunk_loop import compute_dtype as _compute_dtype
 from losses.chunk_loop import matmul_dtype as _matmul_dtype
 from losses.fused_linear_ce import LossStats
@@ -114,31 +113,15 @@ def fused_linear_distill(
     """
     _validate(hidden, weight, labels, teacher_hidden, teacher_weight, weights, chunk_size, topk)
     grad_on = torch.is_grad_enabled()
-    loss_sum, count, top1, topk_hits = _FusedLinearDistill.apply(
-        hidden, weight, labels, teacher_hidden.detach(), teacher_weight.detach(),
-        tuple(sorted(weights.items())), float(lk_eta), int(chunk_size), int(topk),
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+    weights, eta = dict(weights), float(lk_eta)
+
+    def chunk_fn(x, w, targets, valid, tx, tw, k):
+        return _chunk_forward_backward(x, w, targets, valid, tx, tw, weights, eta, k)
+
+    loss_sum, count, top1, topk_hits = ChunkedLinearLoss.apply(
+        hidden, weight, labels, teacher_hidden.detach(), teacher_weight.detach(), chunk_fn, int(chunk_size),
+        int(topk), grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
     return loss_sum, LossStats(count, top1, topk_hits)
-
-
-class _FusedLinearDistill(torch.autograd.Function):
-    """Forward computes the loss *and* the input gradients chunk by chunk; backward only scales the stash."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, weights, eta, chunk_size, topk,
-                need_grad_hidden, need_grad_weight):
-        weights = dict(weights)
-
-        def chunk_fn(x, w, targets, valid, tx, tw, k):
-            return _chunk_forward_backward(x, w, targets, valid, tx, tw, weights, eta, k)
-
-        return chunked_forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, chunk_size, topk,
-                               need_grad_hidden, need_grad_weight, chunk_fn)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, _grad_count, _grad_top1, _grad_topk):
-        return scaled_backward(ctx, grad_loss, 11)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
-from losses.chunk_loop import chunked_forward, scaled_backward
+from losses.chunk_loop import ChunkedLinearLoss
 from losses.chunk_loop import compute_dtype as _compute_dtype
 from losses.chunk_loop import matmul_dtype as _matmul_dtype
 from losses.soft_ce import soft_cross_entropy_sum
@@ -94,50 +93,16 @@ def fused_linear_cross_entropy(
     need_grad_hidden = grad_on and hidden.requires_grad
     need_grad_weight = grad_on and weight.requires_grad
     use_teacher = soft_weight > 0
-    loss_sum, count, top1, topk_hits = _FusedLinearCE.apply(
-        hidden,
-        weight,
-        labels,
-        teacher_hidden.detach() if use_teacher else None,
-        teacher_weight.detach() if use_teacher else None,
-        float(soft_weight),
-        float(temperature),
-        int(chunk_size),
-        int(topk),
-        need_grad_hidden,
-        need_grad_weight,
-    )
+    alpha, temperature = float(soft_weight), float(temperature)
+
+    def chunk_fn(x, w, targets, valid, tx, tw, k):
+        return _chunk_forward_backward(x, w, targets, valid, tx, tw, alpha, temperature, k)
+
+    loss_sum, count, top1, topk_hits = ChunkedLinearLoss.apply(
+        hidden, weight, labels, teacher_hidden.detach() if use_teacher else None,
+        teacher_weight.detach() if use_teacher else None, chunk_fn, int(chunk_size), int(topk), need_grad_hidden,
+        need_grad_weight)
     return loss_sum, LossStats(count, top1, topk_hits)
-
-
-class _FusedLinearCE(torch.autograd.Function):
-    """Forward computes loss *and* input grads chunk by chunk; backward only scales the stash."""
-
-    @staticmethod
-    def forward(
-        ctx,
-        hidden,  # [N, d]
-        weight,  # [V, d]
-        labels,  # [N] int64
-        teacher_hidden,  # [N, d_t] or None
-        teacher_weight,  # [V, d_t] or None
-        alpha: float,
-        temperature: float,
-        chunk_size: int,
-        topk: int,
-        need_grad_hidden: bool,
-        need_grad_weight: bool,
-    ):
-        def chunk_fn(x, w, targets, valid, tx, tw, k):
-            return _chunk_forward_backward(x, w, targets, valid, tx, tw, alpha, temperature, k)
-
-        return chunked_forward(ctx, hidden, weight, labels, teacher_hidden, teacher_weight, chunk_size, topk,
-                               need_grad_hidden, need_grad_weight, chunk_fn)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, _grad_count, _grad_top1, _grad_topk):
-        return scaled_backward(ctx, grad_loss, 11)
 
 
 def _chunk_forward_backward(
