@@ -117,6 +117,21 @@ class FamilyFacts:
                 if options is not None for f in dataclasses.fields(options)]
 
 
+@dataclass(frozen=True)
+class FieldRun:
+    """A run a family contributes to the field-families experiment (recipes/field_families.sh: every family at one
+    budget, judged on the field benchmark; recipes/field_plan.py prints them). The strings are the recipe's own."""
+
+    name: str  # the run's name, REPORTS/<prefix>-<name> ("hydra_pp": a Hydra variant)
+    label: str  # its row's name in the table ("Hydra++")
+    # Its config file and its recipe's overrides (after the experiment's shared ones: they win); a learning-free run
+    # has the script that judges it instead, run per shape as `<script> --refs REFS <shape's overrides> --out DIR`.
+    args: str
+    shapes: tuple[str, ...] = ("default",)  # field shapes judged, "name overrides...", chains first
+    default: bool = True  # in the experiment's default run list (P-EAGLE is not)
+    queue: int = 100  # its place in the default queue, lower first (the built-in runs number theirs 1-10)
+
+
 # Export formats whose files differ per family: each family that has one names its writer in FamilySpec.writers.
 OWN_FORMATS = tuple(f for f in EXPORT_FORMATS if f not in ("specdraft", "gguf"))
 
@@ -137,6 +152,9 @@ class FamilySpec:
     # Its writer of each format of OWN_FORMATS it exports: (draft, out_dir, export_cfg, base_view) -> out_dir (a
     # learning-free family's "vllm" writer takes (eval options, out_dir): N-gram's has no draft).
     writers: dict[str, Callable] = field(default_factory=dict, hash=False)
+    # Its runs of the field-families experiment (models/registry.py: field_runs; none declared: a trainable family
+    # contributes one run named after it, configs/<name>.yaml as it is, its drafter's default shape).
+    field_runs: tuple[FieldRun, ...] = ()
 
     @property
     def name(self) -> str:

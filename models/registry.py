@@ -6,7 +6,7 @@ and what the rest of the code derives from them. Adding a family: docs/howto/add
 from __future__ import annotations
 
 from models.families import DRAFT_MODELS, FAMILIES, SPECS, register_family  # noqa: F401  (callers import them here)
-from models.family import FamilyFacts, FamilySpec
+from models.family import FamilyFacts, FamilySpec, FieldRun
 
 
 def family_spec(name: str) -> FamilySpec:
@@ -78,3 +78,19 @@ def vllm_schedule_methods() -> tuple[str, ...]:
     v1/spec_decode/llm_base_proposer.py: propose(num_speculative_tokens, ...), 0 returning no drafts). Medusa's
     proposer asserts the configured count (v1/spec_decode/medusa.py), so a Medusa export never gets a schedule."""
     return tuple(dict.fromkeys(f.vllm_method for f in FAMILIES.values() if f.vllm_schedule))
+
+
+def field_runs() -> dict[str, FieldRun]:
+    """Run name -> its run of the field-families experiment (FamilySpec.field_runs), in queue order (ties: the order
+    registered). A trainable family that declares none runs once as itself: its title, configs/<name>.yaml with no
+    overrides, one shape ("default": its drafter's default options), queued after the declared runs; a learning-free
+    one without a declaration has no run (nothing to train, no script to judge it)."""
+    runs: dict[str, FieldRun] = {}
+    for spec in SPECS.values():
+        own = spec.field_runs or ((FieldRun(spec.name, spec.facts.title, f"configs/{spec.name}.yaml"),)
+                                  if spec.facts.trainable else ())
+        for run in own:
+            if run.name in runs:
+                raise ValueError(f"field run {run.name!r} of family {spec.name!r} is declared already")
+            runs[run.name] = run
+    return dict(sorted(runs.items(), key=lambda kv: kv[1].queue))

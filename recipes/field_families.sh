@@ -15,7 +15,9 @@
 # (user + system time of its training process, every restart summed) and the machine kind are recorded beside it.
 # Each family gets its best recipe from its paper and the repository's sweeps (recipes/best.sh's learning rates
 # and heads; EAGLE-3 the store recipe: own LM head, lr 2e-3, TTT 3; the block drafters their recipes' lr 6e-4, 128
-# anchors a conversation, block size 8):
+# anchors a conversation, block size 8). Each family declares its runs in its registration (FamilySpec.field_runs,
+# models/families/<family>/__init__.py: config, overrides, label, shapes, queue place); recipes/field_plan.py
+# prints them (`runs`: the default list, `args` / `label` / `shapes <run>`):
 #   medusa     configs/medusa.yaml     4 heads, weighted CE (decay 0.8), frozen base LM head, lr 5e-3
 #   hydra      configs/hydra.yaml      4 sequentially dependent heads, frozen base LM head, lr 5e-3
 #   hydra_pp   configs/hydra_pp.yaml   4 blocks a head, prefix attention, teacher loss, dropout 0.2, lr 2e-3
@@ -47,7 +49,8 @@
 # rate, collapsed path length, depth-k accuracy: ctc_diagnostics.json).
 #
 #   setsid nohup recipes/field_families.sh > runs/logs/field-families.log 2>&1 &   # everything, resumable
-#   FAMILIES="medusa ctc" recipes/field_families.sh            # some families (the order is the queue's)
+#   FAMILIES="medusa ctc" recipes/field_families.sh            # some runs (the order is the queue's; default:
+#                                                              # recipes/field_plan.py runs)
 #   FIELD=0 recipes/field_families.sh                          # train only
 #   .venv/bin/python recipes/field_families_table.py           # the table, from REPORTS only (no run needed)
 #
@@ -62,6 +65,7 @@ set -f  # no globbing in the override lists
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 PY=${PYTHON:-.venv/bin/python}
+PLAN="$PY recipes/field_plan.py"  # each run's recipe, label and shapes, as its family declares them
 STORE=${STORE:-datasets/smollm2-sharegpt-onpolicy}
 REFS=${REFS:-datasets/smollm2-field-refs}
 LENGTH=${LENGTH:-256}
@@ -76,7 +80,7 @@ FIELD=${FIELD:-1}
 FIELD_MAX_MIN=${FIELD_MAX_MIN:-60}
 PREFIX=${RUN_PREFIX:-ff}
 REPORTS=${REPORTS:-docs/lab/field_families}
-FAMILIES=${FAMILIES:-medusa ctc redrafter hydra_pp eagle3 hydra dflash dspark domino ngram}
+FAMILIES=${FAMILIES:-$($PLAN runs)}
 HAVE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/card.json'))['records'])" "$STORE")
 N=${N:-$HAVE}
 CACHE_ROOT=${CACHE_ROOT:-runs/cache/field-families-$LENGTH}
@@ -94,38 +98,9 @@ B=(--config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" d
    train.max_steps="$STEPS" train.max_minutes=0 train.save_every=40 train.num_threads=1 train.decode_eval_prompts=0
    resume=auto ${EXTRA:-})
 
-family_args() {  # the family's config and its recipe's overrides (after the shared ones: they win)
-  case $1 in
-    medusa) echo "configs/medusa.yaml train.lr=5e-3" ;;
-    hydra) echo "configs/hydra.yaml train.lr=5e-3" ;;
-    hydra_pp) echo "configs/hydra_pp.yaml train.lr=2e-3" ;;
-    redrafter) echo "configs/redrafter.yaml train.lr=5e-3" ;;
-    ctc) echo "configs/ctc.yaml train.lr=2e-3" ;;
-    eagle3) echo "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3" ;;
-    peagle) echo "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3 draft.eagle3.parallel_drafting=true draft.eagle3.ttt_steps=4" ;;
-    dflash) echo "configs/dflash.yaml draft.share_lm_head=false train.lr=6e-4 draft.dflash.num_anchors=128 draft.dflash.block_size=8 draft.num_heads=7" ;;
-    dspark | domino) echo "configs/$1.yaml draft.share_lm_head=false train.lr=6e-4 draft.$1.num_anchors=128" ;;
-    *) echo "field_families: unknown family $1 (medusa hydra hydra_pp redrafter ctc eagle3 peagle dflash dspark domino)" >&2
-       return 2 ;;
-  esac
-}
-
-label_of() {  # the row's name in the table
-  case $1 in
-    medusa) echo Medusa ;; hydra) echo Hydra ;; hydra_pp) echo Hydra++ ;; redrafter) echo ReDrafter ;; ctc) echo CTC ;;
-    eagle3) echo EAGLE-3 ;; peagle) echo P-EAGLE ;; dflash) echo DFlash ;; dspark) echo DSpark ;; domino) echo Domino ;;
-  esac
-}
-
-shapes() {  # shape name and its eval overrides, one per line: chains first
-  case $1 in
-    medusa | hydra | hydra_pp) printf '%s\n' "chain4 tree=chain4" "tree16 tree=tree16" ;;
-    redrafter) printf '%s\n' "chain extra.beam_width=1 extra.beam_length=5" "beam8x3 extra.beam_width=8 extra.beam_length=3" ;;
-    ctc) printf '%s\n' "chain extra.ctc_num_paths=1" "paths8 extra.ctc_num_paths=8" ;;
-    eagle3 | peagle) printf '%s\n' "chain4 extra.eagle3_mode=chain extra.num_speculative_tokens=4" "tree16 extra.eagle3_mode=tree extra.tree_nodes=16" ;;
-    dflash | dspark | domino) printf '%s\n' "chain" ;;
-  esac
-}
+family_args() { $PLAN args "$1"; }  # the run's config and its recipe's overrides (after the shared ones: they win)
+label_of() { $PLAN label "$1"; }  # the row's name in the table
+shapes() { $PLAN shapes "$1"; }  # shape name and its eval overrides, one per line: chains first
 
 stamp() { echo "$(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg)"; }
 
@@ -138,17 +113,16 @@ build_cache() {  # the one hidden-state cache, EAGLE-3's aux layers, alone on th
   echo "=== cache end $(stamp)"
 }
 
-train_family() {  # train_family <fam>: one training run, timed (CPU seconds appended to runs/logs/<run>.cpu.tsv)
-  local fam=$1 run="$PREFIX-$1" args cfg t rc start
+train_family() {  # train_family <fam> <args>: one training run, timed (CPU seconds added to runs/logs/<run>.cpu.tsv)
+  local fam=$1 args=$2 run="$PREFIX-$1" cfg t rc start
   [ -f "runs/$run/export/config.json" ] && { echo "skip train $run"; return 0; }
-  args=$(family_args "$fam") || return 2
   cfg=${args%% *}
   start=$(date -u +%FT%TZ)
   echo "=== train $run start $(stamp)" | tee -a "runs/logs/$run.log"
   t=$(mktemp)
   # shellcheck disable=SC2086
   OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 /usr/bin/time -f "%e %U %S %M" -o "$t" nice -n "$NICE" \
-    "$S" train --config "$cfg" "${B[@]}" ${args#* } run_name="$run" >> "runs/logs/$run.log" 2>&1
+    "$S" train --config "$cfg" "${B[@]}" ${args#"$cfg"} run_name="$run" >> "runs/logs/$run.log" 2>&1
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$start" "$(date -u +%FT%TZ)" "$(tail -n1 "$t" | tr ' ' '\t')" "$rc" >> "runs/logs/$run.cpu.tsv"
   rm -f "$t"
@@ -227,52 +201,60 @@ judge_family() {
   fi
 }
 
-judge_ngram() {  # the learning-free N-gram baseline: no training, the field benchmark's exact path (recipes/field_ngram.py)
-  local shape arg out
+judge_free() {  # judge_free <fam> <script>: a learning-free run (no training), judged by its own script on the field
+  # benchmark's exact path (N-gram: recipes/field_ngram.py), each shape's overrides its arguments
+  local run="$PREFIX-$1" script=$2 line shape out
   [ "$FIELD" = 1 ] || return 0
-  for shape in lookup4:chain4 mixed10x10:tree; do
-    arg=${shape#*:} shape=${shape%%:*} out="runs/$PREFIX-ngram/field-$shape"
+  while read -r line; do
+    shape=${line%% *} out="runs/$run/field-$shape"
+    [ -n "$shape" ] || continue
     if $TABLE done --report "$out" --refs "$REFS"; then
-      echo "skip field $PREFIX-ngram $shape"
+      echo "skip field $run $shape"
     else
-      echo "=== field $PREFIX-ngram $shape start $(stamp)"
-      OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" recipes/field_ngram.py --refs "$REFS" --shape "$arg" --out "$out" \
-        >> "runs/logs/field-$PREFIX-ngram-$shape.log" 2>&1 || { echo "!!! field $PREFIX-ngram $shape failed"; continue; }
-      echo "=== field $PREFIX-ngram $shape end $(stamp)"
+      echo "=== field $run $shape start $(stamp)"
+      # shellcheck disable=SC2086
+      OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" $script --refs "$REFS" ${line#"$shape"} --out "$out" \
+        >> "runs/logs/field-$run-$shape.log" 2>&1 || { echo "!!! field $run $shape failed"; continue; }
+      echo "=== field $run $shape end $(stamp)"
     fi
-    $TABLE keep --report "$out" --dest "$REPORTS/$PREFIX-ngram/field-$shape" > /dev/null
-  done
+    $TABLE keep --report "$out" --dest "$REPORTS/$run/field-$shape" > /dev/null
+  done < <(shapes "$1")
 }
 
 kept_complete() {  # kept_complete <fam>: every shape's report kept in REPORTS covers every stored answer (or was
   # timed and left unjudged): nothing to train or judge again, on this machine or a fresh one
   local fam=$1 line shape d run="$PREFIX-$1"
-  [ "$fam" = ngram ] && run="$PREFIX-ngram"
   while read -r line; do
     shape=${line%% *} d="$REPORTS/$run/field-$shape"
     [ -n "$shape" ] || continue
     { $TABLE done --report "$d" --refs "$REFS" || { [ -f "$d/probe.json" ] && [ ! -f "$d/field.json" ]; }; } || return 1
-  done < <(if [ "$fam" = ngram ]; then printf '%s\n' lookup4 mixed10x10; else shapes "$fam"; fi)
+  done <<< "$(shapes "$fam")"  # read whole: the loop may return before its last line
   [ "$fam" != ctc ] || [ -f "$REPORTS/$run/ctc_diagnostics.json" ]
 }
 
-one() {  # one family in one slot: train, judge, then the table as it stands
+one() {  # one run in one slot: train, judge, then the table as it stands
+  local args
   if [ "$FIELD" = 1 ] && kept_complete "$1"; then echo "skip $1: its kept reports ($REPORTS) are complete"; return 0; fi
-  if [ "$1" = ngram ]; then judge_ngram; else train_family "$1" && judge_family "$1"; fi
+  args=$(family_args "$1") || return 2
+  case ${args%% *} in  # a config file: train, then judge; a script: a learning-free run it judges
+    *.py) judge_free "$1" "$args" ;;
+    *) train_family "$1" "$args" && judge_family "$1" ;;
+  esac
   [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT" > /dev/null
 }
 
 echo "=== field_families: N=$N LENGTH=$LENGTH STEPS=$STEPS JOBS=$JOBS FAMILIES=$FAMILIES $(stamp)"
+[ -n "$FAMILIES" ] || { echo "!!! no runs to do (FAMILIES, or $PLAN runs)"; exit 2; }
+for fam in $FAMILIES; do family_args "$fam" > /dev/null || exit 2; done  # an unknown run fails before the cache
 build_cache || exit 1
 running=0
 for fam in $FAMILIES; do
-  [ "$fam" = ngram ] || family_args "$fam" > /dev/null || exit 2
   one "$fam" &
   running=$((running + 1))
   if [ "$running" -ge "$JOBS" ]; then wait -n; running=$((running - 1)); fi
 done
 wait
-for fam in $FAMILIES; do [ "$fam" = ngram ] || kept_complete "$fam" || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
+for fam in $FAMILIES; do kept_complete "$fam" || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
 [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT"
 echo "=== field_families done $(stamp)"
 exit 0

@@ -100,7 +100,7 @@ def cmd_collect(a) -> int:
     if (run_dir / "heldout.json").is_file():
         h = json.loads((run_dir / "heldout.json").read_text())
         heldout = {"top1_by_depth": [d["top1"] for d in h.get("depths", [])], "est_accept_len": h.get("est_accept_len")}
-    out = {"run": a.run, "family": a.family, "label": a.label or _title(export.get("family", a.family)),
+    out = {"run": a.run, "family": a.family, "label": a.label or _title(a.family),
            "export_family": export.get("family"), "steps": steps, "global_batch": batch, "train_rows": rows,
            "epoch_tokens": epoch_tokens, "tokens_seen": tokens,
            "epochs": round(steps * batch / rows, 3) if rows else None,
@@ -124,10 +124,13 @@ def cmd_collect(a) -> int:
     return 0
 
 
-def _title(family: str) -> str:
-    from models.registry import FAMILIES
+def _title(name: str) -> str:
+    """A run's row name: the label its family declares for it (FamilySpec.field_runs: hydra_pp -> Hydra++), else the
+    family's title."""
+    from models.registry import FAMILIES, field_runs
 
-    return FAMILIES[family].title if family in FAMILIES else family
+    runs = field_runs()
+    return runs[name].label if name in runs else FAMILIES[name].title if name in FAMILIES else name
 
 
 def _q(values: list[float], q: float) -> float:

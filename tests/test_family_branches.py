@@ -184,8 +184,6 @@ LIST_MIN = 3
 LIST_EXCEPTIONS = {
     "recipes/best.sh": (2, "the experiment's own choice of the families it trains (FAMILIES=... and its message)"),
     "recipes/block_drafters_equal_data.sh": (3, "the block-drafter comparison's own runs, P-EAGLE among them"),
-    "recipes/field_families.sh": (5, "the field ranking's own runs and their labels (P-EAGLE, Hydra++ are variants "
-                                     "the registry does not hold)"),
     "configs/compare.yaml": (1, "acceptance: the comparison's target per results-table key (data, not a fact)"),
     "configs/compare_best.yaml": (1, "acceptance: the comparison's target per results-table key"),
 }

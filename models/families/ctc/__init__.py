@@ -4,6 +4,8 @@ folder (docs/families/ctc.md)."""
 from __future__ import annotations
 
 from models.families.ctc.model import CTCDraft
-from models.family import FamilySpec
+from models.family import FamilySpec, FieldRun
 
-spec = FamilySpec(__name__, CTCDraft.facts, model=CTCDraft)
+spec = FamilySpec(__name__, CTCDraft.facts, model=CTCDraft, field_runs=(
+    FieldRun("ctc", "CTC", "configs/ctc.yaml train.lr=2e-3",
+             ("chain extra.ctc_num_paths=1", "paths8 extra.ctc_num_paths=8"), queue=2),))

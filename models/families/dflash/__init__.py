@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from models.families.dflash.export_vllm import export_vllm_dflash
 from models.families.dflash.model import DFlashDraft
-from models.family import FamilySpec
+from models.family import FamilySpec, FieldRun
 
 spec = FamilySpec(__name__, DFlashDraft.facts, model=DFlashDraft,
-                  writers={"vllm": export_vllm_dflash})
+                  writers={"vllm": export_vllm_dflash}, field_runs=(
+    FieldRun("dflash", "DFlash", "configs/dflash.yaml draft.share_lm_head=false train.lr=6e-4 "
+             "draft.dflash.num_anchors=128 draft.dflash.block_size=8 draft.num_heads=7", ("chain",), queue=7),))

@@ -4,6 +4,8 @@ folder (docs/families/domino.md)."""
 from __future__ import annotations
 
 from models.families.domino.model import DominoDraft
-from models.family import FamilySpec
+from models.family import FamilySpec, FieldRun
 
-spec = FamilySpec(__name__, DominoDraft.facts, model=DominoDraft)
+spec = FamilySpec(__name__, DominoDraft.facts, model=DominoDraft, field_runs=(
+    FieldRun("domino", "Domino", "configs/domino.yaml draft.share_lm_head=false train.lr=6e-4 "
+             "draft.domino.num_anchors=128", ("chain",), queue=9),))

@@ -4,6 +4,10 @@ folder (docs/families/hydra.md)."""
 from __future__ import annotations
 
 from models.families.hydra.model import HydraDraft
-from models.family import FamilySpec
+from models.family import FamilySpec, FieldRun
 
-spec = FamilySpec(__name__, HydraDraft.facts, model=HydraDraft)
+# Its runs of the field-families experiment: Hydra++ (configs/hydra_pp.yaml: the prefix layer) is one of its own.
+SHAPES = ("chain4 tree=chain4", "tree16 tree=tree16")
+spec = FamilySpec(__name__, HydraDraft.facts, model=HydraDraft, field_runs=(
+    FieldRun("hydra_pp", "Hydra++", "configs/hydra_pp.yaml train.lr=2e-3", SHAPES, queue=4),
+    FieldRun("hydra", "Hydra", "configs/hydra.yaml train.lr=5e-3", SHAPES, queue=6)))
