@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -214,7 +215,8 @@ def build_ngram_drafter(base, extra: dict, *, cache_dir=None) -> tuple[NgramDraf
     if o["strategy"] not in ("context", "longest_match"):
         table, path, cached = bigram_table_for(base, max(int(o["table_k"]), int(o["k"])), cache_dir=cache_dir,
                                                batch_size=int(o["batch_size"]))
-        info = {"bigram_table": str(path), "bigram_table_cached": cached}
+        # the file name only (in the bigram cache dir): reports are kept in the repository, a machine path is not
+        info = {"bigram_table": Path(path).name, "bigram_table_cached": cached}
     unigram = model_unigram(base.model)[0] if o["strategy"] == "unigram" else None
     drafter = NgramDrafter(int(o["k"]), int(o["w"]), int(o["q"]), o["strategy"], table, unigram,
                            q_min=int(o["q_min"]) or None)  # 0 = q
