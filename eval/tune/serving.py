@@ -60,8 +60,7 @@ def _job_base(loaded, cfg, prompts, base_dir: Path) -> dict:
 
 def _depth_cap(loaded) -> int:
     """The longest chain the draft can be asked for: its family's `max_speculative_tokens` (Medusa's heads, DFlash's
-    block - 1;
-    eval/engine/drafters/registry.py), at most MAX_TOKENS."""
+    block - 1; eval/engine/drafters/registry.py), at most MAX_TOKENS."""
     from eval.engine.drafters.registry import drafter_family
 
     cap = drafter_family(loaded.family).max_speculative_tokens(loaded.draft)
