@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/bench-llamacpp-concurrency/results.json")
     a = ap.parse_args(argv)
 
+    from bench.harness import Results
     from eval.harness.prompts import config_prompts
     from eval.harness.runner import resolve_heldout_skip
     from eval.serving.serve_check import base_hf_dir
@@ -58,7 +59,10 @@ def main(argv=None) -> int:
                             p_mins=(0.0,), concurrencies=cs)
     settings = [AR] + [Setting(f"n-max {k}", {"num_speculative_tokens": int(k), "p_min": 0.0}, float(k))
                        for k in a.n_max.split(",")]
+    # On disk after every row (atomic), so a server that dies mid-sweep keeps the rows it finished.
     rows, ar_out = [], {}
+    results = Results(out, {"draft": a.draft, "prompts": [p.id for p in prompts], "slots": max(cs),
+                            "max_new_tokens": a.max_new_tokens, "threads": a.threads, "rows": rows})
     for setting in settings:
         session = engine.open(setting)
         try:
@@ -70,12 +74,10 @@ def main(argv=None) -> int:
                              "accepted": m.accepted, "accept_rate": (m.accepted / m.drafted) if m.drafted else None,
                              "tokens_per_second": m.tokens_per_second,
                              "identical_to_ar": m.outputs == ar_out.get(c), "load": os.getloadavg()[0]})
+                results.save()
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             session.close()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"draft": a.draft, "prompts": [p.id for p in prompts], "slots": max(cs),
-                               "max_new_tokens": a.max_new_tokens, "threads": a.threads, "rows": rows}, indent=1))
     print("\n| setting | in flight | drafted | accepted | rate | tok/s | answers = AR | load |")
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:

@@ -2,13 +2,13 @@
 # Move what the GPU calls must not carry out of the working tree, and back (docs/howto/gpu_kit.md).
 #
 #   launch/gpu_aside.sh aside    # before the window's calls: drafts/ -> .gpu-aside/drafts (git-ignored), and
-#                                #   docs/lab/img/ -> .gpu-aside/docs/lab/img
+#                                #   docs/lab/img/ -> .gpu-aside/docs/lab/img, and the field-families reports
 #   launch/gpu_aside.sh back     # after them: back into the tree
 #
 # Why: the device tool copies the working tree into every call, 64 MiB in all with what the call carries, and the
 # payoff's first call carries 57 MiB of wheels, metadata and half the GGUF; the shipped drafts (drafts/<name>/,
 # up to 32 MiB each, tracked so a fresh clone can use them) would push it over, and the lab notes' plots (3 MiB)
-# would leave it no room. No call reads them.
+# and the field-families reports (~0.4 MiB a family, growing) would leave it no room. No call reads them.
 # The list of paths is `leave_aside` in launch/gpu_calls.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
