@@ -130,6 +130,12 @@ class FieldRun:
     shapes: tuple[str, ...] = ("default",)  # field shapes judged, "name overrides...", chains first
     default: bool = True  # in the experiment's default run list (P-EAGLE is not)
     queue: int = 100  # its place in the default queue, lower first (the built-in runs number theirs 1-10)
+    # The run every other run is paired with (`specdraft field --against`): its first shape with their first (the
+    # chains), its second with their later ones (trees, beams, paths). One run at most.
+    reference: bool = False
+    # A script run once on the trained draft beside its field reports (`<script> --draft EXPORT --refs REFS
+    # --num-prompts 10 --out REPORTS/<run>/<script's stem>.json`): the CTC drafter's blank and collapse diagnostics.
+    diagnostics: str = ""
 
 
 # Export formats whose files differ per family: each family that has one names its writer in FamilySpec.writers.

@@ -80,17 +80,33 @@ def vllm_schedule_methods() -> tuple[str, ...]:
     return tuple(dict.fromkeys(f.vllm_method for f in FAMILIES.values() if f.vllm_schedule))
 
 
-def field_runs() -> dict[str, FieldRun]:
-    """Run name -> its run of the field-families experiment (FamilySpec.field_runs), in queue order (ties: the order
-    registered). A trainable family that declares none runs once as itself: its title, configs/<name>.yaml with no
-    overrides, one shape ("default": its drafter's default options), queued after the declared runs; a learning-free
-    one without a declaration has no run (nothing to train, no script to judge it)."""
-    runs: dict[str, FieldRun] = {}
+def _declared_runs():
+    """(spec, run) of every run the families declare, in registration order (an undeclared trainable family: one
+    run as itself; an undeclared learning-free one: none)."""
     for spec in SPECS.values():
         own = spec.field_runs or ((FieldRun(spec.name, spec.facts.title, f"configs/{spec.name}.yaml"),)
                                   if spec.facts.trainable else ())
         for run in own:
-            if run.name in runs:
-                raise ValueError(f"field run {run.name!r} of family {spec.name!r} is declared already")
-            runs[run.name] = run
+            yield spec, run
+
+
+def field_runs() -> dict[str, FieldRun]:
+    """Run name -> its run of the field-families experiment (FamilySpec.field_runs), in queue order (ties: the order
+    registered). A trainable family that declares none runs once as itself: its title, configs/<name>.yaml with no
+    overrides, one shape ("default": its drafter's default options), queued after the declared runs; a learning-free
+    one without a declaration has no run (nothing to train, no script to judge it). One run at most is the reference."""
+    runs: dict[str, FieldRun] = {}
+    for spec, run in _declared_runs():
+        if run.name in runs:
+            raise ValueError(f"field run {run.name!r} of family {spec.name!r} is declared already")
+        runs[run.name] = run
+    refs = [name for name, run in runs.items() if run.reference]
+    if len(refs) > 1:
+        raise ValueError(f"field runs {', '.join(refs)} are each declared the reference (FieldRun.reference): one "
+                         "run is the one the others are paired with")
     return dict(sorted(runs.items(), key=lambda kv: kv[1].queue))
+
+
+def field_run_packages() -> dict[str, str]:
+    """Run name -> the package of the family that declares it (where its role modules hang: `lockstep`, ...)."""
+    return {run.name: spec.package for spec, run in _declared_runs()}

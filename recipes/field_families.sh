@@ -16,8 +16,9 @@
 # Each family gets its best recipe from its paper and the repository's sweeps (recipes/best.sh's learning rates
 # and heads; EAGLE-3 the store recipe: own LM head, lr 2e-3, TTT 3; the block drafters their recipes' lr 6e-4, 128
 # anchors a conversation, block size 8). Each family declares its runs in its registration (FamilySpec.field_runs,
-# models/families/<family>/__init__.py: config, overrides, label, shapes, queue place); recipes/field_plan.py
-# prints them (`runs`: the default list, `args` / `label` / `shapes <run>`):
+# models/families/<family>/__init__.py: config, overrides, label, shapes, queue place, the reference run, a
+# diagnostics script); recipes/field_plan.py prints them (`dump`: all, read once into runs/logs/<prefix>-plan.tsv;
+# `runs`: the default list, `args` / `label` / `shapes <run>`), and this script names no family:
 #   medusa     configs/medusa.yaml     4 heads, weighted CE (decay 0.8), frozen base LM head, lr 5e-3
 #   hydra      configs/hydra.yaml      4 sequentially dependent heads, frozen base LM head, lr 5e-3
 #   hydra_pp   configs/hydra_pp.yaml   4 blocks a head, prefix attention, teacher loss, dropout 0.2, lr 2e-3
@@ -39,8 +40,8 @@
 #   dflash, dspark, domino   chain (the default: block - 1 drafts)
 #   ngram (learning-free, no training; recipes/field_ngram.py): lookup4 (one prompt-lookup row of 4, what serving
 #                            engines draft) and mixed10x10 (10 rows x 10 tokens, context + the model's bigram table)
-# each paired (`--against`) with the equal-budget EAGLE-3's report of the same kind (chains against its chain4, trees
-# against its tree16) once that exists; a last pass adds the pairs the order missed. A shape whose exact path (one
+# each paired (`--against`) with the equal-budget reference's (EAGLE-3's) report of the same kind (chains against its
+# chain4, trees against its tree16) once that exists; a last pass adds the pairs the order missed. A shape whose exact path (one
 # prompt at a time) would take over FIELD_MAX_MIN minutes is first timed on one prompt of every set (11 prompts,
 # field-<shape>/probe.json) and, over the limit, not judged (said loudly in the log; FIELD_MAX_MIN=0 judges it
 # anyway). Each report's small files (field.json, field.md, paired.*, the rows xz-compressed) and the run's
@@ -65,7 +66,6 @@ set -f  # no globbing in the override lists
 cd "$(dirname "$0")/.."
 S=${SPECDRAFT:-.venv/bin/specdraft}
 PY=${PYTHON:-.venv/bin/python}
-PLAN="$PY recipes/field_plan.py"  # each run's recipe, label and shapes, as its family declares them
 STORE=${STORE:-datasets/smollm2-sharegpt-onpolicy}
 REFS=${REFS:-datasets/smollm2-field-refs}
 LENGTH=${LENGTH:-256}
@@ -80,7 +80,12 @@ FIELD=${FIELD:-1}
 FIELD_MAX_MIN=${FIELD_MAX_MIN:-60}
 PREFIX=${RUN_PREFIX:-ff}
 REPORTS=${REPORTS:-docs/lab/field_families}
-FAMILIES=${FAMILIES:-$($PLAN runs)}
+mkdir -p runs/logs "$REPORTS"
+# Each run's recipe, label, shapes and pairing, as its family declares them (recipes/field_plan.py), read once
+PLAN_FILE=runs/logs/$PREFIX-plan.tsv
+"$PY" recipes/field_plan.py dump > "$PLAN_FILE" || { echo "!!! recipes/field_plan.py dump failed"; exit 2; }
+plan() { awk -F'\t' -v r="$1" -v k="$2" '$1 == r && $2 == k { print $3 }' "$PLAN_FILE"; }  # plan <run|-> <key>
+FAMILIES=${FAMILIES:-$(plan - runs)}
 HAVE=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1] + '/card.json'))['records'])" "$STORE")
 N=${N:-$HAVE}
 CACHE_ROOT=${CACHE_ROOT:-runs/cache/field-families-$LENGTH}
@@ -89,7 +94,6 @@ TABLE_OUT=${TABLE_OUT:-$([ "$REPORTS" = docs/lab/field_families ] && echo docs/l
 # Every stored answer, asked for explicitly: `--full` where `specdraft field` has it (its default may be a subset),
 # else more prompts a set than any set holds.
 if "$S" field --help 2>/dev/null | grep -q -- "--full"; then ALL=(--full); else ALL=(--num-prompts 100000); fi
-mkdir -p runs/logs "$REPORTS"
 
 # What every family shares: data, length, cache, steps, batch (cpu_budget.yaml: 8 conversations), one thread.
 # shellcheck disable=SC2206
@@ -98,16 +102,23 @@ B=(--config configs/cpu_budget.yaml data.source="$STORE" data.max_records="$N" d
    train.max_steps="$STEPS" train.max_minutes=0 train.save_every=40 train.num_threads=1 train.decode_eval_prompts=0
    resume=auto ${EXTRA:-})
 
-family_args() { $PLAN args "$1"; }  # the run's config and its recipe's overrides (after the shared ones: they win)
-label_of() { $PLAN label "$1"; }  # the row's name in the table
-shapes() { $PLAN shapes "$1"; }  # shape name and its eval overrides, one per line: chains first
+family_args() {  # the run's config and its recipe's overrides (after the shared ones: they win)
+  grep -q "^$1	args	" "$PLAN_FILE" || { echo "field_families: unknown run $1 (known: $(cut -f1 "$PLAN_FILE" |
+    grep -v '^-$' | uniq | tr '\n' ' '))" >&2; return 2; }
+  plan "$1" args
+}
+label_of() { plan "$1" label; }  # the row's name in the table
+shapes() { plan "$1" shape; }  # shape name and its eval overrides, one per line: chains first
 
 stamp() { echo "$(date -u +%FT%TZ) load $(cut -d' ' -f1-3 /proc/loadavg)"; }
 
-build_cache() {  # the one hidden-state cache, EAGLE-3's aux layers, alone on the machine (CACHE_THREADS threads)
+build_cache() {  # the one hidden-state cache, the reference's (EAGLE-3's aux layers: a superset of what the others
+  # read), alone on the machine (CACHE_THREADS threads)
+  local cfg
+  cfg=$(plan "$(plan - reference)" args)
   echo "=== cache start $(stamp)"
   OMP_NUM_THREADS=$CACHE_THREADS MKL_NUM_THREADS=$CACHE_THREADS nice -n "$NICE" "$S" cache \
-    --config configs/eagle3.yaml "${B[@]}" train.num_threads="$CACHE_THREADS" run_name="$PREFIX-cache" \
+    --config "${cfg%% *}" "${B[@]}" train.num_threads="$CACHE_THREADS" run_name="$PREFIX-cache" \
     >> runs/logs/$PREFIX-cache.log 2>&1 ||
     { echo "!!! cache build failed (runs/logs/$PREFIX-cache.log)"; return 1; }
   echo "=== cache end $(stamp)"
@@ -132,11 +143,10 @@ train_family() {  # train_family <fam> <args>: one training run, timed (CPU seco
     --command "FAMILIES=$fam recipes/field_families.sh" >> "runs/logs/$run.log" 2>&1
 }
 
-against_of() {  # the equal-budget EAGLE-3 report a shape is paired with (empty: none yet, or EAGLE-3 itself)
-  local fam=$1 shape=$2 kind=chain4
-  [ "$fam" = eagle3 ] && return
-  case $shape in tree16 | beam8x3 | paths8) kind=tree16 ;; esac
-  [ -f "runs/$PREFIX-eagle3/field-$kind/field.json" ] && echo "runs/$PREFIX-eagle3/field-$kind"
+against_of() {  # the equal-budget reference report a shape is paired with (empty: none yet, or the reference itself)
+  local ref
+  ref=$(plan "$1" "against:$2")
+  [ -n "$ref" ] && [ -f "runs/$PREFIX-${ref% *}/field-${ref#* }/field.json" ] && echo "runs/$PREFIX-${ref% *}/field-${ref#* }"
 }
 
 probe() {  # probe <run> <out> <log> <overrides...>: one prompt of every set, timed (<out>/probe.json)
@@ -158,7 +168,7 @@ judge_shape() {  # judge_shape <fam> <shape> <overrides...>
   if $TABLE done --report "$out" --refs "$REFS" ${against:+--paired}; then
     echo "skip field $run $shape"
   else
-    if [ "$FIELD_MAX_MIN" -gt 0 ] && [ "$fam" != eagle3 ] && [ "$fam" != peagle ] && ! $TABLE done --report "$out" --refs "$REFS"; then
+    if [ "$FIELD_MAX_MIN" -gt 0 ] && [ "$(plan "$fam" batched)" != 1 ] && ! $TABLE done --report "$out" --refs "$REFS"; then
       # the exact path, one prompt at a time: time one prompt of every set first
       if [ ! -f "$out/probe.json" ]; then
         probe "$run" "$out" "$log" "$@"
@@ -187,18 +197,26 @@ judge_shape() {  # judge_shape <fam> <shape> <overrides...>
 }
 
 judge_family() {
-  local fam=$1 line run="$PREFIX-$1"
+  local fam=$1 line run="$PREFIX-$1" diag
   [ "$FIELD" = 1 ] || return 0
   [ -f "runs/$run/export/config.json" ] || return 0
   while read -r line; do
     # shellcheck disable=SC2086
     [ -n "$line" ] && judge_shape "$fam" $line
   done < <(shapes "$fam")
-  if [ "$fam" = ctc ] && [ ! -f "$REPORTS/$run/ctc_diagnostics.json" ]; then  # blanks, collapse, depth by depth
-    OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" recipes/ctc_diagnostics.py --draft "runs/$run/export" --refs "$REFS" \
-      --num-prompts 10 --out "$REPORTS/$run/ctc_diagnostics.json" > "runs/logs/ctc-diagnostics-$run.log" 2>&1 ||
-      echo "!!! ctc diagnostics failed (runs/logs/ctc-diagnostics-$run.log)"
+  diag=$(plan "$fam" diagnostics)  # its own diagnostics script, if it declares one (CTC: blanks, collapse, depths)
+  if [ -n "$diag" ] && [ ! -f "$(diagnostics_of "$fam")" ]; then
+    OMP_NUM_THREADS=1 nice -n "$NICE" "$PY" "$diag" --draft "runs/$run/export" --refs "$REFS" \
+      --num-prompts 10 --out "$(diagnostics_of "$fam")" > "runs/logs/diagnostics-$run.log" 2>&1 ||
+      echo "!!! $diag failed (runs/logs/diagnostics-$run.log)"
   fi
+}
+
+diagnostics_of() {  # diagnostics_of <fam>: where its diagnostics go, REPORTS/<run>/<script's stem>.json
+  local diag
+  diag=$(plan "$1" diagnostics)
+  diag=${diag##*/}
+  echo "$REPORTS/$PREFIX-$1/${diag%.py}.json"
 }
 
 judge_free() {  # judge_free <fam> <script>: a learning-free run (no training), judged by its own script on the field
@@ -229,7 +247,7 @@ kept_complete() {  # kept_complete <fam>: every shape's report kept in REPORTS c
     [ -n "$shape" ] || continue
     { $TABLE done --report "$d" --refs "$REFS" || { [ -f "$d/probe.json" ] && [ ! -f "$d/field.json" ]; }; } || return 1
   done <<< "$(shapes "$fam")"  # read whole: the loop may return before its last line
-  [ "$fam" != ctc ] || [ -f "$REPORTS/$run/ctc_diagnostics.json" ]
+  [ -z "$(plan "$fam" diagnostics)" ] || [ -f "$(diagnostics_of "$fam")" ]
 }
 
 one() {  # one run in one slot: train, judge, then the table as it stands
@@ -244,7 +262,7 @@ one() {  # one run in one slot: train, judge, then the table as it stands
 }
 
 echo "=== field_families: N=$N LENGTH=$LENGTH STEPS=$STEPS JOBS=$JOBS FAMILIES=$FAMILIES $(stamp)"
-[ -n "$FAMILIES" ] || { echo "!!! no runs to do (FAMILIES, or $PLAN runs)"; exit 2; }
+[ -n "$FAMILIES" ] || { echo "!!! no runs to do (FAMILIES, or recipes/field_plan.py runs)"; exit 2; }
 for fam in $FAMILIES; do family_args "$fam" > /dev/null || exit 2; done  # an unknown run fails before the cache
 build_cache || exit 1
 running=0

@@ -36,11 +36,20 @@ PLOT_LIMIT = 200_000  # bytes: a field.png over this is not kept
 OFF_POLICY = "off_policy.json"
 CLAIMS = "paper_claims.json"  # the seed papers' orderings and the report pairs that answer them
 NOTES = "notes.md"  # hand-written, appended to the generated page as it stands
-REFERENCE = "ff-eagle3"  # the equal-budget EAGLE-3 run every other family is paired with
+PREFIX = "ff"  # the recipe's run prefix (RUN_PREFIX): runs are <prefix>-<run>
 TREE_SHAPES = ("tree16", "beam8x3", "paths8", "mixed10x10")
 SHAPE_WORDS = {"chain4": "chain of 4", "chain": "chain", "tree16": "16-node tree", "beam8x3": "8 beams x 3",
                "paths8": "8 collapsed paths", "mixed10x10": "10 rows x 10 (context + bigram)",
                "lookup4": "prompt lookup, 4"}
+
+
+def reference_run(prefix: str = PREFIX) -> str:
+    """The equal-budget run every other is paired with: the one its family declares the reference (FieldRun.reference;
+    EAGLE-3), "" when none is."""
+    from models.registry import field_runs
+
+    ref = next((name for name, run in field_runs().items() if run.reference), None)
+    return f"{prefix}-{ref}" if ref else ""
 
 
 # -- the recipe's steps ------------------------------------------------------------------------------------------
@@ -233,7 +242,8 @@ def load_runs(reports: Path) -> dict[str, dict]:
                 entry["probe"] = json.loads((f / "probe.json").read_text())
             fields[shape] = entry
         fam = (t or {}).get("family") or d.name.split("-", 1)[-1]
-        diag = json.loads((d / "ctc_diagnostics.json").read_text()) if (d / "ctc_diagnostics.json").is_file() else None
+        # a family's own diagnostics (FieldRun.diagnostics: REPORTS/<run>/<script's stem>.json; CTC's)
+        diag = next((json.loads(f.read_text()) for f in sorted(d.glob("*diagnostics.json"))), None)
         runs[d.name] = {"family": fam, "train": t, "fields": fields, "diagnostics": diag}
     return runs
 
@@ -266,9 +276,10 @@ def _rank(r: dict) -> int:
     return list(FAMILIES).index(fam) if fam in FAMILIES else len(FAMILIES)
 
 
-def build_table(reports: Path, command: str, reference: str = REFERENCE, shown: str | None = None) -> str:
+def build_table(reports: Path, command: str, reference: str | None = None, shown: str | None = None) -> str:
     from eval.field.report import paired
 
+    reference = reference or reference_run()
     runs = load_runs(reports)
     ref = runs.get(reference)
     off = json.loads((reports / OFF_POLICY).read_text()) if (reports / OFF_POLICY).is_file() else {}
@@ -489,7 +500,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("table", help="write the families table (the default)")
     p.add_argument("--reports", default=str(REPORTS))
     p.add_argument("--out", default=str(OUT))
-    p.add_argument("--reference", default=REFERENCE, help="the EAGLE-3 run the others are paired with")
+    p.add_argument("--reference", default=None, help="the run the others are paired with (default: the one its "
+                   "family declares the reference, ff-eagle3)")
     p = sub.add_parser("collect", help="a finished run's train.json")
     p.add_argument("--run", required=True)
     p.add_argument("--family", required=True)

@@ -187,13 +187,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reports", default=str(ff.REPORTS))
     ap.add_argument("--drafts", default=str(DRAFTS))
-    ap.add_argument("--reference", default=ff.REFERENCE)
+    ap.add_argument("--reference", default=None, help="the run the others are paired with (default: the declared one)")
     ap.add_argument("--out", default=str(OUT))
     a = ap.parse_args(argv)
     import os
 
     os.chdir(ROOT)
-    text = build_page(Path(a.reports), Path(a.drafts), a.reference)
+    text = build_page(Path(a.reports), Path(a.drafts), a.reference or ff.reference_run())
     if a.out == "-":
         sys.stdout.write(text)
     else:

@@ -262,6 +262,60 @@ def test_the_list_scan_finds_a_planted_list(tmp_path):
         "recipes/x.sh:2: eagle3, hydra, medusa", "recipes/x.sh:4: ctc, hydra, medusa"]
 
 
+# A shell script's branch on ONE family (`[ "$fam" = ctc ]`, a `case` arm `eagle3)`) is a fact of that family kept
+# outside its folder: the script asks recipes/field_plan.py (the families' FieldRun declarations) instead. An
+# experiment that trains a chosen few families by hand keeps its arms here with the reason.
+_SHELL_TEST = re.compile(r"(?:!=|==|=)\s*\"?([\w+]+)\"?\s*(?=\]|&&|\|\||;|$)")
+_CASE_ARM = re.compile(r"^\s*([\w+]+(?:\s*\|\s*[\w+]+)*)\s*\)")
+BRANCH_EXCEPTIONS = {
+    "recipes/best.sh": (6, "the best-per-family experiment's own recipe per family (one arm each)"),
+    "recipes/block_drafters_equal_data.sh": (4, "the block-drafter comparison's own runs: EAGLE-3 and the block "
+                                                "families (one arm)"),
+    "recipes/eagle3_levers_field.sh": (1, "the EAGLE-3 levers experiment's P-EAGLE arm"),
+    "launch/gpu_check.sh": (2, "its stage `eagle3` (the payoff window's EAGLE-3 training) is a stage's name"),
+}
+
+
+def script_branches(text: str) -> list[tuple[int, str]]:
+    """(line, family) of every test against, or case arm on, a family name in a shell script (comments aside)."""
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        code = "" if line.lstrip().startswith("#") else line.split(" #", 1)[0]
+        words = _SHELL_TEST.findall(code) + [w.strip() for m in _CASE_ARM.findall(code) for w in m.split("|")]
+        out += [(n, NAMES[w]) for w in words if w in NAMES]
+    return out
+
+
+def unexpected_branches(root: Path = ROOT) -> list[str]:
+    bad = []
+    for pattern in SCRIPTS:
+        for path in sorted(root.glob(pattern)):
+            rel = path.relative_to(root).as_posix()
+            found = script_branches(path.read_text())
+            allowed = BRANCH_EXCEPTIONS.get(rel, (0, ""))[0]
+            if len(found) > allowed:
+                bad += [f"{rel}:{n}: {fam}" for n, fam in found] + ([f"{rel}: BRANCH_EXCEPTIONS allows {allowed}"]
+                                                                   if allowed else [])
+    return bad
+
+
+def test_no_script_branches_on_one_family():
+    bad = unexpected_branches()
+    assert not bad, ("declare the fact in the family's FieldRun (models/family.py) and read it through "
+                     "recipes/field_plan.py instead of branching on its name:\n" + "\n".join(bad))
+
+
+def test_the_branch_scan_finds_a_planted_branch(tmp_path):
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "x.sh").write_text('# [ "$fam" = ctc ] in a comment is no branch\n'
+                                               '[ "$fam" = ctc ] && echo diag\n'
+                                               'if [ "$fam" != eagle3 ]; then :; fi\n'
+                                               'case $f in\n  hydra_pp | medusa) echo x ;;\n  *) ;;\nesac\n'
+                                               '[ "$FIELD" = 1 ] && [ "$x" = ctcs ]\n')
+    assert unexpected_branches(tmp_path) == ["recipes/x.sh:2: ctc", "recipes/x.sh:3: eagle3",
+                                             "recipes/x.sh:5: hydra", "recipes/x.sh:5: medusa"]
+
+
 def _imports(path: Path) -> set[str]:
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):

@@ -98,3 +98,47 @@ def test_a_family_without_a_declaration_runs_once_as_itself(toy_family, monkeypa
                                                             field_runs=(FieldRun("medusa", "M", "x.py"),)))
     with pytest.raises(ValueError, match="declared already"):
         field_runs()
+
+
+# What the recipe's single-name branches did before the declarations (against_of, the probe skip, the CTC step):
+# chains against EAGLE-3's chain4, trees / beams / paths against its tree16; EAGLE-3 itself against nothing.
+OLD_AGAINST = {"tree16": "eagle3 tree16", "beam8x3": "eagle3 tree16", "paths8": "eagle3 tree16"}
+OLD_BATCHED = {"eagle3", "peagle"}  # judged on the batched (lockstep) path: no one-prompt probe first
+OLD_DIAGNOSTICS = {"ctc": "recipes/ctc_diagnostics.py"}
+
+
+def _dump(capsys) -> dict[tuple[str, str], list[str]]:
+    rc, out, err = _out(capsys, "dump")
+    assert rc == 0 and err == ""
+    got: dict[tuple[str, str], list[str]] = {}
+    for line in out.splitlines():
+        run, key, value = line.split("\t")
+        got.setdefault((run, key), []).append(value)
+    return got
+
+
+def test_the_dump_holds_every_answer_and_the_old_branches(capsys):
+    got = _dump(capsys)
+    assert got[("-", "runs")] == [OLD_FAMILIES] and got[("-", "reference")] == ["eagle3"]
+    for run in OLD_ARGS:
+        assert got[(run, "args")] == [OLD_ARGS[run]] and got[(run, "label")] == [OLD_LABELS[run]]
+        assert got[(run, "shape")] == OLD_SHAPES[run]
+        assert got[(run, "batched")] == [str(int(run in OLD_BATCHED))]
+        assert got[(run, "diagnostics")] == [OLD_DIAGNOSTICS.get(run, "")]
+        if run == "ngram":  # learning-free: judged by its own script, never paired
+            continue
+        for line in OLD_SHAPES[run]:
+            shape = line.split()[0]
+            want = "" if run == "eagle3" else OLD_AGAINST.get(shape, "eagle3 chain4")
+            assert got[(run, f"against:{shape}")] == [want], (run, shape)
+
+
+def test_two_references_fail(monkeypatch):
+    from models import families
+    from models.family import FamilyFacts, FamilySpec, FieldRun
+    from models.registry import field_runs
+
+    monkeypatch.setitem(families.SPECS, "other", FamilySpec("other", FamilyFacts("other", "O", trainable=False),
+                                                            field_runs=(FieldRun("o", "O", "o.py", reference=True),)))
+    with pytest.raises(ValueError, match="each declared the reference"):
+        field_runs()
