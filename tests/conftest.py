@@ -112,8 +112,8 @@ def fit_draft(draft, batches, view, loss_cfg, *, steps: int, lr: float):
 
 def assert_chunked_matches_reference(draft, batch, view, **loss_kw) -> tuple[list, list]:
     """The fused chunked loss and the plain reference (loss.chunked=false) on one batch: same loss, same
-    gradients, same per-depth counts. Returns both paths' per-depth stats (DepthStats lists) for further
-    checks; the reference ran last, so .grad holds its gradients."""
+    gradients (of the trainable parameters), same per-depth counts. Returns both paths' per-depth stats (DepthStats
+    lists) for further checks; the reference ran last, so .grad holds its gradients."""
     from train.config import LossSection
 
     results = []
@@ -121,7 +121,8 @@ def assert_chunked_matches_reference(draft, batch, view, **loss_kw) -> tuple[lis
         draft.zero_grad()
         out = draft.loss(batch, view, LossSection(chunked=chunked, **loss_kw))
         out.loss.backward()
-        results.append((out.loss.detach(), [p.grad.clone() for p in draft.parameters()], out.per_depth))
+        results.append((out.loss.detach(), [p.grad.clone() for p in draft.parameters() if p.requires_grad],
+                        out.per_depth))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     for g1, g2 in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(g1, g2, rtol=1e-4, atol=1e-6)

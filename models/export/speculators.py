@@ -1,7 +1,8 @@
 """The speculators format's pieces every family that writes it shares (EAGLE-3, DFlash, DSpark; each family's
 layout is in its own package: models/families/<name>/export_speculators.py): the verifier path, the tensors under
-speculators' names with the draft vocabulary as speculators stores it, the Qwen3 layer config of a block-parallel
-draft, and reading the tensors back.
+speculators' names with the draft vocabulary as speculators stores it, the Qwen3 layer config and the config.json of
+a block-parallel draft (DFlash, DSpark: what they write alike; each adds its own keys), and reading the tensors back
+into a draft.
 
 Draft-id order: speculators builds its LM head as W[t2d] (rows in ascending target id), so the rows are written
 sorted by target id; d2t offsets are then increasing and both readers agree. Our own draft vocabulary keeps "most
@@ -71,6 +72,35 @@ def qwen3_layer_config(draft) -> dict:
     return layer
 
 
+def block_draft_config(draft, model_type: str, architecture: str, verifier: str,
+                       speculative_tokens: int | None = None) -> dict:
+    """The config.json keys DFlash and DSpark write alike (draft: models.components.BlockDraft): `model_type` is
+    speculators_model_type and the algorithm, `architecture` the class vLLM builds; sample_from_anchor is whether the
+    root's slot drafts too (BlockDraft.anchor_drafts); the greedy proposal drafts speculative_tokens (None: one per
+    drafted slot, draft.num_heads). The family adds its own keys."""
+    arch = list(draft.layer_config.to_dict().get("architectures") or ["LlamaForCausalLM"])
+    tokens = int(speculative_tokens or draft.num_heads)
+    return {
+        "speculators_model_type": model_type,
+        "architectures": [architecture],
+        "transformer_layer_config": qwen3_layer_config(draft),
+        "draft_vocab_size": draft.draft_vocab_size or draft.vocab_size,
+        "block_size": draft.block_size,
+        "target_hidden_size": draft.hidden_size,
+        "aux_hidden_state_layer_ids": list(draft.aux_layers),
+        "mask_token_id": draft.mask_token_id,
+        "sliding_window_non_causal": True,
+        "sample_from_anchor": bool(draft.anchor_drafts),
+        "speculators_config": {
+            "algorithm": model_type,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": arch},
+        },
+    }
+
+
 def read_speculators_tensors(export_dir: Path, config: dict, base: BaseView) -> tuple[dict, BaseView]:
     """(tensors, the view on `base` with the draft vocabulary) of a speculators checkpoint (EAGLE-3, DFlash):
     speculators' `d2t` offsets become target ids under "d2t", the `t2d` mask is dropped."""
@@ -85,3 +115,13 @@ def read_speculators_tensors(export_dir: Path, config: dict, base: BaseView) -> 
         raise ValueError(f"{export_dir}: draft_vocab_size={n} < V={base.vocab_size} but no d2t tensor")
     view = BaseView(base.lm_head_weight, base.embed_weight, base.hidden_size, base.vocab_size, base.model, d2t)
     return tensors, view
+
+
+def load_strict(draft, tensors: dict, export_dir: Path):
+    """`draft` (built from the checkpoint's config.json) with the checkpoint's tensors, in eval mode; a tensor
+    missing or left over is an error naming the first few of each."""
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{export_dir}: tensors do not match the {draft.facts.title} draft its config.json describes "
+                         f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return draft.eval()

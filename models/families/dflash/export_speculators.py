@@ -39,32 +39,12 @@ from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
 from models.draft import BaseView
-from models.export.speculators import qwen3_layer_config, read_speculators_tensors, speculators_tensors
+from models.export.speculators import block_draft_config, load_strict, read_speculators_tensors, speculators_tensors
 from models.families.dflash.model import DFlashDraft
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 def dflash_speculators_config(draft: DFlashDraft, verifier: str, speculative_tokens: int | None = None) -> dict:
-    arch = list(draft.layer_config.to_dict().get("architectures") or ["LlamaForCausalLM"])
-    tokens = int(speculative_tokens or draft.block_size - 1)
-    return {
-        "speculators_model_type": "dflash",
-        "architectures": ["DFlashSpeculator"],
-        "transformer_layer_config": qwen3_layer_config(draft),
-        "draft_vocab_size": draft.draft_vocab_size or draft.vocab_size,
-        "block_size": draft.block_size,
-        "target_hidden_size": draft.hidden_size,
-        "aux_hidden_state_layer_ids": list(draft.aux_layers),
-        "mask_token_id": draft.mask_token_id,
-        "sliding_window_non_causal": True,
-        "sample_from_anchor": False,
-        "speculators_config": {
-            "algorithm": "dflash",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": arch},
-        },
-    }
+    return block_draft_config(draft, "dflash", "DFlashSpeculator", verifier, speculative_tokens)
 
 
 def dflash_speculators_tensors(draft: DFlashDraft, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -124,8 +104,4 @@ def load_dflash_speculators(export_dir: Path, base: BaseView) -> DFlashDraft:
         tensors["mask_embedding"] = state["embedding"] if isinstance(state, dict) else state
     else:
         tensors["mask_embedding"] = draft.mask_embedding.detach().clone()  # the base's row of the mask token
-    missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{export_dir}: tensors do not match a DFlash draft (missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]})")
-    return draft.eval()
+    return load_strict(draft, tensors, export_dir)

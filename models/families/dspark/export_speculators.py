@@ -33,38 +33,16 @@ from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
 from models.draft import BaseView
-from models.export.speculators import qwen3_layer_config, read_speculators_tensors, speculators_tensors
+from models.export.speculators import block_draft_config, load_strict, read_speculators_tensors, speculators_tensors
 from models.families.dspark.model import DSparkDraft
 
 MODEL_TYPE = "dspark"
 
 
 def dspark_speculators_config(draft: DSparkDraft, verifier: str, speculative_tokens: int | None = None) -> dict:
-    arch = list(draft.layer_config.to_dict().get("architectures") or ["LlamaForCausalLM"])
-    tokens = int(speculative_tokens or draft.block_size)
-    return {
-        "speculators_model_type": MODEL_TYPE,
-        "architectures": ["Qwen3DSparkModel"],
-        "transformer_layer_config": qwen3_layer_config(draft),
-        "draft_vocab_size": draft.draft_vocab_size or draft.vocab_size,
-        "block_size": draft.block_size,
-        "target_hidden_size": draft.hidden_size,
-        "aux_hidden_state_layer_ids": list(draft.aux_layers),
-        "mask_token_id": draft.mask_token_id,
-        "sliding_window_non_causal": True,
-        "sample_from_anchor": True,
-        "markov_rank": draft.markov_rank,
-        "markov_head_type": "vanilla",
-        "enable_confidence_head": True,
-        "confidence_head_with_markov": True,
-        "speculators_config": {
-            "algorithm": MODEL_TYPE,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": arch},
-        },
-    }
+    return {**block_draft_config(draft, MODEL_TYPE, "Qwen3DSparkModel", verifier, speculative_tokens),
+            "markov_rank": draft.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": True,
+            "confidence_head_with_markov": True}
 
 
 def dspark_speculators_tensors(draft: DSparkDraft, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -112,8 +90,4 @@ def load_dspark_speculators(export_dir: Path, base: BaseView) -> DSparkDraft:
                         int(config["block_size"]), int(config["mask_token_id"]),
                         markov_rank=int(config["markov_rank"]), init_weights=False)
     tensors["mask_embedding"] = draft.mask_embedding.detach().clone()  # the base's row of the mask token
-    missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{export_dir}: tensors do not match a DSpark draft (missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]})")
-    return draft.eval()
+    return load_strict(draft, tensors, export_dir)

@@ -55,7 +55,7 @@ from safetensors.torch import save_file
 
 from core.atomic import write_dir_atomic
 from models.draft import BaseView
-from models.export.speculators import read_speculators_tensors, speculators_tensors, verifier_path
+from models.export.speculators import load_strict, read_speculators_tensors, speculators_tensors, verifier_path
 from models.export.vllm import TUNED_TOKENS_KEY
 from models.families.eagle3.model import MAX_LAYERS, NORM_VARIANTS, Eagle3Draft
 
@@ -150,8 +150,4 @@ def load_speculators(export_dir: Path, base: BaseView) -> Eagle3Draft:
     draft = Eagle3Draft(view, config["eagle_aux_hidden_state_layer_ids"], min(max(steps, 1), 7), init_from_base=False,
                         parallel_drafting=parallel, mask_token_id=config.get("mask_token_id"), num_layers=layers,
                         **{key: bool(config.get(key, False)) for key in NORM_VARIANTS})
-    missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{export_dir}: tensors do not match an EAGLE-3 draft (missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]})")
-    return draft.eval()
+    return load_strict(draft, tensors, export_dir)
