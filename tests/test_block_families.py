@@ -1,4 +1,4 @@
-"""What the block draft families (models/components.py: BlockDraft) have in common, checked on each of them: on DFlash,
+"""What the block draft families (models/block_draft.py: BlockDraft) have in common, checked on each of them: on DFlash,
 DSpark and Domino, training blocks equal inference blocks, the chunked loss equals the reference, the block rules of
 the recipe and the specdraft export round trip; on the chain families (DSpark, Domino), greedy losslessness (random
 and trained drafts, both backends, a draft vocabulary), rejection sampling, the builder and the recipe's smoke train

@@ -71,7 +71,7 @@ def parity_smollm2_heads(tmp_path_factory) -> dict:
     in fp64: this random base's activations are large (losses near 100, gradients up to 17), and fp32 rounding alone
     moved CTC's gradients by up to 2.5e-5 of their size. In fp64 Hydra++ and CTC agree to 1e-15; EAGLE-3's and the
     block drafts' attention compute their scores in fp32 whatever the dtype (models/families/eagle3/ttt.py,
-    models/components.py: block_attention), which leaves them at 1.5e-7."""
+    models/block_draft.py: block_attention), which leaves them at 1.5e-7."""
     out = tmp_path_factory.mktemp("sp3") / "sp.json"
     return _run_ranks(out, ["--families", ",".join(FAMILIES), "--steps", "3", "--layers", "2", "--heads", "9,3",
                             "--dtype", "float64"], world=3)

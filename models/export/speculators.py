@@ -55,7 +55,7 @@ _DROP_QWEN3_LAYER_KEYS = ("_name_or_path", "transformers_version", "torch_dtype"
 
 def qwen3_layer_config(draft) -> dict:
     """The base's dimensions as the Qwen3 config vLLM builds the layers of a block-parallel draft from
-    (`transformer_layer_config` of DFlash and DSpark; draft: models.components.BlockDraft)."""
+    (`transformer_layer_config` of DFlash and DSpark; draft: models.block_draft.BlockDraft)."""
     layer = draft.layer_config.to_dict()
     for key in _DROP_QWEN3_LAYER_KEYS:
         layer.pop(key, None)
@@ -74,7 +74,7 @@ def qwen3_layer_config(draft) -> dict:
 
 def block_draft_config(draft, model_type: str, architecture: str, verifier: str,
                        speculative_tokens: int | None = None) -> dict:
-    """The config.json keys DFlash and DSpark write alike (draft: models.components.BlockDraft): `model_type` is
+    """The config.json keys DFlash and DSpark write alike (draft: models.block_draft.BlockDraft): `model_type` is
     speculators_model_type and the algorithm, `architecture` the class vLLM builds; sample_from_anchor is whether the
     root's slot drafts too (BlockDraft.anchor_drafts); the greedy proposal drafts speculative_tokens (None: one per
     drafted slot, draft.num_heads). The family adds its own keys."""

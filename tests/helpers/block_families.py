@@ -1,4 +1,4 @@
-"""The block draft families (models/components.py: BlockDraft) as their tests build them: one small factory per
+"""The block draft families (models/block_draft.py: BlockDraft) as their tests build them: one small factory per
 family, so that tests/test_block_families.py checks what they share on each of them with the same drafts their own
 modules (tests/test_dflash.py, test_dspark.py, test_domino.py) check the rest on."""
 

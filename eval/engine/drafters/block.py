@@ -1,4 +1,4 @@
-"""What every block family's drafter (DFlash, DSpark, Domino: models/components.py BlockDraft) does the same way:
+"""What every block family's drafter (DFlash, DSpark, Domino: models/block_draft.py BlockDraft) does the same way:
 hold the draft's context cache and, at the start of each propose, append the positions the base committed since the
 last call (their aux states) to it. The family's drafter then drafts its block from the cache and the root."""
 

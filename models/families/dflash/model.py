@@ -32,7 +32,7 @@ Inference (`new_cache`, `commit_context`, `draft_block`): the context K/V of eac
 positions, so they are computed once per committed position and cached (vLLM does the same), and a propose step
 runs the γ block slots against the cache.
 
-The machinery (layers, block attention, anchors, the loss, the context cache) is `models.components.BlockDraft`,
+The machinery (layers, block attention, anchors, the loss, the context cache) is `models.block_draft.BlockDraft`,
 shared with DSpark (models/families/dspark/model.py); this file declares the family and its configs.
 
 Initialisation (speculators' recipe): the layers and fc start random (normal, std = the base's
@@ -44,16 +44,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.components import (  # noqa: F401 - the block pieces stay importable under their DFlash names
+from models.block_draft import (  # noqa: F401 - the block pieces stay importable under their DFlash names
     MAX_BLOCK_SIZE,
     BlockDraft,
     block_attention,
     block_attention_reference,
-    default_mask_token_id,
 )
-from models.components import BlockAttention as DFlashAttention  # noqa: F401
-from models.components import BlockCache as DFlashCache  # noqa: F401
-from models.components import BlockLayer as DFlashLayer  # noqa: F401
+from models.block_draft import BlockAttention as DFlashAttention  # noqa: F401
+from models.block_draft import BlockCache as DFlashCache  # noqa: F401
+from models.block_draft import BlockLayer as DFlashLayer  # noqa: F401
+from models.components import default_mask_token_id  # noqa: F401
 from models.family import FamilyFacts
 
 

@@ -6,7 +6,7 @@ A slot's distribution depends on every token drafted before it, so a static Medu
 depth) would give a child a parent its correction was not computed from: Domino drafts chains only here.
 (TensorRT-Edge-LLM's Domino decoder grows trees by rerunning the GRU per branch; not done here.)
 
-Own cache (models.components.BlockCache): the context keys / values of every committed position, per layer,
+Own cache (models.block_draft.BlockCache): the context keys / values of every committed position, per layer,
 appended from state.new_aux on every propose() (as DFlash's drafter). Drafts are deterministic (argmax), so
 rejection sampling treats them as point masses and stays lossless.
 

@@ -5,7 +5,7 @@ DFlash fills a block in one non-causal forward, so a slot never sees the tokens 
 Domino keeps that forward and corrects each slot's logits with a small recurrent state of the block's earlier
 tokens. At base position t (committed x_0..x_t, the base's aux states at 0..t known, the root x_{t+1} chosen), one
 forward of the block [x_{t+1}, M, ..., M] (γ = block_size slots at positions t+1 .. t+γ) through DFlash's layers
-(models/components.py: BlockDraft; the math: ../dflash/model.py) gives h_0 .. h_{γ-1} (after the final norm).
+(models/block_draft.py: BlockDraft; the math: ../dflash/model.py) gives h_0 .. h_{γ-1} (after the final norm).
 Every slot drafts, the root's included (SpecForge's `shift_label`): slot k predicts depth k+1. Left to right:
 
     p_0   = x_{t+1}                                          the root
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from models.components import BlockCache, BlockDraft
+from models.block_draft import BlockCache, BlockDraft
 from models.draft import BaseView
 from models.family import FamilyFacts
 
@@ -141,7 +141,7 @@ class DominoDraft(BlockDraft):
         proj = self.correction.embed_proj
         return proj[1](proj[0](torch.cat([h, g.to(h.dtype)], dim=-1).to(proj[0].weight.dtype)))
 
-    # -- training hooks (models/components.py: BlockDraft._block_loss) -----------------------------------
+    # -- training hooks (models/block_draft.py: BlockDraft._block_loss) -----------------------------------
 
     def row_features(self, out: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[h ; SiLU(W_in [h ; g])] against [lm_head | W_out]: logits = lm_head(h) + W_out SiLU(W_in [h ; g]) in one

@@ -8,7 +8,7 @@ only. The confidence head's per-slot acceptance estimates c_k can cut the chain 
 = τ > 0 the drafter keeps depth k while Π_{j<=k} c_j >= τ (vLLM's adaptive verification ranks requests by the same
 product); τ = 0 (the default) always drafts num_speculative_tokens tokens.
 
-Own cache (models.components.BlockCache): the context keys / values of every committed position, per layer,
+Own cache (models.block_draft.BlockCache): the context keys / values of every committed position, per layer,
 appended from state.new_aux on every propose() (as DFlash's drafter). Drafts are deterministic (argmax), so
 rejection sampling treats them as point masses and stays lossless.
 """

@@ -4,7 +4,7 @@ models/families/dspark/export_speculators.py).
 
 At base position t (committed x_0..x_t, the base's aux states at 0..t known, the root x_{t+1} chosen), one forward
 of the block [x_{t+1}, M, ..., M] (γ = block_size slots at positions t+1 .. t+γ) through DFlash's layers
-(models/components.py: BlockDraft; the math: ../dflash/model.py) gives h_0 .. h_{γ-1} (after the final norm).
+(models/block_draft.py: BlockDraft; the math: ../dflash/model.py) gives h_0 .. h_{γ-1} (after the final norm).
 Unlike DFlash, every slot drafts, the root's included (speculators' / vLLM's `sample_from_anchor`): slot k predicts
 the token after its own position, depth k+1, so one forward drafts γ tokens. Left to right inside the block:
 
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from losses.block import acceptance_bce
-from models.components import BlockCache, BlockDraft
+from models.block_draft import BlockCache, BlockDraft
 from models.draft import BaseView
 from models.family import FamilyFacts
 
@@ -140,7 +140,7 @@ class DSparkDraft(BlockDraft):
         x = torch.cat([head_in, emb.to(head_in.dtype)], dim=-1)
         return self.confidence_head.proj(x.to(self.confidence_head.proj.weight.dtype)).squeeze(-1)
 
-    # -- training hooks (models/components.py: BlockDraft._block_loss) -----------------------------------
+    # -- training hooks (models/block_draft.py: BlockDraft._block_loss) -----------------------------------
 
     def row_features(self, out: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[norm(h) ; W1[prev]] against [lm_head | W2]: logits = lm_head(norm(h)) + W2 W1[prev], in one linear map."""
