@@ -69,12 +69,6 @@ def to_base_ids(draft_ids: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tens
     return draft_ids if d2t is None else d2t[draft_ids]
 
 
-def restrict_logits(logits: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
-    """[..., V] base logits -> [..., N] over the map; a softmax over them is the base's distribution
-    restricted to the draft vocabulary and renormalised (the teacher of soft losses)."""
-    return logits if d2t is None else logits.index_select(-1, d2t)
-
-
 class DraftVocabMixin:
     """What every family with a draft vocabulary shares (mix into an nn.Module before DraftModel).
 

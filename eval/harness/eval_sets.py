@@ -412,12 +412,6 @@ EVAL_SETS: dict[str, EvalSet] = {s.name: s for s in (
 )}
 
 
-def eval_set(name: str) -> EvalSet:
-    if name not in EVAL_SETS:
-        raise ValueError(f"unknown eval set {name!r}; the sets: {', '.join(EVAL_SETS)} (eval/harness/eval_sets.py)")
-    return EVAL_SETS[name]
-
-
 def is_heldout(dataset: str) -> bool:
     """Whether `dataset` (a set name or a JSONL path) reads conversations after a training slice."""
     return dataset in EVAL_SETS and EVAL_SETS[dataset].heldout
