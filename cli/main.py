@@ -378,10 +378,16 @@ def cmd_regenerate(args) -> int:
 
 def _store_commands(args) -> dict:
     """The data card's 'made_with' / 'extend_with': this command as typed, and the same with a larger
-    --max-records (on any machine: the store seeds the build)."""
+    --max-records (on any machine: the store seeds the build), less --out: a file of the machine that ran it (the
+    store is the lasting copy), whose path a card in the repository must not carry."""
     import shlex
 
-    argv = [a for a in sys.argv[1:] if a != "--pack-only"]
+    argv, it = [], iter(a for a in sys.argv[1:] if a != "--pack-only")
+    for a in it:
+        if a == "--out":
+            next(it, None)
+        elif not a.startswith("--out="):
+            argv.append(a)
     typed = "specdraft " + shlex.join(argv)
     grow = list(argv)
     if "--max-records" in grow:

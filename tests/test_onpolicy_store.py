@@ -121,3 +121,18 @@ def test_pack_only_copies_a_running_builds_partial_file(base, tmp_path, monkeypa
     store = tmp_path / "store"
     build_self_distilled(base, FIXTURE, max_records=6, cache_dir=tmp_path, store=store, pack_only=True, **KW)
     assert calls == [] and read_card(store)["conversations"] == 2
+
+
+def test_the_cards_commands_leave_out_the_machines_out_file(monkeypatch):
+    """A store's card is tracked: its commands name no file of the machine that made it (--out, a scratch path)."""
+    from types import SimpleNamespace
+
+    from cli.main import _store_commands
+
+    monkeypatch.setattr("sys.argv", ["specdraft", "regenerate", "--source", "sharegpt", "--out", "/scratch/a.jsonl",
+                                     "--max-records", "12", "--out=/scratch/b.jsonl", "--store", "datasets/x",
+                                     "--pack-only"])
+    got = _store_commands(SimpleNamespace(store="datasets/x"))
+    assert got["made_with"] == "specdraft regenerate --source sharegpt --max-records 12 --store datasets/x"
+    assert got["extend_with"].startswith("specdraft regenerate --source sharegpt --max-records N --store datasets/x")
+    assert "/scratch" not in str(got)
