@@ -8,8 +8,8 @@ replay.py), whose verification is a lookup in the stored answer. The per-step ac
 
 Two paths, and every report names its own (`meta["path"]`, field_report.path_label): `exact`, one prompt at a time
 through that decoder loop; `batched`, prompts stepped together where the family declares that path (its role module
-`lockstep`, found like its drafter: eval/engine/drafters/registry.py, run_lockstep; EAGLE-3 has one), whose
-agreement with the exact path is measured on a sample of the run's own prompts re-decoded one at a time
+`lockstep`, found like its drafter: eval/engine/drafters/registry.py, run_lockstep; EAGLE-3 and Hydra have one),
+whose agreement with the exact path is measured on a sample of the run's own prompts re-decoded one at a time
 (`measure_agreement`, recorded in `meta["agreement"]`), not assumed.
 
 Acceptance length here = mean over decode steps of (accepted drafts + 1), counted before end-of-turn / length
@@ -31,9 +31,10 @@ from core.atomic import write_json_atomic
 from core.jsonl import read_finished_rows
 
 CACHE_FORMAT = 1
-# Prompts stepped together for an EAGLE-3 draft (run_field; 0 = one at a time). Measured on the shipped draft, 144
-# cached prompts, 1 thread (a box at load 3-4): chain-4 6.9 / 6.0 / 6.1 ms a step at widths 32 / 64 / 128, tree
-# 8.9 / 6.9 at 32 / 64; wider batches make the LM head's product more efficient until the tail of the queue dominates.
+# Prompts stepped together for a draft whose family has a batched path (run_field; 0 = one at a time). Measured on
+# the shipped EAGLE-3, 144 cached prompts, 1 thread (a box at load 3-4): chain-4 6.9 / 6.0 / 6.1 ms a step at widths
+# 32 / 64 / 128, tree 8.9 / 6.9 at 32 / 64; wider batches make the LM head's product more efficient until the tail of
+# the queue dominates.
 LOCKSTEP_WIDTH = 64
 # Prompts of a batched (lockstep) run re-decoded one at a time to measure its agreement with the exact path (0 = none).
 AGREEMENT_SAMPLE = 8
@@ -344,10 +345,10 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
     """Simulate `drafter` on this rank's share of `refs`; rows go to out_dir/rows-<rank>.jsonl as each prompt
     ends (a rerun continues after the last one written). Returns this rank's rows.
 
-    lockstep: for a drafter whose family declares a batched path (run_lockstep: EAGLE-3's), that many prompts
-    advance together, the draft's weight-heavy ops batched over them (agreement with the per-prompt path is tested,
-    not bitwise); 0, or any other family: one prompt at a time through the unchanged decoder loop (`simulate`), the
-    reference."""
+    lockstep: for a drafter whose family declares a batched path (run_lockstep: EAGLE-3's, Hydra's), that many
+    prompts advance together, the draft's weight-heavy ops batched over them (agreement with the per-prompt path is
+    tested, not bitwise); 0, or any other family: one prompt at a time through the unchanged decoder loop
+    (`simulate`), the reference."""
     from tqdm import tqdm
 
     from data.self_distill import end_of_turn_ids
@@ -383,9 +384,9 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
 
             run_lockstep = lockstep_runner(drafter)
 
-            def load(r):
-                _, aux, differs = load_cached(directory, r, device)
-                return aux, differs
+            def load(r):  # the base's rows the draft reads: its aux layers (EAGLE-3), else the hidden states
+                hidden, aux, differs = load_cached(directory, r, device)
+                return (aux if aux_layers else hidden), differs
 
             def redo(r):
                 hidden, aux, differs = load_cached(directory, r, device)

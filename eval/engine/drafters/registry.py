@@ -21,10 +21,12 @@ and, where the default does not fit (a module that leaves one out gets it):
                     (default: None, any depth)
     target_key      report extra -> its acceptance-target key in docs/lab/results.md (default: the family name)
     run_lockstep    the field benchmark's batched path (eval/field/simulation.py): (drafter, prompts, load, n_of, eos,
-                    done, *, width, redo) -> prompts redone, its prompts stepped together (default: None, the
-                    per-prompt path)
+                    done, *, width, redo) -> prompts redone, its prompts stepped together; load(ref) -> (the base's
+                    rows the draft reads at every position: its aux layers where it lists aux_layers, else the final
+                    hidden states; differs) (default: None, the per-prompt path)
 The package's role modules `tune` and `lockstep` (models/families/<name>/tune.py, lockstep.py), where there are
-some, add the optional declarations they hold (EAGLE-3's tune shapes and target key; its batched field path).
+some, add the optional declarations they hold (EAGLE-3's tune shapes and target key; the batched field paths of
+EAGLE-3 and Hydra).
 """
 
 from __future__ import annotations

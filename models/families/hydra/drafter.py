@@ -25,6 +25,7 @@ from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import (
     heads_max_speculative_tokens,
+    near_ties,
     static_chain,
     static_num_speculative_tokens,
     static_shape,
@@ -45,6 +46,7 @@ class _Level:
     child_slot: torch.Tensor  # [n_k] which expanded node (row of path_nodes) is each one's parent
     child_rank: torch.Tensor  # [n_k] its rank among that parent's candidates
     width: int  # top-k taken per expanded node (max rank + 1)
+    row_width: torch.Tensor  # [P] ranks each expanded node's children take (its max child rank + 1)
 
 
 class HydraDrafter(Drafter):
@@ -79,8 +81,11 @@ class HydraDrafter(Drafter):
             slot = torch.searchsorted(expanded, parents)  # [n_k]
             # A depth-(k-1) node's ancestors are the True entries of its mask row, root first (topological order).
             path = torch.stack([tree.mask[p].nonzero().flatten() for p in expanded.tolist()])  # [P_k, k]
+            row_width = torch.zeros(len(expanded), dtype=torch.long).scatter_reduce(
+                0, slot, ranks[children] + 1, reduce="amax")  # [P_k]
             levels.append(_Level(k, path.to(self._device), children.to(self._device), slot.to(self._device),
-                                 ranks[children].to(self._device), int(ranks[children].max()) + 1))
+                                 ranks[children].to(self._device), int(ranks[children].max()) + 1,
+                                 row_width.to(self._device)))
         return levels
 
     def reset(self) -> None:
@@ -88,28 +93,49 @@ class HydraDrafter(Drafter):
 
     def _z(self, state: DecodeState) -> torch.Tensor:
         """z_t [d] for this step; with the prefix layer, commit state.new_hidden to its cache first."""
+        self._cache, z = self.context_step(self._cache, state.new_hidden)
+        return z
+
+    def context_step(self, cache, new_hidden: torch.Tensor):
+        """One prompt's z_t: new_hidden [n, d], the base rows committed since its last step (the whole prompt after
+        the prefill) -> (its prefix cache, z_t [d]). Without the prefix layer z_t = h_t (new_hidden[-1]) and the
+        cache stays None; with it, the rows are appended to `cache` (a new one when None) by one step() call."""
         prefix = self.draft.prefix
         if prefix is None:
-            return state.last_hidden.to(self._device, self._dtype)
-        new = state.new_hidden.to(self._device, self._dtype)  # [n, d]
-        if self._cache is None:
-            self._cache = prefix.new_cache(max(256, 2 * new.shape[0]), self._device, self._dtype)
-        return prefix.step(self._cache, new)[-1]
+            return cache, new_hidden[-1].to(self._device, self._dtype)
+        new = new_hidden.to(self._device, self._dtype)  # [n, d]
+        if cache is None:
+            cache = prefix.new_cache(max(256, 2 * new.shape[0]), self._device, self._dtype)
+        return cache, prefix.step(cache, new)[-1]
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> Tree:
         z = self._z(state)  # always, even for a root-only tree: the prefix cache must see every token
+        tokens, _ = self.fill_trees(z[None], torch.tensor([int(state.root)], device=self._device))
         tree = self.tree
-        tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=self._device)
-        tokens[0] = int(state.root)
+        return Tree(tokens[0].cpu(), tree.parents, tree.depths, mask=tree.mask, paths=tree.paths)
+
+    def fill_trees(self, z: torch.Tensor, roots: torch.Tensor, ties: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The static tree's tokens for B prompts at once (propose: B = 1; the field's batched path,
+        models/families/hydra/lockstep.py: every active prompt): z [B, d], roots [B] long -> (tokens [B, N] base
+        ids in the StaticTree's node order, near [B] bool or None). Depth k runs head k ONCE over the B·P_k rows of
+        every prompt's expanded depth-(k-1) nodes. ties: also flag each prompt one of whose rows has two logits
+        that decide its children within static.TIE_EPS (near_ties)."""
+        b, tree = z.shape[0], self.tree
+        tokens = torch.empty(b, tree.num_nodes, dtype=torch.long, device=self._device)
+        tokens[:, 0] = roots
+        near = torch.zeros(b, dtype=torch.bool, device=self._device) if ties else None
         for lvl in self._levels:
-            path_tokens = tokens[lvl.path_nodes]  # [P, k]: root + ancestors of each expanded node
-            p = path_tokens.shape[0]
-            logits = self.draft.head_logits(lvl.depth, z.expand(p, -1), self.draft.embed_tokens(path_tokens),
-                                            self._matmul)
-            top = logits.topk(lvl.width, dim=-1).indices  # [P, width] draft ids, rank order
-            tokens[lvl.child_nodes] = self.draft.to_base(top[lvl.child_slot, lvl.child_rank])  # base ids
-        return Tree(tokens.cpu(), tree.parents, tree.depths, mask=tree.mask, paths=tree.paths)
+            path_tokens = tokens[:, lvl.path_nodes]  # [B, P, k]: root + ancestors of each expanded node
+            p, k = path_tokens.shape[1:]
+            logits = self.draft.head_logits(lvl.depth, z[:, None].expand(b, p, -1).reshape(b * p, -1),
+                                            self.draft.embed_tokens(path_tokens.reshape(b * p, k)), self._matmul)
+            top = logits.topk(lvl.width, dim=-1).indices.view(b, p, lvl.width)  # [B, P, width] draft ids
+            tokens[:, lvl.child_nodes] = self.draft.to_base(top[:, lvl.child_slot, lvl.child_rank])  # base ids
+            if ties:
+                near |= near_ties(logits, lvl.row_width.repeat(b)).view(b, p).any(dim=1)
+        return tokens, near
 
     @torch.inference_mode()
     def true_path_ranks(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int, max_rank: int
