@@ -33,8 +33,8 @@
 # nice -n NICE; a family's slot trains it, then judges it. The cache build runs alone first (CACHE_THREADS).
 #
 # Judging (FIELD=1): `specdraft field --full` (all 1,088 stored answers, fp32, 256 tokens) per shape:
-#   medusa, hydra, hydra_pp  chain4 (tree=chain4) and tree16 (the static 16-node tree, tree=tree16); hydra and
-#                            hydra_pp batched (lockstep) with measured agreement
+#   medusa, hydra, hydra_pp  chain4 (tree=chain4) and tree16 (the static 16-node tree, tree=tree16), batched
+#                            (lockstep) with measured agreement
 #   redrafter                chain (1 beam x 5: 4 drafts) and beam8x3 (8 beams of length 3, the best-per-family row)
 #   ctc                      chain (1 collapsed path) and paths8 (8 collapsed paths)
 #   eagle3 / peagle          chain4 and tree16 (the 16-node dynamic tree), batched (lockstep) with measured agreement

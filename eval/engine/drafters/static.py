@@ -91,7 +91,8 @@ def static_shape(info: dict) -> str:
 #
 # What the families share: the slots (one prompt in flight each), the verification by lookup and
 # speculative_generate's bookkeeping, the near-tie test, the queue. What each family adds: its drafting step over
-# the rows of every active slot, by its drafter's own code (`draft(slots) -> ([B, N] base ids, [B] near ties)`).
+# the rows of every active slot, by its drafter's own code (`draft(slots) -> ([B, N] base ids, [B] near ties)`:
+# models/families/hydra/lockstep.py, models/families/medusa/lockstep.py).
 
 # Two logits of a row whose order decides a tree node closer than this are a near tie: a batched product's last bits
 # could order them otherwise than the per-prompt one, so the prompt is redone on the exact path (the same margin as

@@ -14,7 +14,9 @@ from torch import nn
 from eval.engine.drafters.drafter import DecodeState, Drafter
 from eval.engine.drafters.options import NoOptions
 from eval.engine.drafters.static import (
+    depth_widths,
     heads_max_speculative_tokens,
+    near_ties,
     static_chain,
     static_num_speculative_tokens,
     static_shape,
@@ -44,15 +46,27 @@ class MedusaDrafter(Drafter):
     def propose(self, state: DecodeState) -> Tree:
         if self.tree.depth == 0:
             return self.tree.fill(state.root, torch.zeros(0, 0, dtype=torch.long))
-        h = state.last_hidden[None]  # [1, d]
+        topk, _ = self.topk_rows(state.last_hidden[None])  # [1, D, k] draft ids, rank order
+        return self.tree.fill(state.root, to_base_ids(topk[0], getattr(self.heads, "d2t", None)))  # base ids
+
+    def topk_rows(self, h: torch.Tensor, ties: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every head's top-k for B prompts at once (propose: B = 1; the field's batched path,
+        models/families/medusa/lockstep.py: every active prompt): h [B, d], each prompt's h_t -> (topk [B, D, k]
+        draft ids in rank order, near [B] bool or None). The heads run ONCE over the B rows. ties: also flag each
+        prompt one of whose heads has two logits that decide its tree's nodes within static.TIE_EPS (near_ties)."""
         if self._dtype is not None:
             h = h.to(self._dtype)
-        logits = self.heads(h)  # [K, 1, V]
-        logits = logits.reshape(logits.shape[0], -1, logits.shape[-1])[:, -1]  # [K, V]
+        logits = self.heads(h)  # [K, B, V]
+        logits = logits.reshape(logits.shape[0], -1, logits.shape[-1])
         if logits.shape[0] < self.tree.depth:
             raise ValueError(f"heads returned {logits.shape[0]} heads, the tree needs {self.tree.depth}")
-        topk = logits[: self.tree.depth].topk(self.tree.topk, dim=-1).indices  # [D, k] draft ids, rank order
-        return self.tree.fill(state.root, to_base_ids(topk, getattr(self.heads, "d2t", None)))  # base ids
+        logits = logits[: self.tree.depth]  # [D, B, V]
+        topk = logits.topk(self.tree.topk, dim=-1).indices.transpose(0, 1)  # [B, D, k]
+        if not ties:
+            return topk, None
+        d, b = logits.shape[:2]
+        near = near_ties(logits.reshape(d * b, -1), depth_widths(self.tree).repeat_interleave(b)).view(d, b)
+        return topk, near.any(dim=0)
 
     @torch.inference_mode()
     def true_path_ranks(self, hidden: torch.Tensor, ids: torch.Tensor, max_depth: int, max_rank: int,
