@@ -23,11 +23,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_report_of_the_exact_path_says_exact(smoke_run, tmp_path):
-    """A Medusa / Hydra draft has no batched path: one prompt at a time, and every output says `exact`."""
+    """One prompt at a time (lockstep 0, `--no-lockstep`; a Medusa draft has a batched path too): every output says
+    `exact`, and no agreement is claimed."""
     run_dir, _ = smoke_run
     refs = write_tiny_refs(tmp_path / "refs")
     report, out = judge_export(run_dir / "export", refs, load_eval_config([], ["tree=chain4"]), out_dir=tmp_path / "f",
-                               label="smoke")
+                               label="smoke", lockstep=0)
     assert report["meta"]["path"] == "exact" and report["meta"]["agreement"] is None
     assert f"path: {EXACT}" in (out / "field.md").read_text()
     assert report["meta"]["dtype_mark"] is None and "MARKED" not in field_markdown(report)
