@@ -248,3 +248,15 @@ def run_static_lockstep(drafter, draft: Callable, todo: list, load: Callable, n_
                 elif s.stopped:
                     done(s.ref, s)
             active = [s for s in active if not s.stopped and not (s.near_tie and redo is not None)]
+
+
+def static_lockstep(draft_step: Callable) -> Callable:
+    """The `run_lockstep` a static-tree family declares in its `lockstep` role module: run_static_lockstep with the
+    family's drafting step, draft_step(drafter, slots) -> (tokens [B, N] base ids, near [B] bool)."""
+    def run_lockstep(drafter, todo: list, load: Callable, n_of: Callable, eos: Iterable[int], done: Callable, *,
+                     width: int = 32, redo: Callable | None = None) -> int:
+        return run_static_lockstep(drafter, lambda slots: draft_step(drafter, slots), todo, load, n_of, eos, done,
+                                   width=width, redo=redo)
+
+    run_lockstep.__doc__ = run_static_lockstep.__doc__
+    return run_lockstep

@@ -31,11 +31,9 @@ every batched run's own sample: eval/field/simulation.py, measure_agreement).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import torch
 
-from eval.engine.drafters.static import StaticSlot, run_static_lockstep
+from eval.engine.drafters.static import StaticSlot, static_lockstep
 
 
 def draft_step(drafter, slots: list[StaticSlot]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +49,5 @@ def draft_step(drafter, slots: list[StaticSlot]) -> tuple[torch.Tensor, torch.Te
     return tokens.cpu(), near.cpu()
 
 
-def run_lockstep(drafter, todo: list, load: Callable, n_of: Callable, eos: Iterable[int], done: Callable, *,
-                 width: int = 32, redo: Callable | None = None) -> int:
-    """Simulate `drafter` (a HydraDrafter) on the prompts `todo`, `width` at a time (static.run_static_lockstep:
-    load(ref) -> (hidden [S, d], differs), n_of, done(ref, slot), redo(ref) for a prompt that met a near tie).
-    Returns the prompts redone."""
-    return run_static_lockstep(drafter, lambda slots: draft_step(drafter, slots), todo, load, n_of, eos, done,
-                               width=width, redo=redo)
+# The declaration eval/engine/drafters/registry.py reads: the shared static-tree loop with this drafting step.
+run_lockstep = static_lockstep(draft_step)

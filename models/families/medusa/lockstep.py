@@ -28,11 +28,9 @@ eval/field/simulation.py, measure_agreement).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
 import torch
 
-from eval.engine.drafters.static import StaticSlot, run_static_lockstep
+from eval.engine.drafters.static import StaticSlot, static_lockstep
 from models.vocab_map import to_base_ids
 
 
@@ -48,10 +46,5 @@ def draft_step(drafter, slots: list[StaticSlot]) -> tuple[torch.Tensor, torch.Te
     return torch.stack([tree.fill(s.root, p).tokens for s, p in zip(slots, picks)]), near.cpu()
 
 
-def run_lockstep(drafter, todo: list, load: Callable, n_of: Callable, eos: Iterable[int], done: Callable, *,
-                 width: int = 32, redo: Callable | None = None) -> int:
-    """Simulate `drafter` (a MedusaDrafter) on the prompts `todo`, `width` at a time (static.run_static_lockstep:
-    load(ref) -> (hidden [S, d], differs), n_of, done(ref, slot), redo(ref) for a prompt that met a near tie).
-    Returns the prompts redone."""
-    return run_static_lockstep(drafter, lambda slots: draft_step(drafter, slots), todo, load, n_of, eos, done,
-                               width=width, redo=redo)
+# The declaration eval/engine/drafters/registry.py reads: the shared static-tree loop with this drafting step.
+run_lockstep = static_lockstep(draft_step)
