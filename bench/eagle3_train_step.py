@@ -25,6 +25,10 @@ Arms (each at every --threads count; interleaved per thread count, so load drift
     python bench/eagle3_train_step.py --threads 1 --steps 5 --variant ttt5=draft.eagle3.ttt_steps=5 \
       --variant layers2=draft.eagle3.num_layers=2 \
       --variant peagle=draft.eagle3.parallel_drafting=true,draft.eagle3.ttt_steps=4
+    python bench/eagle3_train_step.py --threads 1 --steps 3 \
+      --variant dflash8=config=configs/dflash.yaml,draft.dflash.block_size=8,draft.num_heads=7
+A variant's config=<yaml> times another family's draft (DFlash, DSpark, Domino, ...) on the same inputs (every
+position supervised, so a block drafter gets min(num_anchors, seq) anchors).
 FLOPs per step come from torch.utils.flop_counter (matmuls, attention); the peak from a large square GEMM per dtype
 at the same thread count. Fraction = achieved FLOP/s / that peak (fp32 arm: fp32 peak; others: bf16 peak).
 """
@@ -66,13 +70,15 @@ def make_step(arm: str, base, batch: int, seq: int, ttt: int, extra: tuple[str, 
     from train.optimizer import fusable
 
     compute = torch.bfloat16 if arm.startswith("bf16") else torch.float32
-    cfg = load_train_config(["configs/eagle3.yaml"], ["draft.share_lm_head=false", "draft.vocab_size=16384",
-                                                      f"draft.eagle3.ttt_steps={ttt}",
-                                                      *extra])
+    # A variant may name another family's recipe (config=configs/dflash.yaml): its step then runs that draft.
+    configs = [e.partition("=")[2] for e in extra if e.startswith("config=")] or ["configs/eagle3.yaml"]
+    cfg = load_train_config(configs, ["draft.share_lm_head=false", "draft.vocab_size=16384",
+                                      f"draft.eagle3.ttt_steps={ttt}",
+                                      *[e for e in extra if not e.startswith("config=")]])
     view = BaseView.from_model(base.model)
     torch.manual_seed(0)
     view.draft_vocab = torch.randperm(view.vocab_size)[:cfg.draft.vocab_size]  # frequency order does not matter
-    draft = DRAFT_MODELS["eagle3"].from_config(cfg.draft, view)
+    draft = DRAFT_MODELS[cfg.draft.family].from_config(cfg.draft, view)
     draft.train()
     master = [p for p in draft.parameters() if p.requires_grad]
     if compute == torch.bfloat16:  # DeepSpeed bf16: bf16 module, fp32 master weights stepped by the optimizer

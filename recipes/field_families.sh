@@ -26,9 +26,9 @@
 #   ctc        configs/ctc.yaml        attention module + 6 frames, CTC loss on distilled labels + 0.1 token CE, lr 2e-3
 #   eagle3     configs/eagle3.yaml     the store recipe (draft.share_lm_head=false, lr 2e-3)
 #   peagle     P-EAGLE, an EAGLE-3 option (4 tokens from one forward); not in the default list
-#   dflash     configs/dflash.yaml     block 8 (7 drafted slots), lr 6e-4, 128 anchors
-#   dspark     configs/dspark.yaml     block 8, lr 6e-4, 128 anchors
-#   domino     configs/domino.yaml     block 8, lr 6e-4, 128 anchors
+#   dflash     configs/dflash.yaml     block 8 (7 drafted slots), lr 6e-4, 32 anchors (docs/lab/field_families/notes.md)
+#   dspark     configs/dspark.yaml     block 8, lr 6e-4, 32 anchors (docs/lab/field_families/notes.md)
+#   domino     configs/domino.yaml     block 8, lr 6e-4, 32 anchors (docs/lab/field_families/notes.md)
 # At most JOBS = 2 families at once, each at one thread (train.num_threads=1, OMP/MKL threads 1), under
 # nice -n NICE; a family's slot trains it, then judges it. The cache build runs alone first (CACHE_THREADS).
 #

@@ -25,10 +25,10 @@ OLD_ARGS = {
     "eagle3": "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3",
     "peagle": "configs/eagle3.yaml draft.share_lm_head=false train.lr=2e-3 draft.eagle3.parallel_drafting=true "
               "draft.eagle3.ttt_steps=4",
-    "dflash": "configs/dflash.yaml draft.share_lm_head=false train.lr=6e-4 draft.dflash.num_anchors=128 "
+    "dflash": "configs/dflash.yaml draft.share_lm_head=false train.lr=6e-4 draft.dflash.num_anchors=32 "
               "draft.dflash.block_size=8 draft.num_heads=7",
-    "dspark": "configs/dspark.yaml draft.share_lm_head=false train.lr=6e-4 draft.dspark.num_anchors=128",
-    "domino": "configs/domino.yaml draft.share_lm_head=false train.lr=6e-4 draft.domino.num_anchors=128",
+    "dspark": "configs/dspark.yaml draft.share_lm_head=false train.lr=6e-4 draft.dspark.num_anchors=32",
+    "domino": "configs/domino.yaml draft.share_lm_head=false train.lr=6e-4 draft.domino.num_anchors=32",
     "ngram": "recipes/field_ngram.py",  # judge_ngram's script (it had no family_args)
 }
 OLD_LABELS = {"medusa": "Medusa", "hydra": "Hydra", "hydra_pp": "Hydra++", "redrafter": "ReDrafter", "ctc": "CTC",

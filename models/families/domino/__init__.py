@@ -8,4 +8,4 @@ from models.family import FamilySpec, FieldRun
 
 spec = FamilySpec(__name__, DominoDraft.facts, model=DominoDraft, field_runs=(
     FieldRun("domino", "Domino", "configs/domino.yaml draft.share_lm_head=false train.lr=6e-4 "
-             "draft.domino.num_anchors=128", ("chain",), queue=9),))
+             "draft.domino.num_anchors=32", ("chain",), queue=9),))

@@ -10,4 +10,4 @@ from models.family import FamilySpec, FieldRun
 spec = FamilySpec(__name__, DSparkDraft.facts, model=DSparkDraft,
                   writers={"vllm": export_vllm_dspark}, field_runs=(
     FieldRun("dspark", "DSpark", "configs/dspark.yaml draft.share_lm_head=false train.lr=6e-4 "
-             "draft.dspark.num_anchors=128", ("chain",), queue=8),))
+             "draft.dspark.num_anchors=32", ("chain",), queue=8),))
