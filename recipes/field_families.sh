@@ -40,7 +40,8 @@
 #   eagle3 / peagle          chain4 and tree16 (the 16-node dynamic tree), batched (lockstep) with measured agreement
 #   dflash, dspark, domino   chain (the default: block - 1 drafts)
 #   ngram (learning-free, no training; recipes/field_ngram.py): lookup4 (one prompt-lookup row of 4, what serving
-#                            engines draft) and mixed10x10 (10 rows x 10 tokens, context + the model's bigram table)
+#                            engines draft), mixed10x10 (10 rows x 10 tokens, context + the model's bigram table)
+#                            and mixed4x4 (the same, 4 x 4: the learned families' 16-node budget)
 # each paired (`--against`) with the equal-budget reference's (EAGLE-3's) report of the same kind (chains against its
 # chain4, trees against its tree16) once that exists; a last pass adds the pairs the order missed. A shape whose exact path (one
 # prompt at a time) would take over FIELD_MAX_MIN minutes is first timed on one prompt of every set (11 prompts,

@@ -10,7 +10,8 @@ aux layers) with the N-gram drafter, and writes the same report files (field.jso
 
 Shapes: `chain4` = one prompt-lookup row of up to 4 tokens (what vLLM and llama.cpp serve as n-gram drafting:
 strategy longest_match, k = 1, w = 4); `tree` = the eval default, 10 rows x 10 tokens from context n-grams and the
-model's bigram table (strategy mixed). fp32, all stored answers unless --num-prompts (each set's first N). Rows are
+model's bigram table (strategy mixed); `rows4x4` = the same with 4 rows x 4 tokens, 16 nodes (the learned
+families' tree budget). fp32, all stored answers unless --num-prompts (each set's first N). Rows are
 written as they finish, so a killed run resumes.
 """
 
@@ -25,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {"chain4": {"k": 1, "w": 4, "strategy": "longest_match"}, "tree": {}}
+SHAPES = {"chain4": {"k": 1, "w": 4, "strategy": "longest_match"}, "tree": {},
+          "rows4x4": {"k": 4, "w": 4}}
 
 
 def main(argv=None) -> int:

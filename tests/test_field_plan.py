@@ -43,7 +43,7 @@ OLD_SHAPES = {
     "ctc": ["chain extra.ctc_num_paths=1", "paths8 extra.ctc_num_paths=8"],
     "eagle3": _EAGLE3, "peagle": _EAGLE3,
     "dflash": ["chain"], "dspark": ["chain"], "domino": ["chain"],
-    "ngram": ["lookup4 --shape chain4", "mixed10x10 --shape tree"],
+    "ngram": ["lookup4 --shape chain4", "mixed10x10 --shape tree", "mixed4x4 --shape rows4x4"],
 }
 
 
