@@ -20,12 +20,11 @@ import pytest
 import torch
 from conftest import fit_draft
 from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
+from helpers.stored_answers import lockstep_refs
 
 from eval.engine.backends.hf import HFBackend
-from eval.engine.decoder import autoregressive_generate
 from eval.engine.drafters import static
 from eval.engine.tree import STATIC_TREES, StaticTree
-from eval.field.refs import TAIL, RefPrompt
 from eval.field.simulation import run_field, simulate, teacher_forced
 from models.families.hydra.drafter import HydraDrafter
 from models.families.hydra.lockstep import run_lockstep as hydra_lockstep
@@ -45,19 +44,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, bu
 
 @pytest.fixture(scope="module")
 def stored(model):
-    """(refs, eos): PROMPTS prompts of 5..19 tokens with the base's greedy answers (NEW + TAIL tokens). One answer
-    token is declared end-of-turn, so some answers end early (n through it, as field-refs stores them)."""
-    backend = HFBackend(model)
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 300, (5 + 2 * i,), generator=gen) for i in range(PROMPTS)]
-    answers = [autoregressive_generate(backend, p, max_new_tokens=NEW + TAIL).tokens for p in prompts]
-    eos = [answers[1][9]]
-    refs = []
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        n = next((j + 1 for j, t in enumerate(a[:NEW]) if t in eos), NEW)
-        refs.append(RefPrompt(f"p{i}", f"set-{i % 2}", p.tolist(), a, n, n < NEW))
-    assert any(r.eos for r in refs) and not all(r.eos for r in refs)
-    return refs, eos
+    """(refs, eos): PROMPTS prompts with the base's greedy answers, some ending early at a declared end-of-turn."""
+    return lockstep_refs(model, PROMPTS, NEW)
 
 
 @pytest.fixture(scope="module")

@@ -32,3 +32,22 @@ def write_tiny_refs(out: Path, fingerprint: str | None = None, sets=("set-a", "s
                 "sets": []}
     write_refs(out, lines, fake, settings, SimpleNamespace(name="hf", version="test"), {}, "test", 0.0)
     return out
+
+
+def lockstep_refs(model, prompts: int = 8, new: int = 24):
+    """(refs, eos) in memory for the batched-path parity tests: `prompts` prompts of 5, 7, ... tokens with the base's
+    greedy answers (`new` + TAIL tokens), alternately in two sets. One answer token is declared end-of-turn, so some
+    answers end early (n through it, as field-refs stores them) and others run to `new`."""
+    from eval.field.refs import RefPrompt
+
+    backend = HFBackend(model)
+    gen = torch.Generator().manual_seed(11)
+    ps = [torch.randint(3, 300, (5 + 2 * i,), generator=gen) for i in range(prompts)]
+    answers = [autoregressive_generate(backend, p, max_new_tokens=new + TAIL).tokens for p in ps]
+    eos = [answers[1][9]]
+    refs = []
+    for i, (p, a) in enumerate(zip(ps, answers)):
+        n = next((j + 1 for j, t in enumerate(a[:new]) if t in eos), new)
+        refs.append(RefPrompt(f"p{i}", f"set-{i % 2}", p.tolist(), a, n, n < new))
+    assert any(r.eos for r in refs) and not all(r.eos for r in refs)
+    return refs, eos
