@@ -53,8 +53,9 @@ def add_field_judge_parser(sub) -> None:
                    "answers: paired intervals of this draft minus that one")
     p.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
                    help="a draft whose family has a batched field path (its models/families/<family>/lockstep.py: "
-                   "EAGLE-3, Hydra, Medusa): step many prompts together, the draft's matrix products batched over them "
-                   "(default on; --no-lockstep: one prompt at a time through the decoder loop, the reference)")
+                   "EAGLE-3, Hydra, Medusa, DFlash, DSpark, Domino): step many prompts together, the draft's matrix "
+                   "products batched over them (default on; --no-lockstep: one prompt at a time through the decoder "
+                   "loop, the reference)")
     p.add_argument("--lockstep-width", type=int, default=None, metavar="B",
                    help="prompts stepped together per rank with --lockstep (default: eval/field/simulation.py's "
                    "LOCKSTEP_WIDTH)")

@@ -6,7 +6,9 @@ docstring).
     BlockAttention, BlockLayer     a decoder layer whose keys / values come from the context and the slots
     BlockCache                     the context keys / values of every committed position, per layer (decoding)
     BlockDraft                     the draft: anchors, the block loss and its hooks, the rules its families share
-                                   (`check_config`), export and load
+                                   (`check_config`), export and load; at inference B blocks each against its own
+                                   context in one forward (`draft_blocks_outputs`: one block for a drafter's propose,
+                                   every active prompt's for the field benchmark's batched path)
 
 The parameter names are state-dict keys of exports on disk: renaming one would break loading them.
 """
@@ -157,6 +159,15 @@ class BlockCache:
             self.keys[i][:, :, self.length:end] = k
             self.values[i][:, :, self.length:end] = v
         self.length = end
+
+    def context(self, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [1, H_kv, L, hd]: the rows of the first L committed positions (views; L = length or
+        all of them), what a block drafted after position L-1 attends to."""
+        n = self.length if length is None else int(length)
+        if not 1 <= n <= self.length:
+            raise ValueError(f"a block needs 1..{self.length} committed positions of this cache, got {n}")
+        return [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self.keys, self.values)]
+
 
 class BlockDraft(DraftVocabMixin, DraftModel):
     """The block-parallel draft DFlash and DSpark share (models/families/dflash/model.py: the math): fc over the
@@ -331,24 +342,53 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         (`_sharded_block_attention`)."""
         attend = block_attention_reference if reference else block_attention
         cos, sin = self.rope(positions, x.dtype)
+        anchors = anchors.to(x.device)
         for layer, (kc, vc) in zip(self.layers, ctx_kv):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q(h, cos, sin)  # [B, H, A, G, hd]
-            kb, vb = attn.kv(h, cos, sin)  # [B, H_kv, A, G, hd]
-            args = (q, expand_kv(kc, self.groups), expand_kv(vc, self.groups), expand_kv(kb, self.groups),
-                    expand_kv(vb, self.groups), anchors.to(x.device))
-            if shard is not None:
-                x = x + attn.out(self._sharded_block_attention(attend, *args, shard))
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-                continue
-            # Training: the [A·G, T + G] scores of every layer would be kept for backward (GBs at 512 anchors of
-            # 16 slots over 512 tokens); recomputing them in backward keeps one layer's at a time.
-            o = checkpoint(attend, *args, use_reentrant=False) if torch.is_grad_enabled() and q.requires_grad \
-                else attend(*args)
-            x = x + attn.out(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            kc, vc = expand_kv(kc, self.groups), expand_kv(vc, self.groups)
+
+            def mix(q, kb, vb, kc=kc, vc=vc):
+                if shard is not None:
+                    return self._sharded_block_attention(attend, q, kc, vc, kb, vb, anchors, shard)
+                # Training: the [A·G, T + G] scores of every layer would be kept for backward (GBs at 512 anchors
+                # of 16 slots over 512 tokens); recomputing them in backward keeps one layer's at a time.
+                if torch.is_grad_enabled() and q.requires_grad:
+                    return checkpoint(attend, q, kc, vc, kb, vb, anchors, use_reentrant=False)
+                return attend(q, kc, vc, kb, vb, anchors)
+
+            x = self.block_layer(layer, x, cos, sin, mix)
         return x
+
+    def run_blocks_each(self, contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], x: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+        """The N layers over B blocks of which each sees a context of its own (inference): contexts[b] per layer
+        (k, v) [1, H_kv, L_b, hd], the rows block b sees (all of them: its anchor is L_b - 1); x [B, 1, G, d];
+        positions [B, 1, G] long. The weight-heavy ops run once over all B·G rows; the attention runs per block,
+        against its own context, exactly as a block drafted alone attends (no padding to the longest context).
+        Returns the last layer's output [B, 1, G, d] (before the final norm)."""
+        if len(contexts) != x.shape[0]:
+            raise ValueError(f"{x.shape[0]} blocks but {len(contexts)} contexts")
+        cos, sin = self.rope(positions, x.dtype)
+        anchors = torch.tensor([[c[0][0].shape[2] - 1] for c in contexts], dtype=torch.long, device=x.device)
+        for i, layer in enumerate(self.layers):
+            def mix(q, kb, vb, i=i):  # q, kb, vb [B, H, 1, G, hd] -> [B, H, 1, G, hd]
+                return torch.cat([block_attention(q[b:b + 1], expand_kv(c[i][0], self.groups),
+                                                  expand_kv(c[i][1], self.groups), kb[b:b + 1], vb[b:b + 1],
+                                                  anchors[b:b + 1]) for b, c in enumerate(contexts)])
+
+            x = self.block_layer(layer, x, cos, sin, mix)
+        return x
+
+    def block_layer(self, layer: BlockLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    mix) -> torch.Tensor:
+        """One decoder layer over blocks x [B, A, G, d] (cos / sin of their positions): the slots' queries and
+        keys / values, mix(q, kb, vb) -> [B, H, A, G, hd] their attention over the context and the block (q and the
+        GQA-expanded kb / vb [B, H, A, G, hd]; how the context is laid out is the caller's), o_proj, the MLP."""
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q(h, cos, sin)  # [B, H, A, G, hd]
+        kb, vb = attn.kv(h, cos, sin)  # [B, H_kv, A, G, hd]
+        x = x + attn.out(mix(q, expand_kv(kb, self.groups), expand_kv(vb, self.groups)))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     @staticmethod
     def _sharded_block_attention(attend, q, kc, vc, kb, vb, anchors, shard) -> torch.Tensor:
@@ -590,18 +630,35 @@ class BlockDraft(DraftVocabMixin, DraftModel):
         """One forward of the block [root, M, ..., M] at positions L .. L+G-1 (L = cache.length), seeing every
         cached position -> the layer outputs [K, d] of the drafted slots (before the final norm; row k-1 drafts
         depth k). slots: a shorter block of that many slots (G = slots), as vLLM queries when it is asked for
-        fewer tokens than the block drafts (DSpark: num_speculative_tokens slots)."""
-        device = cache.keys[0].device
+        fewer tokens than the block drafts (DSpark: num_speculative_tokens slots). draft_blocks_outputs with one
+        block."""
+        roots = torch.tensor([int(root)], dtype=torch.long, device=cache.keys[0].device)
+        return self.draft_blocks_outputs([cache.context()], roots, slots)[0]
+
+    def draft_blocks_outputs(self, contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], roots: torch.Tensor,
+                             slots: int | None = None) -> torch.Tensor:
+        """B blocks in one forward: block b = [roots[b], M, ..., M] at positions L_b .. L_b+G-1 against its own
+        context (contexts[b]: per layer (k, v) [1, H_kv, L_b, hd], e.g. BlockCache.context) -> the drafted slots'
+        layer outputs [B, K, d] (before the final norm; row k-1 drafts depth k). roots [B] long base ids; slots:
+        as draft_block_outputs. What the drafters draft with (one block) and the field benchmark's batched path
+        (many: eval/engine/drafters/block_lockstep.py)."""
+        device = roots.device
         g = self.block_size if slots is None else int(slots)
-        tokens = torch.full((1, 1, g), self.mask_token_id, dtype=torch.long, device=device)
-        tokens[0, 0, 0] = int(root)
-        positions = cache.length + torch.arange(g, device=device)[None, None]
-        ctx_kv = [(k[:, :, :cache.length], v[:, :, :cache.length]) for k, v in zip(cache.keys, cache.values)]
-        anchors = torch.full((1, 1), cache.length - 1, dtype=torch.long, device=device)
-        out = self.run_blocks(ctx_kv, self.embed_block(tokens), positions, anchors)
-        return out[0, 0, self.first_slot:]
+        b = roots.shape[0]
+        tokens = torch.full((b, 1, g), self.mask_token_id, dtype=torch.long, device=device)
+        tokens[:, 0, 0] = roots
+        lengths = torch.tensor([c[0][0].shape[2] for c in contexts], dtype=torch.long, device=device)  # [B]
+        positions = lengths[:, None, None] + torch.arange(g, device=device)  # [B, 1, G]
+        out = self.run_blocks_each(contexts, self.embed_block(tokens), positions)
+        return out[:, 0, self.first_slot:]
 
     def draft_block(self, cache: BlockCache, root: int) -> torch.Tensor:
         """Logits [K, N] of the drafted slots of one block (draft ids; row k-1 = depth k), without any bias a
         subclass adds per drafted token (DSpark's Markov head)."""
-        return self.logits(self.draft_block_outputs(cache, root))
+        roots = torch.tensor([int(root)], dtype=torch.long, device=cache.keys[0].device)
+        return self.draft_blocks([cache.context()], roots)[0]
+
+    def draft_blocks(self, contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], roots: torch.Tensor
+                     ) -> torch.Tensor:
+        """Logits [B, K, N] of B blocks (draft_blocks_outputs' arguments), as draft_block's of each."""
+        return self.logits(self.draft_blocks_outputs(contexts, roots))

@@ -38,7 +38,7 @@
 #   redrafter                chain (1 beam x 5: 4 drafts) and beam8x3 (8 beams of length 3, the best-per-family row)
 #   ctc                      chain (1 collapsed path) and paths8 (8 collapsed paths)
 #   eagle3 / peagle          chain4 and tree16 (the 16-node dynamic tree), batched (lockstep) with measured agreement
-#   dflash, dspark, domino   chain (the default: block - 1 drafts)
+#   dflash, dspark, domino   chain (the default: block - 1 drafts), batched (lockstep) with measured agreement
 #   ngram (learning-free, no training; recipes/field_ngram.py): lookup4 (one prompt-lookup row of 4, what serving
 #                            engines draft), mixed10x10 (10 rows x 10 tokens, context + the model's bigram table)
 #                            and mixed4x4 (the same, 4 x 4: the learned families' 16-node budget)

@@ -104,8 +104,9 @@ def test_a_family_without_a_declaration_runs_once_as_itself(toy_family, monkeypa
 # chains against EAGLE-3's chain4, trees / beams / paths against its tree16; EAGLE-3 itself against nothing.
 OLD_AGAINST = {"tree16": "eagle3 tree16", "beam8x3": "eagle3 tree16", "paths8": "eagle3 tree16"}
 # Judged on the batched (lockstep) path: no one-prompt probe first. EAGLE-3 / P-EAGLE from the start; Hydra,
-# Hydra++ and Medusa since their families have one too (models/families/{hydra,medusa}/lockstep.py).
-OLD_BATCHED = {"eagle3", "peagle", "hydra", "hydra_pp", "medusa"}
+# Hydra++ and Medusa since their families have one too (models/families/{hydra,medusa}/lockstep.py); DFlash, DSpark
+# and Domino since theirs (models/families/{dflash,dspark,domino}/lockstep.py).
+OLD_BATCHED = {"eagle3", "peagle", "hydra", "hydra_pp", "medusa", "dflash", "dspark", "domino"}
 OLD_DIAGNOSTICS = {"ctc": "recipes/ctc_diagnostics.py"}
 
 

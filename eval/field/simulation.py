@@ -8,9 +8,9 @@ replay.py), whose verification is a lookup in the stored answer. The per-step ac
 
 Two paths, and every report names its own (`meta["path"]`, field_report.path_label): `exact`, one prompt at a time
 through that decoder loop; `batched`, prompts stepped together where the family declares that path (its role module
-`lockstep`, found like its drafter: eval/engine/drafters/registry.py, run_lockstep; EAGLE-3, Hydra and Medusa have
-one), whose agreement with the exact path is measured on a sample of the run's own prompts re-decoded one at a time
-(`measure_agreement`, recorded in `meta["agreement"]`), not assumed.
+`lockstep`, found like its drafter: eval/engine/drafters/registry.py, run_lockstep; EAGLE-3, Hydra, Medusa and the
+block families DFlash, DSpark and Domino have one), whose agreement with the exact path is measured on a sample of
+the run's own prompts re-decoded one at a time (`measure_agreement`, recorded in `meta["agreement"]`), not assumed.
 
 Acceptance length here = mean over decode steps of (accepted drafts + 1), counted before end-of-turn / length
 truncation (eval/engine/decoder.py): the drafter's measure. Speed still needs decoding (`specdraft eval`).
@@ -345,7 +345,8 @@ def run_field(drafter, refs: list, base, *, backend_name: str, out_dir: Path, ra
     """Simulate `drafter` on this rank's share of `refs`; rows go to out_dir/rows-<rank>.jsonl as each prompt
     ends (a rerun continues after the last one written). Returns this rank's rows.
 
-    lockstep: for a drafter whose family declares a batched path (run_lockstep: EAGLE-3's, Hydra's, Medusa's), that
+    lockstep: for a drafter whose family declares a batched path (run_lockstep: EAGLE-3's, Hydra's, Medusa's, the block
+    families'), that
     many prompts advance together, the draft's weight-heavy ops batched over them (agreement with the per-prompt path
     is tested, not bitwise); 0, or any other family: one prompt at a time through the unchanged decoder loop
     (`simulate`), the reference."""

@@ -26,7 +26,7 @@ and, where the default does not fit (a module that leaves one out gets it):
                     hidden states; differs) (default: None, the per-prompt path)
 The package's role modules `tune` and `lockstep` (models/families/<name>/tune.py, lockstep.py), where there are
 some, add the optional declarations they hold (EAGLE-3's tune shapes and target key; the batched field paths of
-EAGLE-3, Hydra and Medusa).
+EAGLE-3, Hydra, Medusa, DFlash, DSpark and Domino).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Static trees for the families whose heads give a top-k per depth (Medusa, Hydra): which tree a run uses, the
-chain serving engines draft (each depth's top-1), and what their batched field paths share (run_static_lockstep)."""
+chain serving engines draft (each depth's top-1), and what their batched field paths share (run_static_lockstep;
+the block families' batched paths run on it too: eval/engine/drafters/block_lockstep.py)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def static_shape(info: dict) -> str:
 # What the families share: the slots (one prompt in flight each), the verification by lookup and
 # speculative_generate's bookkeeping, the near-tie test, the queue. What each family adds: its drafting step over
 # the rows of every active slot, by its drafter's own code (`draft(slots) -> ([B, N] base ids, [B] near ties)`:
-# models/families/hydra/lockstep.py, models/families/medusa/lockstep.py).
+# models/families/hydra/lockstep.py, models/families/medusa/lockstep.py; the block families' through
+# eval/engine/drafters/block_lockstep.py).
 
 # Two logits of a row whose order decides a tree node closer than this are a near tie: a batched product's last bits
 # could order them otherwise than the per-prompt one, so the prompt is redone on the exact path (the same margin as
@@ -111,7 +113,8 @@ class StaticSlot:
     ref: object  # field_refs.RefPrompt
     n: int  # max_new_tokens: the answer's decoded length (or less)
     seq: list[int]  # prompt + stored answer (+ its tail)
-    states: torch.Tensor  # [S, d] the base's final hidden states at every position
+    states: torch.Tensor  # [S, .] the base's rows the draft reads at every position: final hidden states [S, d]
+    # (Hydra, Medusa) or aux layers [S, k*d] (the block families, which free them once read: block_lockstep.py)
     differs: list[int]
     eos: frozenset
     length: int = 0  # committed positions (the ReplayBackend's cache_len)
@@ -210,14 +213,18 @@ def depth_widths(tree: StaticTree) -> torch.Tensor:
 
 
 def run_static_lockstep(drafter, draft: Callable, todo: list, load: Callable, n_of: Callable, eos: Iterable[int],
-                        done: Callable, *, width: int = 32, redo: Callable | None = None) -> int:
+                        done: Callable, *, width: int = 32, redo: Callable | None = None,
+                        tree_of: Callable | None = None) -> int:
     """A static-tree family's run_lockstep (eval/engine/drafters/registry.py): simulate `drafter` on the prompts
-    `todo`, `width` at a time. draft(slots) -> (tokens [B, N] base ids in drafter.tree's node order, near [B] bool):
-    the family's drafting step over every active slot (each reads its new rows: StaticSlot.new_rows). load(ref) ->
-    (hidden [S, d], differs), n_of(ref) -> its max_new_tokens, done(ref, slot) as each prompt ends (in finish
-    order); a finished slot is refilled with the next prompt. The longest answers go first (the results do not
-    depend on order). redo(ref): a prompt that met a near tie leaves the batch and is handed to it (the caller
-    simulates it on the exact path); without redo the batched result stands. Returns the prompts redone."""
+    `todo`, `width` at a time. draft(slots) -> (tokens [B, N] base ids in drafter.tree's node order, or one list
+    of base ids per slot, near [B] bool): the family's drafting step over every active slot (each reads its new
+    rows: StaticSlot.new_rows). tree_of(tokens) -> the StaticTree a slot's drafted tokens lie in (default:
+    drafter.tree, every slot's; the chain families whose chain length varies per step name their own). load(ref)
+    -> (the base's rows the draft reads [S, .], differs), n_of(ref) -> its max_new_tokens, done(ref, slot) as each
+    prompt ends (in finish order); a finished slot is refilled with the next prompt. The longest answers go first
+    (the results do not depend on order). redo(ref): a prompt that met a near tie leaves the batch and is handed
+    to it (the caller simulates it on the exact path); without redo the batched result stands. Returns the
+    prompts redone."""
     if width < 1:
         raise ValueError(f"lockstep width must be >= 1, got {width}")
     eos = frozenset(eos)
@@ -238,9 +245,10 @@ def run_static_lockstep(drafter, draft: Callable, todo: list, load: Callable, n_
             if not active:
                 return redone
             tokens, near = draft(active)
-            for s, toks, tie in zip(active, tokens.tolist(), near):
+            rows = tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens
+            for s, toks, tie in zip(active, rows, near):
                 s.near_tie |= bool(tie)
-                verify_and_book(s, toks, drafter.tree)
+                verify_and_book(s, toks, drafter.tree if tree_of is None else tree_of(toks))
             for s in active:
                 if s.near_tie and redo is not None:
                     redone += 1
@@ -250,13 +258,14 @@ def run_static_lockstep(drafter, draft: Callable, todo: list, load: Callable, n_
             active = [s for s in active if not s.stopped and not (s.near_tie and redo is not None)]
 
 
-def static_lockstep(draft_step: Callable) -> Callable:
+def static_lockstep(draft_step: Callable, tree_of: Callable | None = None) -> Callable:
     """The `run_lockstep` a static-tree family declares in its `lockstep` role module: run_static_lockstep with the
-    family's drafting step, draft_step(drafter, slots) -> (tokens [B, N] base ids, near [B] bool)."""
+    family's drafting step, draft_step(drafter, slots) -> (tokens [B, N] base ids or a list per slot, near [B]
+    bool), and its tree_of (run_static_lockstep's; default drafter.tree)."""
     def run_lockstep(drafter, todo: list, load: Callable, n_of: Callable, eos: Iterable[int], done: Callable, *,
                      width: int = 32, redo: Callable | None = None) -> int:
         return run_static_lockstep(drafter, lambda slots: draft_step(drafter, slots), todo, load, n_of, eos, done,
-                                   width=width, redo=redo)
+                                   width=width, redo=redo, tree_of=tree_of)
 
     run_lockstep.__doc__ = run_static_lockstep.__doc__
     return run_lockstep

@@ -46,8 +46,13 @@ class DFlashDrafter(BlockDrafter):
         if self.tree.depth == 0:
             return self.tree.fill(state.root, torch.zeros(0, 0, dtype=torch.long))
         logits = self.draft.draft_block(self._cache, state.root)  # [G-1, N]: slot k = depth k
-        topk = logits[: self.tree.depth].topk(self.tree.topk, dim=-1).indices  # [D, k] draft ids, rank order
-        return self.tree.fill(state.root, self.draft.to_base(topk))
+        return self.tree.fill(state.root, self.picks(logits))
+
+    def picks(self, logits: torch.Tensor) -> torch.Tensor:
+        """Block logits [..., G-1, N] (draft ids; row k-1 = depth k) -> the tree's picks [..., D, k] base ids: each
+        depth's top-k in rank order, what StaticTree.fill lays out (also the field's batched path, per block)."""
+        topk = logits[..., : self.tree.depth, :].topk(self.tree.topk, dim=-1).indices  # draft ids, rank order
+        return self.draft.to_base(topk)
 
 
 # ---- family declaration (eval/engine/drafters/registry.py) ----------------------------------------------------

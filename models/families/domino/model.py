@@ -172,22 +172,30 @@ class DominoDraft(BlockDraft):
         """One block forward, then the slots left to right, each corrected by the GRU's state after the root and
         the drafts before it (greedy, as SGLang's domino_greedy_rollout) -> (drafts [D] base ids, the corrected
         logits [D, N] each draft is the argmax of); D = depth or block_size. A shorter chain runs a block of D
-        slots (the slots see each other: a cut full block would draft other tokens)."""
-        out = self.draft_block_outputs(cache, root, depth)  # [D, d]
-        h = self.head_input(out)
-        base_logits = self.lm_head(h)  # [D, N]
+        slots (the slots see each other: a cut full block would draft other tokens). draft_chains with one
+        block."""
+        roots = torch.tensor([int(root)], dtype=torch.long, device=cache.keys[0].device)
+        drafts, logits = self.draft_chains([cache.context()], roots, depth)
+        return drafts[0], logits[0]
+
+    @torch.no_grad()
+    def draft_chains(self, contexts: list, roots: torch.Tensor, depth: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """draft_chain of B blocks at once (BlockDraft.draft_blocks_outputs' contexts and roots [B]): every GRU step
+        and correction runs over the B blocks' rows together. Returns (drafts [B, D] base ids, the corrected logits
+        [B, D, N])."""
+        h = self.head_input(self.draft_blocks_outputs(contexts, roots, depth))  # [B, D, d]
+        base_logits = self.lm_head(h)  # [B, D, N]
         w_out = self.correction.embed_proj[2]
-        prev = torch.tensor([[int(root)]], device=h.device)
+        prev = roots[:, None]  # [B, 1] base ids: the token the GRU reads next
         state, drafts, logits = None, [], []
-        for k in range(h.shape[0]):
-            g, state = self.gru_states(prev, state)  # after the root and d_0 .. d_{k-1}
-            z = base_logits[k:k + 1]
+        for k in range(h.shape[1]):
+            g, state = self.gru_states(prev, state)  # g [B, 1, G]: after the root and d_0 .. d_{k-1}
+            z = base_logits[:, k]  # [B, N]
             if k >= self.prefix_len:
-                z = z + w_out(self.correction_features(h[k:k + 1], g[:, -1])).to(z.dtype)
-            d = self.to_base(z.argmax(dim=-1))  # [1] base id
+                z = z + w_out(self.correction_features(h[:, k], g[:, -1])).to(z.dtype)
+            d = self.to_base(z.argmax(dim=-1))  # [B] base ids
             drafts.append(d)
             logits.append(z)
             prev = d[:, None]
-        if not drafts:
-            return torch.zeros(0, dtype=torch.long, device=h.device), base_logits
-        return torch.cat(drafts), torch.cat(logits)
+        return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)

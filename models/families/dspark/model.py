@@ -165,20 +165,29 @@ class DSparkDraft(BlockDraft):
         """One block forward, then the slots left to right with the Markov bias of the token before each (greedy,
         as vLLM's DSparkSpeculator) -> (drafts [D] base ids, confidences [D] in (0, 1)); D = depth or block_size.
         A shorter chain runs a block of D slots: vLLM's DSpark queries num_speculative_tokens slots (the root and
-        D-1 mask slots), and the slots see each other, so a cut full block would draft other tokens."""
-        out = self.draft_block_outputs(cache, root, depth)  # [D, d]
-        h = self.head_input(out)
-        base_logits = self.lm_head(h)  # [D, N]
-        prev = torch.tensor([int(root)], device=h.device)
-        drafts, embs = [], []
-        for k in range(h.shape[0]):
-            emb = self.markov_embed(prev)  # [1, r]
-            z = base_logits[k:k + 1] + self.markov_head.markov_w2(emb.to(self.markov_head.markov_w2.weight.dtype))
-            prev = self.to_base(z.argmax(dim=-1))  # [1] base id
+        D-1 mask slots), and the slots see each other, so a cut full block would draft other tokens. draft_chains
+        with one block."""
+        roots = torch.tensor([int(root)], dtype=torch.long, device=cache.keys[0].device)
+        drafts, conf, _ = self.draft_chains([cache.context()], roots, depth)
+        return drafts[0], conf[0]
+
+    @torch.no_grad()
+    def draft_chains(self, contexts: list, roots: torch.Tensor, depth: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """draft_chain of B blocks at once (BlockDraft.draft_blocks_outputs' contexts and roots [B]): every step of
+        the left-to-right walk runs over the B blocks' rows together. Returns (drafts [B, D] base ids, confidences
+        [B, D], the biased logits [B, D, N] each draft is the argmax of)."""
+        h = self.head_input(self.draft_blocks_outputs(contexts, roots, depth))  # [B, D, d]
+        base_logits = self.lm_head(h)  # [B, D, N]
+        w2 = self.markov_head.markov_w2
+        prev = roots  # [B] base ids: the token before slot k
+        drafts, embs, logits = [], [], []
+        for k in range(h.shape[1]):
+            emb = self.markov_embed(prev)  # [B, r]
+            z = base_logits[:, k] + w2(emb.to(w2.weight.dtype))  # [B, N]
+            prev = self.to_base(z.argmax(dim=-1))  # [B] base ids
             drafts.append(prev)
             embs.append(emb)
-        if not drafts:
-            empty = torch.zeros(0, dtype=torch.long, device=h.device)
-            return empty, empty.float()
-        conf = torch.sigmoid(self.confidence_logits(h, torch.cat(embs)).float())
-        return torch.cat(drafts), conf
+            logits.append(z)
+        conf = torch.sigmoid(self.confidence_logits(h, torch.stack(embs, dim=1)).float())  # [B, D]
+        return torch.stack(drafts, dim=1), conf, torch.stack(logits, dim=1)
