@@ -22,10 +22,10 @@ import pytest
 import torch
 from conftest import fit_draft
 from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
-from helpers.stored_answers import lockstep_refs
+from helpers.stored_answers import exact_rows_with_trees, lockstep_length, lockstep_refs
 
 from eval.engine.backends.hf import HFBackend
-from eval.field.simulation import run_field, simulate, teacher_forced
+from eval.field.simulation import run_field, teacher_forced
 from models.families.eagle3.drafter import Eagle3Drafter
 from models.families.eagle3.lockstep import LockstepEagle3, run_lockstep
 from models.families.eagle3.model import Eagle3Draft
@@ -72,30 +72,9 @@ def _aux(model, refs, aux_layers):
                 for r in refs}
 
 
-def _length(r) -> int:
-    """Per prompt max_new_tokens: the stored n, one prompt cut shorter (the length truncation) and one at 1 (no
-    decode step at all)."""
-    return {"p2": min(r.n, 7), "p5": 1}.get(r.id, r.n)
-
-
 def _per_prompt(drafter, refs, tf, eos, vocab) -> dict:
-    out, original = {}, drafter.propose
-    for r in refs:
-        trees = []
-
-        def spy(state, trees=trees):
-            tree = original(state)
-            trees.append((tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()))
-            return tree
-
-        drafter.propose = spy
-        hidden, aux, _ = tf[r.id]
-        try:
-            res = simulate(drafter, r.prompt, r.answer, _length(r), hidden, aux, tuple(drafter.aux_layers), vocab, eos)
-        finally:
-            del drafter.propose
-        out[r.id] = {**{f: getattr(res, f) for f in FIELDS}, "trees": trees}
-    return out
+    return exact_rows_with_trees(drafter, refs, lambda r: (*tf[r.id][:2], tuple(drafter.aux_layers)), eos, vocab,
+                                 FIELDS, record=lambda t: (t.tokens.tolist(), t.parents.tolist(), t.depths.tolist()))
 
 
 def _lockstep(drafter, refs, tf, eos, width, monkeypatch) -> dict:
@@ -108,7 +87,7 @@ def _lockstep(drafter, refs, tf, eos, width, monkeypatch) -> dict:
 
     with monkeypatch.context() as m:
         m.setattr(LockstepEagle3, "_verify_and_book", spy)
-        run_lockstep(drafter, refs, lambda r: (tf[r.id][1], []), _length, eos,
+        run_lockstep(drafter, refs, lambda r: (tf[r.id][1], []), lockstep_length, eos,
                      lambda r, s: out.setdefault(r.id, {f: getattr(s, f) for f in FIELDS}), width=width)
     return {rid: {**v, "trees": trees.get(rid, [])} for rid, v in out.items()}
 

@@ -21,12 +21,12 @@ import torch
 from conftest import fit_draft
 from helpers.block_families import FAMILIES
 from helpers.drafts import greedy_continuation_batch
-from helpers.stored_answers import lockstep_refs
+from helpers.stored_answers import exact_rows_with_trees, lockstep_length, lockstep_refs
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.drafters import static
 from eval.engine.tree import STATIC_TREES, StaticTree, chain_choices
-from eval.field.simulation import run_field, simulate, teacher_forced
+from eval.field.simulation import run_field, teacher_forced
 from models.families.dflash.drafter import DFlashDrafter
 from models.families.dflash.lockstep import run_lockstep as dflash_lockstep
 from models.families.domino.lockstep import run_lockstep as domino_lockstep
@@ -100,29 +100,8 @@ def _drafter(draft, shape: dict):
     return FAMILIES[draft.facts.name].drafter_cls(draft, **shape)
 
 
-def _length(r) -> int:
-    """Per prompt max_new_tokens: the stored n, one prompt cut shorter (the length truncation) and one at 1 (no
-    decode step at all)."""
-    return {"p2": min(r.n, 7), "p5": 1}.get(r.id, r.n)
-
-
 def _per_prompt(drafter, refs, tf, eos, vocab) -> dict:
-    out, original = {}, drafter.propose
-    for r in refs:
-        trees = []
-
-        def spy(state, trees=trees):
-            tree = original(state)
-            trees.append(tree.tokens.tolist())
-            return tree
-
-        drafter.propose = spy
-        try:
-            res = simulate(drafter, r.prompt, r.answer, _length(r), *tf[r.id], tuple(drafter.aux_layers), vocab, eos)
-        finally:
-            del drafter.propose
-        out[r.id] = {**{f: getattr(res, f) for f in FIELDS}, "trees": trees}
-    return out
+    return exact_rows_with_trees(drafter, refs, lambda r: (*tf[r.id], tuple(drafter.aux_layers)), eos, vocab, FIELDS)
 
 
 def _lockstep(drafter, refs, tf, eos, width, monkeypatch) -> tuple[dict, list[str]]:
@@ -136,7 +115,7 @@ def _lockstep(drafter, refs, tf, eos, width, monkeypatch) -> tuple[dict, list[st
 
     with monkeypatch.context() as m:
         m.setattr(static, "verify_and_book", spy)
-        RUN[drafter.name](drafter, refs, lambda r: (tf[r.id][1], []), _length, eos,
+        RUN[drafter.name](drafter, refs, lambda r: (tf[r.id][1], []), lockstep_length, eos,
                           lambda r, s: out.setdefault(r.id, {f: getattr(s, f) for f in FIELDS}), width=width,
                           redo=lambda r: redone.append(r.id))
     return {rid: {**v, "trees": trees.get(rid, [])} for rid, v in out.items()}, redone

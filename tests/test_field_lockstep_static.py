@@ -20,12 +20,12 @@ import pytest
 import torch
 from conftest import fit_draft
 from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
-from helpers.stored_answers import lockstep_refs
+from helpers.stored_answers import exact_rows_with_trees, lockstep_length, lockstep_refs
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.drafters import static
 from eval.engine.tree import STATIC_TREES, StaticTree
-from eval.field.simulation import run_field, simulate, teacher_forced
+from eval.field.simulation import run_field, teacher_forced
 from models.families.hydra.drafter import HydraDrafter
 from models.families.hydra.lockstep import run_lockstep as hydra_lockstep
 from models.families.hydra.model import HydraDraft
@@ -87,29 +87,8 @@ FAMILY = {"hydra": (HydraDrafter, hydra_lockstep), "hydra_pp": (HydraDrafter, hy
           "medusa": (MedusaDrafter, medusa_lockstep)}
 
 
-def _length(r) -> int:
-    """Per prompt max_new_tokens: the stored n, one prompt cut shorter (the length truncation) and one at 1 (no
-    decode step at all)."""
-    return {"p2": min(r.n, 7), "p5": 1}.get(r.id, r.n)
-
-
 def _per_prompt(drafter, refs, hidden, eos, vocab) -> dict:
-    out, original = {}, drafter.propose
-    for r in refs:
-        trees = []
-
-        def spy(state, trees=trees):
-            tree = original(state)
-            trees.append(tree.tokens.tolist())
-            return tree
-
-        drafter.propose = spy
-        try:
-            res = simulate(drafter, r.prompt, r.answer, _length(r), hidden[r.id], None, (), vocab, eos)
-        finally:
-            del drafter.propose
-        out[r.id] = {**{f: getattr(res, f) for f in FIELDS}, "trees": trees}
-    return out
+    return exact_rows_with_trees(drafter, refs, lambda r: (hidden[r.id], None, ()), eos, vocab, FIELDS)
 
 
 def _lockstep(run, drafter, refs, hidden, eos, width, monkeypatch) -> dict:
@@ -122,7 +101,7 @@ def _lockstep(run, drafter, refs, hidden, eos, width, monkeypatch) -> dict:
 
     with monkeypatch.context() as m:
         m.setattr(static, "verify_and_book", spy)
-        run(drafter, refs, lambda r: (hidden[r.id], []), _length, eos,
+        run(drafter, refs, lambda r: (hidden[r.id], []), lockstep_length, eos,
             lambda r, s: out.setdefault(r.id, {f: getattr(s, f) for f in FIELDS}), width=width)
     return {rid: {**v, "trees": trees.get(rid, [])} for rid, v in out.items()}
 

@@ -51,3 +51,33 @@ def lockstep_refs(model, prompts: int = 8, new: int = 24):
         refs.append(RefPrompt(f"p{i}", f"set-{i % 2}", p.tolist(), a, n, n < new))
     assert any(r.eos for r in refs) and not all(r.eos for r in refs)
     return refs, eos
+
+
+def lockstep_length(r) -> int:
+    """Per prompt max_new_tokens in the parity tests: the stored n, one prompt cut shorter (the length truncation)
+    and one at 1 (no decode step at all)."""
+    return {"p2": min(r.n, 7), "p5": 1}.get(r.id, r.n)
+
+
+def exact_rows_with_trees(drafter, refs, inputs, eos, vocab, fields, record=lambda tree: tree.tokens.tolist()):
+    """The exact path's row per prompt (field.simulate, the decoder loop against the stored answer) with every tree
+    it drafted (`record(tree)` per step): what a batched path's rows and trees are compared with. inputs(r) ->
+    (hidden, aux, aux_layers) of the prompt's teacher-forced pass."""
+    from eval.field.simulation import simulate
+
+    out, original = {}, drafter.propose
+    for r in refs:
+        trees = []
+
+        def spy(state, trees=trees):
+            tree = original(state)
+            trees.append(record(tree))
+            return tree
+
+        drafter.propose = spy
+        try:
+            res = simulate(drafter, r.prompt, r.answer, lockstep_length(r), *inputs(r), vocab, eos)
+        finally:
+            del drafter.propose
+        out[r.id] = {**{f: getattr(res, f) for f in fields}, "trees": trees}
+    return out

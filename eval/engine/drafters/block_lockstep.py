@@ -16,7 +16,7 @@ What is batched: per lockstep step the blocks of every active prompt run in one 
 context, as a block drafted alone attends), and DSpark's / Domino's walks step over the B blocks together
 (draft_chains). The drafters' propose() runs the same functions with one block, so the two paths share one
 implementation; the family's drafter turns logits into its tree (DFlashDrafter.picks) or cuts a chain
-(DSparkDrafter.chain_length) in both. Verification and bookkeeping: static.verify_and_book (the ReplayBackend's
+(DSparkDrafter.kept_drafts) in both. Verification and bookkeeping: static.verify_and_book (the ReplayBackend's
 lookup, speculative_generate's counts and truncation).
 
 Why the prompts' current blocks and not every position's at once: drafting each prompt's block at every position

@@ -47,10 +47,10 @@ class DSparkDrafter(BlockDrafter):
         self._commit(state)
         drafts, conf = self.draft.draft_chain(self._cache, state.root, self.num_speculative_tokens)
         self.last_confidence = conf.cpu()
-        n = self.chain_length(conf)
+        n = self.kept_drafts(conf)
         return self._trees[n].fill(state.root, drafts[:n, None].cpu())
 
-    def chain_length(self, conf: torch.Tensor) -> int:
+    def kept_drafts(self, conf: torch.Tensor) -> int:
         """Drafts kept of a chain whose confidences are conf [D]: all D, or with confidence_cut τ > 0 the leading
         depths whose product of confidences stays >= τ (also the field's batched path, per chain)."""
         if self.confidence_cut <= 0:

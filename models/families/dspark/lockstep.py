@@ -19,12 +19,12 @@ from eval.engine.drafters.static import TIE_EPS, StaticSlot, static_lockstep
 
 def draft_step(drafter, slots: list[StaticSlot]) -> tuple[list[list[int]], torch.Tensor]:
     """One step's chains of every slot: DSparkDraft.draft_chains, then each chain's length by
-    DSparkDrafter.chain_length (all num_speculative_tokens drafts, or fewer under a confidence cut). Returns (per
+    DSparkDrafter.kept_drafts (all num_speculative_tokens drafts, or fewer under a confidence cut). Returns (per
     slot [root, drafts...] base ids, near ties [B] bool)."""
     drafts, conf, logits = drafter.draft.draft_chains(block_contexts(drafter, slots), block_roots(drafter, slots),
                                                       drafter.num_speculative_tokens)  # [B, D], [B, D], [B, D, N]
     d = conf.shape[1]
-    kept = torch.tensor([drafter.chain_length(c) for c in conf])  # [B]
+    kept = torch.tensor([drafter.kept_drafts(c) for c in conf])  # [B]
     if drafter.confidence_cut <= 0:  # fixed length: only ties the stored token is in can change the booking
         near = stored_ties(logits, stored_drafts(drafter, slots, d), torch.ones(d, dtype=torch.long)).cpu()
     else:  # the length reads the confidences, which read every kept draft: any tie among them, and the cut itself
