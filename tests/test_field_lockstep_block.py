@@ -21,7 +21,7 @@ import torch
 from conftest import fit_draft
 from helpers.block_families import FAMILIES
 from helpers.drafts import greedy_continuation_batch
-from helpers.stored_answers import exact_rows_with_trees, lockstep_length, lockstep_refs
+from helpers.stored_answers import exact_rows_with_trees, lockstep_refs, static_lockstep_rows
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.drafters import static
@@ -106,19 +106,10 @@ def _per_prompt(drafter, refs, tf, eos, vocab) -> dict:
 
 def _lockstep(drafter, refs, tf, eos, width, monkeypatch) -> tuple[dict, list[str]]:
     """(id -> the batched path's row and drafted trees, the ids it handed to the exact path: near ties)."""
-    out, trees, redone = {}, {}, []
-    original = static.verify_and_book
-
-    def spy(slot, tokens, tree):
-        trees.setdefault(slot.ref.id, []).append(list(tokens))
-        original(slot, tokens, tree)
-
-    with monkeypatch.context() as m:
-        m.setattr(static, "verify_and_book", spy)
-        RUN[drafter.name](drafter, refs, lambda r: (tf[r.id][1], []), lockstep_length, eos,
-                          lambda r, s: out.setdefault(r.id, {f: getattr(s, f) for f in FIELDS}), width=width,
-                          redo=lambda r: redone.append(r.id))
-    return {rid: {**v, "trees": trees.get(rid, [])} for rid, v in out.items()}, redone
+    redone = []
+    rows = static_lockstep_rows(RUN[drafter.name], drafter, refs, lambda r: (tf[r.id][1], []), eos, width,
+                                monkeypatch, FIELDS, redo=lambda r: redone.append(r.id))
+    return rows, redone
 
 
 def _assert_same(model, drafter, refs, tf, eos, monkeypatch, widths=(1, 3, 16), ties: bool = False) -> dict:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import fit_draft
 from helpers.drafts import greedy_continuation_batch, perturb, with_draft_vocab
-from helpers.stored_answers import exact_rows_with_trees, lockstep_length, lockstep_refs
+from helpers.stored_answers import exact_rows_with_trees, lockstep_refs, static_lockstep_rows
 
 from eval.engine.backends.hf import HFBackend
 from eval.engine.drafters import static
@@ -92,18 +92,7 @@ def _per_prompt(drafter, refs, hidden, eos, vocab) -> dict:
 
 
 def _lockstep(run, drafter, refs, hidden, eos, width, monkeypatch) -> dict:
-    out, trees = {}, {}
-    original = static.verify_and_book
-
-    def spy(slot, tokens, tree):
-        trees.setdefault(slot.ref.id, []).append(list(tokens))
-        original(slot, tokens, tree)
-
-    with monkeypatch.context() as m:
-        m.setattr(static, "verify_and_book", spy)
-        run(drafter, refs, lambda r: (hidden[r.id], []), lockstep_length, eos,
-            lambda r, s: out.setdefault(r.id, {f: getattr(s, f) for f in FIELDS}), width=width)
-    return {rid: {**v, "trees": trees.get(rid, [])} for rid, v in out.items()}
+    return static_lockstep_rows(run, drafter, refs, lambda r: (hidden[r.id], []), eos, width, monkeypatch, FIELDS)
 
 
 def _assert_same(run, model, drafter, refs, hidden, eos, monkeypatch, widths=(1, 3, 16)) -> dict:

@@ -81,3 +81,24 @@ def exact_rows_with_trees(drafter, refs, inputs, eos, vocab, fields, record=lamb
             del drafter.propose
         out[r.id] = {**{f: getattr(res, f) for f in fields}, "trees": trees}
     return out
+
+
+def static_lockstep_rows(run, drafter, refs, states, eos, width, monkeypatch, fields, redo=None) -> dict:
+    """A batched path's row per prompt with every tree it verified (spied at static.verify_and_book, the shared
+    verify-and-book step): what exact_rows_with_trees gives for the exact path. states(r) -> (aux rows, []) of the
+    prompt, as run_field hands them; redo(r) is called for a prompt handed to the exact path (a near tie)."""
+    from eval.engine.drafters import static
+
+    out, trees = {}, {}
+    original = static.verify_and_book
+
+    def spy(slot, tokens, tree):
+        trees.setdefault(slot.ref.id, []).append(list(tokens))
+        original(slot, tokens, tree)
+
+    kw = {} if redo is None else {"redo": redo}
+    with monkeypatch.context() as m:
+        m.setattr(static, "verify_and_book", spy)
+        run(drafter, refs, states, lockstep_length, eos,
+            lambda r, s: out.setdefault(r.id, {f: getattr(s, f) for f in fields}), width=width, **kw)
+    return {rid: {**v, "trees": trees.get(rid, [])} for rid, v in out.items()}
