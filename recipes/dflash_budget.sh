@@ -33,7 +33,7 @@ T=$($PY - <<'EOF'
 import torch
 from train.config import load_train_config
 from train.distributed import DistInfo
-from train.loop import epoch_tokens_of, load_base_and_data
+from train.run_inputs import epoch_tokens_of, load_base_and_data
 
 cfg = load_train_config(["configs/hydra.yaml", "configs/cpu_budget.yaml"], [])
 _, train_ds, *_ = load_base_and_data(cfg, DistInfo(0, 1, 0, torch.device("cpu")), "fp32")

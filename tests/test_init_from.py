@@ -46,8 +46,8 @@ def test_the_export_map_replaces_the_run_built_one(trained, tmp_path, monkeypatc
     still trains with the export's rows."""
     import train.loop as loop
 
-    built = loop._draft_vocab
-    monkeypatch.setattr(loop, "_draft_vocab", lambda *a: built(*a).flip(0))
+    built = loop.draft_vocab
+    monkeypatch.setattr(loop, "draft_vocab", lambda *a: built(*a).flip(0))
     run = tmp_path / "run"
     train(load_train_config(COMMON, [*OVER, "train.max_steps=1", "draft.vocab_size=64", f"run_dir={run}",
                                      f"train.init_from={trained / 'export'}"]))

@@ -157,16 +157,16 @@ def test_config_validation():
 def test_loop_trains_on_the_distilled_file(base, tmp_path, monkeypatch):
     """The loop's hook: self_distill swaps the source for the cached file and records derived_from."""
     from train.config import load_train_config
-    from train.loop import _training_source
+    from train.run_inputs import training_source
 
     overrides = ["data.self_distill=true", "data.max_records=3", "data.self_distill_max_new_tokens=8",
                  f"data.cache_dir={tmp_path}"]
     cfg = load_train_config(["configs/smoke.yaml"], overrides)
-    source, max_records = _training_source(cfg, base)
+    source, max_records = training_source(cfg, base)
     assert source.startswith(str(tmp_path / "selfdistill")) and max_records is None
     assert train_data_entry(source, max_records)["derived_from"] == {"source": FIXTURE, "max_records": 3}
     cfg.data.self_distill = False
-    assert _training_source(cfg, base) == (FIXTURE, 3)
+    assert training_source(cfg, base) == (FIXTURE, 3)
 
 
 def test_an_engine_generates_turn_by_turn_and_cut_answers_are_counted(base, tmp_path):

@@ -213,7 +213,7 @@ def test_max_tokens_sets_the_steps_at_the_mean_conversation_length():
 def test_epoch_tokens_counts_the_selected_rows_of_a_split_table():
     from datasets import Dataset
 
-    from train.loop import epoch_tokens_of
+    from train.run_inputs import epoch_tokens_of
 
     ds = Dataset.from_dict({"input_ids": [[1] * n for n in (3, 2, 10, 7, 1)]})
     split = ds.train_test_split(test_size=2, seed=0)  # index-mapped views of the same table

@@ -21,7 +21,8 @@ from train.distributed import barrier, init_distributed
 
 def build_cache(cfg: TrainConfig) -> Path:
     """Build (or find) the cache; returns its directory on every rank. Collective under a launcher."""
-    from train.loop import _hidden_cache, _setup_logging, load_base_and_data, threads_and_precision
+    from train.loop import _setup_logging
+    from train.run_inputs import load_base_and_data, open_hidden_cache, threads_and_precision
 
     if not cfg.data.hidden_cache:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, hidden_cache="auto"))
@@ -30,7 +31,7 @@ def build_cache(cfg: TrainConfig) -> Path:
     _, base_dtype = threads_and_precision(cfg, info)
     base, train_ds, _, _, _, partitioned = load_base_and_data(cfg, info, base_dtype)
     t0 = time.perf_counter()
-    cache = _hidden_cache(cfg, base, train_ds, info, partitioned)
+    cache = open_hidden_cache(cfg, base, train_ds, info, partitioned)
     seconds = time.perf_counter() - t0
     if info.is_main:
         print(f"hidden-state cache ready: {cache.directory} ({len(cache)} rows, {cache.manifest['tokens']:,} tokens; "

@@ -48,7 +48,7 @@ from torch.nn import functional as F
 
 from eval.engine.backends.replay import ReplayError
 from models.families.eagle3.drafter import chain_drafts, tree_drafts
-from models.families.eagle3.model import Eagle3Cache
+from models.families.eagle3.layers import Eagle3Cache
 
 # Two log-probs (or cumulative tree scores) closer than this are a near tie: the batched path's last bits could order
 # them otherwise than the one-row path, so the prompt is redone on the exact path. 70x the largest flip seen.
