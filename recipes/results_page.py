@@ -90,7 +90,7 @@ def family_rows(reports: Path, reference: str) -> list[str]:
         tuning_file = reports / name / "tuning.json"
         tuning = json.loads(tuning_file.read_text()) if tuning_file.is_file() else None
         t = r["train"] or {}
-        cost = f"{t['cpu_minutes']:.0f}" if t.get("cpu_minutes") is not None else (
+        cost = ff.cpu_cell(t) if t.get("cpu_minutes") is not None else (
             "0 (learning-free)" if not ff._trainable(r["family"]) else "training")
         judged = [(s, e) for s, e in r["fields"].items() if e.get("report")]
         if not judged:

@@ -74,3 +74,31 @@ def test_a_recorded_command_names_no_machine_path(tmp_path):
     assert repo_relative(str(checkout / "docs" / "lab" / "x.json")) == "docs/lab/x.json"
     assert repo_relative("runs/ff-ctc/export") == "runs/ff-ctc/export"
     assert repo_relative("--num-prompts") == "--num-prompts"
+
+
+def test_the_cpu_minutes_rest_on_the_trainer_then_time_then_the_loop_clock():
+    """The trainer's own count wins; `time`'s records count only when they cover the loop (a start killed with
+    its session leaves none); else the loop's wall clock, marked as the bound it is."""
+    t = _table()
+    killed = [{"wall_s": 600.0, "user_s": 540.0, "sys_s": 6.0}]  # 10 of the loop's 150 minutes recorded
+    assert t.cpu_cost({"train_seconds": 9000, "train_cpu_seconds": 7200.0}, killed) == {
+        "cpu_minutes": 120.0, "cpu_basis": "trainer"}
+    covered = [{"wall_s": 5000.0, "user_s": 4000.0, "sys_s": 20.0}, {"wall_s": 4100.0, "user_s": 3900.0, "sys_s": 40.0}]
+    assert t.cpu_cost({"train_seconds": 9000, "train_cpu_seconds": None}, covered) == {
+        "cpu_minutes": 132.7, "cpu_basis": "time"}
+    bound = t.cpu_cost({"train_seconds": 9000}, killed)
+    assert bound == {"cpu_minutes": 150.0, "cpu_basis": "loop wall (upper bound)"}
+    assert t.cpu_cell(bound) == "≤ 150" and t.cpu_cell({"cpu_minutes": 132.7, "cpu_basis": "time"}) == "133"
+    assert t.cpu_cell({"cpu_minutes": 154.5, "cpu_basis": "loop wall (upper bound)"}) == "≤ 155"  # a bound rounds up
+
+
+def test_an_older_train_json_gets_its_cpu_basis_by_the_same_rule(tmp_path):
+    """A train.json collected before the basis was kept (its cpu_minutes summed over killed starts only) is read
+    with the bound, not the partial sum."""
+    t = _table()
+    run = tmp_path / "ff-x"
+    run.mkdir()
+    (run / "train.json").write_text(json.dumps({"family": "dflash", "train_minutes": 154.5, "cpu_minutes": 9.3,
+                                                "invocations": [{"wall_s": 637.0, "user_s": 543.0, "sys_s": 7.0}]}))
+    got = t.load_runs(tmp_path)["ff-x"]["train"]
+    assert (got["cpu_minutes"], got["cpu_basis"]) == (154.5, "loop wall (upper bound)")

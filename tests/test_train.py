@@ -157,6 +157,11 @@ def test_crash_then_resume_matches_uninterrupted(tmp_path):
     # metrics.jsonl has each step once: the replayed steps replaced the crashed run's lines.
     steps = [r["step"] for r in _metrics(crashed)]
     assert steps == sorted(set(steps))
+    # The run's CPU seconds carry over the kill: the resumed start adds its own to the checkpoint's, so the
+    # crashed-and-resumed run counts at least what its resumed start alone spent on steps 5-6.
+    cpu = [json.loads((d / "export" / "config.json").read_text())["train_cpu_seconds"] for d in (full, crashed)]
+    state = torch.load(next((crashed / "checkpoints" / "step00000004").rglob("*model_states.pt")), weights_only=False)
+    assert state["train_cpu_seconds"] > 0 and cpu[1] > state["train_cpu_seconds"] and cpu[0] > 0
 
 
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):

@@ -214,13 +214,15 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
                                                    config=ds_config, **({"mpu": sp.mpu} if sp else {}))
     compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
-    start_step, seconds_before = 0, 0.0
+    start_step, seconds_before, cpu_before = 0, 0.0, 0.0
     candidates = checkpoint.resume_candidates(ckpt_root) if cfg.resume == "auto" else (
         [Path(cfg.resume)] if cfg.resume != "none" else [])
     resume_from = None
     if candidates:
         resume_from, state = checkpoint.load_newest_good(engine, candidates)
         start_step, seconds_before = int(state["step"]), float(state.get("train_seconds", 0.0))
+        # CPU seconds before this start (None: a checkpoint written before they were counted, so unknown)
+        cpu_before = state.get("train_cpu_seconds", None if start_step else 0.0)
         # LambdaLR's state_dict carries the multiplier object's fields and the base LRs of the saved run;
         # the schedule of *this* config wins (e.g. a run extended with a larger train.max_steps).
         lr_multiplier.configure(total_steps, warmup, cfg.train.min_lr_ratio, 60 * cfg.train.max_minutes)
@@ -239,6 +241,9 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
     window_loss, window_micro, window_tokens, window_t0 = 0.0, 0, 0, time.perf_counter()
     # The time budget covers the whole run, across resumes: the clock starts where the checkpoint left it.
     train_t0 = time.perf_counter() - seconds_before
+    # This process's CPU seconds (all its threads) plus those of the starts before it: what the run cost, which a
+    # wall clock on a shared box overstates and a `time` around a killed process never reports.
+    clock = CpuClock(cpu_before)
     lr_multiplier.start(train_t0)
     step = start_step
     sigterm = False  # agreed across ranks: did any rank get SIGTERM?
@@ -301,13 +306,14 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
                 window = [DepthStats() for _ in range(cfg.draft.num_heads)]
                 window_loss, window_micro, window_tokens, window_t0 = 0.0, 0, 0, time.perf_counter()
             if must_stop or (cfg.train.save_every and step % cfg.train.save_every == 0 and step < total_steps):
-                checkpoint.save(engine, ckpt_root, step, _client_state(step, train_t0), cfg.train.keep_checkpoints,
-                                info.rank)
+                checkpoint.save(engine, ckpt_root, step, _client_state(step, train_t0, clock),
+                                cfg.train.keep_checkpoints, info.rank)
             if cfg.train.export_every and step % cfg.train.export_every == 0 and step < total_steps and not must_stop:
                 _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker,
                         run_dir, step, time.perf_counter() - train_t0,
                         _train_data_entry(source, max_records, epoch_tokens), vocab_info, bool(partitioned),
-                        out=run_dir / "exports" / checkpoint.step_tag(step), decode_eval=decode)
+                        out=run_dir / "exports" / checkpoint.step_tag(step), decode_eval=decode,
+                        cpu_seconds=clock.seconds())
             _test_crash_hook(step)
             if must_stop:
                 # Ranks may get SIGTERM seconds apart (the launcher signals them in turn): agree on it, so all
@@ -318,7 +324,7 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
                             step, total_steps, why)
                 break
         else:
-            checkpoint.save(engine, ckpt_root, step, _client_state(step, train_t0), cfg.train.keep_checkpoints,
+            checkpoint.save(engine, ckpt_root, step, _client_state(step, train_t0, clock), cfg.train.keep_checkpoints,
                             info.rank)
     finally:
         pbar.close()
@@ -329,7 +335,8 @@ def train(cfg: TrainConfig, decode_eval: Callable | None = None) -> Path:
         # Decoding at snapshots: the final state goes to export_last/, and export/ becomes the best decoded one.
         _finish(cfg, engine, draft, base, view, (val_ds, onpolicy_ds), pad_id, compute_dtype, info, tracker, run_dir,
                 step, time.perf_counter() - train_t0, _train_data_entry(source, max_records, epoch_tokens),
-                vocab_info, bool(partitioned), out=run_dir / LAST_DIR if decode else None, decode_eval=decode)
+                vocab_info, bool(partitioned), out=run_dir / LAST_DIR if decode else None, decode_eval=decode,
+                cpu_seconds=clock.seconds())
         if decode and info.is_main:
             _select_export(run_dir)
         if info.is_main:  # what each part of this run took (`specdraft demo` compares them with its plan)
@@ -365,9 +372,21 @@ def _test_crash_hook(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _client_state(step: int, train_t0: float) -> dict:
-    """What a checkpoint needs besides DeepSpeed's own state: the data position is a function of the step."""
-    return {"step": step, "train_seconds": time.perf_counter() - train_t0}
+class CpuClock:
+    """CPU seconds of a run across its starts: `before` (from the checkpoint; None = not counted by the run that
+    wrote it) plus this process's time.process_time() since the clock was made."""
+
+    def __init__(self, before: float | None):
+        self.before, self.t0 = before, time.process_time()
+
+    def seconds(self) -> float | None:
+        return None if self.before is None else self.before + time.process_time() - self.t0
+
+
+def _client_state(step: int, train_t0: float, clock: CpuClock) -> dict:
+    """What a checkpoint needs besides DeepSpeed's own state: the data position is a function of the step; the
+    seconds so far keep the time budget and the run's cost across resumes."""
+    return {"step": step, "train_seconds": time.perf_counter() - train_t0, "train_cpu_seconds": clock.seconds()}
 
 
 def _grad_norm(engine, draft) -> float | None:
@@ -440,7 +459,7 @@ def _fmt(x) -> str:
 
 def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype, info, tracker, run_dir, step,
             train_seconds: float, train_data: dict, vocab_info: dict | None = None, partitioned: bool = False,
-            out: Path | None = None, decode_eval: Callable | None = None) -> None:
+            out: Path | None = None, decode_eval: Callable | None = None, cpu_seconds: float | None = None) -> None:
     """Export the draft's weights and measure held-out per-depth accuracy (rank 0; with a ZeRO-3 base every
     rank runs the held-out forwards, which are collective, and rank 0 alone writes). heldout_sets = (the split's
     val rows, the on-policy held-out rows or None). out: a snapshot directory (exports/step<N>/, which gets the
@@ -458,6 +477,8 @@ def _finish(cfg, engine, draft, base, view, heldout_sets, pad_id, compute_dtype,
             # train_data lets `specdraft eval dataset=sharegpt` pick prompts this draft never saw.
             export_specdraft(draft, export_dir, base.name, base.fingerprint,
                              extra={"trained_steps": step, "train_seconds": round(train_seconds, 1),
+                                    # this rank's CPU seconds over every start (null: a start before they were kept)
+                                    "train_cpu_seconds": None if cpu_seconds is None else round(cpu_seconds, 1),
                                     # what was trained: the weights file also holds a frozen LM head kept for serving
                                     "trainable_params": sum(p.numel() for p in draft.parameters() if p.requires_grad),
                                     "hidden_cache": bool(cfg.data.hidden_cache),
