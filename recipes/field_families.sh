@@ -50,6 +50,10 @@
 # train.json go to REPORTS/<run>/, which recipes/field_families_table.py turns into docs/lab/field_families.md
 # (rewritten after every family); the CTC drafter also gets recipes/ctc_diagnostics.py on 10 prompts a set (blank
 # rate, collapsed path length, depth-k accuracy: ctc_diagnostics.json).
+# Decoded speed (TUNE=1): after its judging, each trained family is tuned on this machine (`specdraft tune --engine
+# ours --threads 1`, TUNE_MIN minutes: its fastest shape against its own AR, paired, with the load average; a sweep
+# taken above the core count is marked loaded and goes into no claim) and REPORTS/<run>/tuning.json is kept, so the
+# results page's speed column survives a machine swap, which takes the export with it.
 #
 #   setsid nohup recipes/field_families.sh > runs/logs/field-families.log 2>&1 &   # everything, resumable
 #   FAMILIES="medusa ctc" recipes/field_families.sh            # some runs (the order is the queue's; default:
@@ -80,6 +84,12 @@ NICE=${NICE:-10}
 CACHE_THREADS=${CACHE_THREADS:-1}
 FIELD=${FIELD:-1}
 FIELD_MAX_MIN=${FIELD_MAX_MIN:-60}
+# Decoded speed (`specdraft tune`) of each family right after its judging, while its export is on the machine:
+# TUNE=1 tunes a run with an export and no kept tuning.json; TUNE=2 also counts a family without one as not done, so
+# it retrains (same seed, same steps: the same draft) to be tuned; 0 skips. TUNE_ENGINE ours | vllm | llamacpp | all.
+TUNE=${TUNE:-1}
+TUNE_MIN=${TUNE_MIN:-20}
+TUNE_ENGINE=${TUNE_ENGINE:-ours}
 PREFIX=${RUN_PREFIX:-ff}
 REPORTS=${REPORTS:-docs/lab/field_families}
 mkdir -p runs/logs "$REPORTS"
@@ -214,6 +224,19 @@ judge_family() {
   fi
 }
 
+tune_family() {  # tune_family <fam>: its decoded speed against its own AR (`specdraft tune`, one thread, the
+  # load recorded and a loaded sweep marked as such), kept as REPORTS/<run>/tuning.json for the results page
+  local fam=$1 run="$PREFIX-$1" dest="$REPORTS/$PREFIX-$1/tuning.json" log="runs/logs/tune-$PREFIX-$1.log"
+  [ "$TUNE" != 0 ] || return 0
+  [ -f "runs/$run/export/config.json" ] || return 0
+  [ -f "$dest" ] && { echo "skip tune $run"; return 0; }
+  echo "=== tune $run start $(stamp)" | tee -a "$log"
+  OMP_NUM_THREADS=1 nice -n "$NICE" "$S" tune --draft "runs/$run/export" --engine "$TUNE_ENGINE" --threads 1 \
+    --budget-minutes "$TUNE_MIN" --name field-families >> "$log" 2>&1 || { echo "!!! tune $run failed ($log)"; return; }
+  mkdir -p "${dest%/*}" && cp "runs/$run/export/tuning.json" "$dest"
+  echo "=== tune $run end $(stamp)" | tee -a "$log"
+}
+
 diagnostics_of() {  # diagnostics_of <fam>: where its diagnostics go, REPORTS/<run>/<script's stem>.json
   local diag
   diag=$(plan "$1" diagnostics)
@@ -241,8 +264,13 @@ judge_free() {  # judge_free <fam> <script>: a learning-free run (no training), 
   done < <(shapes "$1")
 }
 
-kept_complete() {  # kept_complete <fam>: every shape's report kept in REPORTS covers every stored answer (or was
-  # timed and left unjudged): nothing to train or judge again, on this machine or a fresh one
+kept_complete() {  # kept_complete <fam>: judged (kept_judged) and, with TUNE=2, tuned: nothing to train, judge or
+  # tune again, on this machine or a fresh one
+  kept_judged "$1" && { [ "$TUNE" != 2 ] || [ -f "$REPORTS/$PREFIX-$1/tuning.json" ]; }
+}
+
+kept_judged() {  # kept_judged <fam>: every shape's report kept in REPORTS covers every stored answer (or was timed
+  # and left unjudged), and its diagnostics are kept
   local fam=$1 line shape d run="$PREFIX-$1"
   while read -r line; do
     shape=${line%% *} d="$REPORTS/$run/field-$shape"
@@ -258,7 +286,9 @@ one() {  # one run in one slot: train, judge, then the table as it stands
   args=$(family_args "$1") || return 2
   case ${args%% *} in  # a config file: train, then judge; a script: a learning-free run it judges
     *.py) judge_free "$1" "$args" ;;
-    *) train_family "$1" "$args" && judge_family "$1" ;;
+    # a family judged before (TUNE=2 retrains it to be tuned) keeps its reports: the retrain, same recipe and data
+    # order, differs from the judged draft only by the rounding of its thread count
+    *) train_family "$1" "$args" && { kept_judged "$1" || judge_family "$1"; } && tune_family "$1" ;;
   esac
   [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT" > /dev/null
 }
@@ -274,7 +304,7 @@ for fam in $FAMILIES; do
   if [ "$running" -ge "$JOBS" ]; then wait -n; running=$((running - 1)); fi
 done
 wait
-for fam in $FAMILIES; do kept_complete "$fam" || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
+for fam in $FAMILIES; do kept_judged "$fam" || judge_family "$fam"; done  # the pairs against EAGLE-3 the order missed (rows are reused)
 [ "$FIELD" = 1 ] && $TABLE table --reports "$REPORTS" --out "$TABLE_OUT"
 echo "=== field_families done $(stamp)"
 exit 0
