@@ -40,3 +40,15 @@ def test_the_readme_links_the_results_page_before_the_lab_notebook():
     assert "docs/results.md" in readme
     lab = readme.find("docs/lab/")
     assert lab == -1 or readme.find("docs/results.md") < lab
+
+
+def test_the_page_names_every_machine_kind_the_families_trained_on():
+    """Families trained on two kinds of CPU: the page names both and which family trained where, not the first."""
+    page = _page_module()
+    runs = {n: {"family": f, "train": {"machine": {"kind": k}, "label": lab}, "fields": {}}
+            for n, f, k, lab in [("ff-ctc", "ctc", "2-core Xeon (AMX)", "CTC"),
+                                 ("ff-hydra", "hydra", "2-core EPYC (AVX512-BF16)", "Hydra"),
+                                 ("ff-medusa", "medusa", "2-core Xeon (AMX)", "Medusa")]}
+    runs["ff-ngram"] = {"family": "ngram", "train": None, "fields": {}}
+    assert page.machine_kinds(runs) == ("on a 2-core EPYC (AVX512-BF16) (Hydra); a 2-core Xeon (AMX) (CTC, Medusa)")
+    assert page.machine_kinds({k: runs[k] for k in ("ff-hydra", "ff-ngram")}) == "on a 2-core EPYC (AVX512-BF16)"
