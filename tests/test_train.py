@@ -15,6 +15,7 @@ from conftest import child_env
 
 from models.base import load_base
 from models.draft import BaseView
+from models.export.schema import check_export_config
 from models.export.specdraft import load_draft, read_tensors
 
 
@@ -162,6 +163,8 @@ def test_crash_then_resume_matches_uninterrupted(tmp_path):
     cpu = [json.loads((d / "export" / "config.json").read_text())["train_cpu_seconds"] for d in (full, crashed)]
     state = torch.load(next((crashed / "checkpoints" / "step00000004").rglob("*model_states.pt")), weights_only=False)
     assert state["train_cpu_seconds"] > 0 and cpu[1] > state["train_cpu_seconds"] and cpu[0] > 0
+    # and the export with the key loads where exports are read (the schema knows it)
+    check_export_config(json.loads((crashed / "export" / "config.json").read_text()), crashed / "export")
 
 
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):

@@ -101,6 +101,8 @@ KEYS: dict[str, Callable[[object], str | None]] = {
     "rnn": _is(bool, "true or false"),
     "trained_steps": _int(0),
     "train_seconds": _float(0.0),
+    # the training process's CPU seconds over every start; null where a start before they were counted left none
+    "train_cpu_seconds": _optional(_float(0.0)),
     "trainable_params": _int(0),
     "hidden_cache": _is(bool, "true or false"),
     "train_dtype": _is(str, "a string"),
