@@ -324,25 +324,28 @@ def build_table(reports: Path, command: str, reference: str | None = None, shown
              "chain of 4, trees, beams and paths against its 16-node tree), 95 % paired bootstrap.", ""]
     lines += ["## Training", "",
               "| family | run | steps x batch | tokens seen | epochs | trainable params | lr | train min | CPU-min | "
-              "median tok/s | machine | held-out top-1 by depth |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+              "threads | median tok/s | machine | held-out top-1 by depth |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     ordered = sorted(runs.items(), key=lambda kv: (_rank(kv[1]), _label(kv[1])))
     for name, r in ordered:
         t = r["train"]
         if not t:
             what = "learning-free: no training" if not _trainable(r["family"]) else "not finished"
-            lines.append(f"| {_label(r)} | `{name}` | {what} | | | | | | | | | |")
+            lines.append(f"| {_label(r)} | `{name}` | {what} | | | | | | | | | | |")
             continue
         top1 = " / ".join(f"{x:.3f}" for x in t.get("heldout", {}).get("top1_by_depth", [])[:5]) or "-"
         tps = t.get("tokens_per_s") or {}
         lines.append(f"| {_label(r)} | `{name}` | {t['steps']} x {t['global_batch']} | "
                      f"{(t.get('tokens_seen') or 0) / 1e6:.2f}M | {t.get('epochs')} | "
                      f"{(t.get('trainable_params') or 0) / 1e6:.2f}M | {t.get('lr')} | {t.get('train_minutes')} | "
-                     f"{cpu_cell(t)} | {tps.get('median', '-')} | {t['machine']['kind']} | {top1} |")
-    lines += ["", "CPU-min: the CPU time of the training process over all its restarts, one thread: what the "
+                     f"{cpu_cell(t)} | {t.get('threads') or '-'} | {tps.get('median', '-')} | {t['machine']['kind']} | "
+                     f"{top1} |")
+    lines += ["", "CPU-min: the CPU time of the training process over all its restarts (all its threads): what the "
               "family's tokens cost; the trainer's own count (`train_cpu_seconds`), else `time`'s user + system "
               "summed over the starts (model loading included). *≤*: a start killed with its session left no "
-              "record, so the cell is the loop's wall clock, an upper bound at one thread. Train min: the training "
+              "record, so the cell is the loop's wall clock, an upper bound at one thread. Threads: the trainer's "
+              "(its last start; a run alone on the machine took both cores, which shortens its train min, not its "
+              "tokens). Train min: the training "
               "loop's wall clock, which also counts the time the process waited for the CPU or was stopped (other "
               "jobs on a shared machine; the load averages at each start and end are in each `train.json`).", ""]
     all_sets: list[str] = []
