@@ -137,6 +137,9 @@ def cmd_collect(a) -> int:
     return 0
 
 
+UPPER_BOUND = "loop wall (upper bound)"  # cpu_basis where the count is the loop's wall clock
+
+
 def cpu_cost(export: dict, invocations: list[dict]) -> dict:
     """The training's CPU-minutes and what they rest on: the trainer's own count (process CPU over every start,
     export `train_cpu_seconds`), else `time`'s user + system summed over the invocations when those cover the
@@ -147,7 +150,7 @@ def cpu_cost(export: dict, invocations: list[dict]) -> dict:
     loop_min = export.get("train_seconds", 0) / 60
     if invocations and sum(c["wall_s"] for c in invocations) / 60 >= 0.95 * loop_min:
         return {"cpu_minutes": round(sum(c["user_s"] + c["sys_s"] for c in invocations) / 60, 1), "cpu_basis": "time"}
-    return {"cpu_minutes": round(loop_min, 1), "cpu_basis": "loop wall (upper bound)"} if loop_min else \
+    return {"cpu_minutes": round(loop_min, 1), "cpu_basis": UPPER_BOUND} if loop_min else \
         {"cpu_minutes": None, "cpu_basis": None}
 
 
@@ -155,7 +158,7 @@ def cpu_cell(t: dict) -> str:
     """A table's CPU-min cell: the bound marked where the count is the loop's wall clock."""
     if t.get("cpu_minutes") is None:
         return "-"
-    if t.get("cpu_basis") == "loop wall (upper bound)":
+    if t.get("cpu_basis") == UPPER_BOUND:
         return f"≤ {math.ceil(t['cpu_minutes'])}"  # a bound rounds up
     return f"{t['cpu_minutes']:.0f}"
 

@@ -15,7 +15,6 @@ from models.families.eagle3.layers import Eagle3Cache
 class Eagle3DecodeRows:
     """The draft's inference side: what the decoder (drafter.py, lockstep.py) calls between base steps."""
 
-
     def new_cache(self, capacity: int, device, dtype) -> Eagle3Cache:
         """An empty cache for every layer's keys: [num_layers, H_kv, capacity, hd]."""
         attn = self.layers[0].self_attn
