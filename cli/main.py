@@ -171,6 +171,7 @@ def _strip_launcher_args(argv: list[str]) -> list[str]:
 def cmd_train(args) -> int:
     from cli.train_decode import make_decode_eval
     from train.config import load_train_config
+    from train.distributed import finish_distributed
     from train.loop import TrainingInterrupted, train
 
     cfg = load_train_config(args.config, args.overrides)
@@ -178,7 +179,9 @@ def cmd_train(args) -> int:
         run_dir = train(cfg, decode_eval=make_decode_eval(cfg))  # None unless train.decode_eval_prompts > 0
     except TrainingInterrupted as exc:
         print(f"specdraft train: {exc}", file=sys.stderr)
+        finish_distributed()
         return 143
+    finish_distributed()  # leave the group before exit: gloo's destructor can abort a rank whose work is done
     print(f"run directory: {run_dir}")
     return 0
 
@@ -186,9 +189,11 @@ def cmd_train(args) -> int:
 def cmd_cache(args) -> int:
     from train.cache_build import build_cache
     from train.config import load_train_config
+    from train.distributed import finish_distributed
 
     overrides = [*args.overrides, *(["data.hidden_cache_verify=true"] if args.verify else [])]
     build_cache(load_train_config(args.config, overrides))  # rank 0 prints where it is
+    finish_distributed()
     return 0
 
 

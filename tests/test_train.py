@@ -227,3 +227,34 @@ def test_epoch_tokens_counts_the_selected_rows_of_a_split_table():
     split = ds.train_test_split(test_size=2, seed=0)  # index-mapped views of the same table
     for part in (ds, split["train"], split["test"]):
         assert epoch_tokens_of(part) == sum(len(ids) for ids in part["input_ids"])
+
+
+_LEAVES_THE_GROUP = """
+import sys
+from types import SimpleNamespace
+import torch.distributed as dist
+import cli.main, train.loop
+from train.distributed import init_distributed
+
+def fake_train(cfg, decode_eval=None):  # joins the group as the real loop does, then returns its run dir
+    init_distributed()
+    return "run"
+
+train.loop.train = fake_train
+import train.config
+train.config.load_train_config = lambda config, overrides: SimpleNamespace(  # no config file needed here
+    train=SimpleNamespace(decode_eval_prompts=0))
+rc = cli.main.cmd_train(SimpleNamespace(config=[], overrides=[]))
+print("initialized after:", dist.is_initialized())
+sys.exit(rc)
+"""
+
+
+def test_train_command_leaves_the_process_group_before_exit():
+    """A rank that exits with gloo still set up can abort in the group's destructor ("terminate called without an
+    active exception", exit -6) after its work is done: seen on a 2-rank sequence-parallel run in CI. The command
+    leaves the group first."""
+    proc = subprocess.run([sys.executable, "-c", _LEAVES_THE_GROUP], env=child_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "initialized after: False" in proc.stdout, proc.stdout + proc.stderr
