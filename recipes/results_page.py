@@ -59,6 +59,11 @@ def _speed(tuning: dict | None) -> str:
     same = [p.get("same_tokens_as_ar") for p in rec.get("points", []) if p.get("label") == ch.get("label")]
     verdict = "" if not same or same[0] is None else (" lossless" if same[0] == 1.0 else " NOT lossless")
     ratio = ch.get("speedup_vs_ar") or 1.0
+    if ch.get("speculate") is False:  # no setting cleared AR: say how far the best fell short, not a bare 1.00x
+        best = next((p for p in rec.get("points", []) if p.get("label") == ch.get("runner_up")), {})
+        text = (f"slower than AR: best {best.get('label', '?')} {best.get('speedup', 0):.2f}x, lower bound "
+                f"{best.get('lower_bound') or 0:.2f}x") if best else "slower than AR"
+        return text + (" loaded" if loaded else "")
     text = f"{ratio:.2f}x {_iv(ratio, iv)[len(f'{ratio:.2f}'):].strip()} ({ch.get('label')}{verdict})"
     return text + (" loaded" if loaded else "")
 

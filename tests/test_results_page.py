@@ -52,3 +52,18 @@ def test_the_page_names_every_machine_kind_the_families_trained_on():
     runs["ff-ngram"] = {"family": "ngram", "train": None, "fields": {}}
     assert page.machine_kinds(runs) == ("on a 2-core EPYC (AVX512-BF16) (Hydra); a 2-core Xeon (AMX) (CTC, Medusa)")
     assert page.machine_kinds({k: runs[k] for k in ("ff-hydra", "ff-ngram")}) == "on a 2-core EPYC (AVX512-BF16)"
+
+
+def test_a_tune_that_keeps_ar_says_how_far_the_best_setting_fell_short():
+    """A sweep where no setting beats AR chooses AR; the cell gives the best setting's ratio and bound (a bare
+    "1.00x" would read as a draft that costs nothing), and a loaded sweep stays marked."""
+    mod = _page_module()
+    points = [{"label": "chain 1", "speedup": 0.864, "lower_bound": 0.701},
+              {"label": "chain 2", "speedup": 0.706, "lower_bound": 0.572}]
+    tuning = {"load": {"loaded": True}, "engines": {"ours": {"points": points, "choice": {
+        "label": "AR (no speculation)", "speculate": False, "speedup_vs_ar": 1.0, "runner_up": "chain 1"}}}}
+    assert mod._speed(tuning) == "slower than AR: best chain 1 0.86x, lower bound 0.70x loaded"
+    chosen = {"engines": {"ours": {"points": [{"label": "chain 2", "same_tokens_as_ar": 1.0}], "choice": {
+        "label": "chain 2", "speculate": True, "speedup_vs_ar": 1.31, "interval": [1.12, 1.53]}}}}
+    assert mod._speed(chosen).startswith("1.31x") and "chain 2 lossless" in mod._speed(chosen)
+    assert mod._speed(None) == "not measured"
